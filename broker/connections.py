@@ -1,0 +1,144 @@
+"""Opening connections, and turning pika and redis errors into keyq's error tree.
+
+Errors name the service and its URL without the password; library exception text is scrubbed
+of the password too, and the original exception is not chained where it could carry it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pika
+import pika.exceptions
+import redis
+import redis.exceptions
+
+from broker.errors import (
+    AuthenticationFailed,
+    BrokerUnavailable,
+    ConfigurationError,
+    KeyqError,
+    RedisUnavailable,
+)
+from broker.settings import Settings
+from broker.urls import redact_url, scrub
+
+
+def amqp_parameters(settings: Settings, name: str) -> pika.URLParameters:
+    """Connection parameters with keyq's short heartbeats and bounded connect time."""
+    try:
+        params = pika.URLParameters(settings.amqp_url)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:  # malformed URL parts
+        reason = scrub(str(exc), settings.amqp_url)
+        raise ConfigurationError(
+            f"KEYQ_AMQP_URL {redact_url(settings.amqp_url)!r} is invalid: {reason}"
+        ) from None
+    params.heartbeat = settings.amqp_heartbeat
+    params.socket_timeout = settings.connect_timeout
+    params.stack_timeout = settings.connect_timeout * 2
+    params.blocked_connection_timeout = None
+    params.connection_attempts = 1
+    params.client_properties = {
+        "connection_name": f"keyq-{name}@{socket.gethostname()}:{os.getpid()}",
+        "product": "keyq",
+    }
+    return params
+
+
+def amqp_failure(exc: BaseException, url: str) -> KeyqError:
+    """The keyq error for a failure to connect to, or a loss of, RabbitMQ."""
+    causes: list[BaseException] = [exc]
+    causes.extend(getattr(exc, "exceptions", None) or [])
+    inner = getattr(exc, "args", ())
+    causes.extend(arg for arg in inner if isinstance(arg, BaseException))
+    shown = redact_url(url)
+    auth_types = (
+        pika.exceptions.ProbableAuthenticationError,
+        pika.exceptions.AuthenticationError,
+    )
+    if any(isinstance(cause, auth_types) for cause in causes):
+        return AuthenticationFailed(
+            f"RabbitMQ at {shown} refused the credentials (check user and password)"
+        )
+    if any(isinstance(cause, pika.exceptions.ProbableAccessDeniedError) for cause in causes):
+        return AuthenticationFailed(
+            f"RabbitMQ at {shown} denied access to the virtual host (check the vhost and "
+            "the user's permissions)"
+        )
+    for cause in causes:
+        closed = isinstance(cause, pika.exceptions.ConnectionClosedByBroker)
+        if closed and getattr(cause, "reply_code", None) in (403, 530):
+            text = scrub(str(cause), url)
+            return AuthenticationFailed(f"RabbitMQ at {shown} refused access: {text}")
+    reason = scrub(describe_exception(causes[-1]), url)
+    return BrokerUnavailable(f"cannot reach RabbitMQ at {shown}: {reason}")
+
+
+def describe_exception(exc: BaseException) -> str:
+    text = str(exc).strip()
+    name = type(exc).__name__
+    return f"{name}: {text}" if text else name
+
+
+def open_blocking_connection(settings: Settings, name: str) -> pika.BlockingConnection:
+    """A blocking connection for control work (worker, janitor, tools)."""
+    params = amqp_parameters(settings, name)
+    try:
+        return pika.BlockingConnection(params)
+    except (pika.exceptions.AMQPError, OSError) as exc:
+        raise amqp_failure(exc, settings.amqp_url) from None
+
+
+def open_redis(settings: Settings, *, check: bool = True) -> redis.Redis:
+    """A Redis client with bounded timeouts; ``check`` pings so bad URLs fail here."""
+    url = settings.redis_url
+    try:
+        client: redis.Redis = redis.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=max(settings.connect_timeout, 1.0),
+            socket_connect_timeout=settings.connect_timeout,
+            health_check_interval=15,
+        )
+    except (ValueError, redis.exceptions.RedisError) as exc:
+        reason = scrub(str(exc), url)
+        raise ConfigurationError(
+            f"KEYQ_REDIS_URL {redact_url(url)!r} is invalid: {reason}"
+        ) from None
+    if check:
+        with redis_errors(url):
+            client.ping()
+    return client
+
+
+def redis_failure(exc: BaseException, url: str) -> KeyqError:
+    shown = redact_url(url)
+    reason = scrub(describe_exception(exc), url)
+    if (
+        isinstance(exc, redis.exceptions.AuthenticationError)
+        or "WRONGPASS" in reason
+        or ("NOAUTH" in reason)
+    ):
+        return AuthenticationFailed(f"Redis at {shown} refused the credentials: {reason}")
+    return RedisUnavailable(f"cannot reach Redis at {shown}: {reason}")
+
+
+@contextmanager
+def redis_errors(url: str) -> Iterator[None]:
+    """Translate connection-level redis errors raised inside the block."""
+    try:
+        yield
+    except (
+        redis.exceptions.ConnectionError,
+        redis.exceptions.TimeoutError,
+        redis.exceptions.AuthenticationError,
+        OSError,
+    ) as exc:
+        raise redis_failure(exc, url) from None
+    except redis.exceptions.ResponseError as exc:
+        if any(word in str(exc) for word in ("NOAUTH", "WRONGPASS", "NOPERM")):
+            raise redis_failure(exc, url) from None
+        raise

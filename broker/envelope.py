@@ -1,0 +1,57 @@
+"""What travels with every event: the AMQP headers keyq sets, and the checks on user headers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from broker.errors import InvalidHeaders
+
+HEADER_PREFIX = "x-keyq-"
+HEADER_STREAM = "x-keyq-stream"
+HEADER_KEY = "x-keyq-key"
+HEADER_PRODUCER = "x-keyq-producer"
+HEADER_SEQ = "x-keyq-seq"
+HEADER_PUBLISHED_AT = "x-keyq-published-at"
+HEADER_DEAD_REASON = "x-keyq-dead-reason"
+HEADER_DEAD_QUEUE = "x-keyq-dead-queue"
+HEADER_ATTEMPTS = "x-keyq-attempts"
+
+CONTENT_JSON = "application/json"
+CONTENT_BYTES = "application/octet-stream"
+
+_HEADER_VALUE_TYPES = (str, bytes, int, float, bool, type(None))
+
+
+def check_user_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
+    """User headers as a plain dict, refusing keyq's reserved names and odd value types."""
+    if headers is None:
+        return {}
+    if not isinstance(headers, Mapping):
+        raise InvalidHeaders(f"headers must be a mapping, got {type(headers).__name__}")
+    checked: dict[str, Any] = {}
+    for name, value in headers.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidHeaders(f"header names must be non-empty strings, got {name!r}")
+        if len(name.encode("utf-8", "surrogatepass")) > 255:
+            raise InvalidHeaders("header names are limited to 255 bytes")
+        if name.lower().startswith(HEADER_PREFIX):
+            raise InvalidHeaders(f"header {name!r} uses the reserved prefix {HEADER_PREFIX!r}")
+        if not isinstance(value, _HEADER_VALUE_TYPES):
+            raise InvalidHeaders(
+                f"header {name!r} must be str, bytes, int, float, bool or None; "
+                f"got {type(value).__name__}"
+            )
+        if (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and not (-(2**63) <= value < 2**63)
+        ):
+            raise InvalidHeaders(f"header {name!r} is an integer outside 64 bits")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidHeaders(f"header {name!r} is not valid Unicode text") from None
+        checked[name] = value
+    return checked

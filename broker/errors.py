@@ -1,0 +1,82 @@
+"""One error tree for keyq.
+
+Library errors (pika, redis) are wrapped at the boundary into these, so callers catch
+``KeyqError`` and never see a credential in a message.
+"""
+
+from __future__ import annotations
+
+
+class KeyqError(Exception):
+    """Base of every error keyq raises on purpose."""
+
+
+class ConfigurationError(KeyqError, ValueError):
+    """Settings that can never work (a malformed URL, a bad option); retrying will not help."""
+
+
+class StreamConfigMismatch(ConfigurationError):
+    """A producer or worker asked for a mode or bucket count other than the stream's."""
+
+
+class InvalidInput(KeyqError, ValueError):
+    """Input rejected before anything was sent, so nothing is lost or half-published."""
+
+
+class InvalidStreamName(InvalidInput):
+    """Stream names become part of queue names and Redis hash tags, so they are restricted."""
+
+
+class InvalidKey(InvalidInput):
+    """A key that is not a non-empty string of at most the allowed UTF-8 length."""
+
+
+class InvalidEvent(InvalidInput):
+    """An event that cannot be serialised to JSON, or is of an unsupported type."""
+
+
+class InvalidHeaders(InvalidInput):
+    """Headers that are not a string-keyed mapping, or that use keyq's reserved prefix."""
+
+
+class MessageTooLarge(InvalidInput):
+    """An encoded message above the configured size limit."""
+
+
+class ConnectionFailed(KeyqError):
+    """A service could not be reached or dropped us; the message names it without password."""
+
+
+class BrokerUnavailable(ConnectionFailed):
+    """RabbitMQ could not be reached, or the connection was lost and not recovered in time."""
+
+
+class RedisUnavailable(ConnectionFailed):
+    """Redis could not be reached or answered with a connection-level error."""
+
+
+class AuthenticationFailed(ConnectionFailed):
+    """The service refused the credentials or the vhost; retrying will not help."""
+
+
+class TopologyError(KeyqError):
+    """The broker refused a queue declaration (e.g. a queue of that name exists with other
+    arguments), so events for that queue cannot be published."""
+
+
+class PublishError(KeyqError):
+    """Events could not be confirmed by the broker."""
+
+
+class PublishTimeout(PublishError, TimeoutError):
+    """Backpressure (full in-flight window or broker flow control) outlasted the timeout, or
+    ``flush`` did not see every event confirmed in time. Nothing was dropped: unconfirmed
+    events are still being retried until ``close``."""
+
+
+class ProducerClosed(PublishError):
+    """The producer is closed, or failed for good; see ``__cause__`` for why."""
+
+
+class LockLost(KeyqError):
+    """A fenced lock is no longer ours: stop work on that queue, commit nothing."""

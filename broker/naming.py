@@ -1,0 +1,80 @@
+"""Names: streams, keys and the queues they map to.
+
+A queue name must be valid for AMQP (at most 255 bytes), must never be shared by two keys of a
+key-mode stream, and must not collide across streams or with the dead-letter queue. Keys made
+of plain characters appear in the name so operators can read them; any other key is replaced
+by its SHA-256, under a different marker so the two namespaces cannot meet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from enum import StrEnum
+
+from broker.errors import InvalidKey, InvalidStreamName
+
+MAX_QUEUE_NAME_BYTES = 255
+MAX_KEY_BYTES = 4096
+QUEUE_PREFIX = "keyq"
+
+_STREAM_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+_PLAIN_KEY_RE = re.compile(r"[A-Za-z0-9_.:-]+")
+
+
+class Mode(StrEnum):
+    """How a stream maps keys to queues; fixed at the stream's first use."""
+
+    KEY = "key"
+    BUCKET = "bucket"
+
+
+def check_stream_name(stream: object) -> str:
+    """Stream names go into queue names and into Redis hash tags ``{stream}``."""
+    if not isinstance(stream, str) or not _STREAM_RE.fullmatch(stream):
+        raise InvalidStreamName(
+            f"invalid stream name {stream!r}: use 1-64 characters from A-Z a-z 0-9 _ -, "
+            "starting with a letter or digit"
+        )
+    return stream
+
+
+def encode_key(key: object) -> bytes:
+    """The key's UTF-8 bytes, after checking it is a usable key."""
+    if not isinstance(key, str):
+        raise InvalidKey(f"key must be a str, got {type(key).__name__}")
+    if not key:
+        raise InvalidKey("key must not be empty")
+    try:
+        encoded = key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidKey("key is not valid Unicode text (it has a lone surrogate)") from None
+    if len(encoded) > MAX_KEY_BYTES:
+        raise InvalidKey(f"key is {len(encoded)} bytes in UTF-8; the limit is {MAX_KEY_BYTES}")
+    return encoded
+
+
+def stream_prefix(stream: str) -> str:
+    return f"{QUEUE_PREFIX}.{stream}."
+
+
+def key_queue_name(stream: str, key: str) -> str:
+    """The key-mode queue of ``key``: readable when the key is plain, a digest otherwise."""
+    prefix = stream_prefix(stream)
+    if _PLAIN_KEY_RE.fullmatch(key) and len(prefix) + 2 + len(key) <= MAX_QUEUE_NAME_BYTES:
+        return f"{prefix}k.{key}"
+    return f"{prefix}h.{hashlib.sha256(encode_key(key)).hexdigest()}"
+
+
+def bucket_queue_name(stream: str, bucket: int) -> str:
+    return f"{stream_prefix(stream)}b.{bucket:05d}"
+
+
+def dead_letter_queue_name(stream: str) -> str:
+    return f"{stream_prefix(stream)}dlq"
+
+
+def is_stream_queue(stream: str, queue: str) -> bool:
+    """Whether ``queue`` is one of the stream's keyed queues (not its dead-letter queue)."""
+    prefix = stream_prefix(stream)
+    return queue.startswith(prefix) and queue[len(prefix) : len(prefix) + 2] in ("k.", "h.", "b.")

@@ -1,0 +1,78 @@
+"""Every Redis key keyq uses, in one place.
+
+All keys of a stream share the hash tag ``{stream}`` so that multi-key scripts and pipelines
+stay in one slot of a Redis Cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KEY_PREFIX = "keyq"
+
+
+@dataclass(frozen=True)
+class StreamKeys:
+    """The Redis key names of one stream."""
+
+    stream: str
+
+    @property
+    def _base(self) -> str:
+        return f"{KEY_PREFIX}:{{{self.stream}}}"
+
+    @property
+    def config(self) -> str:
+        """String: the stream's JSON config (mode, buckets), set once."""
+        return f"{self._base}:config"
+
+    @property
+    def registry(self) -> str:
+        """Sorted set: queue name -> last activity (ms since epoch)."""
+        return f"{self._base}:queues"
+
+    @property
+    def queue_keys(self) -> str:
+        """Hash: key-mode queue name -> the original key (digest names hide it)."""
+        return f"{self._base}:queue-keys"
+
+    @property
+    def announcements(self) -> str:
+        """Pub/sub channel: names of newly declared queues, for workers to claim at once."""
+        return f"{self._base}:announce"
+
+    @property
+    def members(self) -> str:
+        """Sorted set: worker id -> membership expiry (ms since epoch)."""
+        return f"{self._base}:workers"
+
+    @property
+    def member_info(self) -> str:
+        """Hash: worker id -> JSON description (host, pid, started)."""
+        return f"{self._base}:worker-info"
+
+    @property
+    def fences(self) -> str:
+        """Hash: queue name -> last fencing token issued."""
+        return f"{self._base}:fences"
+
+    def lock(self, queue: str) -> str:
+        """String: ``owner|token`` of the worker holding ``queue``, with a ttl."""
+        return f"{self._base}:lock:{queue}"
+
+    @property
+    def lock_prefix(self) -> str:
+        return f"{self._base}:lock:"
+
+    @property
+    def state(self) -> str:
+        """Hash: key -> JSON keyed state (with its dedup high-water marks)."""
+        return f"{self._base}:state"
+
+    @property
+    def janitor_lease(self) -> str:
+        return f"{self._base}:janitor"
+
+    def all_patterns(self) -> list[str]:
+        """Glob patterns matching every key of the stream, for cleanup and inspection."""
+        return [f"{KEY_PREFIX}:{{{self.stream}}}:*"]

@@ -1,0 +1,81 @@
+"""Settings shared by every keyq component, read from ``KEYQ_*`` environment variables.
+
+Defaults favour fast failover (short heartbeats and lock ttls) over the minute-long defaults
+of AMQP clients, because a crashed worker's keys should move within seconds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from broker.errors import ConfigurationError
+from broker.urls import AMQP_SCHEMES, REDIS_SCHEMES, check_url, redact_url
+
+DEFAULT_AMQP_URL = "amqp://guest:guest@localhost:5672/%2F"
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+
+
+class Settings(BaseSettings):
+    """Connection and tuning settings; every field is also ``KEYQ_<FIELD>`` in the env."""
+
+    model_config = SettingsConfigDict(env_prefix="KEYQ_", extra="ignore", frozen=True)
+
+    amqp_url: str = Field(default=DEFAULT_AMQP_URL, repr=False)
+    redis_url: str = Field(default=DEFAULT_REDIS_URL, repr=False)
+
+    amqp_heartbeat: int = Field(default=5, ge=1, le=600, description="AMQP heartbeat, seconds")
+    connect_timeout: float = Field(default=5.0, gt=0, description="per connection attempt, s")
+    reconnect_timeout: float = Field(
+        default=30.0, ge=0, description="how long a producer retries a lost broker, s"
+    )
+
+    max_message_bytes: int = Field(default=1_048_576, ge=1024, le=134_217_728)
+    confirm_window: int = Field(default=10_000, ge=1, description="unconfirmed events in flight")
+    publish_timeout: float = Field(default=30.0, gt=0, description="backpressure wait, s")
+
+    queue_type: Literal["classic", "quorum"] = Field(
+        default="classic", description="type of keyed queues; quorum for RabbitMQ clusters"
+    )
+
+    lock_ttl_ms: int = Field(default=4000, ge=100, description="queue lock ttl")
+    member_ttl_ms: int = Field(default=4000, ge=100, description="worker membership ttl")
+
+    @field_validator("amqp_url")
+    @classmethod
+    def _amqp(cls, value: str) -> str:
+        return check_url(value, AMQP_SCHEMES, "KEYQ_AMQP_URL")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis(cls, value: str) -> str:
+        return check_url(value, REDIS_SCHEMES, "KEYQ_REDIS_URL")
+
+    def describe(self) -> dict[str, Any]:
+        """The settings as shown to people: URLs without passwords."""
+        shown = self.model_dump()
+        shown["amqp_url"] = redact_url(self.amqp_url)
+        shown["redis_url"] = redact_url(self.redis_url)
+        return shown
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from the environment, with explicit non-None overrides on top.
+
+    Raises ``ConfigurationError`` (never pydantic's error, which would echo the input URL
+    with its password).
+    """
+    given = {name: value for name, value in overrides.items() if value is not None}
+    try:
+        return Settings(**given)
+    except ConfigurationError:
+        raise
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors(include_input=False, include_url=False):
+            where = ".".join(str(part) for part in error["loc"]) or "settings"
+            message = str(error["msg"]).removeprefix("Value error, ")
+            problems.append(f"{where}: {message}")
+        raise ConfigurationError("invalid settings: " + "; ".join(problems)) from None

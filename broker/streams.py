@@ -1,0 +1,119 @@
+"""Stream configuration: a stream's mode and bucket count, fixed at first use in Redis.
+
+Every producer and worker of a stream must agree on how keys map to queues; the first one to
+use the stream records it with ``SET NX`` and every later one is checked against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+import redis
+
+from broker.errors import ConfigurationError, StreamConfigMismatch
+from broker.hashing import bucket_of
+from broker.naming import (
+    Mode,
+    bucket_queue_name,
+    check_stream_name,
+    dead_letter_queue_name,
+    key_queue_name,
+)
+from broker.redis_keys import StreamKeys
+
+DEFAULT_BUCKETS = 64
+MAX_BUCKETS = 65_536
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """How one stream maps keys to queues."""
+
+    stream: str
+    mode: Mode
+    buckets: int | None = None
+
+    def __post_init__(self) -> None:
+        check_stream_name(self.stream)
+        if self.mode is Mode.BUCKET:
+            if self.buckets is None or not 1 <= self.buckets <= MAX_BUCKETS:
+                raise ConfigurationError(
+                    f"bucket mode needs 1..{MAX_BUCKETS} buckets, got {self.buckets!r}"
+                )
+        elif self.buckets is not None:
+            raise ConfigurationError("key mode takes no bucket count")
+
+    def queue_for(self, key: str) -> str:
+        """The queue ``key`` belongs to (``key`` already validated)."""
+        if self.mode is Mode.BUCKET:
+            assert self.buckets is not None
+            return bucket_queue_name(self.stream, bucket_of(key, self.buckets))
+        return key_queue_name(self.stream, key)
+
+    @property
+    def dead_letter_queue(self) -> str:
+        return dead_letter_queue_name(self.stream)
+
+    def to_json(self) -> str:
+        return orjson.dumps({"mode": self.mode.value, "buckets": self.buckets}).decode()
+
+    @classmethod
+    def from_json(cls, stream: str, raw: str) -> StreamConfig:
+        data = orjson.loads(raw)
+        return cls(stream=stream, mode=Mode(data["mode"]), buckets=data.get("buckets"))
+
+
+def _requested(stream: str, mode: str | Mode | None, buckets: int | None) -> StreamConfig | None:
+    """The config the caller asks for, or None when it asks for nothing in particular."""
+    if mode is None and buckets is None:
+        return None
+    try:
+        chosen = Mode(mode) if mode is not None else Mode.BUCKET
+    except ValueError:
+        raise ConfigurationError(f"mode must be 'key' or 'bucket', got {mode!r}") from None
+    if chosen is Mode.BUCKET and buckets is None:
+        buckets = DEFAULT_BUCKETS
+    if isinstance(buckets, bool) or (buckets is not None and not isinstance(buckets, int)):
+        raise ConfigurationError(f"buckets must be an integer, got {buckets!r}")
+    return StreamConfig(stream=stream, mode=chosen, buckets=buckets)
+
+
+def load_stream_config(client: redis.Redis, stream: str) -> StreamConfig | None:
+    """The recorded config of ``stream``, or None if nothing has used it yet."""
+    raw = client.get(StreamKeys(check_stream_name(stream)).config)
+    return None if raw is None else StreamConfig.from_json(stream, str(raw))
+
+
+def ensure_stream_config(
+    client: redis.Redis,
+    stream: str,
+    mode: str | Mode | None = None,
+    buckets: int | None = None,
+) -> StreamConfig:
+    """The stream's config, recording the requested one if the stream is new.
+
+    With neither mode nor buckets given, an existing stream's config is adopted and a new
+    stream starts in key mode; bucket mode without a count adopts the recorded count or
+    starts with ``DEFAULT_BUCKETS``. Asking for anything else than what is recorded raises
+    ``StreamConfigMismatch``.
+    """
+    check_stream_name(stream)
+    wanted = _requested(stream, mode, buckets)
+    first = wanted or StreamConfig(stream=stream, mode=Mode.KEY)
+    keys = StreamKeys(stream)
+    client.set(keys.config, first.to_json(), nx=True)
+    current = load_stream_config(client, stream)
+    assert current is not None
+    adopts_count = buckets is None and wanted is not None and wanted.mode is current.mode
+    if wanted is not None and wanted != current and not adopts_count:
+        have = f"mode={current.mode.value}" + (
+            f", buckets={current.buckets}" if current.buckets else ""
+        )
+        asked = f"mode={wanted.mode.value}" + (
+            f", buckets={wanted.buckets}" if wanted.buckets else ""
+        )
+        raise StreamConfigMismatch(
+            f"stream {stream!r} is fixed at {have}; this client asked for {asked}"
+        )
+    return current

@@ -1,0 +1,26 @@
+"""The queue arguments every keyed queue is declared with, shared by producers and workers.
+
+A queue must always be declared with the same arguments or RabbitMQ refuses the second
+declaration, so they are computed here only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from broker.naming import dead_letter_queue_name
+
+
+def keyed_queue_arguments(stream: str, queue_type: str = "classic") -> dict[str, Any]:
+    """Durable keyed queue: rejected messages go to the stream's dead-letter queue."""
+    args: dict[str, Any] = {
+        "x-dead-letter-exchange": "",
+        "x-dead-letter-routing-key": dead_letter_queue_name(stream),
+    }
+    if queue_type != "classic":
+        args["x-queue-type"] = queue_type
+    return args
+
+
+def dead_letter_queue_arguments(queue_type: str = "classic") -> dict[str, Any]:
+    return {} if queue_type == "classic" else {"x-queue-type": queue_type}

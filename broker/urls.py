@@ -1,0 +1,62 @@
+"""URL checks and redaction: the one place that decides how a URL may be shown."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit, urlunsplit
+
+from broker.errors import ConfigurationError
+
+AMQP_SCHEMES = ("amqp", "amqps")
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by ``***``, safe for logs and errors."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return "<unparseable url>"
+    if not password:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{user}:***@{host}"
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if port is not None:
+        netloc += f":{port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def scrub(text: str, *urls: str) -> str:
+    """``text`` with the passwords of ``urls`` removed, for messages a library produced."""
+    for url in urls:
+        try:
+            password = urlsplit(url).password
+        except ValueError:
+            continue
+        if password:
+            text = text.replace(password, "***")
+    return text
+
+
+def check_url(url: str, schemes: tuple[str, ...], what: str) -> str:
+    """Reject URLs that can never connect, naming the setting but not the password."""
+    try:
+        parts = urlsplit(url)
+        _ = parts.port
+    except ValueError as exc:
+        raise ConfigurationError(f"{what} is not a valid URL: {redact_url(url)} ({exc})") from None
+    if parts.scheme not in schemes:
+        allowed = ", ".join(f"{s}://" for s in schemes)
+        raise ConfigurationError(
+            f"{what} must start with one of {allowed}; got {redact_url(url)!r}"
+        )
+    if parts.scheme != "unix" and not parts.hostname:
+        raise ConfigurationError(f"{what} has no host: {redact_url(url)!r}")
+    return url

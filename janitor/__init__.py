@@ -1,0 +1,1 @@
+"""keyq janitor (see docs/architecture.md)."""

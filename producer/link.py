@@ -1,0 +1,433 @@
+"""The producer's connection to RabbitMQ, owned by one I/O thread.
+
+Only this thread touches pika objects. Application threads hand events over through a deque
+and wait on a condition for room in the confirm window; the I/O thread publishes them with
+``mandatory`` on a confirm-mode channel, tracks confirms by delivery tag, re-sends events the
+broker returned (their queue was deleted) in order, and after a lost connection reconnects and
+re-sends every unconfirmed event in submission order.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import pika
+import pika.exceptions
+from pika.adapters.select_connection import IOLoop
+
+from broker.connections import amqp_failure, amqp_parameters, describe_exception
+from broker.errors import (
+    AuthenticationFailed,
+    BrokerUnavailable,
+    KeyqError,
+    ProducerClosed,
+    PublishTimeout,
+    TopologyError,
+)
+from broker.settings import Settings
+from broker.topology import dead_letter_queue_arguments, keyed_queue_arguments
+from broker.urls import scrub
+from producer.outgoing import Outgoing, QueueState
+
+log = logging.getLogger("keyq.producer")
+
+DRAIN_BATCH = 500
+FORGET_STATES_ABOVE = 50_000
+RECONNECT_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0)
+
+NewQueues = Callable[[dict[str, str | None]], None]
+
+
+class PublisherLink:
+    """Publishes ``Outgoing`` events with confirms on a background I/O thread."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        stream: str,
+        dead_letter_queue: str,
+        *,
+        on_new_queues: NewQueues,
+        on_confirmed_queues: Callable[[set[str]], None],
+    ) -> None:
+        self._settings = settings
+        self._stream = stream
+        self._dlq = dead_letter_queue
+        self._queue_args = keyed_queue_arguments(stream, settings.queue_type)
+        self._on_new_queues = on_new_queues
+        self._on_confirmed_queues = on_confirmed_queues
+
+        # Shared with application threads, guarded by ``cond``.
+        self.cond = threading.Condition()
+        self._outbox: deque[Outgoing] = deque()
+        self._unsettled = 0
+        self._wake_scheduled = False
+        self._blocked = False
+        self._failure: KeyqError | None = None
+        self._ready = threading.Event()
+
+        # Owned by the I/O thread.
+        self._ioloop = IOLoop()
+        self._connection: pika.SelectConnection | None = None
+        self._channel: Any = None
+        self._stopping = False
+        self._next_tag = 1
+        self._inflight: deque[Outgoing] = deque()
+        self._by_number: dict[int, Outgoing] = {}
+        self._queues: dict[str, QueueState] = {}
+        self._resend: list[Outgoing] = []
+        self._lost_at: float | None = None
+        self._attempt = 0
+        self._thread = threading.Thread(target=self._run, name="keyq-producer-io", daemon=True)
+
+    # ----------------------------------------------------------- application threads
+    def start(self) -> None:
+        """Connect, or raise the reason the broker cannot be used."""
+        self._thread.start()
+        limit = self._settings.connect_timeout * 3 + 1
+        if not self._ready.wait(limit):
+            self.stop()
+            raise BrokerUnavailable(f"RabbitMQ did not answer within {limit:.0f} s")
+        with self.cond:
+            failure = self._failure
+        if failure is not None:
+            self.stop()
+            raise failure
+
+    def submit(self, message: Outgoing, deadline: float) -> None:
+        """Queue an event for the I/O thread, waiting while the window is full or the
+        broker blocks publishers. Call with ``cond`` held."""
+        while True:
+            if self._failure is not None:
+                raise ProducerClosed(f"producer failed: {self._failure}") from self._failure
+            if self._unsettled < self._settings.confirm_window and not self._blocked:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                why = (
+                    "RabbitMQ is blocking publishers (flow control)"
+                    if self._blocked
+                    else (
+                        f"{self._unsettled} events await confirmation "
+                        f"(window {self._settings.confirm_window})"
+                    )
+                )
+                raise PublishTimeout(f"publish timed out: {why}")
+            self.cond.wait(remaining)
+        self._unsettled += 1
+        self._outbox.append(message)
+        if not self._wake_scheduled:
+            self._wake_scheduled = True
+            self._ioloop.add_callback_threadsafe(self._drain)
+
+    def wait_settled(self, deadline: float | None, extra: Callable[[], int]) -> None:
+        """Block until every submitted event is confirmed and ``extra()`` is 0."""
+        with self.cond:
+            while self._unsettled or extra():
+                if self._failure is not None:
+                    raise ProducerClosed(
+                        f"producer failed with {self._unsettled} events unconfirmed: "
+                        f"{self._failure}"
+                    ) from self._failure
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise PublishTimeout(
+                        f"flush timed out: {self._unsettled} events unconfirmed, "
+                        f"{extra()} queues not yet registered"
+                    )
+                self.cond.wait(remaining if remaining is not None else 1.0)
+
+    @property
+    def unsettled(self) -> int:
+        return self._unsettled
+
+    @property
+    def failure(self) -> KeyqError | None:
+        return self._failure
+
+    def stop(self) -> None:
+        """Close the connection and end the I/O thread (unconfirmed events are abandoned)."""
+        if self._thread.is_alive():
+            self._ioloop.add_callback_threadsafe(self._shutdown)
+            self._thread.join(timeout=self._settings.connect_timeout + 5)
+
+    # ----------------------------------------------------------------- I/O thread
+    def _run(self) -> None:
+        self._connect()
+        try:
+            self._ioloop.start()
+        finally:
+            self._ioloop.close()
+
+    def _connect(self) -> None:
+        params = amqp_parameters(self._settings, f"producer-{self._stream}")
+        self._connection = pika.SelectConnection(
+            params,
+            on_open_callback=self._on_open,
+            on_open_error_callback=self._on_open_error,
+            on_close_callback=self._on_closed,
+            custom_ioloop=self._ioloop,
+        )
+
+    def _on_open(self, connection: pika.SelectConnection) -> None:
+        connection.add_on_connection_blocked_callback(self._on_blocked)
+        connection.add_on_connection_unblocked_callback(self._on_unblocked)
+        connection.channel(on_open_callback=self._on_channel_open)
+
+    def _on_channel_open(self, channel: Any) -> None:
+        self._channel = channel
+        channel.add_on_close_callback(self._on_channel_closed)
+        channel.add_on_return_callback(self._on_return)
+        channel.confirm_delivery(ack_nack_callback=self._on_confirm, callback=self._on_confirm_ok)
+
+    def _on_confirm_ok(self, _frame: Any) -> None:
+        self._channel.queue_declare(
+            self._dlq,
+            durable=True,
+            arguments=dead_letter_queue_arguments(self._settings.queue_type),
+        )
+        self._next_tag = 1
+        self._attempt = 0
+        if self._lost_at is not None:
+            log.info("reconnected to RabbitMQ; re-sending %d unconfirmed events", len(self._resend))
+        self._lost_at = None
+        resend, self._resend = self._resend, []
+        for message in resend:
+            self._send(message)
+        self._ready.set()
+        self._drain()
+
+    def _on_open_error(self, _connection: Any, error: BaseException) -> None:
+        failure = amqp_failure(error, self._settings.amqp_url)
+        if not self._ready.is_set() or isinstance(failure, AuthenticationFailed):
+            self._fail(failure)
+            return
+        self._schedule_reconnect(failure)
+
+    def _on_closed(self, _connection: Any, reason: BaseException) -> None:
+        self._channel = None
+        if self._stopping:
+            self._ioloop.stop()
+            return
+        if self._failure is not None:
+            self._ioloop.stop()
+            return
+        text = scrub(describe_exception(reason), self._settings.amqp_url)
+        log.warning("connection to RabbitMQ lost (%s); reconnecting", text)
+        self._collect_unsettled()
+        self._schedule_reconnect(BrokerUnavailable(f"connection to RabbitMQ lost: {text}"))
+
+    def _on_channel_closed(self, _channel: Any, reason: BaseException) -> None:
+        if self._stopping or self._connection is None or not self._connection.is_open:
+            return
+        code = getattr(reason, "reply_code", 0)
+        text = getattr(reason, "reply_text", str(reason))
+        if code in (403, 406):
+            error: KeyqError = (
+                AuthenticationFailed(f"RabbitMQ refused access: {text}")
+                if code == 403
+                else TopologyError(f"RabbitMQ refused a queue declaration: {text}")
+            )
+            self._fail(error)
+            self._connection.close()
+            return
+        # Anything else: start over on a fresh connection, re-sending what is unconfirmed.
+        log.warning("channel closed by RabbitMQ (%s %s); reconnecting", code, text)
+        self._connection.close()
+
+    def _schedule_reconnect(self, failure: KeyqError) -> None:
+        now = time.monotonic()
+        if self._lost_at is None:
+            self._lost_at = now
+        if now - self._lost_at > self._settings.reconnect_timeout:
+            self._fail(
+                BrokerUnavailable(
+                    f"RabbitMQ unreachable for over {self._settings.reconnect_timeout:.0f} s: "
+                    f"{failure}"
+                )
+            )
+            self._ioloop.stop()
+            return
+        delay = RECONNECT_DELAYS[min(self._attempt, len(RECONNECT_DELAYS) - 1)]
+        self._attempt += 1
+        self._ioloop.call_later(delay, self._connect)
+
+    def _fail(self, failure: KeyqError) -> None:
+        with self.cond:
+            if self._failure is None:
+                self._failure = failure
+            self.cond.notify_all()
+        self._ready.set()
+        if self._connection is None or self._connection.is_closed:
+            self._ioloop.stop()
+
+    def _shutdown(self) -> None:
+        self._stopping = True
+        if self._connection is not None and (
+            self._connection.is_open or self._connection.is_opening
+        ):
+            self._connection.close()
+        else:
+            self._ioloop.stop()
+
+    def _on_blocked(self, _connection: Any, _frame: Any) -> None:
+        log.warning("RabbitMQ is blocking publishers (resource alarm); publish will wait")
+        with self.cond:
+            self._blocked = True
+
+    def _on_unblocked(self, _connection: Any, _frame: Any) -> None:
+        log.info("RabbitMQ unblocked publishers")
+        with self.cond:
+            self._blocked = False
+            self.cond.notify_all()
+
+    # ----------------------------------------------------------- sending and confirms
+    def _drain(self) -> None:
+        with self.cond:
+            self._wake_scheduled = False
+        if self._channel is None or not self._channel.is_open or self._lost_at is not None:
+            return
+        outbox = self._outbox
+        for _ in range(DRAIN_BATCH):
+            try:
+                message = outbox.popleft()
+            except IndexError:
+                break
+            self._send(message)
+        else:
+            if outbox:
+                with self.cond:
+                    if not self._wake_scheduled:
+                        self._wake_scheduled = True
+                        self._ioloop.add_callback_threadsafe(self._drain)
+        if len(self._queues) > FORGET_STATES_ABOVE:
+            self._forget_quiet_queues()
+
+    def _state(self, message: Outgoing) -> QueueState:
+        state = self._queues.get(message.queue)
+        if state is None:
+            state = self._queues[message.queue] = QueueState(key=message.key)
+        return state
+
+    def _send(self, message: Outgoing) -> None:
+        state = self._state(message)
+        if state.recovering:
+            state.parked.append(message)
+            return
+        channel = self._channel
+        if not state.declared:
+            # nowait: the broker handles the declare before the publish that follows it on
+            # this channel, so no round trip is spent per new key.
+            channel.queue_declare(message.queue, durable=True, arguments=self._queue_args)
+            state.declared = True
+        message.tag = self._next_tag
+        self._next_tag += 1
+        message.returned = False
+        message.settled = False
+        channel.basic_publish("", message.queue, message.body, message.properties, mandatory=True)
+        self._inflight.append(message)
+        self._by_number[message.number] = message
+        state.inflight += 1
+
+    def _on_return(self, _channel: Any, _method: Any, properties: Any, _body: bytes) -> None:
+        message_id = getattr(properties, "message_id", None) or ""
+        number = message_id.rpartition(":")[2]
+        message = self._by_number.get(int(number)) if number.isdigit() else None
+        if message is None:
+            return
+        message.returned = True
+        self._queues[message.queue].recovering = True
+
+    def _on_confirm(self, frame: Any) -> None:
+        method = frame.method
+        nacked = isinstance(method, pika.spec.Basic.Nack)
+        tag = method.delivery_tag
+        inflight = self._inflight
+        if not inflight:
+            return
+        confirmed: set[str] = set()
+        to_recover: list[str] = []
+        settled = 0
+        if method.multiple:
+            for message in inflight:
+                if message.tag > tag:
+                    break
+                if not message.settled:
+                    settled += self._settle(message, nacked, confirmed, to_recover)
+        else:
+            index = tag - inflight[0].tag
+            if 0 <= index < len(inflight):
+                message = inflight[index]
+                if not message.settled:
+                    settled += self._settle(message, nacked, confirmed, to_recover)
+        while inflight and inflight[0].settled:
+            inflight.popleft()
+        if settled:
+            with self.cond:
+                self._unsettled -= settled
+                self.cond.notify_all()
+        if confirmed:
+            self._on_confirmed_queues(confirmed)
+        for queue in to_recover:
+            state = self._queues.get(queue)
+            if state is not None and state.recovering and state.inflight == 0:
+                self._recover(queue, state)
+
+    def _settle(
+        self, message: Outgoing, nacked: bool, confirmed: set[str], to_recover: list[str]
+    ) -> int:
+        """Mark one event settled; 1 if it is now published, 0 if it must go again."""
+        message.settled = True
+        self._by_number.pop(message.number, None)
+        state = self._queues[message.queue]
+        state.inflight -= 1
+        published = not (message.returned or nacked)
+        if published:
+            confirmed.add(message.queue)
+            if not state.registered:
+                state.registered = True
+                self._on_new_queues({message.queue: state.key})
+        else:
+            state.recovering = True
+            state.returned.append(message)
+        if state.recovering and state.inflight == 0:
+            to_recover.append(message.queue)
+        return 1 if published else 0
+
+    def _recover(self, queue: str, state: QueueState) -> None:
+        """Re-declare a deleted queue and re-send its returned events, then the parked ones."""
+        returned = sorted(state.returned, key=lambda message: message.number)
+        parked = state.parked
+        state.returned = []
+        state.parked = deque()
+        state.recovering = False
+        state.declared = False
+        state.registered = False
+        log.debug("queue %s was deleted; re-declaring and re-sending %d", queue, len(returned))
+        for message in returned:
+            self._send(message)
+        for message in parked:
+            self._send(message)
+
+    def _collect_unsettled(self) -> None:
+        """After a lost connection: everything not confirmed goes out again, in order."""
+        pending = [message for message in self._inflight if not message.settled]
+        for state in self._queues.values():
+            pending.extend(state.returned)
+            pending.extend(state.parked)
+        pending.extend(self._resend)
+        pending.sort(key=lambda message: message.number)
+        self._resend = pending
+        self._inflight.clear()
+        self._by_number.clear()
+        self._queues.clear()
+
+    def _forget_quiet_queues(self) -> None:
+        """Bound memory with many keys: drop states of queues with nothing in flight."""
+        for queue in [queue for queue, state in self._queues.items() if state.quiet]:
+            del self._queues[queue]

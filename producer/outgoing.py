@@ -1,0 +1,45 @@
+"""The producer's bookkeeping records, kept by its I/O thread."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import pika
+
+
+@dataclass(slots=True, eq=False)
+class Outgoing:
+    """One event on its way: accepted by ``publish``, settled when the broker confirms it."""
+
+    number: int  # producer-wide submission order, also the end of the message id
+    queue: str
+    key: str
+    body: bytes
+    properties: pika.BasicProperties
+    tag: int = 0  # delivery tag on the current channel
+    returned: bool = False
+    settled: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class QueueState:
+    """What the I/O thread knows about one keyed queue on the current connection.
+
+    ``recovering`` is set when the broker returned an event because the queue was deleted:
+    newer events for the queue wait in ``parked`` until everything sent before has settled,
+    the queue is declared again and the returned events are re-sent in their original order,
+    so a deletion never reorders a key.
+    """
+
+    key: str | None
+    declared: bool = False
+    registered: bool = False
+    inflight: int = 0
+    recovering: bool = False
+    returned: list[Outgoing] = field(default_factory=list)
+    parked: deque[Outgoing] = field(default_factory=deque)
+
+    @property
+    def quiet(self) -> bool:
+        return not (self.inflight or self.recovering or self.returned or self.parked)

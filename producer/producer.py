@@ -1,0 +1,243 @@
+"""The producer SDK: publish keyed events that land, durably and in order, in their key's queue.
+
+An event counts as published only when RabbitMQ confirmed it and did not return it. Nothing is
+waited for one by one: events stream out under a window of unconfirmed events, and ``flush``
+waits for all of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import pika
+
+from broker.clock import now_ms
+from broker.connections import open_redis, redis_errors
+from broker.envelope import (
+    HEADER_KEY,
+    HEADER_PRODUCER,
+    HEADER_PUBLISHED_AT,
+    HEADER_SEQ,
+    HEADER_STREAM,
+    check_user_headers,
+)
+from broker.errors import KeyqError, MessageTooLarge, ProducerClosed
+from broker.naming import Mode, check_stream_name, encode_key
+from broker.registry import QueueRegistry
+from broker.settings import Settings, load_settings
+from broker.streams import StreamConfig, ensure_stream_config
+from producer.encoding import encode_event
+from producer.link import PublisherLink
+from producer.outgoing import Outgoing
+from producer.registrar import Registrar
+
+# Room kept for AMQP properties and keyq's headers when checking the size limit.
+HEADER_ALLOWANCE = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    """Where an accepted event is going and how it is identified downstream."""
+
+    queue: str
+    key: str
+    seq: int
+    message_id: str
+
+
+class Producer:
+    """Publishes keyed events to one stream.
+
+    Thread-safe: several threads may publish at once; each key's events keep the order in
+    which ``publish`` accepted them.
+    """
+
+    def __init__(
+        self,
+        stream: str,
+        *,
+        mode: str | Mode | None = None,
+        buckets: int | None = None,
+        amqp_url: str | None = None,
+        redis_url: str | None = None,
+        settings: Settings | None = None,
+        confirm_window: int | None = None,
+        publish_timeout: float | None = None,
+        max_message_bytes: int | None = None,
+        producer_id: str | None = None,
+    ) -> None:
+        self.stream = check_stream_name(stream)
+        base = settings.model_dump() if settings is not None else {}
+        overrides = {
+            "amqp_url": amqp_url,
+            "redis_url": redis_url,
+            "confirm_window": confirm_window,
+            "publish_timeout": publish_timeout,
+            "max_message_bytes": max_message_bytes,
+        }
+        given = {name: value for name, value in overrides.items() if value is not None}
+        self.settings = load_settings(**{**base, **given})
+        self.producer_id = producer_id or uuid.uuid4().hex
+        if ":" in self.producer_id or not self.producer_id:
+            raise ValueError("producer_id must be non-empty and contain no ':'")
+
+        self._redis = open_redis(self.settings)
+        try:
+            with redis_errors(self.settings.redis_url):
+                self.config: StreamConfig = ensure_stream_config(
+                    self._redis, self.stream, mode, buckets
+                )
+        except BaseException:
+            self._redis.close()
+            raise
+        self._registrar = Registrar(
+            QueueRegistry(self._redis, self.stream), self.settings.redis_url
+        )
+        self._link = PublisherLink(
+            self.settings,
+            self.stream,
+            self.config.dead_letter_queue,
+            on_new_queues=self._registrar.add_new,
+            on_confirmed_queues=self._registrar.add_active,
+        )
+        self._seqs: dict[str, int] = {}
+        self._numbers = itertools.count(1)
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._registrar.start()
+        try:
+            self._link.start()
+        except BaseException:
+            self._registrar.stop()
+            self._redis.close()
+            raise
+
+    # ------------------------------------------------------------------- publishing
+    def publish(
+        self,
+        key: str,
+        event: Mapping[str, Any] | bytes,
+        *,
+        headers: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> Receipt:
+        """Accept one event for ``key``; it is published once confirmed (see ``flush``).
+
+        Waits while the window of unconfirmed events is full or the broker blocks
+        publishers, and raises ``PublishTimeout`` after ``timeout`` (default: the
+        ``publish_timeout`` setting). Bad input raises before anything is sent.
+        """
+        if self._closed:
+            raise ProducerClosed("producer is closed")
+        key_bytes = encode_key(key)
+        body, content_type = encode_event(event)
+        user_headers = check_user_headers(headers)
+        size = len(body) + len(key_bytes) + HEADER_ALLOWANCE
+        if user_headers:
+            size += sum(len(name) + len(str(value)) + 8 for name, value in user_headers.items())
+        if size > self.settings.max_message_bytes:
+            raise MessageTooLarge(
+                f"message of about {size} bytes exceeds max_message_bytes "
+                f"({self.settings.max_message_bytes})"
+            )
+        queue = self.config.queue_for(key)
+        wait = self.settings.publish_timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        published_at = now_ms()
+        with self._link.cond:
+            if self._closed:
+                raise ProducerClosed("producer is closed")
+            seq = self._seqs.get(key, 0) + 1
+            number = next(self._numbers)
+            message_id = f"{self.producer_id}:{number}"
+            user_headers[HEADER_STREAM] = self.stream
+            user_headers[HEADER_KEY] = key
+            user_headers[HEADER_PRODUCER] = self.producer_id
+            user_headers[HEADER_SEQ] = seq
+            user_headers[HEADER_PUBLISHED_AT] = published_at
+            properties = pika.BasicProperties(
+                delivery_mode=pika.DeliveryMode.Persistent,
+                content_type=content_type,
+                message_id=message_id,
+                timestamp=published_at // 1000,
+                headers=user_headers,
+            )
+            self._link.submit(Outgoing(number, queue, key, body, properties), deadline)
+            self._seqs[key] = seq
+        return Receipt(queue=queue, key=key, seq=seq, message_id=message_id)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Return once every accepted event is confirmed and its queue registered.
+
+        Raises ``PublishTimeout`` if that takes longer than ``timeout`` seconds, and
+        ``ProducerClosed`` if the producer failed for good (e.g. the broker stayed away
+        longer than ``reconnect_timeout``).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._link.wait_settled(deadline, self._registrar.pending)
+        if deadline is not None:
+            remaining = max(deadline - time.monotonic(), 0.0)
+        else:
+            remaining = self.settings.publish_timeout
+        self._registrar.wait_idle(remaining)
+
+    @property
+    def unconfirmed(self) -> int:
+        """Events accepted but not yet confirmed by the broker."""
+        return self._link.unsettled
+
+    # ---------------------------------------------------------------------- closing
+    def close(self, timeout: float | None = None) -> None:
+        """Flush (up to ``timeout``, default ``publish_timeout``), then disconnect.
+
+        Raises if events remained unconfirmed, so a caller never mistakes an abandoned
+        event for a published one.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            wait = self.settings.publish_timeout if timeout is None else timeout
+            try:
+                if self._link.failure is None:
+                    self.flush(wait)
+            finally:
+                with self._link.cond:
+                    self._closed = True
+                abandoned = self._link.unsettled
+                failure = self._link.failure
+                self._link.stop()
+                self._registrar.stop()
+                self._redis.close()
+            if failure is not None and abandoned:
+                raise ProducerClosed(
+                    f"{abandoned} events were never confirmed: {failure}"
+                ) from failure
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        with contextlib.suppress(KeyqError):  # the original exception is the one to see
+            self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Producer(stream={self.stream!r}, mode={self.config.mode.value!r}, "
+            f"id={self.producer_id!r})"
+        )

@@ -1,0 +1,1 @@
+"""keyq worker (see docs/architecture.md)."""
