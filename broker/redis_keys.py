@@ -60,6 +60,10 @@ class StreamKeys:
         """String: ``owner|token`` of the worker holding ``queue``, with a ttl."""
         return f"{self._base}:lock:{queue}"
 
+    def retiring(self, queue: str) -> str:
+        """String with a ttl: ``queue`` is being deleted; producers must not publish to it."""
+        return f"{self._base}:retiring:{queue}"
+
     @property
     def lock_prefix(self) -> str:
         return f"{self._base}:lock:"

@@ -48,9 +48,7 @@ class QueueRegistry:
         pipe = self._client.pipeline(transaction=False)
         # GT adds new members and moves existing ones forward only.
         pipe.zadd(self._keys.registry, dict.fromkeys(queues, stamp), gt=True)
-        named: dict[Any, Any] = {
-            queue: key for queue, key in queues.items() if key is not None
-        }
+        named: dict[Any, Any] = {queue: key for queue, key in queues.items() if key is not None}
         if named:
             pipe.hset(self._keys.queue_keys, mapping=named)
         if announce:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from broker.errors import ConfigurationError
@@ -40,6 +40,13 @@ class Settings(BaseSettings):
         default="classic", description="type of keyed queues; quorum for RabbitMQ clusters"
     )
 
+    publish_lease_ms: int = Field(
+        default=2000, ge=10, description="a producer re-checks a queue's retirement this often"
+    )
+    retire_grace_ms: int = Field(
+        default=5000, ge=20, description="a deleter waits this long after marking a queue"
+    )
+
     lock_ttl_ms: int = Field(default=4000, ge=100, description="queue lock ttl")
     member_ttl_ms: int = Field(default=4000, ge=100, description="worker membership ttl")
 
@@ -52,6 +59,15 @@ class Settings(BaseSettings):
     @classmethod
     def _redis(cls, value: str) -> str:
         return check_url(value, REDIS_SCHEMES, "KEYQ_REDIS_URL")
+
+    @model_validator(mode="after")
+    def _grace_outlasts_lease(self) -> Settings:
+        if self.retire_grace_ms < 2 * self.publish_lease_ms:
+            raise ValueError(
+                "retire_grace_ms must be at least twice publish_lease_ms, or a deleter could "
+                "remove a queue a producer still publishes to"
+            )
+        return self
 
     def describe(self) -> dict[str, Any]:
         """The settings as shown to people: URLs without passwords."""

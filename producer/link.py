@@ -9,6 +9,7 @@ re-sends every unconfirmed event in submission order.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -53,14 +54,17 @@ class PublisherLink:
         dead_letter_queue: str,
         *,
         on_new_queues: NewQueues,
-        on_confirmed_queues: Callable[[set[str]], None],
+        request_lease: Callable[[str], None],
     ) -> None:
         self._settings = settings
         self._stream = stream
         self._dlq = dead_letter_queue
         self._queue_args = keyed_queue_arguments(stream, settings.queue_type)
         self._on_new_queues = on_new_queues
-        self._on_confirmed_queues = on_confirmed_queues
+        self._request_lease = request_lease
+        self._lease_s = settings.publish_lease_ms / 1000
+        self.returned_events = 0  # events the broker returned and that were sent again
+        self.resent_events = 0  # events sent again after a lost connection
 
         # Shared with application threads, guarded by ``cond``.
         self.cond = threading.Condition()
@@ -125,10 +129,10 @@ class PublisherLink:
             self._wake_scheduled = True
             self._ioloop.add_callback_threadsafe(self._drain)
 
-    def wait_settled(self, deadline: float | None, extra: Callable[[], int]) -> None:
-        """Block until every submitted event is confirmed and ``extra()`` is 0."""
+    def wait_settled(self, deadline: float | None) -> None:
+        """Block until every submitted event is confirmed (or raise why not)."""
         with self.cond:
-            while self._unsettled or extra():
+            while self._unsettled:
                 if self._failure is not None:
                     raise ProducerClosed(
                         f"producer failed with {self._unsettled} events unconfirmed: "
@@ -136,10 +140,7 @@ class PublisherLink:
                     ) from self._failure
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise PublishTimeout(
-                        f"flush timed out: {self._unsettled} events unconfirmed, "
-                        f"{extra()} queues not yet registered"
-                    )
+                    raise PublishTimeout(f"flush timed out: {self._unsettled} events unconfirmed")
                 self.cond.wait(remaining if remaining is not None else 1.0)
 
     @property
@@ -316,9 +317,17 @@ class PublisherLink:
 
     def _send(self, message: Outgoing) -> None:
         state = self._state(message)
-        if state.recovering:
+        if state.recovering or state.held:
             state.parked.append(message)
             return
+        now = time.monotonic()
+        if now >= state.lease_until:
+            state.held = True
+            state.parked.append(message)
+            self._ask_lease(message.queue, state)
+            return
+        if now >= state.lease_until - self._lease_s / 2:
+            self._ask_lease(message.queue, state)  # renew ahead, without holding anything
         channel = self._channel
         if not state.declared:
             # nowait: the broker handles the declare before the publish that follows it on
@@ -350,7 +359,6 @@ class PublisherLink:
         inflight = self._inflight
         if not inflight:
             return
-        confirmed: set[str] = set()
         to_recover: list[str] = []
         settled = 0
         if method.multiple:
@@ -358,29 +366,25 @@ class PublisherLink:
                 if message.tag > tag:
                     break
                 if not message.settled:
-                    settled += self._settle(message, nacked, confirmed, to_recover)
+                    settled += self._settle(message, nacked, to_recover)
         else:
             index = tag - inflight[0].tag
             if 0 <= index < len(inflight):
                 message = inflight[index]
                 if not message.settled:
-                    settled += self._settle(message, nacked, confirmed, to_recover)
+                    settled += self._settle(message, nacked, to_recover)
         while inflight and inflight[0].settled:
             inflight.popleft()
         if settled:
             with self.cond:
                 self._unsettled -= settled
                 self.cond.notify_all()
-        if confirmed:
-            self._on_confirmed_queues(confirmed)
         for queue in to_recover:
             state = self._queues.get(queue)
             if state is not None and state.recovering and state.inflight == 0:
                 self._recover(queue, state)
 
-    def _settle(
-        self, message: Outgoing, nacked: bool, confirmed: set[str], to_recover: list[str]
-    ) -> int:
+    def _settle(self, message: Outgoing, nacked: bool, to_recover: list[str]) -> int:
         """Mark one event settled; 1 if it is now published, 0 if it must go again."""
         message.settled = True
         self._by_number.pop(message.number, None)
@@ -388,13 +392,13 @@ class PublisherLink:
         state.inflight -= 1
         published = not (message.returned or nacked)
         if published:
-            confirmed.add(message.queue)
             if not state.registered:
                 state.registered = True
                 self._on_new_queues({message.queue: state.key})
         else:
             state.recovering = True
             state.returned.append(message)
+            self.returned_events += 1
         if state.recovering and state.inflight == 0:
             to_recover.append(message.queue)
         return 1 if published else 0
@@ -422,10 +426,50 @@ class PublisherLink:
             pending.extend(state.parked)
         pending.extend(self._resend)
         pending.sort(key=lambda message: message.number)
+        self.resent_events += len(pending)
         self._resend = pending
         self._inflight.clear()
         self._by_number.clear()
         self._queues.clear()
+
+    # ------------------------------------------------------------------------ leases
+    def _ask_lease(self, queue: str, state: QueueState) -> None:
+        if not state.leasing:
+            state.leasing = True
+            self._request_lease(queue)
+
+    def apply_leases(self, granted: dict[str, bool], issued_at: float) -> None:
+        """From the Redis thread: hand lease results to the I/O thread."""
+        # If the I/O loop is already gone there is nothing left to publish.
+        with contextlib.suppress(RuntimeError, OSError, AttributeError):
+            self._ioloop.add_callback_threadsafe(lambda: self._apply_leases(granted, issued_at))
+
+    def _apply_leases(self, granted: dict[str, bool], issued_at: float) -> None:
+        for queue, ok in granted.items():
+            state = self._queues.get(queue)
+            if state is None:
+                continue
+            state.leasing = False
+            if ok:
+                state.lease_until = issued_at + self._lease_s
+                if state.held:
+                    state.held = False
+                    if not state.recovering:
+                        parked, state.parked = state.parked, deque()
+                        for message in parked:
+                            self._send(message)
+            else:
+                # Being retired: hold its events, and declare it again once the mark is gone.
+                state.lease_until = 0.0
+                state.held = True
+                state.declared = False
+                state.registered = False
+                self._ioloop.call_later(self._lease_s / 4, lambda q=queue: self._retry_lease(q))
+
+    def _retry_lease(self, queue: str) -> None:
+        state = self._queues.get(queue)
+        if state is not None and state.held:
+            self._ask_lease(queue, state)
 
     def _forget_quiet_queues(self) -> None:
         """Bound memory with many keys: drop states of queues with nothing in flight."""

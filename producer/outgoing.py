@@ -29,7 +29,8 @@ class QueueState:
     ``recovering`` is set when the broker returned an event because the queue was deleted:
     newer events for the queue wait in ``parked`` until everything sent before has settled,
     the queue is declared again and the returned events are re-sent in their original order,
-    so a deletion never reorders a key.
+    so a deletion never reorders a key. ``held`` parks events the same way until the queue
+    has a fresh publish lease (see ``broker.retirement``).
     """
 
     key: str | None
@@ -37,9 +38,14 @@ class QueueState:
     registered: bool = False
     inflight: int = 0
     recovering: bool = False
+    lease_until: float = 0.0  # monotonic time until which events may be sent
+    leasing: bool = False  # a lease request is on its way
+    held: bool = False  # events wait in ``parked`` for a lease
     returned: list[Outgoing] = field(default_factory=list)
     parked: deque[Outgoing] = field(default_factory=deque)
 
     @property
     def quiet(self) -> bool:
-        return not (self.inflight or self.recovering or self.returned or self.parked)
+        return not (
+            self.inflight or self.recovering or self.returned or self.parked or self.leasing
+        )

@@ -32,6 +32,7 @@ from broker.envelope import (
 from broker.errors import KeyqError, MessageTooLarge, ProducerClosed
 from broker.naming import Mode, check_stream_name, encode_key
 from broker.registry import QueueRegistry
+from broker.retirement import RetirementFence
 from broker.settings import Settings, load_settings
 from broker.streams import StreamConfig, ensure_stream_config
 from producer.encoding import encode_event
@@ -99,20 +100,22 @@ class Producer:
             self._redis.close()
             raise
         self._registrar = Registrar(
-            QueueRegistry(self._redis, self.stream), self.settings.redis_url
+            QueueRegistry(self._redis, self.stream),
+            RetirementFence(self._redis, self.stream),
+            self.settings.redis_url,
         )
         self._link = PublisherLink(
             self.settings,
             self.stream,
             self.config.dead_letter_queue,
             on_new_queues=self._registrar.add_new,
-            on_confirmed_queues=self._registrar.add_active,
+            request_lease=self._registrar.request_lease,
         )
         self._seqs: dict[str, int] = {}
         self._numbers = itertools.count(1)
         self._closed = False
         self._close_lock = threading.Lock()
-        self._registrar.start()
+        self._registrar.start(self._link.apply_leases)
         try:
             self._link.start()
         except BaseException:
@@ -182,12 +185,18 @@ class Producer:
         longer than ``reconnect_timeout``).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._link.wait_settled(deadline, self._registrar.pending)
-        if deadline is not None:
-            remaining = max(deadline - time.monotonic(), 0.0)
-        else:
-            remaining = self.settings.publish_timeout
-        self._registrar.wait_idle(remaining)
+        self._link.wait_settled(deadline)
+        self._registrar.wait_idle(deadline)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters: events returned by the broker (their queue was deleted) and sent again,
+        events re-sent after a lost connection, and events not yet confirmed."""
+        return {
+            "returned": self._link.returned_events,
+            "resent": self._link.resent_events,
+            "unconfirmed": self._link.unsettled,
+        }
 
     @property
     def unconfirmed(self) -> int:

@@ -1,8 +1,10 @@
-"""Writes the producer's queues into the Redis registry off the publishing path.
+"""The producer's one Redis thread: publish leases and queue registrations, off the hot path.
 
-A queue is registered (and announced to workers) once the broker confirmed its first event,
-which proves the declaration happened; queues that keep receiving events are touched about
-once a second so the janitor sees them as active. Redis outages are retried, never dropped.
+Leases (see ``broker.retirement``) are asked for by the I/O thread before a queue's lease runs
+out and granted here in batches, one script call per batch; the same call touches the queues'
+activity, so the janitor sees them as active. A queue is registered (and announced to workers)
+once the broker confirmed its first event, which proves the declaration happened. Redis outages
+are retried with backoff, never dropped: events wait for their lease meanwhile.
 """
 
 from __future__ import annotations
@@ -10,57 +12,60 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from broker.connections import redis_errors
-from broker.errors import KeyqError
+from broker.errors import KeyqError, PublishTimeout
 from broker.registry import QueueRegistry
+from broker.retirement import RetirementFence
 
 log = logging.getLogger("keyq.producer")
 
-TOUCH_EVERY_S = 1.0
+LEASE_BATCH = 500
+LeaseResults = Callable[[dict[str, bool], float], None]
 
 
 class Registrar:
-    """Background thread batching registrations and activity touches."""
+    """Background thread granting leases and writing registrations."""
 
-    def __init__(self, registry: QueueRegistry, redis_url: str) -> None:
+    def __init__(self, registry: QueueRegistry, fence: RetirementFence, redis_url: str) -> None:
         self._registry = registry
+        self._fence = fence
         self._redis_url = redis_url
         self._lock = threading.Condition()
         self._new: dict[str, str | None] = {}
-        self._active: set[str] = set()
+        self._leases: set[str] = set()
         self._in_progress = 0
         self._stop = False
-        self._thread = threading.Thread(
-            target=self._run, name="keyq-producer-registry", daemon=True
-        )
+        self._on_leases: LeaseResults | None = None
+        self._thread = threading.Thread(target=self._run, name="keyq-producer-redis", daemon=True)
 
-    def start(self) -> None:
+    def start(self, on_leases: LeaseResults) -> None:
+        self._on_leases = on_leases
         self._thread.start()
 
     def add_new(self, queues: dict[str, str | None]) -> None:
+        """Register these queues (their first event was confirmed)."""
         with self._lock:
             self._new.update(queues)
             self._lock.notify_all()
 
-    def add_active(self, queues: set[str]) -> None:
+    def request_lease(self, queue: str) -> None:
         with self._lock:
-            self._active |= queues
+            self._leases.add(queue)
+            self._lock.notify_all()
 
-    def pending(self) -> int:
-        """Queues confirmed but not yet registered."""
-        with self._lock:
-            return len(self._new) + self._in_progress
-
-    def wait_idle(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
+    def wait_idle(self, deadline: float | None) -> None:
+        """Block until every confirmed queue is registered, or raise ``PublishTimeout``."""
         with self._lock:
             while self._new or self._in_progress:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._lock.wait(remaining)
-        return True
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    pending = len(self._new) + self._in_progress
+                    raise PublishTimeout(
+                        f"flush timed out: {pending} queues not yet registered in Redis"
+                    )
+                self._lock.wait(remaining if remaining is not None else 1.0)
 
     def stop(self) -> None:
         with self._lock:
@@ -69,40 +74,45 @@ class Registrar:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
-        last_touch = time.monotonic()
         failures = 0
         while True:
             with self._lock:
-                if not self._new and not self._stop:
-                    self._lock.wait(TOUCH_EVERY_S)
+                while not (self._new or self._leases or self._stop):
+                    self._lock.wait()
                 if self._stop and not self._new:
                     return
                 new, self._new = self._new, {}
+                leases, self._leases = self._leases, set()
                 self._in_progress = len(new)
-                touch_due = time.monotonic() - last_touch >= TOUCH_EVERY_S
-                active: set[str] = set()
-                if touch_due:
-                    active, self._active = self._active, set()
             try:
                 with redis_errors(self._redis_url):
+                    self._grant(sorted(leases))
                     self._registry.register(new)
-                    if active:
-                        self._registry.touch(active - set(new))
                 failures = 0
-                if touch_due:
-                    last_touch = time.monotonic()
             except KeyqError as exc:
                 failures += 1
-                log.warning("cannot register %d queues yet (%s); retrying", len(new), exc)
+                log.warning(
+                    "Redis unavailable for %d leases and %d registrations (%s); retrying",
+                    len(leases),
+                    len(new),
+                    exc,
+                )
                 with self._lock:
                     new.update(self._new)
                     self._new = new
-                    self._active |= active
+                    self._leases |= leases
                     stopping = self._stop
                 if stopping and failures >= 3:
                     return
-                time.sleep(min(0.1 * 2**failures, 2.0))
+                time.sleep(min(0.05 * 2**failures, 2.0))
             finally:
                 with self._lock:
                     self._in_progress = 0
                     self._lock.notify_all()
+
+    def _grant(self, queues: list[str]) -> None:
+        assert self._on_leases is not None
+        for start in range(0, len(queues), LEASE_BATCH):
+            batch = queues[start : start + LEASE_BATCH]
+            issued_at = time.monotonic()  # before the check: the lease is never overstated
+            self._on_leases(self._fence.lease(batch), issued_at)

@@ -1,0 +1,223 @@
+#!/usr/bin/env bash
+# Make sure RabbitMQ and Redis are reachable before tests or the demo.
+#
+# Usage: scripts/services.sh [--check]
+#
+# Reads KEYQ_AMQP_URL and KEYQ_REDIS_URL. A reachable service is used as is.
+# An unreachable *local* one is started (and, as root with apt-get, installed
+# first). If that is impossible but a Docker engine answers, the script prints
+# `keyq services: docker` and exits 0 so the caller lets testcontainers start
+# them. Otherwise it says why per service and exits 1.
+#
+# --check only probes and reports; it never starts or installs anything.
+#
+# Passwords are never printed: URLs are shown with the password as `***`.
+set -euo pipefail
+
+AMQP_URL="${KEYQ_AMQP_URL:-amqp://guest:guest@localhost:5672/%2F}"
+REDIS_URL="${KEYQ_REDIS_URL:-redis://localhost:6379/0}"
+RABBIT_WAIT_S=90
+REDIS_WAIT_S=15
+
+MODE=fix
+case "${1:-}" in
+    "") ;;
+    --check) MODE=check ;;
+    -h | --help)
+        sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+        exit 0
+        ;;
+    *)
+        echo "keyq services: unknown argument '$1' (expected --check)" >&2
+        exit 2
+        ;;
+esac
+
+say() { echo "keyq services: $*"; }
+
+if ! command -v python3 >/dev/null 2>&1; then
+    say "python3 is required to parse KEYQ_AMQP_URL / KEYQ_REDIS_URL" >&2
+    exit 1
+fi
+
+# parse_url KIND URL -> "host<TAB>port<TAB>redacted-url" on stdout.
+# Done in Python so IPv6 literals, percent-encoding and default ports are
+# handled correctly; the raw URL is never echoed, even when it is invalid.
+parse_url() {
+    python3 -c '
+import re, sys, urllib.parse as up
+kind, url = sys.argv[1], sys.argv[2]
+ports = {"amqp": {"amqp": 5672, "amqps": 5671}, "redis": {"redis": 6379, "rediss": 6379}}[kind]
+try:
+    p = up.urlsplit(url)
+    port = p.port or ports[p.scheme.lower()]
+    host = p.hostname
+    assert host
+except Exception:
+    sys.exit(f"not a valid {kind} URL (scheme {kind} or {kind}s, host required)")
+netloc = p.netloc
+if p.password is not None:
+    userinfo, _, hostport = netloc.rpartition("@")
+    netloc = userinfo.partition(":")[0] + ":***@" + hostport
+query = re.sub(r"(?i)(^|&)(password=)[^&]*", r"\1\2***", p.query)
+print(host, port, up.urlunsplit((p.scheme, netloc, p.path, query, p.fragment)), sep="\t")
+' "$1" "$2"
+}
+
+# probe HOST PORT: succeed if a TCP connection is accepted within 2 s;
+# on failure print a short reason.
+probe() {
+    python3 -c '
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2).close()
+except socket.gaierror:
+    sys.exit("cannot resolve host")
+except ConnectionRefusedError:
+    sys.exit("connection refused")
+except TimeoutError:
+    sys.exit("timed out after 2 s")
+except OSError as e:
+    sys.exit(e.strerror or type(e).__name__)
+' "$1" "$2" 2>&1
+}
+
+# wait_port HOST PORT SECONDS
+wait_port() {
+    local deadline=$((SECONDS + $3))
+    while ((SECONDS < deadline)); do
+        probe "$1" "$2" >/dev/null && return 0
+        sleep 1
+    done
+    return 1
+}
+
+is_local() {
+    case "$1" in
+        localhost | 127.0.0.1 | ::1) return 0 ;;
+        *) return 1 ;;
+    esac
+}
+
+APT_UPDATED=0
+# apt_install PACKAGE: install quietly, running `apt-get update` at most once.
+apt_install() {
+    if ((APT_UPDATED == 0)); then
+        apt-get update -qq >&2 || return 1
+        APT_UPDATED=1
+    fi
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$1" >&2
+}
+
+# start_rabbitmq HOST PORT: REASON is set when it fails.
+start_rabbitmq() {
+    local host=$1 port=$2
+    # A node may already be up (e.g. auto-started by the Debian package, or
+    # running with another listener port): starting a second one would only
+    # fail on the node-name clash, so wait for it to finish booting instead.
+    if timeout 20 rabbitmqctl -q status >/dev/null 2>&1; then
+        timeout "$RABBIT_WAIT_S" rabbitmqctl -q await_startup >/dev/null 2>&1 || true
+        if wait_port "$host" "$port" 5; then
+            STARTED="local RabbitMQ node (already running, now ready)"
+            return 0
+        fi
+        REASON="a local RabbitMQ node is running but does not listen on port $port"
+        return 1
+    fi
+    if ! RABBITMQ_NODE_PORT=$port rabbitmq-server -detached >&2; then
+        REASON="rabbitmq-server -detached failed"
+        return 1
+    fi
+    if wait_port "$host" "$port" "$RABBIT_WAIT_S"; then
+        timeout 30 rabbitmqctl -q await_startup >/dev/null 2>&1 || true
+        STARTED="started local RabbitMQ"
+        return 0
+    fi
+    REASON="started rabbitmq-server but port $port did not open within ${RABBIT_WAIT_S} s (see /var/log/rabbitmq)"
+    return 1
+}
+
+# start_redis HOST PORT: REASON is set when it fails.
+start_redis() {
+    local host=$1 port=$2 bind=127.0.0.1
+    [[ $host == "::1" ]] && bind="::1"
+    # Explicit pidfile: the implicit /var/run/redis.pid may belong to another instance.
+    if ! redis-server --daemonize yes --bind "$bind" --port "$port" --save "" --appendonly no \
+        --pidfile "${TMPDIR:-/tmp}/keyq-redis-$port.pid" >&2; then
+        REASON="redis-server failed to start"
+        return 1
+    fi
+    if wait_port "$host" "$port" "$REDIS_WAIT_S"; then
+        STARTED="started local Redis"
+        return 0
+    fi
+    REASON="started redis-server but port $port did not open within ${REDIS_WAIT_S} s"
+    return 1
+}
+
+FAILURES=()
+
+# ensure NAME KIND URL BINARY PACKAGE STARTER
+ensure() {
+    local name=$1 kind=$2 url=$3 binary=$4 package=$5 starter=$6
+    local parsed host port shown why
+    if ! parsed=$(parse_url "$kind" "$url" 2>&1); then
+        FAILURES+=("$name: KEYQ_${kind^^}_URL is $parsed")
+        return
+    fi
+    IFS=$'\t' read -r host port shown <<<"$parsed"
+
+    if why=$(probe "$host" "$port"); then
+        say "$name reachable at $shown"
+        return
+    fi
+    local prefix="$name not reachable at $shown ($why)"
+    if [[ $MODE == check ]]; then
+        FAILURES+=("$prefix")
+        return
+    fi
+    if ! is_local "$host"; then
+        FAILURES+=("$prefix; host '$host' is not local, so it cannot be started here")
+        return
+    fi
+    if ! command -v "$binary" >/dev/null 2>&1; then
+        if [[ $(id -u) -ne 0 ]]; then
+            FAILURES+=("$prefix; $binary is not installed and we are not root to install it")
+            return
+        fi
+        if ! command -v apt-get >/dev/null 2>&1; then
+            FAILURES+=("$prefix; $binary is not installed and apt-get is unavailable")
+            return
+        fi
+        echo "keyq services: installing $package with apt-get ..." >&2
+        if ! apt_install "$package" || ! command -v "$binary" >/dev/null 2>&1; then
+            FAILURES+=("$prefix; apt-get install $package failed")
+            return
+        fi
+    fi
+    REASON="" STARTED=""
+    if "$starter" "$host" "$port"; then
+        say "$STARTED at $shown"
+    else
+        FAILURES+=("$prefix; $REASON")
+    fi
+}
+
+ensure RabbitMQ amqp "$AMQP_URL" rabbitmq-server rabbitmq-server start_rabbitmq
+ensure Redis redis "$REDIS_URL" redis-server redis-server start_redis
+
+((${#FAILURES[@]} == 0)) && exit 0
+
+if [[ $MODE == fix ]] && command -v docker >/dev/null 2>&1 &&
+    timeout 10 docker info >/dev/null 2>&1; then
+    for f in "${FAILURES[@]}"; do
+        say "$f; a Docker engine answers, so the test session will start it with testcontainers"
+    done
+    say docker
+    exit 0
+fi
+
+for f in "${FAILURES[@]}"; do
+    say "$f" >&2
+done
+exit 1

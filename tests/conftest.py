@@ -1,0 +1,174 @@
+"""Fixtures on the real services: RabbitMQ, Redis (and, for worker tests, Spark).
+
+Services come from KEYQ_AMQP_URL / KEYQ_REDIS_URL (started by ``scripts/services.sh``); when
+they do not answer and a Docker engine does, the session starts them with testcontainers.
+Every test gets its own stream name, and everything of that stream (queues, Redis keys) is
+removed afterwards; a shared Redis is never flushed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import uuid
+from collections.abc import Iterator
+from contextlib import suppress
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import pika
+import pika.exceptions
+import pytest
+import redis
+
+from broker.naming import dead_letter_queue_name
+from broker.redis_keys import StreamKeys
+from broker.settings import Settings, load_settings
+
+TEST_STREAM_PREFIX = "t-"
+
+
+def _reachable(url: str, default_port: int) -> bool:
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection(
+            (parts.hostname or "localhost", parts.port or default_port), 2
+        ):
+            return True
+    except OSError:
+        return False
+
+
+def _docker_answers() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.fixture(scope="session", autouse=True)
+def services() -> Iterator[Settings]:
+    """The services' settings; containers are started only if nothing answers locally."""
+    settings = load_settings()
+    amqp_ok = _reachable(settings.amqp_url, 5672)
+    redis_ok = _reachable(settings.redis_url, 6379)
+    containers: list[object] = []
+    if not (amqp_ok and redis_ok):
+        if not _docker_answers():
+            pytest.exit(
+                "RabbitMQ or Redis is not reachable and no Docker engine answers: run "
+                "scripts/services.sh (make test does) or set KEYQ_AMQP_URL / KEYQ_REDIS_URL",
+                returncode=2,
+            )
+        from testcontainers.rabbitmq import RabbitMqContainer
+        from testcontainers.redis import RedisContainer
+
+        if not amqp_ok:
+            rabbit = RabbitMqContainer("rabbitmq:4-management").start()
+            containers.append(rabbit)
+            host, port = rabbit.get_container_host_ip(), rabbit.get_exposed_port(5672)
+            os.environ["KEYQ_AMQP_URL"] = f"amqp://guest:guest@{host}:{port}/%2F"
+        if not redis_ok:
+            red = RedisContainer("redis:7").start()
+            containers.append(red)
+            host, port = red.get_container_host_ip(), red.get_exposed_port(6379)
+            os.environ["KEYQ_REDIS_URL"] = f"redis://{host}:{port}/0"
+        settings = load_settings()
+    yield settings
+    for container in containers:
+        with suppress(Exception):
+            container.stop()  # type: ignore[attr-defined]
+    _sweep_leftover_queues(settings)
+
+
+def _sweep_leftover_queues(settings: Settings) -> None:
+    """Delete test queues a crashed test left behind (local broker only)."""
+    if shutil.which("rabbitmqctl") is None:
+        return
+    try:
+        out = subprocess.run(
+            ["rabbitmqctl", "list_queues", "name", "-q", "--no-table-headers"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    leftovers = [
+        n.strip() for n in out.splitlines() if n.strip().startswith(f"keyq.{TEST_STREAM_PREFIX}")
+    ]
+    if leftovers:
+        delete_queues(settings, leftovers)
+
+
+def delete_queues(settings: Settings, queues: list[str]) -> None:
+    connection = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
+    try:
+        channel = connection.channel()
+        for queue in queues:
+            try:
+                channel.queue_delete(queue)
+            except pika.exceptions.ChannelClosedByBroker:
+                channel = connection.channel()
+    finally:
+        with suppress(Exception):
+            connection.close()
+
+
+@dataclass
+class StreamFixture:
+    """A stream name of the test's own, with what to clean up after it."""
+
+    name: str
+    settings: Settings
+    redis: redis.Redis
+    extra_queues: set[str] = field(default_factory=set)
+
+    @property
+    def keys(self) -> StreamKeys:
+        return StreamKeys(self.name)
+
+    def track(self, *queues: str) -> None:
+        self.extra_queues.update(queues)
+
+    def cleanup(self) -> None:
+        registered = [str(q) for q in self.redis.zrange(self.keys.registry, 0, -1)]
+        queues = set(registered) | self.extra_queues | {dead_letter_queue_name(self.name)}
+        delete_queues(self.settings, sorted(queues))
+        for pattern in self.keys.all_patterns():
+            for key in self.redis.scan_iter(match=pattern, count=1000):
+                self.redis.delete(key)
+
+
+@pytest.fixture
+def settings(services: Settings) -> Settings:
+    return load_settings()
+
+
+@pytest.fixture
+def redis_client(settings: Settings) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def stream(settings: Settings, redis_client: redis.Redis) -> Iterator[StreamFixture]:
+    fixture = StreamFixture(
+        name=f"{TEST_STREAM_PREFIX}{uuid.uuid4().hex[:12]}", settings=settings, redis=redis_client
+    )
+    yield fixture
+    fixture.cleanup()
+
+
+@pytest.fixture
+def amqp(settings: Settings) -> Iterator[pika.BlockingConnection]:
+    """A plain pika connection for looking at what really landed."""
+    connection = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
+    yield connection
+    with suppress(Exception):
+        connection.close()

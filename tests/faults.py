@@ -1,0 +1,467 @@
+"""Loopback TCP fault-injection proxy for tests.
+
+Tests put a :class:`FaultProxy` between a client and RabbitMQ or Redis to
+simulate stalls, latency, dropped connections and an unreachable server
+without touching the shared servers themselves.
+
+All socket work happens on one selector thread; the public methods hand
+their work to that thread and wait for it, so when ``pause()`` or ``cut()``
+returns the fault is already in effect and no socket is ever used by two
+threads at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import ipaddress
+import logging
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from types import TracebackType
+from urllib.parse import urlsplit, urlunsplit
+
+__all__ = ["FaultProxy"]
+
+_log = logging.getLogger(__name__)
+
+_CHUNK = 65536
+# Stop reading from a side once this much is held for the other side, so a
+# paused or slow proxy applies back-pressure instead of growing without bound.
+_HIGH_WATER = 1 << 20
+_CALL_TIMEOUT = 5.0
+_SCHEMES = frozenset({"amqp", "amqps", "redis", "rediss"})
+_RST = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
+
+
+def _loopback_addresses(host: str, port: int) -> list[tuple[int, tuple[str, int]]]:
+    """Resolve ``host``; refuse anything that is not loopback so tests can
+    never send traffic off this machine."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot resolve {host!r}: {exc}") from exc
+    found: list[tuple[int, tuple[str, int]]] = []
+    for family, _, _, _, sockaddr in infos:
+        if family not in (socket.AF_INET, socket.AF_INET6):
+            continue
+        address = str(sockaddr[0])
+        if not ipaddress.ip_address(address.split("%", 1)[0]).is_loopback:
+            raise ValueError(f"{host!r} resolves to non-loopback address {address}")
+        found.append((int(family), (address, int(sockaddr[1]))))
+    if not found:
+        raise ValueError(f"{host!r} has no IPv4/IPv6 address")
+    # IPv4 first: servers here commonly bind 127.0.0.1 only.
+    found.sort(key=lambda item: item[0] != socket.AF_INET)
+    return found
+
+
+def _close(sock: socket.socket, *, reset: bool) -> None:
+    """Close ``sock``, with an RST instead of a FIN when ``reset``."""
+    with contextlib.suppress(OSError):
+        if reset:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RST)
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
+@dataclass(eq=False)
+class _Flow:
+    """One direction of a proxied connection: bytes read from ``src`` and
+    held (with their due time) until they may be written to ``dst``."""
+
+    src: socket.socket
+    dst: socket.socket
+    chunks: deque[tuple[float, bytes]] = field(default_factory=deque)
+    sent: int = 0  # bytes of chunks[0] already written
+    held: int = 0  # total bytes in chunks
+    eof: bool = False  # src sent FIN
+    shut: bool = False  # FIN forwarded to dst
+
+
+@dataclass(eq=False)
+class _Pipe:
+    client: socket.socket
+    upstream: socket.socket
+    up: _Flow  # client -> upstream
+    down: _Flow  # upstream -> client
+    connected: bool = False  # upstream connect() completed
+    closed: bool = False
+
+
+class FaultProxy:
+    """TCP proxy on a loopback port that forwards to a loopback upstream and
+    can pause, delay, cut or refuse connections on demand."""
+
+    def __init__(
+        self, upstream_host: str, upstream_port: int, *, listen_host: str = "127.0.0.1"
+    ) -> None:
+        self._upstream = _loopback_addresses(upstream_host, upstream_port)[0]
+        listen_family, listen_addr = _loopback_addresses(listen_host, 0)[0]
+        self._listen_host = listen_addr[0]
+
+        self._listener = socket.socket(listen_family, socket.SOCK_STREAM)
+        try:
+            self._listener.bind(listen_addr)
+            self._listener.listen(128)
+            self._listener.setblocking(False)
+        except OSError:
+            self._listener.close()
+            raise
+        self.port: int = int(self._listener.getsockname()[1])
+
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._interest: dict[socket.socket, int] = {}
+        self._pipes: list[_Pipe] = []
+
+        self._paused = False
+        self._refusing = False
+        self._delay = 0.0
+
+        # Guards the command queue, the running/stopped flags and the pipe
+        # count seen by other threads.
+        self._lock = threading.Condition()
+        self._commands: deque[tuple[Callable[[], None], Future[None]]] = deque()
+        self._thread: threading.Thread | None = None
+        self._loop_running = False
+        self._stopping = False
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def start(self) -> FaultProxy:
+        """Start forwarding on a daemon thread; returns ``self`` for chaining."""
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("FaultProxy was stopped; create a new one")
+            if self._thread is not None:
+                return self
+            self._loop_running = True
+            self._thread = threading.Thread(
+                target=self._run, name=f"FaultProxy:{self.port}", daemon=True
+            )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Close the listener and every connection (with RST); idempotent."""
+        with self._lock:
+            if self._stopping:
+                thread = None
+            else:
+                self._stopping = True
+                thread = self._thread
+                if thread is None:
+                    self._shutdown()
+                    return
+        if thread is not None and thread is not threading.current_thread():
+            self._wake()
+            thread.join(_CALL_TIMEOUT)
+
+    def __enter__(self) -> FaultProxy:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- faults ------------------------------------------------------------
+
+    def pause(self) -> None:
+        """Stop forwarding both ways; connections stay open and bytes are held
+        (in the proxy or kernel buffers) until :meth:`resume`."""
+        self._call(lambda: setattr(self, "_paused", True))
+
+    def resume(self) -> None:
+        """Forward again, held bytes first and in order."""
+        self._call(lambda: setattr(self, "_paused", False))
+
+    def cut(self) -> None:
+        """Reset every current connection on both sides (like a crashed peer
+        or a dropped network path); new connections are still accepted."""
+        self._call(self._abort_all)
+
+    def refuse(self, on: bool = True) -> None:
+        """While on, accept and immediately reset new connections, as a
+        server that is down would; existing connections are unaffected."""
+        self._call(lambda: setattr(self, "_refusing", on))
+
+    def set_delay(self, seconds: float) -> None:
+        """Hold every chunk read from either side ``seconds`` before
+        forwarding it (latency per chunk, order preserved)."""
+        if seconds < 0:
+            raise ValueError("delay must be >= 0")
+        self._call(lambda: setattr(self, "_delay", float(seconds)))
+
+    # -- introspection -----------------------------------------------------
+
+    @property
+    def connections(self) -> int:
+        """Number of client connections currently open through the proxy."""
+        with self._lock:
+            return len(self._pipes)
+
+    def wait_connections(self, count: int, timeout: float = 2.0) -> bool:
+        """Wait until exactly ``count`` connections are open, because accepts
+        and closes happen asynchronously on the proxy thread."""
+        with self._lock:
+            return self._lock.wait_for(lambda: len(self._pipes) == count, timeout)
+
+    def url_for(self, url: str) -> str:
+        """Return ``url`` pointed at this proxy, keeping credentials, path,
+        query and fragment exactly as written."""
+        parts = urlsplit(url)
+        if parts.scheme.lower() not in _SCHEMES:
+            raise ValueError(f"unsupported URL scheme {parts.scheme!r}")
+        if not parts.netloc:
+            raise ValueError("URL has no host")
+        userinfo, at, _ = parts.netloc.rpartition("@")
+        host = f"[{self._listen_host}]" if ":" in self._listen_host else self._listen_host
+        netloc = f"{userinfo}{at}{host}:{self.port}"
+        return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+    # -- cross-thread plumbing ---------------------------------------------
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the proxy thread and wait, or inline if it is not
+        running, so callers observe the change as soon as this returns."""
+        done: Future[None] = Future()
+        with self._lock:
+            if not self._loop_running:
+                fn()
+                return
+            self._commands.append((fn, done))
+        self._wake()
+        try:
+            done.result(_CALL_TIMEOUT)
+        except TimeoutError:
+            raise RuntimeError("FaultProxy thread did not respond") from None
+
+    def _run_commands(self) -> None:
+        while True:
+            with self._lock:
+                if not self._commands:
+                    return
+                fn, done = self._commands.popleft()
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - re-raised in the calling thread
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+
+    def _wake(self) -> None:
+        # OSError: buffer full (a wake-up is already pending) or already closed.
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    # -- proxy thread --------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._set_interest(self._listener, selectors.EVENT_READ)
+            self._set_interest(self._wake_r, selectors.EVENT_READ)
+            while True:
+                self._run_commands()
+                with self._lock:
+                    if self._stopping:
+                        break
+                timeout = self._update()
+                for key, ready in self._selector.select(timeout):
+                    self._dispatch(key, ready)
+        except Exception:  # noqa: BLE001 - a bug must not kill the test run silently
+            _log.exception("FaultProxy on port %d failed; closing it", self.port)
+        finally:
+            # Under the lock: from here on _call() runs work inline, and it
+            # must not touch sockets while this thread is closing them.
+            with self._lock:
+                self._loop_running = False
+                self._stopping = True
+                self._run_commands()  # release callers that raced with shutdown
+                self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._abort_all()
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            _close(sock, reset=False)
+        self._interest.clear()
+        with contextlib.suppress(OSError):
+            self._selector.close()
+
+    def _dispatch(self, key: selectors.SelectorKey, ready: int) -> None:
+        sock = key.fileobj
+        if sock is self._wake_r:
+            with contextlib.suppress(OSError):
+                while self._wake_r.recv(4096):
+                    pass
+        elif sock is self._listener:
+            self._accept()
+        else:
+            pipe: _Pipe = key.data
+            if pipe.closed:
+                return
+            if ready & selectors.EVENT_READ:
+                self._read(pipe, pipe.up if sock is pipe.client else pipe.down)
+            if pipe.closed:
+                return
+            if ready & selectors.EVENT_WRITE:
+                if sock is pipe.upstream and not pipe.connected:
+                    self._finish_connect(pipe)
+                else:
+                    self._flush(pipe, pipe.down if sock is pipe.client else pipe.up)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            if self._refusing:
+                _close(client, reset=True)
+                continue
+            self._open_pipe(client)
+
+    def _open_pipe(self, client: socket.socket) -> None:
+        family, address = self._upstream
+        upstream = socket.socket(family, socket.SOCK_STREAM)
+        for sock in (client, upstream):
+            sock.setblocking(False)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        pipe = _Pipe(client, upstream, _Flow(client, upstream), _Flow(upstream, client))
+        with self._lock:
+            self._pipes.append(pipe)
+            self._lock.notify_all()
+        err = upstream.connect_ex(address)
+        if err == 0:
+            pipe.connected = True
+        elif err not in (errno.EINPROGRESS, errno.EWOULDBLOCK):
+            self._close_pipe(pipe, reset=True)
+
+    def _finish_connect(self, pipe: _Pipe) -> None:
+        if pipe.upstream.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+            self._close_pipe(pipe, reset=True)  # upstream down: reset the client
+            return
+        pipe.connected = True
+        self._flush(pipe, pipe.up)
+
+    def _read(self, pipe: _Pipe, flow: _Flow) -> None:
+        try:
+            data = flow.src.recv(_CHUNK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close_pipe(pipe, reset=True)  # propagate the reset
+            return
+        if data:
+            flow.chunks.append((time.monotonic() + self._delay, data))
+            flow.held += len(data)
+        else:
+            flow.eof = True
+        self._flush(pipe, flow)
+
+    def _flush(self, pipe: _Pipe, flow: _Flow) -> None:
+        """Write every due chunk of ``flow`` that the kernel accepts, then
+        forward EOF once nothing is left."""
+        if self._paused or not pipe.connected or pipe.closed:
+            return
+        now = time.monotonic()
+        while flow.chunks:
+            due, data = flow.chunks[0]
+            if due > now:
+                return
+            try:
+                flow.sent += flow.dst.send(memoryview(data)[flow.sent :])
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self._close_pipe(pipe, reset=True)
+                return
+            if flow.sent < len(data):
+                return
+            flow.chunks.popleft()
+            flow.held -= len(data)
+            flow.sent = 0
+        if flow.eof and not flow.shut:
+            flow.shut = True
+            with contextlib.suppress(OSError):
+                flow.dst.shutdown(socket.SHUT_WR)
+            if pipe.up.shut and pipe.down.shut:
+                self._close_pipe(pipe, reset=False)
+
+    def _update(self) -> float | None:
+        """Move due data, set each socket's selector interest, and return how
+        long select may sleep before a delayed chunk falls due."""
+        now = time.monotonic()
+        next_due: float | None = None
+        for pipe in list(self._pipes):
+            for flow in (pipe.up, pipe.down):
+                if self._paused or not pipe.connected:
+                    continue
+                if flow.chunks and flow.chunks[0][0] > now:
+                    due = flow.chunks[0][0]
+                    next_due = due if next_due is None else min(next_due, due)
+                elif flow.chunks or (flow.eof and not flow.shut):
+                    self._flush(pipe, flow)  # due data, or EOF held by a pause
+            if pipe.closed:
+                continue
+            for sock, out, inc in (
+                (pipe.client, pipe.up, pipe.down),
+                (pipe.upstream, pipe.down, pipe.up),
+            ):
+                events = 0
+                usable = sock is pipe.client or pipe.connected
+                if not usable:
+                    events = selectors.EVENT_WRITE  # wait for connect()
+                elif not self._paused:
+                    if not out.eof and out.held < _HIGH_WATER:
+                        events |= selectors.EVENT_READ
+                    if inc.chunks and inc.chunks[0][0] <= now:
+                        events |= selectors.EVENT_WRITE  # send() would block
+                self._set_interest(sock, events, pipe)
+        return None if next_due is None else max(0.0, next_due - now)
+
+    def _set_interest(self, sock: socket.socket, events: int, data: object = None) -> None:
+        current = self._interest.get(sock, 0)
+        if events == current:
+            return
+        if current == 0:
+            self._selector.register(sock, events, data)
+        elif events == 0:
+            self._selector.unregister(sock)
+        else:
+            self._selector.modify(sock, events, data)
+        if events:
+            self._interest[sock] = events
+        else:
+            del self._interest[sock]
+
+    def _close_pipe(self, pipe: _Pipe, *, reset: bool) -> None:
+        if pipe.closed:
+            return
+        pipe.closed = True
+        for sock in (pipe.client, pipe.upstream):
+            if self._interest.pop(sock, 0):
+                with contextlib.suppress(KeyError, ValueError, OSError):
+                    self._selector.unregister(sock)
+            _close(sock, reset=reset)
+        with self._lock:
+            self._pipes.remove(pipe)
+            self._lock.notify_all()
+
+    def _abort_all(self) -> None:
+        for pipe in list(self._pipes):
+            self._close_pipe(pipe, reset=True)

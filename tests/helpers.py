@@ -1,0 +1,70 @@
+"""Small helpers for reading what really landed in RabbitMQ."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pika.exceptions
+from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
+
+from broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
+
+
+@dataclass(frozen=True)
+class Landed:
+    queue: str
+    key: str
+    producer: str
+    seq: int
+    body: bytes
+    headers: dict[str, Any]
+    content_type: str | None
+    message_id: str | None
+
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+
+def drain(
+    channel: BlockingChannel, queue: str, *, ack: bool = True, limit: int | None = None
+) -> list[Landed]:
+    """Messages now in ``queue`` (at most ``limit``), in queue order, acked by default."""
+    landed: list[Landed] = []
+    while limit is None or len(landed) < limit:
+        method, properties, body = channel.basic_get(queue, auto_ack=False)
+        if method is None:
+            return landed
+        headers = dict(properties.headers or {})
+        key = headers.get(HEADER_KEY)
+        landed.append(
+            Landed(
+                queue=queue,
+                key=key.decode() if isinstance(key, bytes) else str(key),
+                producer=str(headers.get(HEADER_PRODUCER)),
+                seq=int(headers.get(HEADER_SEQ, -1)),
+                body=body,
+                headers=headers,
+                content_type=properties.content_type,
+                message_id=properties.message_id,
+            )
+        )
+        if ack:
+            channel.basic_ack(method.delivery_tag)
+    return landed
+
+
+def queue_depth(connection: BlockingConnection, queue: str) -> int | None:
+    """Messages ready in ``queue``, or None if it does not exist (on a throwaway channel,
+    since a passive declare of a missing queue closes its channel)."""
+    channel = connection.channel()
+    try:
+        return int(channel.queue_declare(queue, passive=True).method.message_count)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code == 404:
+            return None
+        raise
+    finally:
+        if channel.is_open:
+            channel.close()

@@ -1,0 +1,116 @@
+"""Queue names: valid for AMQP for any key, and never shared by two keys."""
+
+from __future__ import annotations
+
+import pika
+import pika.exceptions
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from broker.errors import InvalidKey, InvalidStreamName
+from broker.naming import (
+    MAX_KEY_BYTES,
+    MAX_QUEUE_NAME_BYTES,
+    bucket_queue_name,
+    check_stream_name,
+    dead_letter_queue_name,
+    encode_key,
+    is_stream_queue,
+    key_queue_name,
+)
+from tests.conftest import StreamFixture
+
+keys = st.text(min_size=1, max_size=300).filter(lambda k: len(k.encode("utf-8")) <= MAX_KEY_BYTES)
+streams = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", fullmatch=True)
+
+
+@given(streams, keys)
+def test_any_key_gives_a_short_valid_name(stream: str, key: str) -> None:
+    name = key_queue_name(stream, key)
+    encoded = name.encode("utf-8")
+    assert len(encoded) <= MAX_QUEUE_NAME_BYTES
+    assert name.isascii() and name.isprintable()
+    assert not name.startswith("amq.")
+    assert is_stream_queue(stream, name)
+    assert name != dead_letter_queue_name(stream)
+    assert key_queue_name(stream, key) == name  # deterministic
+
+
+@given(streams, st.lists(keys, min_size=2, max_size=30, unique=True))
+def test_distinct_keys_never_share_a_queue(stream: str, many: list[str]) -> None:
+    names = [key_queue_name(stream, key) for key in many]
+    assert len(set(names)) == len(many)
+
+
+@given(st.lists(st.tuples(streams, keys), min_size=2, max_size=20, unique=True))
+def test_distinct_stream_key_pairs_never_share_a_queue(pairs: list[tuple[str, str]]) -> None:
+    names = [key_queue_name(stream, key) for stream, key in pairs]
+    assert len(set(names)) == len(pairs)
+
+
+def test_plain_keys_stay_readable_and_others_are_digested() -> None:
+    assert key_queue_name("orders", "order-42") == "keyq.orders.k.order-42"
+    assert key_queue_name("orders", "a:b.c_d") == "keyq.orders.k.a:b.c_d"
+    for odd in ("with space", "ünï", "a/b", "x" * 300, "amq.gen-1", "\x00", "k.dlq"):
+        name = key_queue_name("orders", odd)
+        if odd in ("amq.gen-1", "k.dlq"):
+            assert name == f"keyq.orders.k.{odd}"
+        else:
+            assert name.startswith("keyq.orders.h.") and len(name) == len("keyq.orders.h.") + 64
+    # A plain key that looks like a digest or another queue's suffix stays in its namespace.
+    assert key_queue_name("s", "h.abc") == "keyq.s.k.h.abc"
+    assert key_queue_name("s", "dlq") != dead_letter_queue_name("s")
+
+
+def test_bucket_and_dead_letter_names() -> None:
+    assert bucket_queue_name("orders", 7) == "keyq.orders.b.00007"
+    assert dead_letter_queue_name("orders") == "keyq.orders.dlq"
+    assert is_stream_queue("orders", "keyq.orders.b.00007")
+    assert not is_stream_queue("orders", "keyq.orders.dlq")
+    assert not is_stream_queue("orders", "keyq.orders2.k.x")
+
+
+@pytest.mark.parametrize("bad", ["", "a.b", "a b", "{x}", "-lead", "x" * 65, "ü", None, 5])
+def test_bad_stream_names(bad: object) -> None:
+    with pytest.raises(InvalidStreamName):
+        check_stream_name(bad)
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        ("", "empty"),
+        (None, "str"),
+        (b"bytes", "str"),
+        ("\ud800", "surrogate"),
+        ("é" * 2049, "4096"),
+    ],
+)
+def test_bad_keys(bad: object, why: str) -> None:
+    with pytest.raises(InvalidKey, match=why):
+        encode_key(bad)
+
+
+def test_key_at_the_limit_is_fine() -> None:
+    assert len(encode_key("é" * 2048)) == MAX_KEY_BYTES
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(key=keys)
+def test_the_broker_accepts_every_name(
+    stream: StreamFixture, amqp: pika.BlockingConnection, key: str
+) -> None:
+    name = key_queue_name(stream.name, key)
+    stream.track(name)
+    channel = amqp.channel()
+    try:
+        channel.queue_declare(name, durable=False, auto_delete=True)
+        channel.queue_delete(name)
+    except pika.exceptions.ChannelClosedByBroker as exc:  # pragma: no cover - the failure
+        pytest.fail(f"broker refused {name!r}: {exc}")
+    finally:
+        if channel.is_open:
+            channel.close()

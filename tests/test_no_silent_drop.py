@@ -1,0 +1,138 @@
+"""No silent drop: queues deleted under a publishing producer lose and duplicate nothing.
+
+One process publishes 10,000 events to a few keys while another keeps draining their queues
+and deleting them as the janitor does (retirement mark, grace period, ``if_empty``). Afterwards
+every confirmed event was seen exactly once, in per-key order: drained by the deleter or still
+in a queue. A second test deletes queues behind the producer's back (no mark), so the broker
+returns events, which the producer must declare again and re-send in order.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections import defaultdict
+from multiprocessing.synchronize import Event as EventType
+
+import pika
+import pika.exceptions
+import redis
+from pika.adapters.blocking_connection import BlockingChannel
+
+from broker.envelope import HEADER_KEY, HEADER_SEQ
+from broker.naming import key_queue_name
+from broker.retirement import RetirementFence
+from broker.settings import load_settings
+from producer import Producer
+from tests.conftest import StreamFixture
+from tests.helpers import drain
+
+KEYS = [f"acct-{i}" for i in range(5)]
+EVENTS = 10_000
+
+
+def take_everything(channel: BlockingChannel, queue: str) -> list[tuple[str, int]]:
+    """Consume (and ack) what ``queue`` holds until it stays quiet for 5 ms."""
+    taken: list[tuple[str, int]] = []
+    for method, properties, _body in channel.consume(queue, inactivity_timeout=0.005):
+        if method is None:
+            break
+        headers = properties.headers
+        taken.append((str(headers[HEADER_KEY]), int(headers[HEADER_SEQ])))
+        channel.basic_ack(method.delivery_tag)
+    channel.cancel()  # anything delivered but not yet taken goes back to the queue
+    return taken
+
+
+def delete_over_and_over(
+    amqp_url: str,
+    redis_url: str,
+    stream: str,
+    queues: list[str],
+    grace_s: float,
+    stop: EventType,
+    results: multiprocessing.Queue[object],
+) -> None:
+    """Retire the queues again and again until told to stop; report what was drained."""
+    fence = RetirementFence(redis.Redis.from_url(redis_url, decode_responses=True), stream)
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    channel = connection.channel()
+    channel.basic_qos(prefetch_count=500)
+    seen: list[tuple[str, int]] = []
+    deletions = refused = 0
+    while not stop.is_set():
+        marked = fence.mark(queues, "test-deleter", ttl_ms=10_000)
+        time.sleep(grace_s)
+        for queue in marked:
+            try:
+                seen.extend(take_everything(channel, queue))
+                channel.queue_delete(queue, if_empty=True)
+                deletions += 1
+            except pika.exceptions.ChannelClosedByBroker:
+                refused += 1  # 404: not declared again yet; 406: not empty
+                channel = connection.channel()
+                channel.basic_qos(prefetch_count=500)
+        fence.unmark(marked)
+        time.sleep(grace_s / 2)
+    for queue in queues:  # what is left after the producer finished
+        try:
+            seen.extend(take_everything(channel, queue))
+        except pika.exceptions.ChannelClosedByBroker:
+            channel = connection.channel()
+    connection.close()
+    results.put((seen, deletions, refused))
+
+
+def test_deleting_queues_under_a_producer_loses_nothing(stream: StreamFixture) -> None:
+    queues = [key_queue_name(stream.name, key) for key in KEYS]
+    stream.track(*queues)
+    context = multiprocessing.get_context("spawn")
+    stop = context.Event()
+    results: multiprocessing.Queue[object] = context.Queue()
+    settings = load_settings(publish_lease_ms=100, retire_grace_ms=250)
+    deleter = context.Process(
+        target=delete_over_and_over,
+        args=(settings.amqp_url, settings.redis_url, stream.name, queues, 0.25, stop, results),
+    )
+    deleter.start()
+    published: dict[str, list[int]] = defaultdict(list)
+    try:
+        with Producer(stream.name, mode="key", settings=settings, confirm_window=200) as producer:
+            for n in range(EVENTS):
+                key = KEYS[n % len(KEYS)]
+                published[key].append(producer.publish(key, {"n": n}).seq)
+                if n % 100 == 99:
+                    time.sleep(0.03)  # bursts, so the deleter empties and deletes queues
+            producer.flush(60)
+    finally:
+        stop.set()
+    seen, deletions, refused = results.get(timeout=60)  # type: ignore[misc]
+    deleter.join(30)
+
+    by_key: dict[str, list[int]] = defaultdict(list)
+    for key, seq in seen:
+        by_key[key].append(seq)
+    for key in KEYS:
+        got = sorted(by_key[key])
+        assert len(got) == len(published[key]), f"{key}: {len(published[key]) - len(got)} lost"
+        assert got == published[key], f"{key}: duplicated or foreign events"
+        assert by_key[key] == published[key], f"{key}: reordered"
+    assert deletions >= 20, f"the race was not exercised ({deletions} deletions, {refused} refused)"
+
+
+def test_queue_deleted_behind_the_producers_back_is_declared_again(
+    stream: StreamFixture, amqp: pika.BlockingConnection
+) -> None:
+    queue = key_queue_name(stream.name, "k")
+    channel = amqp.channel()
+    seen: list[int] = []
+    with Producer(stream.name, settings=stream.settings) as producer:
+        for round_ in range(15):
+            for n in range(50):
+                producer.publish("k", {"n": round_ * 50 + n})
+            producer.flush(30)
+            seen.extend(m.json()["n"] for m in drain(channel, queue))
+            channel.queue_delete(queue, if_empty=True)  # gone: the next events are returned
+        returned = producer.stats["returned"]
+    assert seen == list(range(15 * 50))
+    assert returned >= 14, f"only {returned} events came back from the broker"

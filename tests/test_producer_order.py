@@ -1,0 +1,112 @@
+"""What a producer publishes lands, durably and in per-key order, in the key's queue."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import defaultdict
+
+import pika
+
+from broker.envelope import HEADER_PUBLISHED_AT, HEADER_STREAM
+from broker.hashing import bucket_of
+from broker.naming import bucket_queue_name, key_queue_name
+from producer import Producer
+from tests.conftest import StreamFixture
+from tests.helpers import Landed, drain
+
+
+def _check_order(landed: list[Landed], published: dict[str, list[int]]) -> None:
+    by_key: dict[str, list[int]] = defaultdict(list)
+    for message in landed:
+        by_key[message.key].append(message.json()["n"])
+    assert by_key == published
+
+
+def test_key_mode_order_and_envelope(stream: StreamFixture, amqp: pika.BlockingConnection) -> None:
+    keys = [f"order-{i}" for i in range(20)] + ["ünïcode key", "x" * 300]
+    rng = random.Random(7)
+    published: dict[str, list[int]] = defaultdict(list)
+    with Producer(stream.name, mode="key", settings=stream.settings) as producer:
+        for n in range(3000):
+            key = rng.choice(keys)
+            receipt = producer.publish(key, {"n": n}, headers={"trace": f"t{n}"})
+            assert receipt.queue == key_queue_name(stream.name, key)
+            assert receipt.seq == len(published[key]) + 1
+            published[key].append(n)
+        producer.flush(30)
+        assert producer.unconfirmed == 0
+        producer_id = producer.producer_id
+    channel = amqp.channel()
+    landed: list[Landed] = []
+    for key in keys:
+        messages = drain(channel, key_queue_name(stream.name, key))
+        assert [m.seq for m in messages] == list(range(1, len(published[key]) + 1))
+        assert all(m.key == key and m.producer == producer_id for m in messages)
+        landed.extend(messages)
+    _check_order(landed, published)
+    sample = landed[0]
+    assert sample.content_type == "application/json"
+    assert sample.headers[HEADER_STREAM] == stream.name
+    assert sample.headers["trace"] == f"t{sample.json()['n']}"
+    assert isinstance(sample.headers[HEADER_PUBLISHED_AT], int)
+    assert sample.message_id and sample.message_id.startswith(producer_id + ":")
+    # Every queue is registered with its original key, for workers and the janitor.
+    registered = stream.redis.hgetall(stream.keys.queue_keys)
+    assert {registered[key_queue_name(stream.name, key)] for key in keys} == set(keys)
+
+
+def test_bucket_mode_order(stream: StreamFixture, amqp: pika.BlockingConnection) -> None:
+    keys = [f"device-{i}" for i in range(50)]
+    published: dict[str, list[int]] = defaultdict(list)
+    with Producer(stream.name, mode="bucket", buckets=8, settings=stream.settings) as producer:
+        for n in range(4000):
+            key = keys[(n * 7 + n // 13) % len(keys)]
+            receipt = producer.publish(key, {"n": n})
+            assert receipt.queue == bucket_queue_name(stream.name, bucket_of(key, 8))
+            published[key].append(n)
+    channel = amqp.channel()
+    landed: list[Landed] = []
+    for bucket in range(8):
+        queue = bucket_queue_name(stream.name, bucket)
+        messages = drain(channel, queue)
+        assert all(bucket_of(m.key, 8) == bucket for m in messages)
+        landed.extend(messages)
+    assert len(landed) == 4000
+    _check_order(landed, published)
+    assert stream.redis.zcard(stream.keys.registry) == len({bucket_of(k, 8) for k in keys})
+
+
+def test_bytes_events_travel_as_is(stream: StreamFixture, amqp: pika.BlockingConnection) -> None:
+    with Producer(stream.name, settings=stream.settings) as producer:
+        producer.publish("k", b"\x00\xffraw")
+        producer.publish("k", bytearray(b'{"a": 1}'))
+    landed = drain(amqp.channel(), key_queue_name(stream.name, "k"))
+    assert [m.body for m in landed] == [b"\x00\xffraw", b'{"a": 1}']
+    assert landed[0].content_type == "application/octet-stream"
+
+
+def test_many_threads_keep_each_keys_order(
+    stream: StreamFixture, amqp: pika.BlockingConnection
+) -> None:
+    published: dict[str, list[int]] = defaultdict(list)
+    lock = threading.Lock()
+    with Producer(stream.name, settings=stream.settings, confirm_window=64) as producer:
+
+        def run(thread: int) -> None:
+            for n in range(800):
+                key = f"shared-{n % 5}"
+                with lock:  # defines the order the test expects for the shared keys
+                    producer.publish(key, {"n": n, "t": thread})
+                    published[key].append(n * 10 + thread)
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    channel = amqp.channel()
+    for key, expected in published.items():
+        messages = drain(channel, key_queue_name(stream.name, key))
+        assert [m.json()["n"] * 10 + m.json()["t"] for m in messages] == expected
+        assert [m.seq for m in messages] == list(range(1, len(expected) + 1))
