@@ -39,7 +39,7 @@ def test_other_mode_is_a_clear_error(stream: StreamFixture) -> None:
 
 def test_other_bucket_count_is_a_clear_error(stream: StreamFixture) -> None:
     ensure_stream_config(stream.redis, stream.name, "bucket", 8)
-    with pytest.raises(StreamConfigMismatch, match="buckets=8.*buckets=16"):
+    with pytest.raises(StreamConfigMismatch, match=r"buckets=8.*buckets=16"):
         ensure_stream_config(stream.redis, stream.name, "bucket", 16)
     with pytest.raises(StreamConfigMismatch):
         ensure_stream_config(stream.redis, stream.name, "key")

@@ -1,0 +1,239 @@
+"""Helpers shared by keyq's benchmarks: machine facts, payloads, broker bookkeeping, cleanup.
+
+Every benchmark runs against the services named by ``KEYQ_AMQP_URL`` / ``KEYQ_REDIS_URL``,
+creates only queues and Redis keys of its own streams, and removes them again.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+from typing import Any
+
+import orjson
+import pika
+import pika.exceptions
+import redis
+
+from broker.connections import open_blocking_connection, open_redis
+from broker.redis_keys import StreamKeys
+from broker.settings import Settings
+
+RABBITMQCTL_TIMEOUT_S = 30
+DELETE_CHUNK = 500
+DELETE_CONNECTIONS = 4
+
+_STARTED = time.monotonic()
+
+
+class BenchFailure(Exception):
+    """A benchmark's own check failed: events or queues are missing."""
+
+
+def log(message: str) -> None:
+    """Progress line on stderr (stdout carries only the final JSON)."""
+    print(f"[{time.monotonic() - _STARTED:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+# ------------------------------------------------------------------------- machine facts
+def rabbitmq_version() -> str | None:
+    """The broker's version from ``rabbitmqctl eval``, or None when that is not possible."""
+    if shutil.which("rabbitmqctl") is None:
+        return None
+    try:
+        done = subprocess.run(
+            ["rabbitmqctl", "eval", "rabbit_misc:version()."],
+            capture_output=True,
+            text=True,
+            timeout=RABBITMQCTL_TIMEOUT_S,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = done.stdout.strip().strip('"')
+    if done.returncode != 0 or not text or "\n" in text:
+        return None
+    return text
+
+
+def machine_info() -> dict[str, Any]:
+    """What the figures were measured on."""
+    return {
+        "nproc": os.cpu_count(),
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "pika": pika.__version__,
+        "redis_py": redis.__version__,
+        "orjson": orjson.__version__,
+        "rabbitmq": rabbitmq_version(),
+        "loadavg_start": list(os.getloadavg()),
+    }
+
+
+# ------------------------------------------------------------------------------ payloads
+def padded_event(index: int, key: str, pad: str) -> dict[str, Any]:
+    """A typical small event; ``pad`` brings it to the wanted size."""
+    return {"id": index, "key": key, "kind": "bench", "ts": 1_700_000_000_000 + index, "pad": pad}
+
+
+def pad_for(payload_bytes: int, sample_key: str) -> str:
+    """Padding that makes ``padded_event`` serialise to about ``payload_bytes`` bytes."""
+    bare = len(orjson.dumps(padded_event(0, sample_key, "")))
+    return "x" * max(0, payload_bytes - bare)
+
+
+def mean_size(events: Iterable[tuple[str, dict[str, Any]]]) -> float:
+    sizes = [len(orjson.dumps(event)) for _, event in events]
+    return sum(sizes) / len(sizes) if sizes else 0.0
+
+
+# ----------------------------------------------------------------------- broker helpers
+@contextmanager
+def amqp(settings: Settings, name: str = "bench") -> Iterator[pika.BlockingConnection]:
+    """A short-lived blocking connection (short-lived: an idle one misses heartbeats)."""
+    connection = open_blocking_connection(settings, name)
+    try:
+        yield connection
+    finally:
+        with suppress(pika.exceptions.AMQPError, OSError):
+            if connection.is_open:
+                connection.close()
+
+
+def message_counts(settings: Settings, queues: Sequence[str]) -> dict[str, int | None]:
+    """Messages ready in each queue (passive declare), None for a queue that does not exist."""
+    counts: dict[str, int | None] = {}
+    with amqp(settings, "bench-count") as connection:
+        channel = connection.channel()
+        for queue in queues:
+            try:
+                frame = channel.queue_declare(queue, passive=True)
+                counts[queue] = int(frame.method.message_count)
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                if exc.reply_code != 404:
+                    raise
+                counts[queue] = None
+                channel = connection.channel()  # a failed passive declare closes the channel
+    return counts
+
+
+def wait_for_total(
+    settings: Settings, queues: Sequence[str], expected: int, timeout: float = 15.0
+) -> tuple[int, list[str]]:
+    """Sum of messages in ``queues``, polled until it reaches ``expected`` or ``timeout``.
+
+    Unconfirmed publishes may still be on their way into the queues when the publisher
+    returns, hence the polling. Returns the last total and the queues that do not exist.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        counts = message_counts(settings, queues)
+        missing = [queue for queue, count in counts.items() if count is None]
+        total = sum(count for count in counts.values() if count is not None)
+        if (total >= expected and not missing) or time.monotonic() >= deadline:
+            return total, missing
+        time.sleep(0.5)
+
+
+def declare_queues(
+    settings: Settings, queues: Iterable[str], arguments: dict[str, Any] | None = None
+) -> None:
+    """Declare durable queues (as keyq declares its keyed queues)."""
+    with amqp(settings, "bench-declare") as connection:
+        channel = connection.channel()
+        for queue in queues:
+            channel.queue_declare(queue, durable=True, arguments=arguments)
+
+
+def _delete_chunk(settings: Settings, queues: Sequence[str]) -> None:
+    with amqp(settings, "bench-cleanup") as connection:
+        channel = connection.channel()
+        for queue in queues:
+            try:
+                channel.queue_delete(queue)
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                if exc.reply_code != 404:
+                    raise
+                channel = connection.channel()
+
+
+def delete_queues(settings: Settings, queues: Iterable[str]) -> int:
+    """Delete queues (missing ones are fine), over several connections when there are many."""
+    names = sorted(set(queues))
+    if not names:
+        return 0
+    size = max(1, min(DELETE_CHUNK, math.ceil(len(names) / DELETE_CONNECTIONS)))
+    chunks = [names[start : start + size] for start in range(0, len(names), size)]
+    if len(chunks) == 1:
+        _delete_chunk(settings, chunks[0])
+    else:
+        with ThreadPoolExecutor(max_workers=DELETE_CONNECTIONS) as pool:
+            for done in pool.map(lambda chunk: _delete_chunk(settings, chunk), chunks):
+                assert done is None
+    return len(names)
+
+
+def stream_redis_keys(client: redis.Redis, stream: str) -> list[str]:
+    """Every Redis key of ``stream`` (``keyq:{stream}:*``)."""
+    found: list[str] = []
+    for pattern in StreamKeys(stream).all_patterns():
+        found.extend(str(key) for key in client.scan_iter(match=pattern, count=1000))
+    return found
+
+
+def registered_queues(client: redis.Redis, stream: str) -> list[str]:
+    return [str(queue) for queue in client.zrange(StreamKeys(stream).registry, 0, -1)]
+
+
+class Cleanup:
+    """Remembers what a benchmark created and removes it: queues, then streams' Redis keys."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self.queues: set[str] = set()
+        self.streams: set[str] = set()
+
+    def add_queues(self, queues: Iterable[str]) -> None:
+        self.queues.update(queues)
+
+    def add_stream(self, stream: str) -> None:
+        self.streams.add(stream)
+
+    def run(self) -> None:
+        """Remove everything remembered so far (queues registered in Redis included)."""
+        client = open_redis(self._settings)
+        try:
+            for stream in self.streams:
+                self.queues.update(registered_queues(client, stream))
+            if self.queues:
+                started = time.monotonic()
+                count = delete_queues(self._settings, self.queues)
+                if count > 100:
+                    log(f"deleted {count} queues in {time.monotonic() - started:.1f} s")
+            self.queues.clear()
+            for stream in sorted(self.streams):
+                keys = stream_redis_keys(client, stream)
+                if keys:
+                    client.delete(*keys)
+            self.streams.clear()
+        finally:
+            client.close()
