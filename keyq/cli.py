@@ -14,6 +14,7 @@ import orjson
 
 from broker.errors import ConfigurationError, InvalidInput, KeyqError
 from broker.settings import load_settings
+from producer import Producer
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -51,8 +52,6 @@ def publish(
     stream: str, keys: tuple[str, ...], event_json: str, mode: str | None, buckets: int | None
 ) -> None:
     """Publish one JSON event to each given key and wait until RabbitMQ confirmed them."""
-    from producer import Producer
-
     try:
         event: Any = orjson.loads(event_json)
     except orjson.JSONDecodeError as exc:
