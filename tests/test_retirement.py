@@ -1,0 +1,68 @@
+"""The retirement fence: a marked queue gets no new events until the mark is gone."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pika
+
+from broker.naming import key_queue_name
+from broker.registry import QueueRegistry
+from broker.retirement import RetirementFence
+from broker.settings import load_settings
+from producer import Producer
+from tests.conftest import StreamFixture
+from tests.helpers import drain, queue_depth
+
+
+def test_lease_refused_while_marked_and_touches_when_granted(stream: StreamFixture) -> None:
+    fence = RetirementFence(stream.redis, stream.name)
+    registry = QueueRegistry(stream.redis, stream.name)
+    registry.register({"q1": "a", "q2": "b"})
+    before = registry.queues()
+    assert fence.mark(["q1"], "janitor-1", ttl_ms=5000) == ["q1"]
+    assert fence.mark(["q1", "q2"], "janitor-2", ttl_ms=5000) == ["q2"]  # NX: one deleter
+    assert fence.marked(["q1", "q2", "q3"]) == ["q1", "q2"]
+    fence.unmark(["q2"])
+    time.sleep(0.01)
+    assert fence.lease(["q1", "q2", "q3"]) == {"q1": False, "q2": True, "q3": True}
+    after = registry.queues()
+    assert after["q1"] == before["q1"]  # a refused lease does not look like activity
+    assert after["q2"] > before["q2"]
+    assert "q3" not in after  # leases never register a queue
+
+
+def test_mark_expires_if_the_deleter_dies(stream: StreamFixture) -> None:
+    fence = RetirementFence(stream.redis, stream.name)
+    fence.mark(["q"], "janitor", ttl_ms=100)
+    assert fence.lease(["q"]) == {"q": False}
+    time.sleep(0.2)
+    assert fence.lease(["q"]) == {"q": True}
+
+
+def test_producer_holds_a_marked_queue_and_resumes(
+    stream: StreamFixture, amqp: pika.BlockingConnection
+) -> None:
+    settings = load_settings(publish_lease_ms=100, retire_grace_ms=200)
+    fence = RetirementFence(stream.redis, stream.name)
+    queue = key_queue_name(stream.name, "k")
+    with Producer(stream.name, settings=settings) as producer:
+        producer.publish("k", {"n": 0})
+        producer.flush(10)
+        fence.mark([queue], "test", ttl_ms=10_000)
+        time.sleep(0.25)  # the producer's lease has run out
+        for n in range(1, 6):
+            producer.publish("k", {"n": n})
+        time.sleep(0.5)
+        assert queue_depth(amqp, queue) == 1, "events went to a queue being retired"
+        assert producer.unconfirmed == 5
+        flushed = threading.Event()
+        thread = threading.Thread(target=lambda: (producer.flush(10), flushed.set()))
+        thread.start()
+        time.sleep(0.2)
+        assert not flushed.is_set()
+        fence.unmark([queue])
+        thread.join(10)
+        assert flushed.is_set()
+    assert [m.json()["n"] for m in drain(amqp.channel(), queue)] == list(range(6))
