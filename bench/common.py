@@ -35,10 +35,6 @@ DELETE_CONNECTIONS = 4
 _STARTED = time.monotonic()
 
 
-class BenchFailure(Exception):
-    """A benchmark's own check failed: events or queues are missing."""
-
-
 def log(message: str) -> None:
     """Progress line on stderr (stdout carries only the final JSON)."""
     print(f"[{time.monotonic() - _STARTED:7.1f}s] {message}", file=sys.stderr, flush=True)

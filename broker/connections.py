@@ -50,10 +50,7 @@ def amqp_parameters(settings: Settings, name: str) -> pika.URLParameters:
 
 def amqp_failure(exc: BaseException, url: str) -> KeyqError:
     """The keyq error for a failure to connect to, or a loss of, RabbitMQ."""
-    causes: list[BaseException] = [exc]
-    causes.extend(getattr(exc, "exceptions", None) or [])
-    inner = getattr(exc, "args", ())
-    causes.extend(arg for arg in inner if isinstance(arg, BaseException))
+    causes = _flatten(exc)
     shown = redact_url(url)
     auth_types = (
         pika.exceptions.ProbableAuthenticationError,
@@ -73,8 +70,26 @@ def amqp_failure(exc: BaseException, url: str) -> KeyqError:
         if closed and getattr(cause, "reply_code", None) in (403, 530):
             text = scrub(str(cause), url)
             return AuthenticationFailed(f"RabbitMQ at {shown} refused access: {text}")
-    reason = scrub(describe_exception(causes[-1]), url)
+    root = next((cause for cause in reversed(causes) if isinstance(cause, OSError)), causes[-1])
+    reason = scrub(describe_exception(root), url)
     return BrokerUnavailable(f"cannot reach RabbitMQ at {shown}: {reason}")
+
+
+def _flatten(exc: BaseException, depth: int = 0) -> list[BaseException]:
+    """``exc`` and every exception nested in it (pika wraps socket errors several deep)."""
+    found = [exc]
+    if depth > 5:
+        return found
+    nested: list[BaseException] = list(getattr(exc, "exceptions", None) or [])
+    nested.extend(arg for arg in getattr(exc, "args", ()) if isinstance(arg, BaseException))
+    for attribute in ("exception", "__cause__", "__context__"):
+        inner = getattr(exc, attribute, None)
+        if isinstance(inner, BaseException):
+            nested.append(inner)
+    for inner in nested:
+        if inner is not exc:
+            found.extend(_flatten(inner, depth + 1))
+    return found
 
 
 def describe_exception(exc: BaseException) -> str:

@@ -20,7 +20,22 @@ HEADER_ATTEMPTS = "x-keyq-attempts"
 CONTENT_JSON = "application/json"
 CONTENT_BYTES = "application/octet-stream"
 
-_HEADER_VALUE_TYPES = (str, bytes, int, float, bool, type(None))
+# What pika can encode in an AMQP table (it has no float encoding).
+_HEADER_VALUE_TYPES = (str, bytes, int, bool, type(None))
+
+
+def header_bytes(headers: Mapping[str, Any]) -> int:
+    """About how many bytes ``headers`` take on the wire (checked headers only)."""
+    size = 0
+    for name, value in headers.items():
+        size += len(name.encode("utf-8")) + 6
+        if isinstance(value, str):
+            size += len(value.encode("utf-8"))
+        elif isinstance(value, bytes):
+            size += len(value)
+        else:
+            size += 9
+    return size
 
 
 def check_user_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -33,13 +48,18 @@ def check_user_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
     for name, value in headers.items():
         if not isinstance(name, str) or not name:
             raise InvalidHeaders(f"header names must be non-empty strings, got {name!r}")
-        if len(name.encode("utf-8", "surrogatepass")) > 255:
+        try:
+            encoded_name = name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidHeaders(f"header name {name!r} is not valid Unicode text") from None
+        if len(encoded_name) > 255:
             raise InvalidHeaders("header names are limited to 255 bytes")
         if name.lower().startswith(HEADER_PREFIX):
             raise InvalidHeaders(f"header {name!r} uses the reserved prefix {HEADER_PREFIX!r}")
         if not isinstance(value, _HEADER_VALUE_TYPES):
             raise InvalidHeaders(
-                f"header {name!r} must be str, bytes, int, float, bool or None; "
+                f"header {name!r} must be str, bytes, int, bool or None "
+                "(send floats as strings); "
                 f"got {type(value).__name__}"
             )
         if (

@@ -64,8 +64,10 @@ class StreamConfig:
         return cls(stream=stream, mode=Mode(data["mode"]), buckets=data.get("buckets"))
 
 
-def _requested(stream: str, mode: str | Mode | None, buckets: int | None) -> StreamConfig | None:
-    """The config the caller asks for, or None when it asks for nothing in particular."""
+def requested_config(
+    stream: str, mode: str | Mode | None, buckets: int | None
+) -> StreamConfig | None:
+    """The config the caller asks for (checked), or None when it asks for nothing."""
     if mode is None and buckets is None:
         return None
     try:
@@ -99,7 +101,7 @@ def ensure_stream_config(
     ``StreamConfigMismatch``.
     """
     check_stream_name(stream)
-    wanted = _requested(stream, mode, buckets)
+    wanted = requested_config(stream, mode, buckets)
     first = wanted or StreamConfig(stream=stream, mode=Mode.KEY)
     keys = StreamKeys(stream)
     client.set(keys.config, first.to_json(), nx=True)

@@ -18,6 +18,10 @@ def redact_url(url: str) -> str:
     except ValueError:
         return "<unparseable url>"
     if not password:
+        if "@" in url:  # credentials we could not parse: hide everything before the host
+            scheme, sep, _ = url.partition(":")
+            host = url.rpartition("@")[2]
+            return f"{scheme}{sep}***@{host}" if sep and scheme.isalpha() else f"***@{host}"
         return url
     user = parts.username or ""
     host = parts.hostname or ""

@@ -27,6 +27,7 @@ from broker.errors import (
     BrokerUnavailable,
     KeyqError,
     ProducerClosed,
+    PublishError,
     PublishTimeout,
     TopologyError,
 )
@@ -159,9 +160,20 @@ class PublisherLink:
 
     # ----------------------------------------------------------------- I/O thread
     def _run(self) -> None:
-        self._connect()
         try:
+            self._connect()
             self._ioloop.start()
+        except Exception as exc:  # any bug here must fail the producer, loudly
+            log.exception("producer I/O thread failed")
+            reason = scrub(describe_exception(exc), self._settings.amqp_url)
+            with self.cond:
+                if self._failure is None:
+                    self._failure = PublishError(f"producer I/O thread failed: {reason}")
+                self.cond.notify_all()
+            self._ready.set()
+            with contextlib.suppress(Exception):
+                if self._connection is not None and not self._connection.is_closed:
+                    self._connection.close()
         finally:
             self._ioloop.close()
 
@@ -269,8 +281,8 @@ class PublisherLink:
 
     def _shutdown(self) -> None:
         self._stopping = True
-        if self._connection is not None and (
-            self._connection.is_open or self._connection.is_opening
+        if self._connection is not None and not (
+            self._connection.is_closed or self._connection.is_closing
         ):
             self._connection.close()
         else:

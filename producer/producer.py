@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
 import threading
 import time
 import uuid
@@ -28,18 +29,20 @@ from broker.envelope import (
     HEADER_SEQ,
     HEADER_STREAM,
     check_user_headers,
+    header_bytes,
 )
-from broker.errors import KeyqError, MessageTooLarge, ProducerClosed
-from broker.naming import Mode, check_stream_name, encode_key
+from broker.errors import ConfigurationError, KeyqError, MessageTooLarge, ProducerClosed
+from broker.naming import Mode, check_stream_name, dead_letter_queue_name, encode_key
 from broker.registry import QueueRegistry
 from broker.retirement import RetirementFence
 from broker.settings import Settings, load_settings
-from broker.streams import StreamConfig, ensure_stream_config
+from broker.streams import StreamConfig, ensure_stream_config, requested_config
 from producer.encoding import encode_event
 from producer.link import PublisherLink
 from producer.outgoing import Outgoing
 from producer.registrar import Registrar
 
+_PRODUCER_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 # Room kept for AMQP properties and keyq's headers when checking the size limit.
 HEADER_ALLOWANCE = 512
 
@@ -86,19 +89,15 @@ class Producer:
         }
         given = {name: value for name, value in overrides.items() if value is not None}
         self.settings = load_settings(**{**base, **given})
-        self.producer_id = producer_id or uuid.uuid4().hex
-        if ":" in self.producer_id or not self.producer_id:
-            raise ValueError("producer_id must be non-empty and contain no ':'")
+        self.producer_id = uuid.uuid4().hex if producer_id is None else producer_id
+        if not isinstance(self.producer_id, str) or not _PRODUCER_ID.fullmatch(self.producer_id):
+            raise ConfigurationError(
+                "producer_id must be 1-128 characters of A-Z a-z 0-9 _ . -, "
+                f"got {self.producer_id!r}"
+            )
+        requested_config(self.stream, mode, buckets)  # bad arguments fail before any I/O
 
         self._redis = open_redis(self.settings)
-        try:
-            with redis_errors(self.settings.redis_url):
-                self.config: StreamConfig = ensure_stream_config(
-                    self._redis, self.stream, mode, buckets
-                )
-        except BaseException:
-            self._redis.close()
-            raise
         self._registrar = Registrar(
             QueueRegistry(self._redis, self.stream),
             RetirementFence(self._redis, self.stream),
@@ -107,7 +106,7 @@ class Producer:
         self._link = PublisherLink(
             self.settings,
             self.stream,
-            self.config.dead_letter_queue,
+            dead_letter_queue_name(self.stream),
             on_new_queues=self._registrar.add_new,
             request_lease=self._registrar.request_lease,
         )
@@ -118,7 +117,13 @@ class Producer:
         self._registrar.start(self._link.apply_leases)
         try:
             self._link.start()
+            # Only a producer that reached both services fixes the stream's mode.
+            with redis_errors(self.settings.redis_url):
+                self.config: StreamConfig = ensure_stream_config(
+                    self._redis, self.stream, mode, buckets
+                )
         except BaseException:
+            self._link.stop()
             self._registrar.stop()
             self._redis.close()
             raise
@@ -145,7 +150,7 @@ class Producer:
         user_headers = check_user_headers(headers)
         size = len(body) + len(key_bytes) + HEADER_ALLOWANCE
         if user_headers:
-            size += sum(len(name) + len(str(value)) + 8 for name, value in user_headers.items())
+            size += header_bytes(user_headers)
         if size > self.settings.max_message_bytes:
             raise MessageTooLarge(
                 f"message of about {size} bytes exceeds max_message_bytes "

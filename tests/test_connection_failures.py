@@ -1,0 +1,461 @@
+"""Real connection failures: the right keyq error, quickly, with a clear message and no password.
+
+Unreachable services, refused credentials and unknown vhosts are met at construction; a stalled,
+cut or vanished broker (through ``FaultProxy``) and broker flow control are met while publishing.
+Whatever happens, every event the producer accepted and confirmed is in its queue, in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import traceback
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import pika
+import pytest
+
+from broker.errors import (
+    AuthenticationFailed,
+    BrokerUnavailable,
+    ConnectionFailed,
+    KeyqError,
+    ProducerClosed,
+    PublishTimeout,
+    RedisUnavailable,
+)
+from broker.naming import key_queue_name
+from broker.settings import Settings, load_settings
+from producer import Producer
+from tests.conftest import StreamFixture
+from tests.faults import FaultProxy
+from tests.helpers import Landed, drain
+
+PASSWORD = "s3cret-pw"
+
+
+# --------------------------------------------------------------------------- helpers
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound once, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _texts(exc: BaseException) -> list[str]:
+    """Every text a person or a log handler could see of ``exc`` and its chain."""
+    texts = ["".join(traceback.format_exception(exc))]
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        texts += [str(current), repr(current), *map(repr, current.args)]
+        current = current.__cause__ or current.__context__
+    return texts
+
+
+def _assert_no_secret(exc: BaseException, secret: str = PASSWORD) -> None:
+    for text in _texts(exc):
+        assert secret not in text, f"password leaked: {text}"
+
+
+def _assert_logs_clean(caplog: pytest.LogCaptureFixture, secret: str = PASSWORD) -> None:
+    for record in caplog.records:
+        shown = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            shown += "".join(traceback.format_exception(record.exc_info[1]))
+        assert secret not in shown, f"password in log {record.name}: {shown}"
+    assert secret not in caplog.text
+
+
+def _producer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("keyq-producer") and t.is_alive()]
+
+
+@pytest.fixture
+def thread_errors(monkeypatch: pytest.MonkeyPatch) -> list[threading.ExceptHookArgs]:
+    """Exceptions that killed a background thread during the test."""
+    errors: list[threading.ExceptHookArgs] = []
+    monkeypatch.setattr(threading, "excepthook", errors.append)
+    return errors
+
+
+def _describe(errors: list[threading.ExceptHookArgs]) -> str:
+    return "; ".join(
+        f"{e.thread.name if e.thread else '?'}: {e.exc_type.__name__}: {e.exc_value}"
+        for e in errors
+    )
+
+
+def _with(settings: Settings, **changes: object) -> Settings:
+    return load_settings(**{**settings.model_dump(), **changes})
+
+
+@pytest.fixture
+def proxy(settings: Settings) -> Iterator[FaultProxy]:
+    parts = urlsplit(settings.amqp_url)
+    with FaultProxy(parts.hostname or "127.0.0.1", parts.port or 5672) as started:
+        yield started
+
+
+def _dedup(landed: list[Landed]) -> tuple[list[Landed], int]:
+    """Messages with re-sent copies dropped (first copy kept), and how many were dropped."""
+    seen: set[tuple[str, int]] = set()
+    unique: list[Landed] = []
+    for message in landed:
+        ident = (message.producer, message.seq)
+        if ident not in seen:
+            seen.add(ident)
+            unique.append(message)
+    return unique, len(landed) - len(unique)
+
+
+# -------------------------------------------------------------------- broker refusals
+def test_broker_down_is_reported_quickly_without_password(
+    stream: StreamFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    port = _closed_port()
+    url = f"amqp://guest:{PASSWORD}@127.0.0.1:{port}/%2F"
+    started = time.monotonic()
+    with pytest.raises(BrokerUnavailable) as info:
+        Producer(stream.name, settings=stream.settings, amqp_url=url)
+    assert time.monotonic() - started < 15
+    text = str(info.value)
+    assert "RabbitMQ" in text
+    assert f"127.0.0.1:{port}" in text
+    assert isinstance(info.value, ConnectionFailed)
+    _assert_no_secret(info.value)
+    _assert_logs_clean(caplog)
+
+
+def test_broker_down_message_says_why(stream: StreamFixture) -> None:
+    """The operator should read that the connection was refused, not only the name of a pika
+    class that wraps the reason."""
+    port = _closed_port()
+    url = f"amqp://guest:{PASSWORD}@127.0.0.1:{port}/%2F"
+    with pytest.raises(BrokerUnavailable) as info:
+        Producer(stream.name, settings=stream.settings, amqp_url=url)
+    assert "refused" in str(info.value).lower(), str(info.value)
+
+
+def test_wrong_credentials_are_refused_without_password(
+    stream: StreamFixture, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    parts = urlsplit(settings.amqp_url)
+    secret = "wrong-pass"
+    url = f"amqp://guest:{secret}@{parts.hostname}:{parts.port or 5672}/%2F"
+    started = time.monotonic()
+    with pytest.raises(AuthenticationFailed) as info:
+        Producer(stream.name, settings=stream.settings, amqp_url=url)
+    assert time.monotonic() - started < 15
+    text = str(info.value)
+    assert "RabbitMQ" in text
+    assert "credentials" in text
+    assert f"{parts.hostname}:{parts.port or 5672}" in text
+    _assert_no_secret(info.value, secret)
+    _assert_logs_clean(caplog, secret)
+
+
+def test_unknown_vhost_is_refused_naming_the_vhost(
+    stream: StreamFixture, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    parts = urlsplit(settings.amqp_url)
+    vhost = f"no-such-vhost-{uuid.uuid4().hex}"
+    url = f"amqp://{parts.username}:{parts.password}@{parts.hostname}:{parts.port or 5672}/{vhost}"
+    with pytest.raises(AuthenticationFailed) as info:
+        Producer(stream.name, settings=stream.settings, amqp_url=url)
+    text = str(info.value)
+    assert vhost in text
+    assert "vhost" in text or "virtual host" in text
+    assert "access" in text
+    _assert_no_secret(info.value, f":{parts.password}@")
+
+
+def test_failed_connects_leave_no_thread_behind(
+    stream: StreamFixture, settings: Settings, thread_errors: list[threading.ExceptHookArgs]
+) -> None:
+    """A producer that could not start stops its threads cleanly, without one of them dying
+    on an exception of its own."""
+    parts = urlsplit(settings.amqp_url)
+    before = set(_producer_threads())
+    down = f"amqp://guest:{PASSWORD}@127.0.0.1:{_closed_port()}/%2F"
+    wrong = f"amqp://guest:wrong-pass@{parts.hostname}:{parts.port or 5672}/%2F"
+    for url, error in [(down, BrokerUnavailable)] * 5 + [(wrong, AuthenticationFailed)] * 3:
+        with pytest.raises(error):
+            Producer(stream.name, settings=stream.settings, amqp_url=url)
+    assert set(_producer_threads()) <= before
+    assert not thread_errors, f"background threads crashed: {_describe(thread_errors)}"
+
+
+# --------------------------------------------------------------------- redis refusals
+@pytest.mark.parametrize("user", ["", "keyq"])
+def test_redis_down_is_reported_quickly_without_password(
+    stream: StreamFixture, caplog: pytest.LogCaptureFixture, user: str
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    port = _closed_port()
+    url = f"redis://{user}:{PASSWORD}@127.0.0.1:{port}/0"
+    before = set(_producer_threads())
+    started = time.monotonic()
+    with pytest.raises((RedisUnavailable, AuthenticationFailed)) as info:
+        Producer(stream.name, settings=stream.settings, redis_url=url)
+    assert time.monotonic() - started < 15
+    assert isinstance(info.value, RedisUnavailable)  # nothing answered: not a credential issue
+    text = str(info.value)
+    assert "Redis" in text
+    assert f"127.0.0.1:{port}" in text
+    _assert_no_secret(info.value)
+    _assert_logs_clean(caplog)
+    assert set(_producer_threads()) <= before
+
+
+def test_redis_wrong_credentials_are_refused_without_password(
+    stream: StreamFixture, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    parts = urlsplit(settings.redis_url)
+    user = f"nobody-{uuid.uuid4().hex[:8]}"
+    url = f"redis://{user}:{PASSWORD}@{parts.hostname}:{parts.port or 6379}/0"
+    with pytest.raises(AuthenticationFailed) as info:
+        Producer(stream.name, settings=stream.settings, redis_url=url)
+    text = str(info.value)
+    assert "Redis" in text
+    assert "credentials" in text
+    _assert_no_secret(info.value)
+    _assert_logs_clean(caplog)
+
+
+# ------------------------------------------------------------------ through the proxy
+def test_stalled_broker_times_out_publish_then_recovers(
+    stream: StreamFixture, amqp: pika.BlockingConnection, proxy: FaultProxy
+) -> None:
+    key = "stalled"
+    producer = Producer(
+        stream.name,
+        mode="key",
+        settings=stream.settings,
+        amqp_url=proxy.url_for(stream.settings.amqp_url),
+        confirm_window=50,
+        publish_timeout=1,
+    )
+    accepted: list[int] = []
+    try:
+        producer.publish(key, {"n": 0})
+        producer.flush(10)  # connected, queue declared, lease held
+        accepted.append(0)
+        proxy.pause()
+        for n in range(1, 51):  # fills the window of 50 unconfirmed events
+            producer.publish(key, {"n": n})
+            accepted.append(n)
+        started = time.monotonic()
+        with pytest.raises(PublishTimeout) as info:
+            producer.publish(key, {"n": -1})
+        waited = time.monotonic() - started
+        assert 0.9 <= waited < 3, waited
+        text = str(info.value)
+        assert "50" in text
+        assert "window" in text or "confirm" in text
+        assert isinstance(info.value, TimeoutError)
+        with pytest.raises(PublishTimeout):
+            producer.flush(timeout=0.3)
+        assert producer.stats["unconfirmed"] == 50
+        proxy.resume()
+        producer.flush(10)
+        producer.publish(key, {"n": 51})
+        accepted.append(51)
+        producer.flush(10)
+        assert producer.stats["unconfirmed"] == 0
+    finally:
+        proxy.resume()
+        producer.close(10)
+    landed = drain(amqp.channel(), key_queue_name(stream.name, key))
+    assert [m.json()["n"] for m in landed] == accepted
+    assert [m.seq for m in landed] == list(range(1, len(accepted) + 1))
+
+
+def test_cut_connections_are_recovered_in_order(
+    stream: StreamFixture, amqp: pika.BlockingConnection, proxy: FaultProxy
+) -> None:
+    keys = [f"cut-{i}" for i in range(5)]
+    cuts_at = {900, 2100, 3300, 4400}
+    published: dict[str, list[int]] = defaultdict(list)
+    proxy.set_delay(0.005)  # keeps events in flight when the cut comes
+    with Producer(
+        stream.name,
+        mode="key",
+        settings=stream.settings,
+        amqp_url=proxy.url_for(stream.settings.amqp_url),
+        publish_timeout=15,
+    ) as producer:
+        for n in range(5000):
+            if n in cuts_at:
+                proxy.cut()
+            key = keys[n % len(keys)]
+            receipt = producer.publish(key, {"n": n})
+            published[key].append(n)
+            assert receipt.seq == len(published[key])
+        producer.flush(20)
+        stats = producer.stats
+        producer_id = producer.producer_id
+        assert stats["unconfirmed"] == 0
+        assert proxy.wait_connections(1, 5), "the producer did not reconnect by itself"
+    assert stats["resent"] > 0, stats
+    channel = amqp.channel()
+    duplicates = 0
+    for key in keys:
+        landed = drain(channel, key_queue_name(stream.name, key))
+        unique, dropped = _dedup(landed)
+        duplicates += dropped
+        assert {m.producer for m in landed} == {producer_id}
+        assert [m.seq for m in unique] == list(range(1, len(published[key]) + 1)), key
+        assert [m.json()["n"] for m in unique] == published[key]
+    assert duplicates <= stats["resent"], (duplicates, stats)
+
+
+def test_broker_gone_longer_than_reconnect_timeout_closes_the_producer(
+    stream: StreamFixture, amqp: pika.BlockingConnection, proxy: FaultProxy
+) -> None:
+    key = "gone"
+    settings = _with(stream.settings, reconnect_timeout=2)
+    producer = Producer(
+        stream.name,
+        mode="key",
+        settings=settings,
+        amqp_url=proxy.url_for(settings.amqp_url),
+        publish_timeout=5,
+    )
+    closed = False
+    try:
+        for n in range(10):
+            producer.publish(key, {"n": n})
+        producer.flush(10)
+        proxy.refuse(True)
+        proxy.cut()
+        lost_at = time.monotonic()
+        for n in range(10, 13):  # accepted while the producer is still retrying
+            producer.publish(key, {"n": n})
+        with pytest.raises(ProducerClosed) as info:
+            producer.flush(timeout=15)
+        took = time.monotonic() - lost_at
+        assert 2 <= took < 10, took
+        text = str(info.value)
+        assert "3 events" in text
+        assert "RabbitMQ" in text
+        assert "unreachable" in text or "unavailable" in text
+        assert isinstance(info.value.__cause__, BrokerUnavailable)
+        assert "guest:guest" not in text
+        with pytest.raises(ProducerClosed) as later:
+            producer.publish(key, {"n": 99})
+        assert isinstance(later.value.__cause__, BrokerUnavailable)
+        closed = True
+        with pytest.raises(ProducerClosed, match="3 events were never confirmed"):
+            producer.close(5)
+    finally:
+        proxy.refuse(False)
+        if not closed:  # an assertion failed above
+            with contextlib.suppress(KeyqError):
+                producer.close(1)
+    landed = drain(amqp.channel(), key_queue_name(stream.name, key))
+    assert [m.json()["n"] for m in landed] == list(range(10))
+
+
+def test_close_while_reconnecting_stops_cleanly(
+    stream: StreamFixture, proxy: FaultProxy, thread_errors: list[threading.ExceptHookArgs]
+) -> None:
+    """Closing a producer whose broker is away must end its I/O thread without it crashing."""
+    before = set(_producer_threads())
+    producer = Producer(
+        stream.name,
+        mode="key",
+        settings=stream.settings,
+        amqp_url=proxy.url_for(stream.settings.amqp_url),
+        publish_timeout=5,
+    )
+    producer.publish("k", {"n": 0})
+    producer.flush(10)
+    proxy.refuse(True)
+    proxy.cut()
+    producer.publish("k", {"n": 1})
+    started = time.monotonic()
+    with pytest.raises(KeyqError) as info:  # one event could not be confirmed
+        producer.close(1)
+    assert time.monotonic() - started < 10
+    assert isinstance(info.value, (PublishTimeout, ProducerClosed))
+    assert set(_producer_threads()) <= before
+    assert not thread_errors, f"background threads crashed: {_describe(thread_errors)}"
+
+
+# --------------------------------------------------------------------- flow control
+def _rabbitmqctl(*args: str) -> str:
+    done = subprocess.run(
+        ["rabbitmqctl", *args], capture_output=True, text=True, timeout=30, check=True
+    )
+    return done.stdout
+
+
+def _memory_alarm_active() -> bool:
+    return "memory" in _rabbitmqctl("eval", "rabbit_alarm:get_alarms().")
+
+
+def _wait_memory_alarm(active: bool, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _memory_alarm_active() != active:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"memory alarm still {'off' if active else 'on'}")
+        time.sleep(0.2)
+
+
+def test_broker_flow_control_times_out_publish_then_recovers(
+    stream: StreamFixture, amqp: pika.BlockingConnection
+) -> None:
+    if shutil.which("rabbitmqctl") is None:
+        pytest.skip("rabbitmqctl is not on PATH, so the memory alarm cannot be raised")
+    key = "blocked"
+    accepted: list[int] = []
+    with Producer(stream.name, mode="key", settings=stream.settings, publish_timeout=2) as p:
+        p.publish(key, {"n": 0})
+        p.flush(10)  # the connection has published, so the broker will block it
+        accepted.append(0)
+        error: PublishTimeout | None = None
+        waited = 0.0
+        try:
+            _rabbitmqctl("set_vm_memory_high_watermark", "0.000001")
+            _wait_memory_alarm(True, timeout=15)
+            # The first events may still be accepted: the broker blocks a connection when
+            # it publishes, and tells the client a moment later. From then on a publish
+            # must wait, then give up.
+            for n in range(1, 40):
+                started = time.monotonic()
+                try:
+                    p.publish(key, {"n": n})
+                except PublishTimeout as exc:
+                    waited = time.monotonic() - started
+                    error = exc
+                    break
+                accepted.append(n)
+                time.sleep(0.1)
+        finally:
+            _rabbitmqctl("set_vm_memory_high_watermark", "0.4")
+        assert error is not None, "publish never waited for the blocked broker"
+        assert 1.8 <= waited <= 6, waited
+        text = str(error).lower()
+        assert "flow control" in text or "block" in text, text
+        _wait_memory_alarm(False, timeout=15)
+        p.flush(15)
+        p.publish(key, {"n": 100})
+        accepted.append(100)
+        p.flush(10)
+        assert p.stats["unconfirmed"] == 0
+    landed = drain(amqp.channel(), key_queue_name(stream.name, key))
+    assert [m.json()["n"] for m in landed] == accepted
