@@ -8,6 +8,9 @@ Variants, each measured ``--repeats`` times in alternating order:
   confirm (and ``mandatory``, as keyq publishes).
 * ``keyq``: ``Producer`` in key mode on a fresh stream; publish all, then ``flush``.
 * ``new_keys``: keyq where every event has a fresh key, so one queue per event.
+* ``raw_pika_new_queues``: the same fresh keys with raw pika: declare each durable queue
+  (keyq's arguments) and publish one persistent event to it; the broker's own pace for
+  creating queues on this machine, which bounds ``new_keys``.
 
 Raw variants send the same properties keyq does (persistent, content type, message id,
 timestamp and keyq's five headers) and serialise the same dicts with orjson per event.
@@ -71,8 +74,15 @@ RAW_UNCONFIRMED = "raw_pika_unconfirmed"
 RAW_CONFIRM_EACH = "raw_pika_confirm_each"
 KEYQ = "keyq"
 NEW_KEYS = "new_keys"
+RAW_NEW_QUEUES = "raw_pika_new_queues"
 THROUGHPUT_VARIANTS = (RAW_UNCONFIRMED, RAW_CONFIRM_EACH, KEYQ)
-SHORT_NAMES = {RAW_UNCONFIRMED: "raw", RAW_CONFIRM_EACH: "rawc", KEYQ: "kq", NEW_KEYS: "nk"}
+SHORT_NAMES = {
+    RAW_UNCONFIRMED: "raw",
+    RAW_CONFIRM_EACH: "rawc",
+    KEYQ: "kq",
+    NEW_KEYS: "nk",
+    RAW_NEW_QUEUES: "rnk",
+}
 
 TARGET_KEYQ_VS_RAW = 0.8
 TARGET_NEW_KEYS_PER_S = 1000.0
@@ -94,7 +104,7 @@ class Run:
     new_keys: int
     distribution: str
     seed: int
-    variants: tuple[str, ...] = (*THROUGHPUT_VARIANTS, NEW_KEYS)
+    variants: tuple[str, ...] = (*THROUGHPUT_VARIANTS, NEW_KEYS, RAW_NEW_QUEUES)
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     rates: dict[str, list[float]] = field(default_factory=dict)
     seconds: dict[str, list[float]] = field(default_factory=dict)
@@ -208,6 +218,30 @@ def run_keyq(
     return elapsed, queues
 
 
+def run_raw_new_queues(
+    settings: Settings, cleanup: Cleanup, events: Events, stream: str
+) -> tuple[float, list[str]]:
+    """Declare a queue per fresh key and publish one event to it, with plain pika."""
+    queue_of = {key: key_queue_name(stream, key) for key, _ in events}
+    queues = sorted(queue_of.values())
+    cleanup.add_queues(queues)
+    arguments = keyed_queue_arguments(stream)
+    with amqp(settings, f"bench-{stream}") as connection:
+        channel = connection.channel()
+        started = time.perf_counter()
+        for key, event in events:
+            channel.queue_declare(queue_of[key], durable=True, arguments=arguments)
+            channel.basic_publish(
+                "",
+                queue_of[key],
+                orjson.dumps(event),
+                pika.BasicProperties(delivery_mode=pika.DeliveryMode.Persistent),
+            )
+        channel.basic_qos(prefetch_count=0)  # a round trip: the broker has taken everything
+        elapsed = time.perf_counter() - started
+    return elapsed, queues
+
+
 # ------------------------------------------------------------------------------- checks
 def check_total(
     run: Run, settings: Settings, variant: str, queues: Sequence[str], expected: int
@@ -271,14 +305,21 @@ def measure(run: Run, settings: Settings, cleanup: Cleanup) -> None:
                     check_registry(run, client, variant, stream, len(queues))
                 cleanup.run()
 
-        if run.new_keys and NEW_KEYS in run.variants:
-            fresh = make_new_key_events(run)
-            for repeat in range(run.repeats):
-                stream = run.stream(NEW_KEYS, repeat)
-                elapsed, queues = run_keyq(settings, cleanup, fresh, stream)
-                rate = run.record(NEW_KEYS, len(fresh), elapsed)
-                log(f"repeat {repeat + 1}/{run.repeats} {NEW_KEYS}: {rate:,.0f} new queues/s")
-                check_new_keys(run, settings, client, stream, queues)
+        fresh = make_new_key_events(run) if run.new_keys else []
+        creators = tuple(v for v in (NEW_KEYS, RAW_NEW_QUEUES) if v in run.variants)
+        for repeat in range(run.repeats if fresh else 0):
+            for variant in creators if repeat % 2 == 0 else creators[::-1]:
+                stream = run.stream(variant, repeat)
+                if variant == NEW_KEYS:
+                    elapsed, queues = run_keyq(settings, cleanup, fresh, stream)
+                else:
+                    elapsed, queues = run_raw_new_queues(settings, cleanup, fresh, stream)
+                rate = run.record(variant, len(fresh), elapsed)
+                log(f"repeat {repeat + 1}/{run.repeats} {variant}: {rate:,.0f} new queues/s")
+                if variant == NEW_KEYS:
+                    check_new_keys(run, settings, client, stream, queues)
+                else:
+                    check_total(run, settings, variant, queues, len(fresh))
                 cleanup.run()
     finally:
         client.close()
@@ -289,10 +330,10 @@ def report(run: Run, machine: dict[str, Any]) -> dict[str, Any]:
     machine = {**machine, "loadavg_end": list(os.getloadavg())}
     medians = {variant: median(rates) for variant, rates in run.rates.items()}
     variants: dict[str, Any] = {}
-    for variant in (*THROUGHPUT_VARIANTS, NEW_KEYS):
+    for variant in (*THROUGHPUT_VARIANTS, NEW_KEYS, RAW_NEW_QUEUES):
         if variant in run.rates:
             variants[variant] = {
-                "unit": "new queues/s" if variant == NEW_KEYS else "events/s",
+                "unit": "new queues/s" if variant in (NEW_KEYS, RAW_NEW_QUEUES) else "events/s",
                 "rates": run.rates[variant],
                 "seconds": run.seconds[variant],
                 "median": medians[variant],
@@ -300,6 +341,7 @@ def report(run: Run, machine: dict[str, Any]) -> dict[str, Any]:
     vs_raw = ratio(medians.get(KEYQ), medians.get(RAW_UNCONFIRMED))
     vs_confirm = ratio(medians.get(KEYQ), medians.get(RAW_CONFIRM_EACH))
     new_keys = medians.get(NEW_KEYS)
+    vs_raw_new = ratio(new_keys, medians.get(RAW_NEW_QUEUES))
     targets = {
         "keyq/raw_pika_unconfirmed": {
             "target": TARGET_KEYQ_VS_RAW,
@@ -333,6 +375,7 @@ def report(run: Run, machine: dict[str, Any]) -> dict[str, Any]:
         "ratios": {
             "keyq/raw_pika_unconfirmed": vs_raw,
             "keyq/raw_pika_confirm_each": vs_confirm,
+            "new_keys/raw_pika_new_queues": vs_raw_new,
             "paired_keyq/raw_pika_unconfirmed": [
                 round(keyq / raw, 3)
                 for keyq, raw in zip(
