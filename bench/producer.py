@@ -403,7 +403,7 @@ def non_negative(text: str) -> int:
 
 
 def variant_list(text: str) -> tuple[str, ...]:
-    known = (*THROUGHPUT_VARIANTS, NEW_KEYS)
+    known = (*THROUGHPUT_VARIANTS, NEW_KEYS, RAW_NEW_QUEUES)
     chosen = tuple(part.strip() for part in text.split(",") if part.strip())
     unknown = [part for part in chosen if part not in known]
     if unknown or not chosen:
@@ -425,7 +425,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--variants",
         type=variant_list,
-        default=(*THROUGHPUT_VARIANTS, NEW_KEYS),
+        default=(*THROUGHPUT_VARIANTS, NEW_KEYS, RAW_NEW_QUEUES),
         help="comma-separated subset to run (e.g. keyq for profiling); default: all",
     )
     parser.add_argument("--out", type=Path, help="also write the JSON here")
