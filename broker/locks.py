@@ -83,6 +83,11 @@ class Lease:
         return f"{self.owner}|{self.token}"
 
 
+def _parse_lease(queue: str, value: str) -> Lease:
+    owner, _, token = value.rpartition("|")
+    return Lease(queue=queue, owner=owner, token=int(token))
+
+
 class FencedLocks:
     """Locks over one stream's queues, each with a monotonically increasing fencing token."""
 
@@ -125,25 +130,17 @@ class FencedLocks:
 
     def holder(self, queue: str) -> Lease | None:
         """Who holds ``queue`` now, if anyone."""
-        raw = self._client.get(self._keys.lock(queue))
-        if raw is None:
-            return None
-        owner, _, token = str(raw).rpartition("|")
-        return Lease(queue=queue, owner=owner, token=int(token))
+        return self.holders([queue])[queue]
 
     def holders(self, queues: Sequence[str]) -> dict[str, Lease | None]:
         """Holders of many queues in one round trip."""
         if not queues:
             return {}
         raws = self._client.mget([self._keys.lock(queue) for queue in queues])
-        found: dict[str, Lease | None] = {}
-        for queue, raw in zip(queues, raws, strict=True):
-            if raw is None:
-                found[queue] = None
-            else:
-                owner, _, token = str(raw).rpartition("|")
-                found[queue] = Lease(queue=queue, owner=owner, token=int(token))
-        return found
+        return {
+            queue: None if raw is None else _parse_lease(queue, str(raw))
+            for queue, raw in zip(queues, raws, strict=True)
+        }
 
     def commit(
         self, target_hash: str, writes: Mapping[Lease, Mapping[str, str]]
