@@ -210,6 +210,7 @@ class PublisherLink:
             log.info("reconnected to RabbitMQ; re-sending %d unconfirmed events", len(self._resend))
         self._lost_at = None
         resend, self._resend = self._resend, []
+        self.resent_events += len(resend)
         for message in resend:
             self._send(message)
         self._ready.set()
@@ -438,7 +439,6 @@ class PublisherLink:
             pending.extend(state.parked)
         pending.extend(self._resend)
         pending.sort(key=lambda message: message.number)
-        self.resent_events += len(pending)
         self._resend = pending
         self._inflight.clear()
         self._by_number.clear()
