@@ -107,8 +107,14 @@ def open_blocking_connection(settings: Settings, name: str) -> pika.BlockingConn
         raise amqp_failure(exc, settings.amqp_url) from None
 
 
-def open_redis(settings: Settings, *, check: bool = True) -> redis.Redis:
-    """A Redis client with bounded timeouts; ``check`` pings so bad URLs fail here."""
+def open_redis(
+    settings: Settings, *, check: bool = True, client_name: str | None = None
+) -> redis.Redis:
+    """A Redis client with bounded timeouts; ``check`` pings so bad URLs fail here.
+
+    ``client_name`` names every connection of the client (``CLIENT SETNAME``), which lets
+    peers see whether this process still has a connection open.
+    """
     url = settings.redis_url
     try:
         client: redis.Redis = redis.Redis.from_url(
@@ -117,6 +123,7 @@ def open_redis(settings: Settings, *, check: bool = True) -> redis.Redis:
             socket_timeout=max(settings.connect_timeout, 1.0),
             socket_connect_timeout=settings.connect_timeout,
             health_check_interval=15,
+            client_name=client_name,
         )
     except (ValueError, redis.exceptions.RedisError) as exc:
         reason = scrub(str(exc), url)

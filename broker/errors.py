@@ -80,3 +80,16 @@ class ProducerClosed(PublishError):
 
 class LockLost(KeyqError):
     """A fenced lock is no longer ours: stop work on that queue, commit nothing."""
+
+
+class PipelineError(KeyqError):
+    """A pipeline (user code or its Spark job) failed on a batch; the batch is retried, then
+    the message that makes it fail is isolated and dead-lettered."""
+
+
+class CommitRefused(LockLost):
+    """A batch's fenced commit was refused because a lock it needed had moved on."""
+
+    def __init__(self, message: str, lost: frozenset[str]) -> None:
+        super().__init__(message)
+        self.lost = lost

@@ -70,8 +70,18 @@ class StreamKeys:
 
     @property
     def state(self) -> str:
-        """Hash: key -> JSON keyed state (with its dedup high-water marks)."""
+        """Hash: key -> JSON keyed state, as folded by pipelines."""
         return f"{self._base}:state"
+
+    @property
+    def marks(self) -> str:
+        """Hash: key -> JSON of the highest seq applied per producer (exactly-once marks)."""
+        return f"{self._base}:marks"
+
+    @property
+    def sink_pending(self) -> str:
+        """Hash: sink batch token -> staged output committed but not yet made visible."""
+        return f"{self._base}:sink-pending"
 
     @property
     def janitor_lease(self) -> str:

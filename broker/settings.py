@@ -6,7 +6,7 @@ of AMQP clients, because a crashed worker's keys should move within seconds.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -77,15 +77,18 @@ class Settings(BaseSettings):
         return shown
 
 
-def load_settings(**overrides: Any) -> Settings:
-    """Settings from the environment, with explicit non-None overrides on top.
+SettingsT = TypeVar("SettingsT", bound=Settings)
+
+
+def load_settings(kind: type[SettingsT] = Settings, **overrides: Any) -> SettingsT:  # type: ignore[assignment]
+    """Settings (of ``kind``) from the environment, with explicit non-None overrides on top.
 
     Raises ``ConfigurationError`` (never pydantic's error, which would echo the input URL
     with its password).
     """
     given = {name: value for name, value in overrides.items() if value is not None}
     try:
-        return Settings(**given)
+        return kind(**given)
     except ConfigurationError:
         raise
     except ValidationError as exc:

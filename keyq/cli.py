@@ -13,7 +13,7 @@ import click
 import orjson
 
 from broker.errors import ConfigurationError, InvalidInput, KeyqError
-from broker.settings import load_settings
+from broker.settings import Settings, load_settings
 from producer import Producer
 
 EXIT_FAILURE = 1
@@ -36,7 +36,7 @@ def cli() -> None:
 def show_settings() -> None:
     """Print the effective settings (from KEYQ_* variables) as JSON, without passwords."""
     try:
-        settings = load_settings()
+        settings: Settings = load_settings()
     except KeyqError as exc:
         _fail(exc)
     click.echo(orjson.dumps(settings.describe(), option=orjson.OPT_INDENT_2).decode())

@@ -1,0 +1,46 @@
+"""Pipelines that worker tests start workers with (``tests.pipelines:<name>``).
+
+The audit fold turns each key's events into evidence: how many were applied, the last seq
+per producer, and any seq that arrived out of order or twice. A correct run ends with, for
+every key, ``applied == published`` and no violations.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+def audit_event(state: Any, event: Any) -> Any:
+    state = state or {"applied": 0, "last": {}, "violations": []}
+    producer = str(event.get("producer", "?"))
+    seq = int(event["n"])
+    last = state["last"].get(producer, 0)
+    if seq != last + 1:
+        state["violations"].append([producer, last, seq])
+    state["last"][producer] = seq
+    state["applied"] += 1
+    if event.get("poison"):
+        raise ValueError(f"poison event {seq}")
+    return state
+
+
+def audit(df: Any, ctx: Any) -> Any:
+    return ctx.state.fold(df, audit_event)
+
+
+def audit_slow(df: Any, ctx: Any) -> Any:
+    """The audit pipeline, announcing each batch in a file and pausing inside it, so a test
+    can freeze the worker mid-batch (before its commit)."""
+    marker = os.environ.get("KEYQ_TEST_BATCH_MARKER")
+    result = ctx.state.fold(df, audit_event)
+    if marker:
+        Path(marker).write_text(f"{os.getpid()} {ctx.batch_id}\n")
+        time.sleep(float(os.environ.get("KEYQ_TEST_BATCH_PAUSE", "1.0")))
+    return result
+
+
+def passthrough(df: Any, ctx: Any) -> Any:
+    return df

@@ -1,0 +1,340 @@
+"""One micro-batch, end to end: decode, skip what was applied, run the pipeline on Spark,
+commit state and output fenced by the queues' locks, dead-letter, then ack.
+
+Nothing is acked before the commit, and nothing is committed under a lock that moved on. A
+batch whose pipeline fails is retried with backoff; if it keeps failing, it is split (by
+queue, then in halves, in order) until the one event that fails is found and dead-lettered
+with the reason, and everything else is processed. So a poison event costs a few extra
+Spark jobs, never a loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from broker.errors import CommitRefused, KeyqError, PipelineError
+from broker.locks import Lease
+from broker.registry import QueueRegistry
+from worker.config import WorkerSettings
+from worker.consumer import ConsumerLink, DeadLetter
+from worker.decoding import Event, Undecodable, decode
+from worker.dedup import Identified, split_fresh
+from worker.deliveries import Delivery
+from worker.engine import SparkEngine, batch_table
+from worker.holdings import Holdings
+from worker.pipeline import BatchContext, KeyedState, Pipeline
+from worker.sinks import ParquetSink
+from worker.state_store import StateStore
+
+log = logging.getLogger("keyq.worker.batch")
+
+
+@dataclass
+class BatchStats:
+    batches: int = 0
+    events: int = 0  # applied, exactly once
+    skipped: int = 0  # already applied (redeliveries, re-sends)
+    dead_lettered: int = 0
+    commits_refused: int = 0
+    pipeline_failures: int = 0
+    spark_seconds: float = 0.0
+    last_spark_seconds: float = 0.0
+    last_batch_events: int = 0
+    batch_seconds: list[float] = field(default_factory=list)
+
+
+def describe_failure(exc: BaseException) -> str:
+    """A one-line reason for a failure, good enough for a dead-letter header."""
+    text = str(exc)
+    marker = "FoldFailed: "
+    if marker in text:
+        return text[text.index(marker) + len(marker) :].splitlines()[0].strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    # Spark's Python errors end with the Python exception's own line.
+    for line in reversed(lines):
+        if ": " in line and not line.startswith(("at ", "File ")):
+            return f"pipeline failed: {line}"[:1000]
+    return f"pipeline failed: {type(exc).__name__}: {lines[0] if lines else ''}"[:1000]
+
+
+class BatchProcessor:
+    """Processes batches for one worker; used only by the batch loop's thread."""
+
+    def __init__(
+        self,
+        *,
+        settings: WorkerSettings,
+        stream: str,
+        worker_id: str,
+        engine: SparkEngine,
+        pipeline: Pipeline,
+        store: StateStore,
+        registry: QueueRegistry,
+        sink: ParquetSink | None,
+        link: ConsumerLink,
+        holdings: Holdings,
+        key_of_queue: Callable[[str], str | None],
+        stopping: threading.Event,
+    ) -> None:
+        self._settings = settings
+        self._stream = stream
+        self._worker_id = worker_id
+        self._engine = engine
+        self._pipeline = pipeline
+        self._store = store
+        self._registry = registry
+        self._sink = sink
+        self._link = link
+        self._holdings = holdings
+        self._key_of_queue = key_of_queue
+        self._stopping = stopping
+        self._batch_numbers = itertools.count(1)
+        self._settled: set[tuple[str, int, int]] = set()
+        self.stats = BatchStats()
+
+    # ---- public ---------------------------------------------------------------------------
+
+    def process(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """Process a batch; returns the deliveries left unsettled (to put back) when the
+        batch had to stop early (locks lost, a service down, shutting down)."""
+        self._settled = set()
+        try:
+            self._process_with_retries(list(deliveries))
+        except CommitRefused as exc:
+            self.stats.commits_refused += 1
+            log.warning("commit refused: lost %s", ", ".join(sorted(exc.lost)))
+            return self.unsettled(deliveries, exclude=exc.lost)
+        except _Interrupted:
+            return self.unsettled(deliveries)
+        return []
+
+    # ---- retries and isolation -------------------------------------------------------------
+
+    def _process_with_retries(self, deliveries: list[Delivery]) -> None:
+        failure: PipelineError | None = None
+        for attempt in range(1, self._settings.max_attempts + 1):
+            try:
+                self._run(deliveries, attempt)
+                return
+            except PipelineError as exc:
+                failure = exc
+                self.stats.pipeline_failures += 1
+                log.warning("batch failed (attempt %d): %s", attempt, describe_failure(exc))
+                if attempt < self._settings.max_attempts:
+                    self._backoff(attempt)
+        assert failure is not None
+        if len(deliveries) == 1:
+            self._run(deliveries, self._settings.max_attempts, dead=describe_failure(failure))
+            return
+        by_queue: dict[str, list[Delivery]] = {}
+        for delivery in deliveries:
+            by_queue.setdefault(delivery.queue, []).append(delivery)
+        for group in by_queue.values():
+            self._isolate(group)
+
+    def _isolate(self, group: list[Delivery]) -> None:
+        try:
+            self._run(group, 1)
+            return
+        except PipelineError as exc:
+            self.stats.pipeline_failures += 1
+            if len(group) > 1:
+                middle = len(group) // 2
+                self._isolate(group[:middle])
+                self._isolate(group[middle:])
+                return
+            failure = exc
+        for attempt in range(2, self._settings.max_attempts + 1):
+            self._backoff(attempt - 1)
+            try:
+                self._run(group, attempt)
+                return
+            except PipelineError as exc:
+                self.stats.pipeline_failures += 1
+                failure = exc
+        self._run(group, self._settings.max_attempts, dead=describe_failure(failure))
+
+    def _backoff(self, attempt: int) -> None:
+        delay = self._settings.retry_backoff_ms / 1000 * (2 ** (attempt - 1))
+        if self._stopping.wait(min(delay, 10.0)):
+            raise _Interrupted
+
+    def unsettled(
+        self, deliveries: Sequence[Delivery], exclude: frozenset[str] = frozenset()
+    ) -> list[Delivery]:
+        return [
+            d
+            for d in deliveries
+            if d.queue not in exclude
+            and (d.queue, d.channel_epoch, d.delivery_tag) not in self._settled
+        ]
+
+    # ---- one attempt -----------------------------------------------------------------------
+
+    def _run(self, deliveries: list[Delivery], attempt: int, dead: str | None = None) -> None:
+        started = time.monotonic()
+        leases = self._leases(deliveries)
+        events: list[Event] = []
+        letters: list[Undecodable] = []
+        for delivery in deliveries:
+            decoded = decode(delivery, self._fallback_key(delivery.queue))
+            if dead is not None and isinstance(decoded, Event):
+                decoded = Undecodable(delivery, dead, decoded.key, decoded.producer, decoded.seq)
+            if isinstance(decoded, Event):
+                events.append(decoded)
+            else:
+                letters.append(decoded)
+
+        identities: list[Identified] = []
+        ordered: list[Event | Undecodable] = []
+        for item in _arrival_order(deliveries, events, letters):
+            if item.key is None:
+                continue  # no key: dead-lettered, nothing to mark
+            identities.append(
+                Identified(item.key, item.producer, item.seq, counts=isinstance(item, Event))
+            )
+            ordered.append(item)
+        keys = [i.key for i in identities]
+        marks = self._store.marks(keys)
+        fresh_flags, new_marks = split_fresh(identities, marks)
+        fresh_events = [
+            item
+            for item, fresh in zip(ordered, fresh_flags, strict=True)
+            if fresh and isinstance(item, Event)
+        ]
+        fresh_ids = {id(item) for item, fresh in zip(ordered, fresh_flags, strict=True) if fresh}
+        fresh_letters = [
+            letter for letter in letters if letter.key is None or id(letter) in fresh_ids
+        ]
+        skipped = len(ordered) - sum(fresh_flags)
+
+        batch_id = f"{self._worker_id}-{next(self._batch_numbers)}"
+        states: dict[str, str] = {}
+        staged: str | None = None
+        spark_seconds = 0.0
+        if fresh_events:
+            spark_started = time.monotonic()
+            states, output = self._run_pipeline(batch_id, fresh_events, keys, leases, attempt)
+            spark_seconds = time.monotonic() - spark_started
+            if self._sink is not None and output is not None and output.num_rows:
+                staged = self._sink.stage(output, batch_id)
+
+        lost = self._store.commit(
+            list(leases.values()),
+            new_marks,
+            states,
+            None if staged is None else (batch_id, staged),
+        )
+        if lost:
+            if staged is not None and self._sink is not None:
+                self._sink.discard(staged)
+            raise CommitRefused(f"batch {batch_id}: locks moved on", lost)
+        if staged is not None and self._sink is not None:
+            self._sink.publish(batch_id, staged)
+            self._store.forget_sink_record(batch_id)
+        if fresh_letters:
+            self._link.dead_letter(
+                [DeadLetter(letter.delivery, letter.reason, attempt) for letter in fresh_letters]
+            )
+        self._ack(deliveries)
+        try:
+            self._registry.touch(leases)
+        except Exception:
+            log.debug("registry touch failed", exc_info=True)
+
+        stats = self.stats
+        stats.batches += 1
+        stats.events += len(fresh_events)
+        stats.skipped += skipped
+        stats.dead_lettered += len(fresh_letters)
+        stats.spark_seconds += spark_seconds
+        stats.last_spark_seconds = spark_seconds
+        stats.last_batch_events = len(fresh_events)
+        stats.batch_seconds.append(time.monotonic() - started)
+        del stats.batch_seconds[:-1000]
+        for letter in fresh_letters:
+            log.warning("dead-lettered a message of %s: %s", letter.delivery.queue, letter.reason)
+
+    def _leases(self, deliveries: Sequence[Delivery]) -> dict[str, Lease]:
+        leases: dict[str, Lease] = {}
+        lost: set[str] = set()
+        for delivery in deliveries:
+            if delivery.queue in leases or delivery.queue in lost:
+                continue
+            lease = self._holdings.lease_for(delivery.queue, delivery.channel_epoch)
+            if lease is None:
+                lost.add(delivery.queue)
+            else:
+                leases[delivery.queue] = lease
+        if lost:
+            raise CommitRefused("queues no longer held", frozenset(lost))
+        return leases
+
+    def _fallback_key(self, queue: str) -> str | None:
+        return self._key_of_queue(queue)
+
+    def _run_pipeline(
+        self,
+        batch_id: str,
+        events: list[Event],
+        keys: list[str],
+        leases: dict[str, Lease],
+        attempt: int,
+    ) -> tuple[dict[str, str], Any]:
+        state = KeyedState(self._store, keys, self._settings.spark_shuffle_partitions)
+        try:
+            frame = self._engine.dataframe(batch_table(self._stream, events))
+            context = BatchContext(
+                batch_id=batch_id,
+                worker_id=self._worker_id,
+                stream=self._stream,
+                spark=self._engine.session,
+                state=state,
+                queues=list(leases),
+                attempt=attempt,
+            )
+            output = self._pipeline(frame, context)
+            folded = state.folded.toArrow() if state.folded is not None else None
+            if output is None or self._sink is None:
+                table = None
+            elif output is state.folded:
+                table = folded
+            else:
+                table = output.toArrow()
+        except KeyqError as exc:
+            if isinstance(exc, PipelineError):
+                raise
+            raise PipelineError(str(exc)) from exc
+        except Exception as exc:
+            raise PipelineError(describe_failure(exc)) from exc
+        states: dict[str, str] = {}
+        if folded is not None:
+            columns = folded.to_pydict()
+            states = dict(zip(columns["key"], columns["state"], strict=True))
+        return states, table
+
+    def _ack(self, deliveries: Sequence[Delivery]) -> None:
+        last: dict[tuple[str, int], int] = {}
+        for delivery in deliveries:
+            slot = (delivery.queue, delivery.channel_epoch)
+            last[slot] = max(last.get(slot, 0), delivery.delivery_tag)
+            self._settled.add((delivery.queue, delivery.channel_epoch, delivery.delivery_tag))
+        self._link.ack([(queue, epoch, tag) for (queue, epoch), tag in last.items()])
+
+
+class _Interrupted(Exception):
+    """Shutdown came during a retry's backoff: stop and hand the batch back."""
+
+
+def _arrival_order(
+    deliveries: Sequence[Delivery], events: Sequence[Event], letters: Sequence[Undecodable]
+) -> list[Event | Undecodable]:
+    by_delivery: dict[int, Event | Undecodable] = {id(e.delivery): e for e in events}
+    by_delivery.update({id(u.delivery): u for u in letters})
+    return [by_delivery[id(d)] for d in deliveries]

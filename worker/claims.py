@@ -1,0 +1,399 @@
+"""The claim loop: membership, lock renewal, fair shares, claims, and spotting dead peers.
+
+Runs on its own thread so that locks are renewed on time even while a Spark job runs. Every
+tick it heartbeats and renews all held locks in one round trip; a lock found lost stops its
+queue at once. It claims unlocked active queues up to this worker's fair share (lock first,
+then an exclusive consumer), asks the batch loop to hand surplus or idle queues back at a
+batch boundary, and releases the locks of peers whose Redis connections vanished (killed
+processes), so their queues move without waiting for the lock ttl.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import orjson
+import redis
+import redis.exceptions
+
+from broker.clock import now_ms
+from broker.errors import KeyqError
+from broker.locks import FencedLocks, Lease
+from broker.membership import Membership, fair_share
+from broker.naming import Mode
+from broker.redis_keys import StreamKeys
+from broker.registry import QueueRegistry
+from worker.config import WorkerSettings
+from worker.consumer import ConsumeOutcome, ConsumerLink
+from worker.deliveries import DeliveryBuffer
+from worker.holdings import Held, Holdings
+
+log = logging.getLogger("keyq.worker.claims")
+
+CLIENT_NAME_PREFIX = "keyq-w:"
+# Queues that refused us (another consumer still attached) are left alone this long.
+BUSY_BACKOFF_S = 1.0
+# After handing a queue over, do not take it back at once: let a peer have it.
+RELEASE_COOLDOWN_S = 3.0
+PROBES_PER_SCAN = 20
+
+
+def client_name(worker_id: str) -> str:
+    return CLIENT_NAME_PREFIX + worker_id
+
+
+@dataclass
+class ClaimStats:
+    claims: int = 0
+    lost: int = 0
+    refused: int = 0
+    peers_reaped: int = 0
+
+
+@dataclass
+class _View:
+    """What this worker knows of the stream's queues: name -> last activity (ms)."""
+
+    activity: dict[str, int] = field(default_factory=dict)
+    scanned_at: float = 0.0
+
+
+class ClaimLoop:
+    """Owns claiming and holding; reports changes through ``notify(kind, queues, reason)``."""
+
+    def __init__(
+        self,
+        *,
+        settings: WorkerSettings,
+        stream: str,
+        mode: Mode,
+        worker_id: str,
+        client: redis.Redis,
+        link: ConsumerLink,
+        holdings: Holdings,
+        buffer: DeliveryBuffer,
+        notify: Callable[[str, list[str], str], None],
+        info: Callable[[], dict[str, object]],
+    ) -> None:
+        self._settings = settings
+        self._stream = stream
+        self._mode = mode
+        self._worker_id = worker_id
+        self._client = client
+        self._keys = StreamKeys(stream)
+        self._locks = FencedLocks(client, stream)
+        self._membership = Membership(client, stream, settings.member_ttl_ms)
+        self._registry = QueueRegistry(client, stream)
+        self._link = link
+        self._holdings = holdings
+        self._buffer = buffer
+        self._notify = notify
+        self._info = info
+        self._view = _View()
+        self._busy_until: dict[str, float] = {}
+        self._cooldown_until: dict[str, float] = {}
+        self._release_requests: dict[str, str] = {}
+        self._requests_lock = threading.Lock()
+        self._members: list[str] = []
+        self._missing_once: set[str] = set()
+        self._client_list_ok = True
+        self._probe_cursor = 0
+        self._pubsub: redis.client.PubSub | None = None
+        self._stop = threading.Event()
+        self._claiming = threading.Event()
+        self._claiming.set()
+        self._thread = threading.Thread(target=self._run, name="keyq-claims", daemon=True)
+        self._first_round = threading.Event()
+        self.stats = ClaimStats()
+
+    # ---- control --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_first_round(self, timeout: float) -> bool:
+        return self._first_round.wait(timeout)
+
+    def stop_claiming(self) -> None:
+        """Keep renewing what we hold, but take nothing new (shutdown)."""
+        self._claiming.clear()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+        if self._pubsub is not None:
+            with contextlib.suppress(Exception):  # closing at exit
+                self._pubsub.close()
+
+    def take_release_requests(self) -> dict[str, str]:
+        with self._requests_lock:
+            requests, self._release_requests = self._release_requests, {}
+            return requests
+
+    def note_released(self, queue: str) -> None:
+        self._cooldown_until[queue] = time.monotonic() + RELEASE_COOLDOWN_S
+
+    @property
+    def members(self) -> list[str]:
+        return list(self._members)
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        tick = self._settings.tick_ms / 1000
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self._tick()
+            except (redis.exceptions.RedisError, OSError, KeyqError) as exc:
+                log.warning("claim loop: %s", exc)
+            except Exception:
+                log.exception("claim loop failed a tick")
+            self._first_round.set()
+            self._wait_for_news(max(0.0, tick - (time.monotonic() - started)))
+
+    def _wait_for_news(self, seconds: float) -> None:
+        """Sleep until the next tick, waking early for announcements of new queues."""
+        deadline = time.monotonic() + seconds
+        pubsub = self._subscription()
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if pubsub is None:
+                self._stop.wait(left)
+                return
+            try:
+                message = pubsub.get_message(ignore_subscribe_messages=True, timeout=left)
+            except (redis.exceptions.RedisError, OSError):
+                self._pubsub = None
+                return
+            if message is not None and message.get("type") == "message":
+                self._view.activity[str(message["data"])] = now_ms()
+                self._announced = True
+                return
+
+    def _subscription(self) -> redis.client.PubSub | None:
+        if self._pubsub is None:
+            try:
+                pubsub = self._client.pubsub()  # type: ignore[no-untyped-call]
+                pubsub.subscribe(self._keys.announcements)
+                self._pubsub = pubsub
+            except (redis.exceptions.RedisError, OSError):
+                return None
+        return self._pubsub
+
+    _announced = False
+
+    def _tick(self) -> None:
+        held = self._holdings.all()
+        self._heartbeat_and_renew(held)
+        if not self._link.connected:
+            return
+        now = time.monotonic()
+        interval = self._settings.scan_interval_ms / 1000
+        scanned = False
+        if now - self._view.scanned_at >= interval:
+            self._scan()
+            scanned = True
+        reaped = self._reap_dead_peers()
+        members = self._membership.alive()
+        changed = members != self._members
+        self._members = members
+        if self._worker_id not in members:
+            members = sorted([*members, self._worker_id])
+        if self._claiming.is_set():
+            self._balance(members, force=scanned or reaped or changed or self._announced)
+        self._announced = False
+        if self._mode is Mode.KEY:
+            self._release_idle()
+
+    def _heartbeat_and_renew(self, held: list[Held]) -> None:
+        info = self._info()
+        pipe = self._client.pipeline(transaction=False)
+        ttl = self._settings.member_ttl_ms
+        pipe.zadd(self._keys.members, {self._worker_id: now_ms() + ttl})
+        pipe.hset(self._keys.member_info, self._worker_id, _json(info))
+        leases = [h.lease for h in held]
+        results = pipe.execute()
+        del results
+        if not leases:
+            return
+        alive = self._locks.renew(leases, self._settings.lock_ttl_ms)
+        for item in held:
+            if not alive.get(item.queue, True):
+                self._lose(item, "lock lost")
+
+    def _lose(self, held: Held, reason: str) -> None:
+        """Stop a queue at once: nothing of it is committed or acked from now on."""
+        if self._holdings.remove(held.queue, held.epoch) is None:
+            return
+        self.stats.lost += 1
+        log.warning("lost %s (%s): stopping it", held.queue, reason)
+        self._link.close_queue(held.queue)
+        self._buffer.drop(held.queue, held.epoch)
+        self._notify("revoked", [held.queue], reason)
+
+    def queue_lost(self, queue: str, epoch: int, reason: str) -> None:
+        """The broker took a consumer away (connection or channel closed): let its lock go."""
+        held = self._holdings.remove(queue, epoch)
+        if held is None:
+            return
+        self.stats.lost += 1
+        self._buffer.drop(queue, epoch)
+        with contextlib.suppress(redis.exceptions.RedisError, OSError):  # it expires by itself
+            self._locks.release([held.lease])
+        self._notify("revoked", [queue], reason)
+
+    def _scan(self) -> None:
+        self._view.activity = self._registry.queues()
+        self._view.scanned_at = time.monotonic()
+
+    def _active(self) -> set[str]:
+        """Queues worth holding: all of them in bucket mode, recently active in key mode."""
+        if self._mode is Mode.BUCKET:
+            return set(self._view.activity)
+        cutoff = now_ms() - self._settings.idle_release_ms
+        return {q for q, stamp in self._view.activity.items() if stamp >= cutoff}
+
+    def _balance(self, members: list[str], *, force: bool) -> None:
+        held = set(self._holdings.queues())
+        active = self._active() | held
+        share = min(
+            fair_share(len(active), members, self._worker_id), self._settings.max_held_queues
+        )
+        if len(held) > share:
+            self._request_surplus_release(held, len(held) - share)
+            return
+        if len(held) == share or not force:
+            if force and self._mode is Mode.KEY:
+                self._probe_idle(held)
+            return
+        now = time.monotonic()
+        candidates = [
+            q
+            for q in active - held
+            if self._busy_until.get(q, 0) <= now and self._cooldown_until.get(q, 0) <= now
+        ]
+        if not candidates:
+            if self._mode is Mode.KEY:
+                self._probe_idle(held)
+            return
+        holders = self._locks.holders(candidates)
+        free = [q for q, lease in holders.items() if lease is None]
+        random.shuffle(free)
+        for queue in free[: share - len(held)]:
+            if self._stop.is_set() or not self._claiming.is_set():
+                return
+            self._claim(queue)
+
+    def _claim(self, queue: str) -> bool:
+        ttl = self._settings.lock_ttl_ms
+        lease = self._locks.acquire(queue, self._worker_id, ttl)
+        if lease is None:
+            return False
+        try:
+            consumed = self._link.consume(queue)
+        except KeyqError:
+            self._locks.release([lease])
+            raise
+        if consumed.outcome is not ConsumeOutcome.CONSUMING:
+            self._locks.release([lease])
+            self.stats.refused += 1
+            if consumed.outcome is ConsumeOutcome.MISSING:
+                self._view.activity.pop(queue, None)
+            self._busy_until[queue] = time.monotonic() + BUSY_BACKOFF_S
+            return False
+        self._holdings.add(Held(queue=queue, lease=lease, epoch=consumed.epoch))
+        self.stats.claims += 1
+        self._notify("assigned", [queue], "claimed")
+        return True
+
+    def _request_surplus_release(self, held: set[str], surplus: int) -> None:
+        with self._requests_lock:
+            pending = sum(1 for reason in self._release_requests.values() if reason == "rebalance")
+            wanted = surplus - pending
+            if wanted <= 0:
+                return
+            spare = sorted(
+                (q for q in held if q not in self._release_requests), key=self._buffer.depth
+            )
+            for queue in spare[:wanted]:
+                self._release_requests[queue] = "rebalance"
+
+    def _release_idle(self) -> None:
+        limit = self._settings.idle_release_ms / 1000
+        now = time.monotonic()
+        idle = []
+        for item in self._holdings.all():
+            last = self._buffer.last_arrival(item.queue) or item.since
+            if now - max(last, item.since) >= limit and self._buffer.depth(item.queue) == 0:
+                idle.append(item.queue)
+        if idle:
+            with self._requests_lock:
+                for queue in idle:
+                    self._release_requests.setdefault(queue, "idle")
+
+    def _probe_idle(self, held: set[str]) -> None:
+        """Look into a few idle unheld queues: one with messages is made active again, so
+        a backlog left while no worker ran is never stranded."""
+        cutoff = now_ms() - self._settings.idle_release_ms
+        idle = sorted(
+            q for q, stamp in self._view.activity.items() if stamp < cutoff and q not in held
+        )
+        if not idle:
+            return
+        start = self._probe_cursor % len(idle)
+        sample = (idle[start:] + idle[:start])[:PROBES_PER_SCAN]
+        self._probe_cursor += len(sample)
+        holders = self._locks.holders(sample)
+        for queue in sample:
+            if holders[queue] is not None:
+                continue
+            depth = self._link.message_count(queue)
+            if depth:
+                self._registry.touch([queue])
+                self._view.activity[queue] = now_ms()
+
+    def _reap_dead_peers(self) -> bool:
+        """Release the locks of members whose Redis connections are all gone (a killed
+        process): only after two ticks in a row, so a reconnecting peer is not reaped."""
+        if not self._client_list_ok:
+            return False
+        try:
+            names = {str(c.get("name", "")) for c in self._client.client_list()}
+        except redis.exceptions.ResponseError:
+            self._client_list_ok = False  # no CLIENT permission: fall back to lock ttls
+            log.info("CLIENT LIST not permitted; dead workers are detected by ttl only")
+            return False
+        missing = {
+            m
+            for m in self._membership.alive()
+            if m != self._worker_id and client_name(m) not in names
+        }
+        confirmed = missing & self._missing_once
+        self._missing_once = missing
+        if not confirmed:
+            return False
+        queues = list(self._view.activity)
+        holders = self._locks.holders(queues) if queues else {}
+        for dead in confirmed:
+            leases: list[Lease] = [
+                lease for lease in holders.values() if lease is not None and lease.owner == dead
+            ]
+            released = self._locks.release(leases)
+            self._membership.leave(dead)
+            self.stats.peers_reaped += 1
+            log.warning("worker %s is gone: released its %d locks", dead, released)
+        return True
+
+
+def _json(info: dict[str, object]) -> str:
+    return orjson.dumps(info).decode()

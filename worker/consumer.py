@@ -1,0 +1,370 @@
+"""The worker's AMQP connection: one thread owns it, others ask it to do things.
+
+pika connections are not thread-safe, so every channel operation runs on the I/O thread
+(``add_callback_threadsafe``); the batch loop and the claim loop wait on futures. Each held
+queue gets its own channel: an exclusive consume that the broker refuses (403) closes only
+that channel, and closing a queue's channel hands its unacked messages back, in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pika
+import pika.exceptions
+from pika.adapters.blocking_connection import BlockingChannel
+
+from broker.connections import amqp_failure, amqp_parameters
+from broker.envelope import HEADER_ATTEMPTS, HEADER_DEAD_QUEUE, HEADER_DEAD_REASON
+from broker.errors import AuthenticationFailed, BrokerUnavailable, ConfigurationError, KeyqError
+from broker.naming import dead_letter_queue_name
+from broker.settings import Settings
+from broker.topology import dead_letter_queue_arguments
+from worker.deliveries import Delivery, DeliveryBuffer
+
+log = logging.getLogger("keyq.worker.amqp")
+
+T = TypeVar("T")
+MAX_REASON_CHARS = 1000
+_CHANNEL_CHECK_S = 0.25
+
+
+class ConsumeOutcome(enum.Enum):
+    CONSUMING = "consuming"
+    BUSY = "busy"  # another consumer holds it exclusively
+    MISSING = "missing"  # the queue does not exist (deleted by the janitor)
+
+
+@dataclass(frozen=True)
+class Consumed:
+    outcome: ConsumeOutcome
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A message to move to the stream's dead-letter queue, and why."""
+
+    delivery: Delivery
+    reason: str
+    attempts: int
+
+
+class ConsumerLink:
+    """The I/O thread and its connection; reconnects by itself until stopped."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        stream: str,
+        name: str,
+        buffer: DeliveryBuffer,
+        prefetch: int,
+        on_queue_lost: Callable[[str, int, str], None],
+        on_disconnected: Callable[[str], None],
+    ) -> None:
+        self._settings = settings
+        self._stream = stream
+        self._name = name
+        self._buffer = buffer
+        self._prefetch = prefetch
+        self._on_queue_lost = on_queue_lost
+        self._on_disconnected = on_disconnected
+        self._dlq = dead_letter_queue_name(stream)
+        self._connection: pika.BlockingConnection | None = None
+        self._channels: dict[str, tuple[int, BlockingChannel]] = {}
+        self._dead_letter_channel: BlockingChannel | None = None
+        self._probe_channel: BlockingChannel | None = None
+        self._epochs = itertools.count(1)
+        self._pending: set[Future[Any]] = set()
+        self._pending_lock = threading.Lock()
+        self._connected = threading.Event()
+        self._stopping = threading.Event()
+        self._first_attempt = threading.Event()
+        self._fatal: KeyqError | None = None
+        self._thread = threading.Thread(target=self._run, name="keyq-amqp", daemon=True)
+        self.reconnects = 0
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Connect (retrying up to ``reconnect_timeout``); raise if that fails."""
+        self._thread.start()
+        deadline = (
+            time.monotonic()
+            + self._settings.reconnect_timeout
+            + 2 * (self._settings.connect_timeout * 2)
+        )
+        while not self._connected.wait(0.1):
+            if self._fatal is not None:
+                raise self._fatal
+            if time.monotonic() > deadline:
+                self.stop()
+                raise self._fatal or BrokerUnavailable("RabbitMQ did not answer in time")
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    @property
+    def failure(self) -> KeyqError | None:
+        """Why the link gave up for good (bad credentials), if it did."""
+        return self._fatal
+
+    def stop(self) -> None:
+        self._stopping.set()
+        connection = self._connection
+        if connection is not None:
+            with contextlib.suppress(Exception):  # already closed is fine
+                connection.add_callback_threadsafe(lambda: None)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        backoff = 0.1
+        while not self._stopping.is_set():
+            try:
+                self._connect()
+            except (AuthenticationFailed, ConfigurationError) as exc:
+                self._fatal = exc
+                log.error("worker cannot connect to RabbitMQ: %s", exc)
+                return
+            except KeyqError as exc:
+                never_connected = not self._connected.is_set() and self.reconnects == 0
+                waited = time.monotonic() - started
+                if never_connected and waited > self._settings.reconnect_timeout:
+                    self._fatal = exc
+                    return
+                log.warning("RabbitMQ unavailable, retrying in %.1fs: %s", backoff, exc)
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.1
+            reason = self._serve()
+            self._teardown(reason)
+            if reason is not None and not self._stopping.is_set():
+                self.reconnects += 1
+                self._on_disconnected(reason)
+        self._teardown(None)
+
+    def _connect(self) -> None:
+        params = amqp_parameters(self._settings, self._name)
+        try:
+            connection = pika.BlockingConnection(params)
+            channel = connection.channel()
+            channel.queue_declare(
+                self._dlq,
+                durable=True,
+                arguments=dead_letter_queue_arguments(self._settings.queue_type),
+            )
+            channel.confirm_delivery()
+        except (pika.exceptions.AMQPError, OSError) as exc:
+            raise amqp_failure(exc, self._settings.amqp_url) from None
+        self._connection = connection
+        self._dead_letter_channel = channel
+        self._connected.set()
+
+    def _serve(self) -> str | None:
+        """Pump the connection until it fails (returns why) or we stop (returns None)."""
+        assert self._connection is not None
+        next_check = time.monotonic() + _CHANNEL_CHECK_S
+        while not self._stopping.is_set():
+            try:
+                self._connection.process_data_events(time_limit=0.05)
+            except (pika.exceptions.AMQPError, OSError) as exc:
+                return str(amqp_failure(exc, self._settings.amqp_url))
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + _CHANNEL_CHECK_S
+                self._check_channels()
+        return None
+
+    def _teardown(self, reason: str | None) -> None:
+        self._connected.clear()
+        lost = list(self._channels.items())
+        self._channels.clear()
+        self._dead_letter_channel = None
+        self._probe_channel = None
+        connection, self._connection = self._connection, None
+        if connection is not None and connection.is_open:
+            with contextlib.suppress(Exception):  # closing a broken connection
+                connection.close()
+        with self._pending_lock:
+            pending, self._pending = self._pending, set()
+        for future in pending:
+            if not future.done():
+                future.set_exception(BrokerUnavailable(reason or "the worker is stopping"))
+        if reason is not None:
+            for queue, (epoch, _channel) in lost:
+                self._on_queue_lost(queue, epoch, "connection lost")
+
+    def _check_channels(self) -> None:
+        for queue, (epoch, channel) in list(self._channels.items()):
+            if channel.is_closed:
+                del self._channels[queue]
+                self._on_queue_lost(queue, epoch, "channel closed by the broker")
+
+    # ---- calls from other threads ---------------------------------------------------------
+
+    def call(self, action: Callable[[], T], timeout: float = 30.0) -> T:
+        """Run ``action`` on the I/O thread and wait for its result."""
+        future: Future[T] = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(action())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+
+        connection = self._connection
+        if connection is None or not self._connected.is_set():
+            raise BrokerUnavailable("not connected to RabbitMQ")
+        with self._pending_lock:
+            self._pending.add(future)
+        try:
+            connection.add_callback_threadsafe(run)
+        except Exception:  # noqa: BLE001 - the connection closed under us
+            with self._pending_lock:
+                self._pending.discard(future)
+            raise BrokerUnavailable("the connection to RabbitMQ closed") from None
+        try:
+            return future.result(timeout)
+        finally:
+            with self._pending_lock:
+                self._pending.discard(future)
+
+    def consume(self, queue: str) -> Consumed:
+        return self.call(lambda: self._consume(queue))
+
+    def close_queue(self, queue: str) -> None:
+        """Stop consuming ``queue``; its unacked messages go back to it, in order."""
+        # If the connection is gone, so is the consumer.
+        with contextlib.suppress(BrokerUnavailable):
+            self.call(lambda: self._close_queue(queue))
+
+    def ack(self, acks: Sequence[tuple[str, int, int]]) -> int:
+        """Ack (queue, epoch, tag) with ``multiple``; returns how many were still ackable."""
+        return self.call(lambda: self._ack(acks))
+
+    def dead_letter(self, letters: Sequence[DeadLetter]) -> None:
+        """Publish copies with the reason to the dead-letter queue, confirmed."""
+        if letters:
+            self.call(lambda: self._dead_letter(letters))
+
+    def message_count(self, queue: str) -> int:
+        """Messages ready in ``queue`` (0 if it does not exist)."""
+        return self.call(lambda: self._message_count(queue))
+
+    def held(self) -> dict[str, int]:
+        """Queues with a live consumer, and their epochs."""
+        return dict(self.call(lambda: {q: e for q, (e, _c) in self._channels.items()}))
+
+    # ---- on the I/O thread ----------------------------------------------------------------
+
+    def _consume(self, queue: str) -> Consumed:
+        assert self._connection is not None
+        if queue in self._channels:
+            return Consumed(ConsumeOutcome.CONSUMING, self._channels[queue][0])
+        channel = self._connection.channel()
+        epoch = next(self._epochs)
+        buffer = self._buffer
+
+        def on_message(
+            _channel: BlockingChannel,
+            method: Any,
+            properties: pika.BasicProperties,
+            body: bytes,
+        ) -> None:
+            buffer.add(
+                Delivery(
+                    queue=queue,
+                    channel_epoch=epoch,
+                    delivery_tag=method.delivery_tag,
+                    redelivered=bool(method.redelivered),
+                    headers=dict(properties.headers or {}),
+                    content_type=properties.content_type,
+                    message_id=properties.message_id,
+                    body=body,
+                )
+            )
+
+        try:
+            channel.basic_qos(prefetch_count=self._prefetch)
+            channel.basic_consume(queue, on_message, exclusive=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code == 403:
+                return Consumed(ConsumeOutcome.BUSY)
+            if exc.reply_code == 404:
+                return Consumed(ConsumeOutcome.MISSING)
+            raise
+        channel.add_on_cancel_callback(lambda _frame: self._cancelled(queue, epoch))
+        self._channels[queue] = (epoch, channel)
+        return Consumed(ConsumeOutcome.CONSUMING, epoch)
+
+    def _message_count(self, queue: str) -> int:
+        assert self._connection is not None
+        channel = self._probe_channel
+        if channel is None or channel.is_closed:
+            channel = self._probe_channel = self._connection.channel()
+        try:
+            declared = channel.queue_declare(queue, passive=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            self._probe_channel = None
+            if exc.reply_code == 404:
+                return 0
+            raise
+        return int(declared.method.message_count)
+
+    def _cancelled(self, queue: str, epoch: int) -> None:
+        held = self._channels.get(queue)
+        if held is not None and held[0] == epoch:
+            del self._channels[queue]
+            with contextlib.suppress(Exception):  # already closing
+                held[1].close()
+            self._on_queue_lost(queue, epoch, "the broker cancelled the consumer")
+
+    def _close_queue(self, queue: str) -> None:
+        held = self._channels.pop(queue, None)
+        if held is not None and held[1].is_open:
+            with contextlib.suppress(pika.exceptions.AMQPError):
+                held[1].close()
+
+    def _ack(self, acks: Sequence[tuple[str, int, int]]) -> int:
+        done = 0
+        for queue, epoch, tag in acks:
+            held = self._channels.get(queue)
+            if held is None or held[0] != epoch or not held[1].is_open:
+                continue  # that consumer is gone: the broker has requeued these already
+            held[1].basic_ack(tag, multiple=True)
+            done += 1
+        return done
+
+    def _dead_letter(self, letters: Sequence[DeadLetter]) -> None:
+        channel = self._dead_letter_channel
+        if channel is None:
+            raise BrokerUnavailable("not connected to RabbitMQ")
+        for letter in letters:
+            delivery = letter.delivery
+            headers = dict(delivery.headers)
+            headers[HEADER_DEAD_REASON] = letter.reason[:MAX_REASON_CHARS]
+            headers[HEADER_DEAD_QUEUE] = delivery.queue
+            headers[HEADER_ATTEMPTS] = letter.attempts
+            properties = pika.BasicProperties(
+                delivery_mode=pika.DeliveryMode.Persistent,
+                headers=headers,
+                content_type=delivery.content_type,
+                message_id=delivery.message_id,
+            )
+            channel.basic_publish("", self._dlq, delivery.body, properties, mandatory=True)

@@ -1,0 +1,338 @@
+"""The worker: claims queues of a stream, and processes what they deliver in micro-batches.
+
+Three threads: the AMQP I/O thread (deliveries in, acks out), the claim loop (membership,
+locks, fair shares) and the batch loop, which runs here in ``run`` and is the only one that
+runs Spark or user code, including the ``on_assigned`` / ``on_revoked`` callbacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue as queue_module
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis.exceptions
+
+from broker.clock import now_ms
+from broker.connections import open_redis, redis_errors
+from broker.errors import ConfigurationError, KeyqError
+from broker.locks import FencedLocks
+from broker.membership import Membership
+from broker.naming import Mode, check_stream_name
+from broker.registry import QueueRegistry
+from broker.settings import load_settings
+from broker.streams import StreamConfig, ensure_stream_config, load_stream_config
+from worker.batches import BatchProcessor
+from worker.claims import ClaimLoop, client_name
+from worker.config import WorkerSettings
+from worker.consumer import ConsumerLink
+from worker.deliveries import Delivery, DeliveryBuffer
+from worker.engine import SparkEngine
+from worker.holdings import Holdings
+from worker.pipeline import Pipeline, load_pipeline
+from worker.sinks import ParquetSink, open_sink
+from worker.state_store import StateStore
+
+log = logging.getLogger("keyq.worker")
+
+QueueCallback = Callable[[list[str]], None]
+_SAFE_ID = re.compile(r"[^A-Za-z0-9_.-]")
+_ERROR_BACKOFF_S = 1.0
+
+
+def new_worker_id() -> str:
+    host = _SAFE_ID.sub("-", socket.gethostname())[:40] or "host"
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class Worker:
+    """A worker daemon for one stream. ``run()`` blocks until ``stop()`` (or idle, if asked)."""
+
+    def __init__(
+        self,
+        stream: str,
+        pipeline: str | Pipeline,
+        *,
+        sink: str | ParquetSink | None = None,
+        mode: str | Mode | None = None,
+        buckets: int | None = None,
+        settings: WorkerSettings | None = None,
+        worker_id: str | None = None,
+        on_assigned: QueueCallback | None = None,
+        on_revoked: QueueCallback | None = None,
+        engine: SparkEngine | None = None,
+    ) -> None:
+        self.stream = check_stream_name(stream)
+        self.settings = settings or load_settings(WorkerSettings)
+        self.worker_id = worker_id or new_worker_id()
+        if "|" in self.worker_id:
+            raise ConfigurationError("worker ids must not contain '|'")
+        self._pipeline = load_pipeline(pipeline) if isinstance(pipeline, str) else pipeline
+        self._sink = open_sink(sink) if sink is None or isinstance(sink, str) else sink
+        self._mode = mode
+        self._buckets = buckets
+        self._on_assigned = on_assigned
+        self._on_revoked = on_revoked
+        self._engine = engine
+        self._owns_engine = engine is None
+        self._stop = threading.Event()
+        self._events: queue_module.SimpleQueue[tuple[str, list[str], str]] = (
+            queue_module.SimpleQueue()
+        )
+        self._buffer = DeliveryBuffer()
+        self._holdings = Holdings()
+        self._started_ms = now_ms()
+        self._queue_keys: dict[str, str | None] = {}
+        self._claims: ClaimLoop | None = None
+        self._processor: BatchProcessor | None = None
+        self._link: ConsumerLink | None = None
+        self.config: StreamConfig | None = None
+        self.ready = threading.Event()
+        self.released = 0
+
+    # ---- control --------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Finish the batch in flight, commit, ack, hand every queue back, and return."""
+        self._stop.set()
+        self._buffer.wake()
+
+    @property
+    def held(self) -> list[str]:
+        return sorted(self._holdings.queues())
+
+    def stats(self) -> dict[str, Any]:
+        batch = self._processor.stats if self._processor else None
+        claims = self._claims.stats if self._claims else None
+        return {
+            "worker": self.worker_id,
+            "stream": self.stream,
+            "started_ms": self._started_ms,
+            "held": len(self._holdings),
+            "batches": batch.batches if batch else 0,
+            "events": batch.events if batch else 0,
+            "skipped": batch.skipped if batch else 0,
+            "dead_lettered": batch.dead_lettered if batch else 0,
+            "commits_refused": batch.commits_refused if batch else 0,
+            "pipeline_failures": batch.pipeline_failures if batch else 0,
+            "spark_seconds": round(batch.spark_seconds, 3) if batch else 0.0,
+            "last_spark_seconds": round(batch.last_spark_seconds, 3) if batch else 0.0,
+            "claims": claims.claims if claims else 0,
+            "lost": claims.lost if claims else 0,
+            "released": self.released,
+            "peers_reaped": claims.peers_reaped if claims else 0,
+            "reconnects": self._link.reconnects if self._link else 0,
+        }
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def run(self, *, until_idle: float | None = None) -> None:
+        """Serve until stopped; with ``until_idle``, also stop once nothing arrived for that
+        many seconds (a drain mode for jobs and tests)."""
+        settings = self.settings
+        client = open_redis(settings, client_name=client_name(self.worker_id))
+        try:
+            self.config = self._stream_config(client)
+            if self._stop.is_set():
+                return
+            store = StateStore(client, self.stream)
+            self._recover_sink(store)
+            if self._engine is None:
+                self._engine = SparkEngine(settings, f"keyq-worker-{self.worker_id}")
+                self._engine.start()
+            self._serve(client, store, until_idle)
+        finally:
+            client.close()
+
+    def _serve(self, client: redis.Redis, store: StateStore, until_idle: float | None) -> None:
+        settings = self.settings
+        assert self.config is not None and self._engine is not None
+        registry = QueueRegistry(client, self.stream)
+        link = ConsumerLink(
+            settings=settings,
+            stream=self.stream,
+            name=f"worker-{self.worker_id}",
+            buffer=self._buffer,
+            prefetch=settings.prefetch,
+            on_queue_lost=self._queue_lost,
+            on_disconnected=lambda reason: log.warning("lost RabbitMQ: %s", reason),
+        )
+        self._link = link
+        link.start()
+        claims = ClaimLoop(
+            settings=settings,
+            stream=self.stream,
+            mode=self.config.mode,
+            worker_id=self.worker_id,
+            client=client,
+            link=link,
+            holdings=self._holdings,
+            buffer=self._buffer,
+            notify=lambda kind, queues, reason: self._events.put((kind, queues, reason)),
+            info=self.stats,
+        )
+        self._claims = claims
+        self._processor = BatchProcessor(
+            settings=settings,
+            stream=self.stream,
+            worker_id=self.worker_id,
+            engine=self._engine,
+            pipeline=self._pipeline,
+            store=store,
+            registry=registry,
+            sink=self._sink,
+            link=link,
+            holdings=self._holdings,
+            key_of_queue=lambda queue: self._key_of(registry, queue),
+            stopping=self._stop,
+        )
+        claims.start()
+        claims.wait_first_round(10)
+        self.ready.set()
+        log.info("worker %s serving stream %s", self.worker_id, self.stream)
+        last_work = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                if link.failure is not None:
+                    raise link.failure
+                self._fire_events()
+                self._apply_releases(claims.take_release_requests(), client)
+                batch = self._buffer.take(
+                    settings.batch_max_events, settings.batch_max_ms / 1000, 0.1
+                )
+                if batch:
+                    self._process(batch)
+                    last_work = time.monotonic()
+                elif until_idle is not None and time.monotonic() - last_work >= until_idle:
+                    break
+        finally:
+            self._shutdown(client, claims, link)
+
+    def _process(self, batch: list[Delivery]) -> None:
+        assert self._processor is not None
+        try:
+            leftover = self._processor.process(batch)
+        except (KeyqError, redis.exceptions.RedisError, OSError) as exc:
+            log.warning("batch interrupted, will retry: %s", exc)
+            leftover = self._processor.unsettled(batch)
+            self._stop.wait(_ERROR_BACKOFF_S)
+        if leftover:
+            still_held = [d for d in leftover if self._holdings.lease_for(d.queue, d.channel_epoch)]
+            self._buffer.put_back(still_held)
+
+    def _fire_events(self) -> None:
+        while True:
+            try:
+                kind, queues, _reason = self._events.get_nowait()
+            except queue_module.Empty:
+                return
+            callback = self._on_assigned if kind == "assigned" else self._on_revoked
+            if callback is not None:
+                try:
+                    callback(list(queues))
+                except Exception:
+                    log.exception("%s callback failed", kind)
+
+    def _apply_releases(self, requests: dict[str, str], client: redis.Redis) -> None:
+        if not requests:
+            return
+        assert self._link is not None and self._claims is not None
+        released = []
+        for queue, reason in requests.items():
+            held = self._holdings.get(queue)
+            if held is None or (reason == "idle" and self._buffer.depth(queue) > 0):
+                continue
+            self._link.close_queue(queue)
+            self._buffer.drop(queue, held.epoch)
+            self._holdings.remove(queue, held.epoch)
+            self._claims.note_released(queue)
+            released.append(held)
+        if released:
+            with redis_errors(self.settings.redis_url):
+                FencedLocks(client, self.stream).release([h.lease for h in released])
+            self.released += len(released)
+            log.info("handed back %d queues", len(released))
+            self._events.put(("revoked", [h.queue for h in released], "released"))
+            self._fire_events()
+
+    def _queue_lost(self, queue: str, epoch: int, reason: str) -> None:
+        if self._claims is not None:
+            self._claims.queue_lost(queue, epoch, reason)
+
+    def _shutdown(self, client: redis.Redis, claims: ClaimLoop, link: ConsumerLink) -> None:
+        claims.stop_claiming()
+        held = self._holdings.all()
+        for item in held:
+            link.close_queue(item.queue)
+            self._buffer.drop(item.queue, item.epoch)
+            self._holdings.remove(item.queue, item.epoch)
+        claims.stop()
+        try:
+            FencedLocks(client, self.stream).release([h.lease for h in held])
+            Membership(client, self.stream, self.settings.member_ttl_ms).leave(self.worker_id)
+        except (redis.exceptions.RedisError, OSError):
+            log.warning("could not release locks at shutdown; they expire by themselves")
+        if held:
+            self._events.put(("revoked", [h.queue for h in held], "shutdown"))
+        self._fire_events()
+        link.stop()
+        if self._owns_engine and self._engine is not None:
+            self._engine.stop()
+        log.info("worker %s stopped", self.worker_id)
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _stream_config(self, client: redis.Redis) -> StreamConfig:
+        """The stream's config; without a mode given, wait for the first producer to set it."""
+        with redis_errors(self.settings.redis_url):
+            if self._mode is not None or self._buckets is not None:
+                return ensure_stream_config(client, self.stream, self._mode, self._buckets)
+            waited = False
+            while not self._stop.is_set():
+                config = load_stream_config(client, self.stream)
+                if config is not None:
+                    return config
+                if not waited:
+                    log.info("stream %s has no producer yet; waiting for one", self.stream)
+                    waited = True
+                self._stop.wait(1.0)
+        raise KeyqError("stopped before the stream was configured")
+
+    def _key_of(self, registry: QueueRegistry, queue: str) -> str | None:
+        if queue not in self._queue_keys:
+            self._queue_keys[queue] = registry.original_keys([queue]).get(queue)
+        return self._queue_keys[queue]
+
+    def _recover_sink(self, store: StateStore) -> None:
+        """Finish making visible any batch output that was committed but not renamed."""
+        if self._sink is None:
+            return
+        pending = store.pending_sink_records()
+        for token, staged in pending.items():
+            self._sink.publish(token, staged)
+            store.forget_sink_record(token)
+        self._sink.sweep_orphans(set(pending.values()))
+
+
+def run_worker(
+    stream: str,
+    pipeline: str,
+    *,
+    sink: str | None = None,
+    mode: str | None = None,
+    buckets: int | None = None,
+    until_idle: float | None = None,
+    queues_seen: Sequence[str] = (),
+) -> Worker:
+    """Build and run a worker with settings from the environment (for the CLI)."""
+    del queues_seen
+    worker = Worker(stream, pipeline, sink=sink, mode=mode, buckets=buckets)
+    worker.run(until_idle=until_idle)
+    return worker

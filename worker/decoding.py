@@ -1,0 +1,74 @@
+"""Turning deliveries into pipeline rows, or into a reason to dead-letter them at once.
+
+A payload must be JSON text (a JSON object from the producer SDK, or bytes that are UTF-8
+JSON); anything else can never succeed however often it is retried.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+
+from broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_PUBLISHED_AT, HEADER_SEQ
+from worker.deliveries import Delivery
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """A decoded delivery: what a pipeline sees of it, and where it came from."""
+
+    delivery: Delivery
+    key: str
+    producer: str | None
+    seq: int | None
+    published_at_ms: int | None
+    payload: str
+
+
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    delivery: Delivery
+    reason: str
+    key: str | None
+    producer: str | None
+    seq: int | None
+
+
+def _text(value: object) -> str | None:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    return value if isinstance(value, str) else None
+
+
+def _integer(value: object) -> int | None:
+    if isinstance(value, bool):
+        return None
+    return value if isinstance(value, int) else None
+
+
+def decode(delivery: Delivery, fallback_key: str | None = None) -> Event | Undecodable:
+    """Decode one delivery; ``fallback_key`` is the registry's key for a key-mode queue."""
+    headers = delivery.headers
+    key = _text(headers.get(HEADER_KEY)) or fallback_key
+    producer = _text(headers.get(HEADER_PRODUCER))
+    seq = _integer(headers.get(HEADER_SEQ))
+    if producer is None or seq is None:
+        producer, seq = None, None  # not from keyq's SDK: no dedup identity
+    if key is None:
+        return Undecodable(delivery, f"missing header {HEADER_KEY}", None, producer, seq)
+    try:
+        text = delivery.body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return Undecodable(
+            delivery, f"undecodable payload: not UTF-8 ({exc.reason})", key, producer, seq
+        )
+    try:
+        orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        return Undecodable(delivery, f"undecodable payload: not JSON ({exc})", key, producer, seq)
+    published = _integer(headers.get(HEADER_PUBLISHED_AT))
+    return Event(delivery, key, producer, seq, published, text)

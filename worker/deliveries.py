@@ -1,0 +1,135 @@
+"""Messages delivered to a worker and not yet settled, per queue, in arrival order.
+
+The AMQP thread appends; the batch loop takes from the front of each queue, so a batch always
+holds a prefix of each queue's unsettled messages and one ``ack(multiple)`` settles it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One message as the broker handed it to us on a queue's channel."""
+
+    queue: str
+    channel_epoch: int  # which consumer incarnation delivered it; acks go to that one only
+    delivery_tag: int
+    redelivered: bool
+    headers: dict[str, Any]
+    content_type: str | None
+    message_id: str | None
+    body: bytes
+    received_at: float = field(default_factory=time.monotonic)
+
+
+class DeliveryBuffer:
+    """Thread-safe per-queue FIFOs with a wake-up for the batch loop."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, deque[Delivery]] = {}
+        self._last_arrival: dict[str, float] = {}
+        self._count = 0
+        self._first_arrival: float | None = None
+        self._changed = threading.Condition()
+        self._woken = False
+
+    def add(self, delivery: Delivery) -> None:
+        with self._changed:
+            self._queues.setdefault(delivery.queue, deque()).append(delivery)
+            self._last_arrival[delivery.queue] = delivery.received_at
+            self._count += 1
+            if self._first_arrival is None:
+                self._first_arrival = delivery.received_at
+            self._changed.notify_all()
+
+    def wake(self) -> None:
+        """Make a waiting ``take`` return early (shutdown, releases to apply)."""
+        with self._changed:
+            self._woken = True
+            self._changed.notify_all()
+
+    def __len__(self) -> int:
+        with self._changed:
+            return self._count
+
+    def depth(self, queue: str) -> int:
+        with self._changed:
+            return len(self._queues.get(queue, ()))
+
+    def last_arrival(self, queue: str) -> float | None:
+        with self._changed:
+            return self._last_arrival.get(queue)
+
+    def take(self, max_events: int, max_wait_s: float, idle_wait_s: float) -> list[Delivery]:
+        """A batch: wait up to ``idle_wait_s`` for a first event, then until ``max_events``
+        are buffered or ``max_wait_s`` passed since the oldest arrived; [] if woken or idle."""
+        with self._changed:
+            deadline = time.monotonic() + idle_wait_s
+            while self._count == 0 and not self._woken:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return []
+                self._changed.wait(left)
+            while self._count < max_events and not self._woken:
+                assert self._first_arrival is not None
+                left = self._first_arrival + max_wait_s - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            self._woken = False
+            return self._take_locked(max_events)
+
+    def _take_locked(self, max_events: int) -> list[Delivery]:
+        taken: list[Delivery] = []
+        for fifo in self._queues.values():
+            while fifo and len(taken) < max_events:
+                taken.append(fifo.popleft())
+        self._count -= len(taken)
+        self._reset_first_arrival()
+        return taken
+
+    def put_back(self, deliveries: Iterable[Delivery]) -> None:
+        """Return unsettled deliveries to the front of their queues, in their order."""
+        by_queue: dict[str, list[Delivery]] = {}
+        for delivery in deliveries:
+            by_queue.setdefault(delivery.queue, []).append(delivery)
+        with self._changed:
+            for queue, items in by_queue.items():
+                fifo = self._queues.setdefault(queue, deque())
+                fifo.extendleft(reversed(items))
+                self._count += len(items)
+            self._reset_first_arrival()
+
+    def drop(self, queue: str, channel_epoch: int | None = None) -> int:
+        """Forget a queue's buffered deliveries (the broker requeues them when the channel
+        closes); with an epoch, only those of that consumer incarnation or older."""
+        with self._changed:
+            fifo = self._queues.get(queue)
+            if not fifo:
+                self._queues.pop(queue, None)
+                self._last_arrival.pop(queue, None)
+                return 0
+            if channel_epoch is None:
+                kept: deque[Delivery] = deque()
+            else:
+                kept = deque(d for d in fifo if d.channel_epoch > channel_epoch)
+            dropped = len(fifo) - len(kept)
+            if kept:
+                self._queues[queue] = kept
+            else:
+                self._queues.pop(queue, None)
+                self._last_arrival.pop(queue, None)
+            self._count -= dropped
+            self._reset_first_arrival()
+            return dropped
+
+    def _reset_first_arrival(self) -> None:
+        heads = [fifo[0].received_at for fifo in self._queues.values() if fifo]
+        self._first_arrival = min(heads) if heads else None

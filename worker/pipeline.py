@@ -1,0 +1,88 @@
+"""The pipeline contract: ``function(df, ctx) -> DataFrame | None``.
+
+``df`` holds one micro-batch with the columns of ``BATCH_COLUMNS``, each queue's events in
+arrival order; events already applied are not in it. ``ctx`` carries the batch id, the worker
+id, the SparkSession and ``ctx.state``, the exactly-once keyed state.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
+
+from broker.errors import ConfigurationError, PipelineError
+from worker.fold import STATE_SCHEMA_DDL, Reducer, make_folder
+from worker.state_store import StateStore
+
+Pipeline = Callable[[Any, "BatchContext"], Any]
+
+
+class KeyedState:
+    """Per-key state that survives batches, failovers and restarts.
+
+    ``fold(df, reducer)`` runs ``reducer(state, event) -> state`` over each key's events in
+    arrival order, in Spark, starting from the key's committed state (None for a new key), and
+    returns a DataFrame of ``key, state (JSON), applied``. The worker commits those states
+    with the batch, fenced by the queues' locks, so each event changes state exactly once.
+    """
+
+    def __init__(self, store: StateStore, keys: Sequence[str], partitions: int) -> None:
+        self._store = store
+        self._keys = keys
+        self._partitions = partitions
+        self.folded: Any = None
+
+    def fold(self, df: Any, reducer: Reducer) -> Any:
+        """Fold ``df`` (the batch, or a filter/select of it: arrival order must survive)."""
+        if self.folded is not None:
+            raise PipelineError("ctx.state.fold may be called once per batch")
+        prior = self._store.states(self._keys)
+        ordered = df.select("key", "payload", "producer", "seq").withColumn(
+            "_arrival", F.monotonically_increasing_id()
+        )
+        self.folded = (
+            ordered.repartition(self._partitions, "key")
+            .sortWithinPartitions("key", "_arrival")
+            .drop("_arrival")
+            .mapInArrow(make_folder(reducer, prior), STATE_SCHEMA_DDL)
+        )
+        return self.folded
+
+    def get(self, key: str) -> Any | None:
+        """The committed state of ``key`` (before this batch)."""
+        return self._store.get(key)
+
+
+@dataclass
+class BatchContext:
+    """What a pipeline knows about the batch it is given."""
+
+    batch_id: str
+    worker_id: str
+    stream: str
+    spark: Any
+    state: KeyedState
+    queues: Sequence[str]
+    attempt: int = 1
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+def load_pipeline(spec: str) -> Pipeline:
+    """Import ``module:function`` (or ``module.function``)."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep:
+        module_name, _, attribute = spec.rpartition(".")
+    if not module_name or not attribute:
+        raise ConfigurationError(f"pipeline {spec!r} must be written module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigurationError(f"cannot import pipeline module {module_name!r}: {exc}") from None
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise ConfigurationError(f"pipeline {spec!r}: {attribute!r} is not a function")
+    return function  # type: ignore[no-any-return]
