@@ -66,5 +66,73 @@ def publish(
         click.echo(f"{receipt.key}\t{receipt.queue}\tseq={receipt.seq}")
 
 
+@cli.command("worker")
+@click.option("--stream", required=True, help="Stream to process.")
+@click.option(
+    "--pipeline", required=True, help="The pipeline as module:function, e.g. keyq.orders:pipeline."
+)
+@click.option("--sink", default=None, help="Batch output: parquet:/path/to/folder (default none).")
+@click.option("--mode", type=click.Choice(["key", "bucket"]), default=None)
+@click.option("--buckets", type=int, default=None)
+@click.option(
+    "--until-idle",
+    type=float,
+    default=None,
+    help="Stop by itself once nothing arrived for this many seconds (drain mode).",
+)
+@click.option("--worker-id", default=None, help="Name in membership and locks (default host-pid).")
+@click.option("--log-level", default="INFO", show_default=True)
+def worker_command(
+    *,
+    stream: str,
+    pipeline: str,
+    sink: str | None,
+    mode: str | None,
+    buckets: int | None,
+    until_idle: float | None,
+    worker_id: str | None,
+    log_level: str,
+) -> None:
+    """Claim the stream's queues and process them in micro-batches on Spark.
+
+    SIGTERM or Ctrl-C finishes the batch in flight, commits, acks and hands every queue back
+    before exiting 0.
+    """
+    from keyq.daemons import run_worker_daemon  # noqa: PLC0415 - keeps Spark out of other commands
+
+    try:
+        run_worker_daemon(
+            stream=stream,
+            pipeline=pipeline,
+            sink=sink,
+            mode=mode,
+            buckets=buckets,
+            until_idle=until_idle,
+            worker_id=worker_id,
+            log_level=log_level,
+        )
+    except KeyqError as exc:
+        _fail(exc)
+
+
+@cli.command("state")
+@click.option("--stream", required=True, help="Stream name.")
+@click.option("--key", required=True, help="The key whose state to print.")
+@click.option("--marks", is_flag=True, help="Also print the exactly-once marks (per producer).")
+def state_command(stream: str, key: str, marks: bool) -> None:
+    """Print a key's committed state as JSON (exit 1 if it has none)."""
+    from keyq.daemons import read_state  # noqa: PLC0415 - keeps Spark out of other commands
+
+    try:
+        found, value, key_marks = read_state(stream, key)
+    except KeyqError as exc:
+        _fail(exc)
+    if not found:
+        click.echo(f"keyq: no state for key {key!r} in stream {stream!r}", err=True)
+        sys.exit(EXIT_FAILURE)
+    shown: Any = {"key": key, "state": value, "marks": key_marks} if marks else value
+    click.echo(orjson.dumps(shown, option=orjson.OPT_INDENT_2).decode())
+
+
 def main() -> None:
     cli()

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 import pika
@@ -172,3 +173,34 @@ def amqp(settings: Settings) -> Iterator[pika.BlockingConnection]:
     yield connection
     with suppress(Exception):
         connection.close()
+
+
+@pytest.fixture
+def workers(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Start worker processes with ``workers(stream, **options)``; all are killed at the end,
+    and the logs of a failed test are kept in its temporary folder."""
+    from tests.workers import WorkerProcess
+
+    started: list[WorkerProcess] = []
+    log_dir = tmp_path_factory.mktemp("worker-logs")
+
+    def start(stream_name: str, **options: Any) -> WorkerProcess:
+        process = WorkerProcess(settings, stream_name, log_dir, **options)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.close()
+
+
+@pytest.fixture(scope="session")
+def spark_engine(services: Settings) -> Iterator[Any]:
+    """One in-process SparkSession for tests that run a Worker in the test process."""
+    from worker.config import WorkerSettings
+    from worker.engine import SparkEngine
+
+    engine = SparkEngine(load_settings(WorkerSettings, spark_master="local[2]"), "keyq-tests")
+    engine.start()
+    yield engine
+    engine.stop()

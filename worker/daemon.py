@@ -139,14 +139,14 @@ class Worker:
         settings = self.settings
         client = open_redis(settings, client_name=client_name(self.worker_id))
         try:
+            if self._engine is None:
+                self._engine = SparkEngine(settings, f"keyq-worker-{self.worker_id}")
+                self._engine.start()
             self.config = self._stream_config(client)
             if self._stop.is_set():
                 return
             store = StateStore(client, self.stream)
             self._recover_sink(store)
-            if self._engine is None:
-                self._engine = SparkEngine(settings, f"keyq-worker-{self.worker_id}")
-                self._engine.start()
             self._serve(client, store, until_idle)
         finally:
             client.close()

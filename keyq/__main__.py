@@ -1,0 +1,5 @@
+"""``python -m keyq`` is the ``keyq`` command."""
+
+from keyq.cli import main
+
+main()

@@ -1,0 +1,112 @@
+"""Running keyq's daemons from the command line: logging, signals, bounded shutdown."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+import orjson
+
+from broker.connections import open_redis, redis_errors
+from broker.naming import check_stream_name, encode_key
+from broker.settings import Settings, load_settings
+from worker.config import WorkerSettings
+from worker.daemon import Worker
+from worker.state_store import StateStore
+
+EXIT_UNCLEAN = 1
+
+
+class _Context(logging.Filter):
+    """Stamps every log line with the stream and the worker it is about."""
+
+    def __init__(self, stream: str, worker: str) -> None:
+        super().__init__()
+        self.stream = stream
+        self.worker = worker
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.stream = self.stream
+        record.worker = self.worker
+        return True
+
+
+def configure_logging(level: str, stream: str, worker: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        logging.Formatter(
+            "%(asctime)s %(levelname)s %(name)s stream=%(stream)s worker=%(worker)s %(message)s"
+        )
+    )
+    handler.addFilter(_Context(stream, worker))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for noisy in ("pika", "py4j"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def run_worker_daemon(
+    *,
+    stream: str,
+    pipeline: str,
+    sink: str | None,
+    mode: str | None,
+    buckets: int | None,
+    until_idle: float | None,
+    worker_id: str | None,
+    log_level: str,
+) -> None:
+    settings = load_settings(WorkerSettings)
+    worker = Worker(
+        stream,
+        pipeline,
+        sink=sink,
+        mode=mode,
+        buckets=buckets,
+        settings=settings,
+        worker_id=worker_id,
+    )
+    configure_logging(log_level, stream, worker.worker_id)
+    log = logging.getLogger("keyq.worker")
+    log.info("settings: %s", settings.describe())
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if worker_stopping.is_set():
+            log.warning("second signal: exiting now; unacked events go back to their queues")
+            os._exit(EXIT_UNCLEAN)
+        worker_stopping.set()
+        log.info("signal %d: finishing the batch in flight, then handing queues back", signum)
+        worker.stop()
+        watchdog = threading.Timer(settings.shutdown_timeout, _give_up, args=(log,))
+        watchdog.daemon = True
+        watchdog.start()
+
+    worker_stopping = threading.Event()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    worker.run(until_idle=until_idle)
+
+
+def _give_up(log: logging.Logger) -> None:
+    log.error("shutdown took longer than shutdown_timeout; exiting without waiting")
+    os._exit(EXIT_UNCLEAN)
+
+
+def read_state(stream: str, key: str) -> tuple[bool, Any, dict[str, Any]]:
+    """(found, state, marks) of a key, straight from Redis."""
+    check_stream_name(stream)
+    encode_key(key)
+    settings: Settings = load_settings()
+    client = open_redis(settings)
+    with redis_errors(settings.redis_url):
+        store = StateStore(client, stream)
+        raw = store.states([key]).get(key)
+        marks = store.get_marks(key)
+    client.close()
+    value = None if raw is None else orjson.loads(raw)
+    return raw is not None, value, {"producers": marks.seqs, "applied": marks.applied}

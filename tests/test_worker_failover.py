@@ -1,0 +1,108 @@
+"""Workers as real processes, killed with kill -9, added and removed mid-run: every event
+published is applied exactly once, in order, per key (checked by the audit fold's evidence)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from producer import Producer
+from tests.workers import held_by, wait_until
+from worker.state_store import StateStore
+
+pytestmark = pytest.mark.slow
+
+
+class Publisher(threading.Thread):
+    """Publishes n events per key, in rounds, at a steady pace, in the background."""
+
+    def __init__(self, stream: str, mode: str, keys: list[str], per_key: int, pace_s: float):
+        super().__init__(daemon=True)
+        self.stream, self.mode, self.keys, self.per_key, self.pace_s = (
+            stream,
+            mode,
+            keys,
+            per_key,
+            pace_s,
+        )
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            buckets = 8 if self.mode == "bucket" else None
+            with Producer(self.stream, mode=self.mode, buckets=buckets) as producer:
+                for n in range(1, self.per_key + 1):
+                    for key in self.keys:
+                        producer.publish(key, {"n": n, "producer": "p"})
+                    if n % 20 == 0:
+                        producer.flush()
+                        time.sleep(self.pace_s)
+                producer.flush()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+def check_exactly_once(store: StateStore, keys: list[str], per_key: int) -> None:
+    problems: dict[str, Any] = {}
+    for key in keys:
+        state = store.get(key)
+        if state is None:
+            problems[key] = "no state"
+        elif state["applied"] != per_key or state["violations"] or state["last"] != {"p": per_key}:
+            problems[key] = {
+                "applied": state["applied"],
+                "last": state["last"],
+                "violations": state["violations"][:5],
+            }
+    assert not problems, f"{len(problems)} keys wrong: {dict(list(problems.items())[:5])}"
+
+
+def wait_applied(store: StateStore, keys: list[str], per_key: int, timeout: float) -> None:
+    def all_applied() -> bool:
+        for key in keys:
+            state = store.get(key)
+            if state is None or state["applied"] < per_key:
+                return False
+        return True
+
+    try:
+        wait_until(all_applied, timeout, "every event to be applied", every=0.5)
+    except AssertionError:
+        check_exactly_once(store, keys, per_key)  # says which keys are short
+        raise
+
+
+@pytest.mark.parametrize("mode", ["key", "bucket"])
+def test_kill_add_and_remove_workers_mid_run(mode: str, stream: Any, workers: Any) -> None:
+    keys = [f"order-{i}" for i in range(12)]
+    per_key = 300
+    store = StateStore(stream.redis, stream.name)
+    options = {"mode": mode, "buckets": 8 if mode == "bucket" else None}
+    first = workers(stream.name, **options)
+    second = workers(stream.name, **options)
+    first.wait_ready()
+    second.wait_ready()
+    publisher = Publisher(stream.name, mode, keys, per_key, pace_s=0.15)
+    publisher.start()
+
+    def progress() -> int:
+        return sum((store.get(k) or {"applied": 0})["applied"] for k in keys)
+
+    wait_until(lambda: progress() > len(keys) * 30, 60, "processing to start")
+    first.kill()  # kill -9 mid-run
+    third = workers(stream.name, **options).wait_ready()  # scale up mid-run
+    wait_until(lambda: progress() > len(keys) * 150, 90, "processing to go on")
+    assert second.terminate() == 0  # scale down: a clean hand-over
+    assert "stopped" in second.log()
+    publisher.join(120)
+    assert publisher.error is None, publisher.error
+    wait_applied(store, keys, per_key, timeout=90)
+    check_exactly_once(store, keys, per_key)
+    assert third.process.poll() is None
+    assert set(held_by(stream.redis, stream.name)) <= {third.worker_id}

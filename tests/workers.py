@@ -1,0 +1,155 @@
+"""Worker daemons as real processes, for tests that kill, pause and restart them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from broker.locks import FencedLocks
+from broker.registry import QueueRegistry
+from broker.settings import Settings
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Fast failover for tests: short ttls, small batches so runs see many commits.
+FAST = {
+    "KEYQ_LOCK_TTL_MS": "2000",
+    "KEYQ_MEMBER_TTL_MS": "2000",
+    "KEYQ_TICK_MS": "200",
+    "KEYQ_SCAN_INTERVAL_MS": "500",
+    "KEYQ_BATCH_MAX_EVENTS": "500",
+    "KEYQ_BATCH_MAX_MS": "200",
+    "KEYQ_SPARK_MASTER": "local[1]",
+    "KEYQ_AMQP_HEARTBEAT": "2",
+}
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(every)
+
+
+class WorkerProcess:
+    """``python -m keyq worker`` in a subprocess, its log in a file."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        stream: str,
+        log_dir: Path,
+        *,
+        pipeline: str = "tests.pipelines:audit",
+        sink: str | None = None,
+        env: Mapping[str, str] | None = None,
+        until_idle: float | None = None,
+        name: str | None = None,
+        mode: str | None = None,
+        buckets: int | None = None,
+    ) -> None:
+        self.worker_id = name or f"w-{uuid.uuid4().hex[:8]}"
+        self.stream = stream
+        self.log_path = log_dir / f"{self.worker_id}.log"
+        command = [
+            sys.executable,
+            "-m",
+            "keyq",
+            "worker",
+            "--stream",
+            stream,
+            "--pipeline",
+            pipeline,
+            "--worker-id",
+            self.worker_id,
+        ]
+        if sink:
+            command += ["--sink", sink]
+        if mode is not None:
+            command += ["--mode", mode]
+        if buckets is not None:
+            command += ["--buckets", str(buckets)]
+        if until_idle is not None:
+            command += ["--until-idle", str(until_idle)]
+        environment = dict(os.environ)
+        environment.update(
+            {
+                "KEYQ_AMQP_URL": settings.amqp_url,
+                "KEYQ_REDIS_URL": settings.redis_url,
+                "PYTHONPATH": str(REPO),
+                **FAST,
+                **(env or {}),
+            }
+        )
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=environment, cwd=REPO
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 90) -> WorkerProcess:
+        def ready() -> bool:
+            if self.process.poll() is not None:
+                raise AssertionError(f"worker exited early:\n{self.log()[-3000:]}")
+            return "serving stream" in self.log()
+
+        wait_until(ready, timeout, f"worker {self.worker_id} to start")
+        return self
+
+    def kill(self) -> None:
+        """kill -9: no cleanup of any kind."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+    def terminate(self, timeout: float = 60) -> int:
+        """SIGTERM and wait for a clean exit; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+    def pause(self) -> None:
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.process.send_signal(signal.SIGCONT)
+
+    def wait(self, timeout: float) -> int:
+        return self.process.wait(timeout)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+            self.process.kill()
+            self.process.wait(10)
+        self._log.close()
+
+
+def held_by(client: redis.Redis, stream: str) -> dict[str, list[str]]:
+    """worker id -> queues whose lock it holds now."""
+    queues = list(QueueRegistry(client, stream).queues())
+    holders = FencedLocks(client, stream).holders(queues)
+    owners: dict[str, list[str]] = {}
+    for queue, lease in holders.items():
+        if lease is not None:
+            owners.setdefault(lease.owner, []).append(queue)
+    return owners
