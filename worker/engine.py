@@ -91,11 +91,13 @@ class SparkEngine:
         started = time.monotonic()
         settings = self._settings
         builder: Any = SparkSession.builder.appName(self._app_name)
+        # Spark's Python workers must run an interpreter that has keyq and the pipeline; for
+        # a local master (or a local Spark Connect server) that is this one. A cluster's
+        # executors need keyq installed and PYSPARK_PYTHON set on their side.
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         if settings.spark_remote:
             builder = builder.remote(settings.spark_remote)
         else:
-            # Spark's Python workers must run the interpreter that has keyq and the pipeline.
-            os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
             builder = (
                 builder.master(settings.spark_master)
                 .config("spark.ui.enabled", "false")
