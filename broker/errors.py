@@ -93,3 +93,7 @@ class CommitRefused(LockLost):
     def __init__(self, message: str, lost: frozenset[str]) -> None:
         super().__init__(message)
         self.lost = lost
+
+
+class SparkUnavailable(ConnectionFailed):
+    """The Spark session or cluster is gone; batches wait for it and are never blamed."""

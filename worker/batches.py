@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.errors import CommitRefused, KeyqError, PipelineError
+from broker.errors import CommitRefused, KeyqError, PipelineError, SparkUnavailable
 from broker.locks import Lease
 from broker.registry import QueueRegistry
 from worker.config import WorkerSettings
@@ -61,6 +61,23 @@ def describe_failure(exc: BaseException) -> str:
         if ": " in line and not line.startswith(("at ", "File ")):
             return f"pipeline failed: {line}"[:1000]
     return f"pipeline failed: {type(exc).__name__}: {lines[0] if lines else ''}"[:1000]
+
+
+_SPARK_DOWN_SIGNS = (
+    "Py4JNetworkError",
+    "Connection refused",
+    "SparkContext was shut down",
+    "Cannot call methods on a stopped SparkContext",
+    "StatusCode.UNAVAILABLE",
+    "Answer from Java side is empty",
+)
+
+
+def spark_unavailable(exc: BaseException) -> bool:
+    """Whether a failure is Spark itself being gone, rather than the pipeline failing on
+    these events: such batches wait and retry, and are never dead-lettered."""
+    text = f"{type(exc).__name__}: {exc}"
+    return any(sign in text for sign in _SPARK_DOWN_SIGNS)
 
 
 class BatchProcessor:
@@ -225,6 +242,12 @@ class BatchProcessor:
             if self._sink is not None and output is not None and output.num_rows:
                 staged = self._sink.stage(output, batch_id)
 
+        if fresh_letters:
+            # Before the commit: once the marks move past a dead event, a redelivery would
+            # skip it, so its copy must be safe in the dead-letter queue first.
+            self._link.dead_letter(
+                [DeadLetter(letter.delivery, letter.reason, attempt) for letter in fresh_letters]
+            )
         lost = self._store.commit(
             list(leases.values()),
             new_marks,
@@ -238,10 +261,6 @@ class BatchProcessor:
         if staged is not None and self._sink is not None:
             self._sink.publish(batch_id, staged)
             self._store.forget_sink_record(batch_id)
-        if fresh_letters:
-            self._link.dead_letter(
-                [DeadLetter(letter.delivery, letter.reason, attempt) for letter in fresh_letters]
-            )
         self._ack(deliveries)
         try:
             self._registry.touch(leases)
@@ -312,6 +331,8 @@ class BatchProcessor:
                 raise
             raise PipelineError(str(exc)) from exc
         except Exception as exc:
+            if spark_unavailable(exc):
+                raise SparkUnavailable(f"Spark is unavailable: {describe_failure(exc)}") from exc
             raise PipelineError(describe_failure(exc)) from exc
         states: dict[str, str] = {}
         if folded is not None:

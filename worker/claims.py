@@ -110,6 +110,7 @@ class ClaimLoop:
         self._claiming.set()
         self._thread = threading.Thread(target=self._run, name="keyq-claims", daemon=True)
         self._first_round = threading.Event()
+        self._failing = False
         self.stats = ClaimStats()
 
     # ---- control --------------------------------------------------------------------------
@@ -152,8 +153,13 @@ class ClaimLoop:
             started = time.monotonic()
             try:
                 self._tick()
+                if self._failing:
+                    log.info("claim loop recovered")
+                    self._failing = False
             except (redis.exceptions.RedisError, OSError, KeyqError) as exc:
-                log.warning("claim loop: %s", exc)
+                if not self._failing:  # once per outage, not once per tick
+                    log.warning("claim loop cannot reach a service, retrying: %s", exc)
+                    self._failing = True
             except Exception:
                 log.exception("claim loop failed a tick")
             self._first_round.set()
