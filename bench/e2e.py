@@ -140,7 +140,8 @@ def committed_total(client: redis.Redis, stream: str) -> int:
 
 
 def applied_of(store: StateStore, keys: Sequence[str]) -> int:
-    return sum(int(store.get(key) or 0) for key in keys)
+    """Events applied to ``keys`` so far (one round trip)."""
+    return sum(int(raw) for raw in store.states(keys).values())
 
 
 def measure_e2e(
@@ -255,9 +256,11 @@ def measure_failover(
             victim_keys = [keys_of[q][0] for q in by_owner[victim.worker_id] if q in keys_of]
             victim.kill()
             killed_at = time.perf_counter()
-            baseline = {key: int(store.get(key) or 0) for key in victim_keys}
+            log(f"killed {victim.worker_id} holding {len(victim_keys)} queues")
+            baseline = {key: int(raw) for key, raw in store.states(victim_keys).items()}
             while True:
-                if any(int(store.get(k) or 0) > baseline[k] for k in victim_keys):
+                now = store.states(victim_keys)
+                if any(int(raw) > baseline.get(key, 0) for key, raw in now.items()):
                     break
                 if time.perf_counter() - killed_at > 60:
                     raise RuntimeError("a killed worker's queues were not taken over in 60 s")
@@ -313,8 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cleanup = Cleanup(settings)
     client = open_redis(settings)
     events = [(f"key-{i % args.keys}", {"n": i, "pad": "x" * 120}) for i in range(args.events)]
-    result: dict[str, Any] = {"benchmark": "e2e", "machine": machine, "params": vars(args)}
-    result["params"]["out"] = str(args.out) if args.out else None
+    params = {**vars(args), "out": str(args.out) if args.out else None}
+    result: dict[str, Any] = {"benchmark": "e2e", "machine": machine, "params": params}
     errors: list[str] = []
     workers: list[WorkerProcess] = []
     stream = f"bench-e2e-{uuid.uuid4().hex[:6]}"

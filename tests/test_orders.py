@@ -1,0 +1,638 @@
+"""The demo order pipeline: the reducer's rules, the demo traffic, and the pipeline on real
+workers, one of them killed with kill -9 mid-run. Every order must end in exactly the state a
+plain Python fold of its published events gives: in Redis, in the Parquet output, and as
+``keyq state`` prints it."""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping
+from itertools import pairwise
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+
+from broker.settings import Settings
+from keyq.orders import (
+    EVENT_TYPES,
+    MAX_INT64,
+    OrderState,
+    apply_order_event,
+    expected_states,
+    generate_orders,
+    new_order_state,
+    pipeline,
+)
+from producer import Producer
+from tests.conftest import StreamFixture
+from tests.workers import REPO, held_by, wait_until
+from worker.fold import FoldFailed, make_folder
+from worker.state_store import StateStore
+
+ORDER = "order-00001"
+
+
+def ev(kind: str, **fields: Any) -> dict[str, Any]:
+    return {"type": kind, "order": ORDER, **fields}
+
+
+def item(kind: str, sku: str, qty: int, price_cents: int) -> dict[str, Any]:
+    return ev(kind, sku=sku, qty=qty, price_cents=price_cents)
+
+
+def fold(events: list[dict[str, Any]], state: OrderState | None = None) -> OrderState | None:
+    for event in events:
+        state = apply_order_event(state, event)
+    return state
+
+
+def state_of(
+    status: str,
+    items: dict[str, int],
+    total_cents: int,
+    events_applied: int,
+    rejected: int = 0,
+) -> dict[str, Any]:
+    return {
+        "status": status,
+        "total_cents": total_cents,
+        "item_count": sum(items.values()),
+        "items": items,
+        "events_applied": events_applied,
+        "rejected": rejected,
+    }
+
+
+CART = [ev("created"), item("item_added", "a", 2, 150), item("item_added", "b", 1, 999)]
+
+
+# --------------------------------------------------------------------------- transitions
+
+
+def test_created_items_paid_shipped() -> None:
+    state: OrderState | None = apply_order_event(None, ev("created"))
+    assert state == state_of("created", {}, 0, 1)
+    state = fold(CART[1:], state)
+    assert state == state_of("created", {"a": 2, "b": 1}, 1299, 3)
+    state = fold([item("item_added", "a", 3, 150)], state)
+    assert state == state_of("created", {"a": 5, "b": 1}, 1749, 4)
+    state = fold([ev("paid")], state)
+    assert state == state_of("paid", {"a": 5, "b": 1}, 1749, 5)
+    assert fold([ev("shipped")], state) == state_of("shipped", {"a": 5, "b": 1}, 1749, 6)
+
+
+def test_item_removed_partly_and_wholly() -> None:
+    state = fold([*CART, item("item_removed", "a", 1, 150)])
+    assert state == state_of("created", {"a": 1, "b": 1}, 1149, 4)
+    state = fold([item("item_removed", "b", 1, 999)], state)
+    assert state == state_of("created", {"a": 1}, 150, 5)  # a sku at 0 leaves ``items``
+
+
+def test_free_items_count_but_cost_nothing() -> None:
+    state = fold([ev("created"), item("item_added", "gift", 3, 0), ev("paid")])
+    assert state == state_of("paid", {"gift": 3}, 0, 3)
+
+
+@pytest.mark.parametrize("paid_first", [False, True])
+def test_cancel_while_created_or_paid(paid_first: bool) -> None:
+    events = [*CART, *([ev("paid")] if paid_first else []), ev("cancelled")]
+    assert fold(events) == state_of("cancelled", {"a": 2, "b": 1}, 1299, len(events))
+
+
+REJECTED: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = [
+    ("item before created", [], item("item_added", "a", 1, 100)),
+    ("paid before created", [], ev("paid")),
+    ("cancelled before created", [], ev("cancelled")),
+    ("created twice", [ev("created")], ev("created")),
+    ("shipped before paid", CART, ev("shipped")),
+    ("paid with an empty cart", [ev("created")], ev("paid")),
+    ("removing more than present", CART, item("item_removed", "a", 3, 150)),
+    ("removing an absent sku", CART, item("item_removed", "zzz", 1, 150)),
+    ("removal that would make the total negative", CART, item("item_removed", "a", 2, 5000)),
+    ("item added after paid", [*CART, ev("paid")], item("item_added", "c", 1, 10)),
+    ("item removed after paid", [*CART, ev("paid")], item("item_removed", "a", 1, 150)),
+    ("paid twice", [*CART, ev("paid")], ev("paid")),
+    ("created after paid", [*CART, ev("paid")], ev("created")),
+    ("cancelled after shipped", [*CART, ev("paid"), ev("shipped")], ev("cancelled")),
+    ("shipped twice", [*CART, ev("paid"), ev("shipped")], ev("shipped")),
+    ("item added after shipped", [*CART, ev("paid"), ev("shipped")], item("item_added", "a", 1, 1)),
+    ("paid after cancelled", [*CART, ev("cancelled")], ev("paid")),
+    ("shipped after cancelled", [*CART, ev("paid"), ev("cancelled")], ev("shipped")),
+    ("item added after cancelled", [*CART, ev("cancelled")], item("item_added", "a", 1, 1)),
+    ("cancelled twice", [*CART, ev("cancelled")], ev("cancelled")),
+]
+
+
+@pytest.mark.parametrize(
+    ("prefix", "event"), [r[1:] for r in REJECTED], ids=[r[0] for r in REJECTED]
+)
+def test_invalid_transitions_are_counted_and_change_nothing_else(
+    prefix: list[dict[str, Any]], event: dict[str, Any]
+) -> None:
+    before = fold(prefix) or new_order_state()
+    after = apply_order_event(fold(prefix), event)
+    expected = {**before, "events_applied": before["events_applied"] + 1}
+    expected["rejected"] = before["rejected"] + 1
+    assert after == expected
+
+
+def test_a_total_that_would_not_fit_64_bits_is_rejected() -> None:
+    state = fold([ev("created"), item("item_added", "a", 1, MAX_INT64 - 10)])
+    assert state is not None and state["total_cents"] == MAX_INT64 - 10
+    after = apply_order_event(state, item("item_added", "a", 1, 11))
+    assert after["rejected"] == 1 and after["total_cents"] == MAX_INT64 - 10
+    orjson.dumps(after)  # still storable
+
+
+@pytest.mark.parametrize(
+    ("event", "words"),
+    [
+        ({"order": ORDER}, "no 'type'"),
+        ({"type": None, "order": ORDER}, "no 'type'"),
+        ({"type": "refunded", "order": ORDER}, "unknown order event type 'refunded'"),
+        ({"type": "CREATED", "order": ORDER}, "unknown order event type"),
+        ({"type": 3, "order": ORDER}, "unknown order event type 3"),
+        ({"type": ["created"], "order": ORDER}, "unknown order event type"),
+    ],
+)
+def test_unknown_or_missing_type_raises(event: dict[str, Any], words: str) -> None:
+    with pytest.raises(ValueError, match=words.replace("(", r"\(")) as raised:
+        apply_order_event(None, event)
+    if "unknown" in words:
+        assert "expected one of created, item_added" in str(raised.value)
+    with pytest.raises(ValueError):  # whatever the state
+        apply_order_event(fold([*CART, ev("paid")]), event)
+
+
+@pytest.mark.parametrize(
+    ("event", "words"),
+    [
+        ({"type": "created"}, "'order' must be a non-empty string"),
+        ({"type": "paid", "order": ""}, "'order' must be a non-empty string"),
+        (item("item_added", "a", 0, 100), "'qty' must be an integer >= 1"),
+        (item("item_added", "a", -2, 100), "'qty' must be an integer >= 1"),
+        (ev("item_added", sku="a", qty=1.5, price_cents=100), "'qty' must be an integer"),
+        (ev("item_added", sku="a", qty=True, price_cents=100), "'qty' must be an integer"),
+        (ev("item_added", sku="a", qty="2", price_cents=100), "'qty' must be an integer"),
+        (ev("item_added", sku="a", qty=1, price_cents=9.99), "'price_cents' must be an integer"),
+        (item("item_removed", "a", 1, -1), "'price_cents' must be an integer >= 0"),
+        (ev("item_added", sku="a", qty=1), "'price_cents' must be an integer"),
+        (ev("item_added", qty=1, price_cents=1), "'sku' must be a non-empty string"),
+        (item("item_removed", "", 1, 1), "'sku' must be a non-empty string"),
+    ],
+)
+def test_malformed_events_raise(event: dict[str, Any], words: str) -> None:
+    # Malformed events are poison whatever the status: even where the transition would be
+    # rejected anyway, so the dead-letter queue shows every broken producer.
+    for state in (None, fold(CART), fold([*CART, ev("paid"), ev("shipped")])):
+        with pytest.raises(ValueError, match=words):
+            apply_order_event(state, event)
+
+
+@pytest.mark.parametrize("event", [["created"], "created", 7, None])
+def test_an_event_that_is_not_an_object_raises(event: Any) -> None:
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        apply_order_event(None, event)
+
+
+def test_the_reducer_never_modifies_its_input() -> None:
+    state = fold(CART)
+    assert state is not None
+    frozen = copy.deepcopy(state)
+    for event in (item("item_added", "a", 1, 1), item("item_removed", "a", 2, 150), ev("paid")):
+        apply_order_event(state, event)
+        assert state == frozen
+    rejected = apply_order_event(state, ev("shipped"))
+    assert state == frozen and rejected["items"] is not state["items"]
+
+
+def test_the_reducer_and_the_pipeline_pickle_by_reference() -> None:
+    """Spark ships the reducer by module and name, so its workers import keyq.orders."""
+    assert pickle.loads(pickle.dumps(apply_order_event)) is apply_order_event
+
+
+def test_the_pipeline_folds_with_the_order_reducer() -> None:
+    from worker.pipeline import load_pipeline
+
+    assert load_pipeline("keyq.orders:pipeline") is pipeline
+    calls: list[tuple[Any, Any]] = []
+
+    class State:
+        def fold(self, df: Any, reducer: Any) -> str:
+            calls.append((df, reducer))
+            return "folded"
+
+    class Context:
+        state = State()
+
+    assert pipeline("df", Context()) == "folded"  # type: ignore[arg-type]
+    assert calls == [("df", apply_order_event)]
+
+
+# --------------------------------------------------------------------------- properties
+
+SKUS = st.sampled_from(["a", "b", "c"])
+ITEM_EVENTS = st.builds(
+    item,
+    st.sampled_from(["item_added", "item_removed"]),
+    SKUS,
+    st.integers(1, 5),
+    st.sampled_from([0, 1, 250, 999]),
+)
+STATUS_EVENTS = st.builds(ev, st.sampled_from(["created", "paid", "cancelled", "shipped"]))
+EVENT_LISTS = st.lists(
+    st.one_of(ITEM_EVENTS, ITEM_EVENTS, ITEM_EVENTS, STATUS_EVENTS, STATUS_EVENTS), max_size=40
+)
+
+
+def only_ints_and_strings(value: Any) -> bool:
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and only_ints_and_strings(v) for k, v in value.items())
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+@given(EVENT_LISTS)
+def test_invariants_hold_after_any_events(events: list[dict[str, Any]]) -> None:
+    state = fold(events)
+    if state is None:
+        assert events == []
+        return
+    assert state["events_applied"] == len(events)
+    assert 0 <= state["rejected"] <= len(events)
+    assert state["status"] in ("new", "created", "paid", "cancelled", "shipped")
+    assert state["item_count"] == sum(state["items"].values())
+    assert all(qty > 0 for qty in state["items"].values())
+    assert state["total_cents"] >= 0
+    assert only_ints_and_strings(state)  # money in integer cents, no floats anywhere
+    assert orjson.loads(orjson.dumps(state)) == state
+    assert fold(events) == state  # deterministic
+    if state["status"] == "new":
+        assert state["items"] == {} and state["rejected"] == len(events)
+    if state["status"] in ("paid", "shipped"):
+        assert state["item_count"] > 0
+
+
+@given(EVENT_LISTS, st.integers(0, 40))
+def test_batch_boundaries_do_not_change_the_result(events: list[dict[str, Any]], cut: int) -> None:
+    """The worker stores a state as JSON between batches and goes on from it."""
+    first = fold(events[:cut])
+    stored = None if first is None else orjson.loads(orjson.dumps(first))
+    assert fold(events[cut:], stored) == fold(events)
+
+
+# --------------------------------------------------------------------------- demo traffic
+
+
+def test_generate_orders_is_deterministic_for_a_seed() -> None:
+    first = generate_orders(40, 600, seed=11)
+    assert first == generate_orders(40, 600, seed=11)
+    assert first != generate_orders(40, 600, seed=12)
+    assert len(first) == 600
+
+
+@pytest.mark.parametrize(("orders", "events"), [(0, 0), (0, 10), (10, 9), (-1, 5)])
+def test_generate_orders_refuses_impossible_sizes(orders: int, events: int) -> None:
+    with pytest.raises(ValueError, match="orders"):
+        generate_orders(orders, events, seed=1)
+
+
+def test_the_demo_traffic_looks_like_real_orders() -> None:
+    pairs = generate_orders(150, 3000, seed=2024)
+    assert len(pairs) == 3000
+    counts = Counter(order for order, _ in pairs)
+    assert sorted(counts) == [f"order-{n:05d}" for n in range(1, 151)]
+    assert max(counts.values()) >= 20 * median(counts.values())  # skewed: a few hot orders
+    assert sum(sorted(counts.values())[-15:]) >= 3000 // 2  # the top 10% carry half
+    first_seen: dict[str, dict[str, Any]] = {}
+    for order, event in pairs:
+        assert event["order"] == order
+        assert event["type"] in EVENT_TYPES
+        assert only_ints_and_strings(event)
+        first_seen.setdefault(order, event)
+    assert all(event["type"] == "created" for event in first_seen.values())
+    # Interleaved: no order is published in one block.
+    switches = sum(1 for a, b in pairwise(pairs) if a[0] != b[0])
+    assert switches > 1500
+    states = expected_states(pairs)
+    assert all(states[o]["events_applied"] == n for o, n in counts.items())
+    statuses = Counter(state["status"] for state in states.values())
+    assert {"created", "paid", "shipped", "cancelled"} <= set(statuses)
+    rejected = sum(state["rejected"] for state in states.values())
+    assert 0.01 * len(pairs) <= rejected <= 0.06 * len(pairs)
+
+
+@hypothesis_settings(max_examples=30, deadline=None)
+@given(st.integers(1, 30), st.integers(0, 200), st.integers(0, 2**32))
+def test_every_generated_stream_is_a_sensible_lifecycle(orders: int, extra: int, seed: int) -> None:
+    pairs = generate_orders(orders, orders + extra, seed)
+    assert len(pairs) == orders + extra
+    states = expected_states(pairs)  # no event is poison
+    assert sum(state["events_applied"] for state in states.values()) == len(pairs)
+    for state in states.values():
+        assert state["status"] != "new"
+    seen: set[str] = set()
+    for order, event in pairs:
+        assert (event["type"] == "created") or order in seen
+        seen.add(order)
+
+
+def test_expected_states_is_the_fold_of_each_order_in_publish_order() -> None:
+    a1: dict[str, Any] = {"type": "created", "order": "order-00001"}
+    b1 = {"type": "created", "order": "order-00002"}
+    a2 = {"type": "item_added", "order": "order-00001", "sku": "x", "qty": 2, "price_cents": 5}
+    b2 = {"type": "shipped", "order": "order-00002"}
+    a3 = {"type": "paid", "order": "order-00001"}
+    pairs: list[tuple[str, dict[str, Any]]] = [
+        ("order-00001", a1),
+        ("order-00002", b1),
+        ("order-00001", a2),
+    ]
+    pairs += [("order-00002", b2), ("order-00001", a3)]
+    assert expected_states(pairs) == {
+        "order-00001": apply_order_event(apply_order_event(apply_order_event(None, a1), a2), a3),
+        "order-00002": apply_order_event(apply_order_event(None, b1), b2),
+    }
+    assert expected_states(pairs)["order-00001"] == state_of("paid", {"x": 2}, 10, 3)
+    assert expected_states(pairs)["order-00002"] == state_of("created", {}, 0, 2, rejected=1)
+
+
+def test_expected_states_skips_poison_as_the_worker_dead_letters_it() -> None:
+    pairs = [
+        ("order-00001", ev("created")),
+        ("order-00001", {"type": "refunded", "order": ORDER}),
+        ("order-00001", item("item_added", "a", 1, 100)),
+        ("order-00002", {"order": "order-00002"}),
+    ]
+    assert expected_states(pairs) == {"order-00001": state_of("created", {"a": 1}, 100, 2)}
+
+
+# --------------------------------------------------------------------------- the worker's fold
+
+
+def batch(rows: list[tuple[str, dict[str, Any]]]) -> pa.RecordBatch:
+    """Rows as the worker's fold gets them: sorted by key, in arrival order per key."""
+    ordered = sorted(enumerate(rows), key=lambda row: (row[1][0], row[0]))
+    return pa.RecordBatch.from_pydict(
+        {
+            "key": [key for _, (key, _) in ordered],
+            "payload": [orjson.dumps(event).decode() for _, (_, event) in ordered],
+            "producer": ["p"] * len(rows),
+            "seq": [n for n, _ in ordered],
+        }
+    )
+
+
+def run_fold(rows: list[tuple[str, dict[str, Any]]], prior: dict[str, str]) -> dict[str, Any]:
+    (out,) = make_folder(apply_order_event, prior)(iter([batch(rows)]))
+    table = out.to_pydict()
+    return {k: (orjson.loads(s), n) for k, s, n in zip(*table.values(), strict=True)}
+
+
+def test_the_workers_fold_over_two_batches_equals_expected_states() -> None:
+    pairs = generate_orders(12, 300, seed=5)
+    first = run_fold(pairs[:170], {})
+    committed = {key: orjson.dumps(state).decode() for key, (state, _) in first.items()}
+    second = run_fold(pairs[170:], committed)
+    final = {key: state for key, (state, _) in first.items()} | {
+        key: state for key, (state, _) in second.items()
+    }
+    assert final == expected_states(pairs)
+    for key, (state, applied) in second.items():
+        before = first[key][0]["events_applied"] if key in first else 0
+        assert state["events_applied"] == before + applied
+
+
+def test_a_poison_event_fails_the_fold_with_a_reason() -> None:
+    rows = [("order-00001", ev("created")), ("order-00001", {"type": "refund", "order": ORDER})]
+    with pytest.raises(FoldFailed, match="ValueError: unknown order event type 'refund'"):
+        run_fold(rows, {})
+
+
+# --------------------------------------------------------------------------- real workers
+
+
+class OrderPublisher(threading.Thread):
+    """Publishes the pairs in chunks, pausing between them, so the run lasts a while."""
+
+    def __init__(
+        self, stream: str, pairs: list[tuple[str, dict[str, Any]]], chunk: int, pause_s: float
+    ):
+        super().__init__(daemon=True)
+        self.stream, self.pairs, self.chunk, self.pause_s = stream, pairs, chunk, pause_s
+        self.published = 0
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            with Producer(self.stream, mode="key") as producer:
+                for index, (order, event) in enumerate(self.pairs, 1):
+                    producer.publish(order, event)
+                    if index % self.chunk == 0:
+                        producer.flush()
+                        self.published = index
+                        time.sleep(self.pause_s)
+                producer.flush()
+                self.published = len(self.pairs)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+def applied_counts(store: StateStore, orders: list[str]) -> dict[str, int]:
+    raws = store.states(orders)
+    return {order: orjson.loads(raws[order])["events_applied"] for order in raws}
+
+
+def wait_all_applied(store: StateStore, expected: Mapping[str, OrderState], timeout: float) -> None:
+    orders = sorted(expected)
+
+    def done() -> bool:
+        counts = applied_counts(store, orders)
+        return all(counts.get(o) == expected[o]["events_applied"] for o in orders)
+
+    try:
+        wait_until(done, timeout, "every order's events to be applied", every=0.5)
+    except AssertionError:
+        counts = applied_counts(store, orders)
+        short = {
+            o: (counts.get(o), expected[o]["events_applied"])
+            for o in orders
+            if counts.get(o) != expected[o]["events_applied"]
+        }
+        raise AssertionError(
+            f"{len(short)} orders short (got, want): {dict(list(short.items())[:8])}"
+        ) from None
+
+
+def mismatched_states(store: StateStore, expected: Mapping[str, OrderState]) -> dict[str, Any]:
+    wrong: dict[str, Any] = {}
+    for order, want in expected.items():
+        got = store.get(order)
+        if got != want:
+            wrong[order] = {"got": got, "want": want}
+    return wrong
+
+
+def parquet_rows(folder: Path) -> dict[str, list[dict[str, Any]]]:
+    """file name -> its rows, for the visible batch files only."""
+    return {
+        path.name: pq.read_table(path).to_pylist() for path in sorted(folder.glob("part-*.parquet"))
+    }
+
+
+def parquet_problems(folder: Path, expected: Mapping[str, OrderState]) -> list[str]:
+    """What is wrong with the sink's output: a key twice in one batch file, a batch of a key
+    seen twice or missing (each row's state is the previous row's plus ``applied`` events),
+    or a latest row that is not the expected final state."""
+    problems: list[str] = []
+    by_key: dict[str, list[tuple[dict[str, Any], int, str]]] = {}
+    for name, rows in parquet_rows(folder).items():
+        keys = Counter(row["key"] for row in rows)
+        problems += [f"{name}: key {k} in {n} rows" for k, n in keys.items() if n > 1]
+        for row in rows:
+            by_key.setdefault(row["key"], []).append(
+                (orjson.loads(row["state"]), row["applied"], name)
+            )
+    for order, want in expected.items():
+        chain = sorted(by_key.get(order, []), key=lambda entry: entry[0]["events_applied"])
+        if not chain:
+            problems.append(f"{order}: no rows")
+            continue
+        previous = 0
+        for state, applied, name in chain:
+            if state["events_applied"] != previous + applied:
+                problems.append(
+                    f"{order}: {name} goes from {previous} to {state['events_applied']} "
+                    f"events with {applied} applied (a batch duplicated or missing)"
+                )
+            previous = state["events_applied"]
+        if chain[-1][0] != want:
+            problems.append(f"{order}: latest row {chain[-1][0]} != expected {want}")
+    problems += [f"{key}: rows of an order never published" for key in set(by_key) - set(expected)]
+    return problems
+
+
+@pytest.mark.slow
+def test_orders_survive_a_killed_worker(
+    stream: StreamFixture, workers: Any, tmp_path: Path
+) -> None:
+    pairs = generate_orders(150, 3000, seed=20240611)
+    expected = expected_states(pairs)
+    out = tmp_path / "out"
+    options = {"pipeline": "keyq.orders:pipeline", "mode": "key", "sink": f"parquet:{out}"}
+    store = StateStore(stream.redis, stream.name)
+    orders = sorted(expected)
+
+    t0 = time.monotonic()
+    first = workers(stream.name, **options)
+    second = workers(stream.name, **options)
+    first.wait_ready()
+    second.wait_ready()
+    print(f"PHASE {time.monotonic()-t0:.1f} ready", flush=True)
+    publisher = OrderPublisher(stream.name, pairs, chunk=50, pause_s=0.15)
+    publisher.start()
+
+    def progress() -> int:
+        return sum(applied_counts(store, orders).values())
+
+    wait_until(lambda: progress() >= len(pairs) // 5, 60, "a fifth of the events to be applied")
+    owners = held_by(stream.redis, stream.name)
+    victim = max((first, second), key=lambda w: len(owners.get(w.worker_id, [])))
+    assert not publisher.done.is_set(), "processing lagged so far that the kill was not mid-run"
+    victim.kill()  # kill -9 mid-run
+    print(f"PHASE {time.monotonic()-t0:.1f} killed progress={progress()} published={publisher.published}", flush=True)
+    replacement = workers(stream.name, **options)
+
+    publisher.join(90)
+    assert not publisher.is_alive(), "publishing did not finish"
+    assert publisher.error is None, publisher.error
+    print(f"PHASE {time.monotonic()-t0:.1f} published progress={progress()}", flush=True)
+    wait_all_applied(store, expected, timeout=90)
+    print(f"PHASE {time.monotonic()-t0:.1f} applied", flush=True)
+    assert mismatched_states(store, expected) == {}
+
+    # A batch committed by the victim but not yet renamed into place is finished by the next
+    # worker to start, so the output is complete once the replacement is up.
+    replacement.wait_ready()
+    print(f"PHASE {time.monotonic()-t0:.1f} replacement ready", flush=True)
+    try:
+        wait_until(lambda: not parquet_problems(out, expected), 20, "the Parquet output")
+    except AssertionError:
+        problems = parquet_problems(out, expected)
+        raise AssertionError(
+            f"{len(problems)} problems in the Parquet output: {problems[:10]}"
+        ) from None
+    print(f"PHASE {time.monotonic()-t0:.1f} parquet ok", flush=True)
+    survivor = second if victim is first else first
+    assert survivor.process.poll() is None and replacement.process.poll() is None
+
+
+def keyq_state(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "KEYQ_AMQP_URL": settings.amqp_url,
+        "KEYQ_REDIS_URL": settings.redis_url,
+        "PYTHONPATH": str(REPO),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "keyq", "state", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
+
+
+@pytest.mark.slow
+def test_keyq_state_prints_a_processed_order(
+    stream: StreamFixture, workers: Any, settings: Settings
+) -> None:
+    pairs = generate_orders(6, 90, seed=7)
+    expected = expected_states(pairs)
+    worker = workers(stream.name, pipeline="keyq.orders:pipeline", mode="key")
+    with Producer(stream.name, mode="key") as producer:
+        for order, event in pairs:
+            producer.publish(order, event)
+        producer.flush()
+        producer_id = producer.producer_id
+    worker.wait_ready()
+    store = StateStore(stream.redis, stream.name)
+    wait_all_applied(store, expected, timeout=90)
+
+    counts = Counter(order for order, _ in pairs)
+    hottest = max(counts, key=lambda order: counts[order])
+    shown = keyq_state(settings, "--stream", stream.name, "--key", hottest)
+    assert shown.returncode == 0, shown.stderr
+    assert orjson.loads(shown.stdout) == expected[hottest]
+
+    other = min(counts, key=lambda order: counts[order])
+    marked = keyq_state(settings, "--stream", stream.name, "--key", other, "--marks")
+    assert marked.returncode == 0, marked.stderr
+    assert orjson.loads(marked.stdout) == {
+        "key": other,
+        "state": expected[other],
+        "marks": {"producers": {producer_id: counts[other]}, "applied": counts[other]},
+    }
+
+    missing = keyq_state(settings, "--stream", stream.name, "--key", "order-99999")
+    assert missing.returncode == 1
+    assert missing.stdout == ""
+    assert f"no state for key 'order-99999' in stream '{stream.name}'" in missing.stderr

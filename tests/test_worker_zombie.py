@@ -1,0 +1,145 @@
+"""A worker frozen (SIGSTOP) in the middle of a batch, past its lock ttl, is a zombie when it
+wakes: its queues moved to another worker meanwhile, so its commit is refused by the fence and
+nothing it does counts twice."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import redis
+
+from broker.errors import KeyqError
+from broker.naming import key_queue_name
+from broker.redis_keys import StreamKeys
+from producer import Producer
+from tests.conftest import StreamFixture
+from tests.workers import held_by, wait_until
+from worker.state_store import StateStore
+
+pytestmark = pytest.mark.slow
+
+KEYS = ["zombie-key"]
+
+
+@pytest.fixture
+def producer(stream: StreamFixture) -> Iterator[Producer]:
+    made = Producer(stream.name, mode="key", settings=stream.settings, publish_timeout=10)
+    try:
+        yield made
+    finally:
+        with suppress(KeyqError):
+            made.close(timeout=5)
+
+
+def publish(producer: Producer, numbers: range) -> None:
+    for n in numbers:
+        for key in KEYS:
+            producer.publish(key, {"n": n, "producer": "p"})
+    producer.flush(timeout=20)
+
+
+def applied(store: StateStore) -> dict[str, int]:
+    return {key: (store.get(key) or {"applied": 0})["applied"] for key in KEYS}
+
+
+def member_info(client: redis.Redis, stream: str, worker_id: str) -> dict[str, Any] | None:
+    raw = client.hget(StreamKeys(stream).member_info, worker_id)
+    return None if raw is None else dict(orjson.loads(raw))
+
+
+def test_a_paused_worker_is_fenced_out_when_it_resumes(
+    stream: StreamFixture, workers: Any, producer: Producer, tmp_path: Path
+) -> None:
+    store = StateStore(stream.redis, stream.name)
+    marker = tmp_path / "batch-marker"
+    suffix = uuid.uuid4().hex[:8]
+    # Both start at once (Spark takes a while to start on a busy machine). Member ranks are
+    # sorted ids, so with one queue the zombie-to-be ("w-a-…") is the one whose fair share it
+    # is, and the successor ("w-b-…") takes nothing until the zombie stops heartbeating.
+    zombie = workers(
+        stream.name,
+        name=f"w-a-{suffix}",
+        pipeline="tests.pipelines:audit_slow",
+        mode="key",
+        env={
+            "KEYQ_TEST_BATCH_MARKER": str(marker),
+            "KEYQ_TEST_BATCH_PAUSE": "1.5",
+            "KEYQ_AMQP_HEARTBEAT": "2",
+        },
+    )
+    successor = workers(stream.name, name=f"w-b-{suffix}", mode="key")
+    zombie.wait_ready()
+    successor.wait_ready()
+
+    first = 20
+    publish(producer, range(1, first + 1))
+    wait_until(marker.exists, 30, "the first worker to be inside a batch", every=0.02)
+    zombie.pause()  # frozen after its pipeline ran, before its commit
+    paused_at = time.monotonic()
+    frozen_in = marker.read_text().split()
+    assert frozen_in[0] == str(zombie.pid)
+    # Nothing of the batch it is frozen in was committed, and the successor held nothing.
+    assert applied(store) == dict.fromkeys(KEYS, 0)
+    assert held_by(stream.redis, stream.name) == {
+        zombie.worker_id: [key_queue_name(stream.name, key) for key in KEYS]
+    }
+
+    wait_until(
+        lambda: applied(store) == dict.fromkeys(KEYS, first),
+        60,
+        "the second worker to apply every event",
+        every=0.2,
+    )
+    took_over = time.monotonic() - paused_at
+    print(f"second worker applied everything {took_over:.1f}s after the pause")
+    owners = held_by(stream.redis, stream.name)
+    queues = {key_queue_name(stream.name, key) for key in KEYS}
+    assert zombie.worker_id not in owners, owners
+    assert set(owners.get(successor.worker_id, [])) == queues, owners
+
+    zombie.resume()
+    resumed_at = time.monotonic()
+
+    def refused() -> bool:
+        info = member_info(stream.redis, stream.name, zombie.worker_id)
+        in_info = info is not None and int(info.get("commits_refused", 0)) >= 1
+        return in_info or "commit refused" in zombie.log()
+
+    wait_until(refused, 30, "the zombie's commit to be refused", every=0.2)
+    print(f"zombie's commit refused {time.monotonic() - resumed_at:.1f}s after resuming")
+
+    second = 10
+    publish(producer, range(first + 1, first + second + 1))
+    total = first + second
+    wait_until(
+        lambda: applied(store) == dict.fromkeys(KEYS, total),
+        60,
+        "every later event to be applied",
+        every=0.2,
+    )
+    time.sleep(1.0)  # let anything late (a zombie's write) land before the final check
+
+    for key in KEYS:
+        state = store.get(key)
+        assert state == {"applied": total, "last": {"p": total}, "violations": []}, key
+        marks = store.get_marks(key)
+        assert marks.applied == total, key
+        assert marks.seqs == {producer.producer_id: total}, key
+
+    info = member_info(stream.redis, stream.name, zombie.worker_id)
+    log = zombie.log()
+    print(f"zombie info after resuming: {info}")
+    assert (info is not None and info["commits_refused"] >= 1) or "commit refused" in log
+    assert zombie.process.poll() is None, log[-3000:]
+    assert successor.process.poll() is None, successor.log()[-3000:]
+
+    assert zombie.terminate() == 0, zombie.log()[-3000:]
+    assert successor.terminate() == 0, successor.log()[-3000:]
+    assert store.get(KEYS[0]) == {"applied": total, "last": {"p": total}, "violations": []}
