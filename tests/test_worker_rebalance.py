@@ -1,0 +1,315 @@
+"""Rebalancing: a new worker gets its fair share quickly, a stopped one hands everything back
+cleanly and in bounded time, and in-process callbacks see each queue come and go."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+
+from broker.errors import KeyqError
+from broker.naming import bucket_queue_name
+from broker.redis_keys import StreamKeys
+from broker.registry import QueueRegistry
+from broker.settings import load_settings
+from producer import Producer
+from tests.conftest import StreamFixture
+from tests.helpers import queue_depth
+from tests.workers import held_by, wait_until
+from worker.config import WorkerSettings
+from worker.daemon import Worker
+from worker.engine import SparkEngine
+from worker.state_store import StateStore
+
+pytestmark = pytest.mark.slow
+
+
+def bucket_producer(stream: StreamFixture, buckets: int) -> Producer:
+    return Producer(
+        stream.name, mode="bucket", buckets=buckets, settings=stream.settings, publish_timeout=20
+    )
+
+
+def publish_rounds(producer: Producer, keys: list[str], numbers: range) -> None:
+    for n in numbers:
+        for key in keys:
+            producer.publish(key, {"n": n, "producer": "p"})
+    producer.flush(timeout=30)
+
+
+def states_problems(store: StateStore, keys: list[str], per_key: int) -> dict[str, Any]:
+    problems: dict[str, Any] = {}
+    for key in keys:
+        state = store.get(key)
+        if state != {"applied": per_key, "last": {"p": per_key}, "violations": []}:
+            problems[key] = state
+    return problems
+
+
+def wait_exactly_once(store: StateStore, keys: list[str], per_key: int, timeout: float) -> None:
+    def done() -> bool:
+        return all((store.get(k) or {"applied": 0})["applied"] >= per_key for k in keys)
+
+    with suppress(AssertionError):
+        wait_until(done, timeout, "every event to be applied", every=0.3)
+    problems = states_problems(store, keys, per_key)
+    assert not problems, f"{len(problems)} keys wrong: {dict(list(problems.items())[:5])}"
+
+
+def shares(client: Any, stream: str) -> dict[str, int]:
+    return {owner: len(queues) for owner, queues in held_by(client, stream).items()}
+
+
+@pytest.fixture
+def closing() -> Iterator[list[Producer]]:
+    made: list[Producer] = []
+    yield made
+    for producer in made:
+        with suppress(KeyqError):
+            producer.close(timeout=5)
+
+
+# --------------------------------------------------------------------------- scale-up
+
+
+def test_a_third_worker_gets_its_fair_share_quickly(
+    stream: StreamFixture, workers: Any, closing: list[Producer]
+) -> None:
+    buckets = 12
+    keys = [f"acct-{i:03d}" for i in range(200)]
+    producer = bucket_producer(stream, buckets)
+    closing.append(producer)
+    publish_rounds(producer, keys, range(1, 4))
+    registry = QueueRegistry(stream.redis, stream.name)
+    assert registry.count() == buckets
+    queues = {bucket_queue_name(stream.name, b) for b in range(buckets)}
+    assert set(registry.queues()) == queues
+
+    options = {"mode": "bucket", "buckets": buckets}
+    first = workers(stream.name, **options)
+    second = workers(stream.name, **options)
+    first.wait_ready()
+    second.wait_ready()
+    wait_until(
+        lambda: shares(stream.redis, stream.name) == {first.worker_id: 6, second.worker_id: 6},
+        30,
+        "two workers to hold 6 queues each",
+    )
+
+    started = time.monotonic()
+    third = workers(stream.name, **options).wait_ready()
+    ready = time.monotonic()
+    expected = {first.worker_id: 4, second.worker_id: 4, third.worker_id: 4}
+    try:
+        wait_until(
+            lambda: shares(stream.redis, stream.name) == expected,
+            10,
+            "each of three workers to hold 4 queues",
+            every=0.05,
+        )
+    except AssertionError:
+        raise AssertionError(
+            f"not balanced 10s after the third worker was ready: "
+            f"{shares(stream.redis, stream.name)}"
+        ) from None
+    balanced = time.monotonic()
+    print(
+        f"third worker: ready {ready - started:.1f}s after start, "
+        f"balanced 4/4/4 {balanced - ready:.2f}s after ready"
+    )
+    owned = held_by(stream.redis, stream.name)
+    assert set().union(*owned.values()) == queues
+
+    publish_rounds(producer, keys, range(4, 8))
+    store = StateStore(stream.redis, stream.name)
+    wait_exactly_once(store, keys, 7, timeout=60)
+    for process in (first, second, third):
+        assert process.process.poll() is None, process.log()[-3000:]
+
+
+# --------------------------------------------------------------------------- SIGTERM
+
+
+def test_sigterm_finishes_the_batch_and_hands_everything_back(
+    stream: StreamFixture,
+    workers: Any,
+    closing: list[Producer],
+    amqp: pika.BlockingConnection,
+    tmp_path: Path,
+) -> None:
+    buckets = 4
+    shutdown_timeout = 15.0
+    keys = [f"user-{i:02d}" for i in range(40)]
+    per_key = 10
+    producer = bucket_producer(stream, buckets)
+    closing.append(producer)
+    marker = tmp_path / "batch-marker"
+    worker = workers(
+        stream.name,
+        mode="bucket",
+        buckets=buckets,
+        pipeline="tests.pipelines:audit_slow",
+        env={
+            "KEYQ_TEST_BATCH_MARKER": str(marker),
+            "KEYQ_TEST_BATCH_PAUSE": "1.0",
+            "KEYQ_SHUTDOWN_TIMEOUT": str(shutdown_timeout),
+            # Long ttls: only an explicit release can clear its locks and membership in time.
+            "KEYQ_LOCK_TTL_MS": "60000",
+            "KEYQ_MEMBER_TTL_MS": "60000",
+            "KEYQ_BATCH_MAX_EVENTS": "50",
+        },
+    ).wait_ready()
+    publish_rounds(producer, keys, range(1, per_key + 1))
+    queues = sorted(bucket_queue_name(stream.name, b) for b in range(buckets))
+    wait_until(
+        lambda: sorted(held_by(stream.redis, stream.name).get(worker.worker_id, [])) == queues,
+        20,
+        "the worker to hold every queue",
+    )
+    keys_of = StreamKeys(stream.name)
+    assert stream.redis.zscore(keys_of.members, worker.worker_id) is not None
+    assert stream.redis.hexists(keys_of.member_info, worker.worker_id)
+
+    wait_until(marker.exists, 30, "a batch in flight", every=0.02)
+    signalled = time.monotonic()
+    code = worker.terminate(timeout=shutdown_timeout + 30)
+    took = time.monotonic() - signalled
+    print(f"SIGTERM to exit: {took:.2f}s (exit code {code})")
+    log = worker.log()
+    assert code == 0, log[-3000:]
+    assert took < shutdown_timeout, log[-3000:]
+    assert "stopped" in log
+
+    # Locks released, membership gone, at once (the ttls are a minute long).
+    assert worker.worker_id not in held_by(stream.redis, stream.name)
+    assert held_by(stream.redis, stream.name) == {}
+    assert stream.redis.zscore(keys_of.members, worker.worker_id) is None
+    assert not stream.redis.hexists(keys_of.member_info, worker.worker_id)
+
+    # The batch in flight was committed and acked; nothing was lost or applied twice.
+    store = StateStore(stream.redis, stream.name)
+    applied: dict[str, int] = {}
+    for key in keys:
+        state = store.get(key) or {"applied": 0, "last": {}, "violations": []}
+        count = state["applied"]
+        applied[key] = count
+        assert state["violations"] == [], (key, state)
+        assert state["last"] == ({"p": count} if count else {}), (key, state)
+        assert store.get_marks(key).applied == count, key
+    assert sum(applied.values()) > 0, "the batch in flight was not committed"
+
+    def left() -> int:
+        return sum(queue_depth(amqp, queue) or 0 for queue in queues)
+
+    total = len(keys) * per_key
+    wait_until(
+        lambda: left() + sum(applied.values()) == total,
+        10,
+        "unprocessed events to be back in their queues",
+    )
+
+
+# --------------------------------------------------------------------------- callbacks
+
+
+def test_in_process_callbacks_see_assignments_and_revocations(
+    stream: StreamFixture,
+    workers: Any,
+    closing: list[Producer],
+    spark_engine: SparkEngine,
+) -> None:
+    buckets = 4
+    keys = [f"dev-{i:02d}" for i in range(40)]
+    producer = bucket_producer(stream, buckets)
+    closing.append(producer)
+    publish_rounds(producer, keys, range(1, 3))
+    queues = {bucket_queue_name(stream.name, b) for b in range(buckets)}
+    assert set(QueueRegistry(stream.redis, stream.name).queues()) == queues
+
+    lock = threading.Lock()
+    calls: list[tuple[str, list[str], str]] = []
+
+    def record(kind: str) -> Any:
+        def callback(names: list[str]) -> None:
+            with lock:
+                calls.append((kind, list(names), threading.current_thread().name))
+
+        return callback
+
+    def seen(kind: str) -> list[str]:
+        with lock:
+            return [q for k, names, _ in calls if k == kind for q in names]
+
+    settings = load_settings(
+        WorkerSettings,
+        lock_ttl_ms=2000,
+        member_ttl_ms=2000,
+        tick_ms=200,
+        scan_interval_ms=500,
+        batch_max_ms=200,
+    )
+    worker = Worker(
+        stream.name,
+        "tests.pipelines:audit",
+        mode="bucket",
+        buckets=buckets,
+        settings=settings,
+        engine=spark_engine,
+        on_assigned=record("assigned"),
+        on_revoked=record("revoked"),
+    )
+    failure: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            worker.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            failure.append(exc)
+
+    thread = threading.Thread(target=serve, name="test-worker-batch-loop", daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: set(seen("assigned")) == queues, 30, "on_assigned for every queue")
+        assert sorted(seen("assigned")) == sorted(queues)  # each queue once
+        assert seen("revoked") == []
+        assert sorted(worker.held) == sorted(queues)
+        store = StateStore(stream.redis, stream.name)
+        wait_exactly_once(store, keys, 2, timeout=30)
+
+        peer = workers(stream.name, mode="bucket", buckets=buckets).wait_ready()
+        wait_until(lambda: len(seen("revoked")) >= 2, 30, "on_revoked for half the queues")
+        wait_until(
+            lambda: len(held_by(stream.redis, stream.name).get(peer.worker_id, [])) == 2,
+            15,
+            "the peer to take its half",
+        )
+        revoked = set(seen("revoked"))
+        assert len(seen("revoked")) == 2, calls
+        assert revoked == set(held_by(stream.redis, stream.name)[peer.worker_id])
+        assert set(worker.held) == queues - revoked
+        assert set(held_by(stream.redis, stream.name)[worker.worker_id]) == queues - revoked
+
+        publish_rounds(producer, keys, range(3, 5))
+        wait_exactly_once(store, keys, 4, timeout=60)
+    finally:
+        worker.stop()
+        thread.join(timeout=40)
+    assert not thread.is_alive(), "the worker did not stop"
+    assert not failure, failure
+    # Shutdown hands back the rest, and says so.
+    assert sorted(seen("revoked")) == sorted(queues), calls
+    assert worker.held == []
+    # Callbacks run on the batch loop's thread (here, the thread that called run()).
+    assert {name for _, _, name in calls} == {"test-worker-batch-loop"}
+    wait_until(
+        lambda: len(held_by(stream.redis, stream.name).get(peer.worker_id, [])) == buckets,
+        20,
+        "the peer to take every queue",
+    )
+    assert peer.terminate() == 0, peer.log()[-3000:]
