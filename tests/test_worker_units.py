@@ -335,15 +335,26 @@ def test_decode_identity_needs_both_producer_and_integer_seq() -> None:
 # --------------------------------------------------------------------------- fold
 
 
-def record_batch(rows: Sequence[tuple[str, Any, str | None, int | None]]) -> pa.RecordBatch:
+def record_batch(
+    rows: Sequence[tuple[str, Any, str | None, int | None]],
+    first_arrival: int = 0,
+    arrivals: Sequence[int] | None = None,
+) -> pa.RecordBatch:
+    """Rows as Spark hands them to the fold; arrival numbers count up unless given."""
+    numbers = (
+        list(arrivals)
+        if arrivals is not None
+        else list(range(first_arrival, first_arrival + len(rows)))
+    )
     return pa.RecordBatch.from_arrays(
         [
             pa.array([r[0] for r in rows], pa.string()),
             pa.array([orjson.dumps(r[1]).decode() for r in rows], pa.string()),
             pa.array([r[2] for r in rows], pa.string()),
             pa.array([r[3] for r in rows], pa.int64()),
+            pa.array(numbers, pa.int64()),
         ],
-        names=["key", "payload", "producer", "seq"],
+        names=["key", "payload", "producer", "seq", "_arrival"],
     )
 
 
@@ -359,7 +370,8 @@ def test_fold_applies_each_keys_events_in_order_across_record_batches() -> None:
         [("a", {"n": 1, "producer": "p"}, "p", 1), ("a", {"n": 2, "producer": "p"}, "p", 2)]
     )
     second = record_batch(
-        [("a", {"n": 3, "producer": "p"}, "p", 3), ("b", {"n": 1, "producer": "p"}, "p", 1)]
+        [("a", {"n": 3, "producer": "p"}, "p", 3), ("b", {"n": 1, "producer": "p"}, "p", 1)],
+        first_arrival=2,
     )
     table = run_fold(audit_event, {}, [first, second]).to_pydict()
     assert table["key"] == ["a", "b"]
@@ -367,6 +379,13 @@ def test_fold_applies_each_keys_events_in_order_across_record_batches() -> None:
     a = orjson.loads(table["state"][0])
     assert a == {"applied": 3, "last": {"p": 3}, "violations": []}
     assert orjson.loads(table["state"][1]) == {"applied": 1, "last": {"p": 1}, "violations": []}
+
+
+def test_fold_orders_each_keys_events_by_arrival_not_by_position() -> None:
+    # After a shuffle Spark may hand rows over in any order; arrival numbers restore it.
+    rows = [("a", {"n": n, "producer": "p"}, "p", n) for n in (3, 1, 2)]
+    table = run_fold(audit_event, {}, [record_batch(rows, arrivals=[30, 10, 20])]).to_pydict()
+    assert orjson.loads(table["state"][0]) == {"applied": 3, "last": {"p": 3}, "violations": []}
 
 
 def test_fold_records_order_violations() -> None:

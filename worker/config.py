@@ -20,7 +20,9 @@ class WorkerSettings(Settings):
         default=None, description="Spark Connect URL (sc://host:15002); wins over spark_master"
     )
     spark_shuffle_partitions: int = Field(
-        default=2, ge=1, description="shuffle partitions of each batch's job; keep it small"
+        default=1,
+        ge=1,
+        description="partitions of each batch's keyed fold; 1 means no shuffle at all",
     )
 
     batch_max_events: int = Field(default=5000, ge=1, description="events per micro-batch")

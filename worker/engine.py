@@ -133,17 +133,15 @@ class SparkEngine:
                 "payload": ["{}"] * rows,
                 "producer": ["warmup"] * rows,
                 "seq": list(range(rows)),
+                "_arrival": list(range(rows)),
             }
         )
         frame = self.session.createDataFrame(
-            table, schema="key string, payload string, producer string, seq long"
+            table, schema="key string, payload string, producer string, seq long, _arrival long"
         )
-        (
-            frame.repartition(self._settings.spark_shuffle_partitions, "key")
-            .sortWithinPartitions("key", "seq")
-            .mapInArrow(make_folder(_keep_state, {}), STATE_SCHEMA_DDL)
-            .toArrow()
-        )
+        partitions = self._settings.spark_shuffle_partitions
+        spread = frame.coalesce(1) if partitions == 1 else frame.repartition(partitions, "key")
+        spread.mapInArrow(make_folder(_keep_state, {}), STATE_SCHEMA_DDL).toArrow()
 
     def dataframe(self, table: pa.Table) -> Any:
         return self.session.createDataFrame(table, schema=BATCH_SCHEMA_DDL)

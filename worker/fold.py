@@ -1,6 +1,9 @@
 """The keyed fold that runs inside Spark: each key's events, in arrival order, through a
 plain Python reducer, starting from the key's committed state.
 
+Spark only has to bring each key's rows into one partition (no sort): the fold groups them by
+key and orders them by their arrival number itself, which is cheaper for micro-batches.
+
 This module is shipped to Spark's Python workers, so it imports nothing heavier than pyarrow
 and orjson, and the reducer must be importable there (a module-level function).
 """
@@ -26,43 +29,32 @@ class FoldFailed(Exception):
 def make_folder(
     reducer: Reducer, prior: dict[str, str]
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """A ``mapInArrow`` function over rows sorted by (key, arrival), yielding one row per key:
-    the key, its new state as JSON, and how many events were applied to it."""
+    """A ``mapInArrow`` function over rows ``key, payload, producer, seq, _arrival`` (each
+    key's rows all in one partition, in any order), yielding one row per key: the key, its
+    new state as JSON, and how many events were applied to it. Each key's events are folded
+    in ``_arrival`` order, starting from its ``prior`` state."""
 
     def fold(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        keys: list[str] = []
-        states: list[str] = []
-        counts: list[int] = []
-        current: str | None = None
-        state: Any = None
-        applied = 0
-
-        def finish() -> None:
-            if current is None:
-                return
-            try:
-                encoded = orjson.dumps(state).decode()
-            except (orjson.JSONEncodeError, TypeError) as exc:
-                raise FoldFailed(f"state of key {current!r} is not JSON: {exc}") from None
-            keys.append(current)
-            states.append(encoded)
-            counts.append(applied)
-
+        by_key: dict[str, list[tuple[int, str, str | None, int | None]]] = {}
         for batch in batches:
             columns = batch.to_pydict()
-            for key, payload, producer, seq in zip(
+            for key, payload, producer, seq, arrival in zip(
                 columns["key"],
                 columns["payload"],
                 columns["producer"],
                 columns["seq"],
+                columns["_arrival"],
                 strict=True,
             ):
-                if key != current:
-                    finish()
-                    current = key
-                    raw = prior.get(key)
-                    state = None if raw is None else orjson.loads(raw)
-                    applied = 0
+                by_key.setdefault(key, []).append((arrival, payload, producer, seq))
+        keys: list[str] = []
+        states: list[str] = []
+        counts: list[int] = []
+        for key, rows in by_key.items():
+            rows.sort(key=_arrival_of)
+            raw = prior.get(key)
+            state: Any = None if raw is None else orjson.loads(raw)
+            for _arrival, payload, producer, seq in rows:
                 try:
                     state = reducer(state, orjson.loads(payload))
                 except Exception as exc:  # noqa: BLE001 - any reducer error fails the event
@@ -70,8 +62,13 @@ def make_folder(
                         f"fold of key {key!r} failed on the event from producer {producer} "
                         f"seq {seq}: {type(exc).__name__}: {exc}"
                     ) from None
-                applied += 1
-        finish()
+            try:
+                encoded = orjson.dumps(state).decode()
+            except (orjson.JSONEncodeError, TypeError) as exc:
+                raise FoldFailed(f"state of key {key!r} is not JSON: {exc}") from None
+            keys.append(key)
+            states.append(encoded)
+            counts.append(len(rows))
         yield pa.RecordBatch.from_arrays(
             [
                 pa.array(keys, pa.string()),
@@ -82,3 +79,7 @@ def make_folder(
         )
 
     return fold
+
+
+def _arrival_of(row: tuple[int, str, str | None, int | None]) -> int:
+    return row[0]

@@ -41,15 +41,16 @@ class KeyedState:
         if self.folded is not None:
             raise PipelineError("ctx.state.fold may be called once per batch")
         prior = self._store.states(self._keys)
-        ordered = df.select("key", "payload", "producer", "seq").withColumn(
+        numbered = df.select("key", "payload", "producer", "seq").withColumn(
             "_arrival", F.monotonically_increasing_id()
         )
-        self.folded = (
-            ordered.repartition(self._partitions, "key")
-            .sortWithinPartitions("key", "_arrival")
-            .drop("_arrival")
-            .mapInArrow(make_folder(reducer, prior), STATE_SCHEMA_DDL)
+        # One partition: no shuffle at all (a narrow coalesce keeps every key together).
+        together = (
+            numbered.coalesce(1)
+            if self._partitions == 1
+            else numbered.repartition(self._partitions, "key")
         )
+        self.folded = together.mapInArrow(make_folder(reducer, prior), STATE_SCHEMA_DDL)
         return self.folded
 
     def get(self, key: str) -> Any | None:
