@@ -14,7 +14,7 @@ from broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_PUBLISHED_AT, HE
 from worker.deliveries import Delivery
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Event:
     """A decoded delivery: what a pipeline sees of it, and where it came from."""
 
@@ -26,7 +26,7 @@ class Event:
     payload: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Undecodable:
     delivery: Delivery
     reason: str

@@ -44,7 +44,7 @@ class KeyMarks:
         return cls(seqs=dict(data.get("p", {})), applied=int(data.get("n", 0)))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Identified:
     """What dedup needs of an event: its key and, if it has one, its identity."""
 
