@@ -48,6 +48,9 @@ def configure_logging(level: str, stream: str, worker: str) -> None:
     root.setLevel(level.upper())
     for noisy in ("pika", "py4j"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # A refused exclusive consume (403) or a vanished queue (404) is routine for a worker,
+    # and keyq logs what it does about it.
+    logging.getLogger("pika.channel").setLevel(logging.ERROR)
 
 
 def run_worker_daemon(

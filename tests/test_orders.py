@@ -20,6 +20,7 @@ from statistics import median
 from typing import Any
 
 import orjson
+import pika
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -27,6 +28,9 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
+from broker.locks import FencedLocks
+from broker.naming import key_queue_name
+from broker.registry import QueueRegistry
 from broker.settings import Settings
 from keyq.orders import (
     EVENT_TYPES,
@@ -40,6 +44,7 @@ from keyq.orders import (
 )
 from producer import Producer
 from tests.conftest import StreamFixture
+from tests.helpers import queue_depth
 from tests.workers import REPO, held_by, wait_until
 from worker.fold import FoldFailed, make_folder
 from worker.state_store import StateStore
@@ -385,7 +390,8 @@ def test_expected_states_skips_poison_as_the_worker_dead_letters_it() -> None:
 
 
 def batch(rows: list[tuple[str, dict[str, Any]]]) -> pa.RecordBatch:
-    """Rows as the worker's fold gets them: sorted by key, in arrival order per key."""
+    """Rows as ``KeyedState.fold`` hands them to the fold: ``key, payload, producer, seq``
+    and an ``_arrival`` number (here also grouped by key, in arrival order)."""
     ordered = sorted(enumerate(rows), key=lambda row: (row[1][0], row[0]))
     return pa.RecordBatch.from_pydict(
         {
@@ -393,6 +399,7 @@ def batch(rows: list[tuple[str, dict[str, Any]]]) -> pa.RecordBatch:
             "payload": [orjson.dumps(event).decode() for _, (_, event) in ordered],
             "producer": ["p"] * len(rows),
             "seq": [n for n, _ in ordered],
+            "_arrival": [n for n, _ in ordered],
         }
     )
 
@@ -460,7 +467,10 @@ def applied_counts(store: StateStore, orders: list[str]) -> dict[str, int]:
     return {order: orjson.loads(raws[order])["events_applied"] for order in raws}
 
 
-def wait_all_applied(store: StateStore, expected: Mapping[str, OrderState], timeout: float) -> None:
+def wait_all_applied(
+    stream: StreamFixture, expected: Mapping[str, OrderState], timeout: float
+) -> None:
+    store = StateStore(stream.redis, stream.name)
     orders = sorted(expected)
 
     def done() -> bool:
@@ -471,14 +481,43 @@ def wait_all_applied(store: StateStore, expected: Mapping[str, OrderState], time
         wait_until(done, timeout, "every order's events to be applied", every=0.5)
     except AssertionError:
         counts = applied_counts(store, orders)
-        short = {
-            o: (counts.get(o), expected[o]["events_applied"])
-            for o in orders
-            if counts.get(o) != expected[o]["events_applied"]
-        }
+        short = [o for o in orders if counts.get(o) != expected[o]["events_applied"]]
         raise AssertionError(
-            f"{len(short)} orders short (got, want): {dict(list(short.items())[:8])}"
+            f"{len(short)} orders short: {where_they_are(stream, short[:8], counts, expected)}"
         ) from None
+
+
+def where_they_are(
+    stream: StreamFixture,
+    orders: list[str],
+    counts: Mapping[str, int],
+    expected: Mapping[str, OrderState],
+) -> dict[str, str]:
+    """For a failure message: per order, events applied, the exactly-once marks (highest
+    seq seen per producer), messages still in its queue, who holds its lock and how many
+    times it was taken, and when the registry last saw the queue active."""
+    queues = {order: key_queue_name(stream.name, order) for order in orders}
+    holders = FencedLocks(stream.redis, stream.name).holders(list(queues.values()))
+    activity = QueueRegistry(stream.redis, stream.name).queues()
+    store = StateStore(stream.redis, stream.name)
+    connection = pika.BlockingConnection(pika.URLParameters(stream.settings.amqp_url))
+    try:
+        depths = {order: queue_depth(connection, queue) for order, queue in queues.items()}
+    finally:
+        connection.close()
+    described = {}
+    for order, queue in queues.items():
+        lease = holders.get(queue)
+        seen = activity.get(queue)
+        marks = store.get_marks(order)
+        described[order] = (
+            f"applied {counts.get(order)}/{expected[order]['events_applied']}, "
+            f"marks {marks.seqs} ({marks.applied} applied), "
+            f"{depths[order]} ready in the queue, held by {lease.owner if lease else None}, "
+            f"lock taken {stream.redis.hget(stream.keys.fences, queue)!r} times, "
+            f"active {None if seen is None else round(time.time() - seen / 1000, 1)}s ago"
+        )
+    return described
 
 
 def mismatched_states(store: StateStore, expected: Mapping[str, OrderState]) -> dict[str, Any]:
@@ -540,12 +579,10 @@ def test_orders_survive_a_killed_worker(
     store = StateStore(stream.redis, stream.name)
     orders = sorted(expected)
 
-    t0 = time.monotonic()
     first = workers(stream.name, **options)
     second = workers(stream.name, **options)
     first.wait_ready()
     second.wait_ready()
-    print(f"PHASE {time.monotonic()-t0:.1f} ready", flush=True)
     publisher = OrderPublisher(stream.name, pairs, chunk=50, pause_s=0.15)
     publisher.start()
 
@@ -557,21 +594,17 @@ def test_orders_survive_a_killed_worker(
     victim = max((first, second), key=lambda w: len(owners.get(w.worker_id, [])))
     assert not publisher.done.is_set(), "processing lagged so far that the kill was not mid-run"
     victim.kill()  # kill -9 mid-run
-    print(f"PHASE {time.monotonic()-t0:.1f} killed progress={progress()} published={publisher.published}", flush=True)
     replacement = workers(stream.name, **options)
 
     publisher.join(90)
     assert not publisher.is_alive(), "publishing did not finish"
     assert publisher.error is None, publisher.error
-    print(f"PHASE {time.monotonic()-t0:.1f} published progress={progress()}", flush=True)
-    wait_all_applied(store, expected, timeout=90)
-    print(f"PHASE {time.monotonic()-t0:.1f} applied", flush=True)
+    wait_all_applied(stream, expected, timeout=90)
     assert mismatched_states(store, expected) == {}
 
     # A batch committed by the victim but not yet renamed into place is finished by the next
     # worker to start, so the output is complete once the replacement is up.
     replacement.wait_ready()
-    print(f"PHASE {time.monotonic()-t0:.1f} replacement ready", flush=True)
     try:
         wait_until(lambda: not parquet_problems(out, expected), 20, "the Parquet output")
     except AssertionError:
@@ -579,7 +612,6 @@ def test_orders_survive_a_killed_worker(
         raise AssertionError(
             f"{len(problems)} problems in the Parquet output: {problems[:10]}"
         ) from None
-    print(f"PHASE {time.monotonic()-t0:.1f} parquet ok", flush=True)
     survivor = second if victim is first else first
     assert survivor.process.poll() is None and replacement.process.poll() is None
 
@@ -614,8 +646,7 @@ def test_keyq_state_prints_a_processed_order(
         producer.flush()
         producer_id = producer.producer_id
     worker.wait_ready()
-    store = StateStore(stream.redis, stream.name)
-    wait_all_applied(store, expected, timeout=90)
+    wait_all_applied(stream, expected, timeout=90)
 
     counts = Counter(order for order, _ in pairs)
     hottest = max(counts, key=lambda order: counts[order])

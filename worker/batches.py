@@ -113,6 +113,8 @@ class BatchProcessor:
         self._stopping = stopping
         self._batch_numbers = itertools.count(1)
         self._settled: set[tuple[str, int, int]] = set()
+        self.lost_leases: list[Lease] = []  # found lost by a refused commit, to stop now
+        self._last_leases: dict[str, Lease] = {}
         self.stats = BatchStats()
 
     # ---- public ---------------------------------------------------------------------------
@@ -121,12 +123,18 @@ class BatchProcessor:
         """Process a batch; returns the deliveries left unsettled (to put back) when the
         batch had to stop early (locks lost, a service down, shutting down)."""
         self._settled = set()
+        self._last_leases = {}
         try:
             self._process_with_retries(list(deliveries))
         except CommitRefused as exc:
             self.stats.commits_refused += 1
             log.warning("commit refused: lost %s", ", ".join(sorted(exc.lost)))
+            self.lost_leases.extend(
+                lease for queue, lease in self._last_leases.items() if queue in exc.lost
+            )
             return self.unsettled(deliveries, exclude=exc.lost)
+        except _Stale:
+            return self.unsettled(deliveries)
         except _Interrupted:
             return self.unsettled(deliveries)
         return []
@@ -292,7 +300,8 @@ class BatchProcessor:
             else:
                 leases[delivery.queue] = lease
         if lost:
-            raise CommitRefused("queues no longer held", frozenset(lost))
+            raise _Stale(frozenset(lost))
+        self._last_leases.update(leases)
         return leases
 
     def _fallback_key(self, queue: str) -> str | None:
@@ -347,6 +356,11 @@ class BatchProcessor:
             last[slot] = max(last.get(slot, 0), delivery.delivery_tag)
             self._settled.add((delivery.queue, delivery.channel_epoch, delivery.delivery_tag))
         self._link.ack([(queue, epoch, tag) for (queue, epoch), tag in last.items()])
+
+
+class _Stale(Exception):
+    """Deliveries of a consumer that is gone (its channel closed, so the broker has them
+    back): hand the batch back, the worker drops those and keeps the rest."""
 
 
 class _Interrupted(Exception):

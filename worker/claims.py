@@ -39,6 +39,8 @@ log = logging.getLogger("keyq.worker.claims")
 CLIENT_NAME_PREFIX = "keyq-w:"
 # Queues that refused us (another consumer still attached) are left alone this long.
 BUSY_BACKOFF_S = 1.0
+# A registered queue that does not exist (deleted; the janitor forgets it) is left alone longer.
+MISSING_BACKOFF_S = 30.0
 # After handing a queue over, do not take it back at once: let a peer have it.
 RELEASE_COOLDOWN_S = 3.0
 PROBES_PER_SCAN = 20
@@ -243,9 +245,16 @@ class ClaimLoop:
             return
         self.stats.lost += 1
         log.warning("lost %s (%s): stopping it", held.queue, reason)
-        self._link.close_queue(held.queue)
+        self._link.close_queue(held.queue, held.epoch)
         self._buffer.drop(held.queue, held.epoch)
         self._notify("revoked", [held.queue], reason)
+
+    def lose(self, lease: Lease, reason: str) -> None:
+        """Stop a queue whose lease was found lost elsewhere (a refused commit), at once
+        rather than at the next renewal; a newer holding of the queue is left alone."""
+        held = self._holdings.get(lease.queue)
+        if held is not None and held.lease == lease:
+            self._lose(held, reason)
 
     def queue_lost(self, queue: str, epoch: int, reason: str) -> None:
         """The broker took a consumer away (connection or channel closed): let its lock go."""
@@ -305,19 +314,25 @@ class ClaimLoop:
         lease = self._locks.acquire(queue, self._worker_id, ttl)
         if lease is None:
             return False
+        # Held first: deliveries may reach the batch loop before consume() returns here.
+        held = Held(queue=queue, lease=lease, epoch=self._link.new_epoch())
+        self._holdings.add(held)
         try:
-            consumed = self._link.consume(queue)
+            consumed = self._link.consume(queue, held.epoch)
         except KeyqError:
+            self._holdings.remove(queue, held.epoch)
             self._locks.release([lease])
             raise
         if consumed.outcome is not ConsumeOutcome.CONSUMING:
+            self._holdings.remove(queue, held.epoch)
             self._locks.release([lease])
             self.stats.refused += 1
+            backoff = BUSY_BACKOFF_S
             if consumed.outcome is ConsumeOutcome.MISSING:
                 self._view.activity.pop(queue, None)
-            self._busy_until[queue] = time.monotonic() + BUSY_BACKOFF_S
+                backoff = MISSING_BACKOFF_S
+            self._busy_until[queue] = time.monotonic() + backoff
             return False
-        self._holdings.add(Held(queue=queue, lease=lease, epoch=consumed.epoch))
         self.stats.claims += 1
         self._notify("assigned", [queue], "claimed")
         return True

@@ -245,14 +245,21 @@ class ConsumerLink:
             with self._pending_lock:
                 self._pending.discard(future)
 
-    def consume(self, queue: str) -> Consumed:
-        return self.call(lambda: self._consume(queue))
+    def new_epoch(self) -> int:
+        """A fresh consumer incarnation number, taken before consuming so that the queue can
+        be recorded as held before its first delivery can arrive."""
+        with self._pending_lock:
+            return next(self._epochs)
 
-    def close_queue(self, queue: str) -> None:
-        """Stop consuming ``queue``; its unacked messages go back to it, in order."""
+    def consume(self, queue: str, epoch: int) -> Consumed:
+        return self.call(lambda: self._consume(queue, epoch))
+
+    def close_queue(self, queue: str, epoch: int | None = None) -> None:
+        """Stop consuming ``queue`` (only that consumer incarnation, if ``epoch`` is given);
+        its unacked messages go back to it, in order."""
         # If the connection is gone, so is the consumer.
         with contextlib.suppress(BrokerUnavailable):
-            self.call(lambda: self._close_queue(queue))
+            self.call(lambda: self._close_queue(queue, epoch))
 
     def ack(self, acks: Sequence[tuple[str, int, int]]) -> int:
         """Ack (queue, epoch, tag) with ``multiple``; returns how many were still ackable."""
@@ -273,12 +280,11 @@ class ConsumerLink:
 
     # ---- on the I/O thread ----------------------------------------------------------------
 
-    def _consume(self, queue: str) -> Consumed:
+    def _consume(self, queue: str, epoch: int) -> Consumed:
         assert self._connection is not None
         if queue in self._channels:
             return Consumed(ConsumeOutcome.CONSUMING, self._channels[queue][0])
         channel = self._connection.channel()
-        epoch = next(self._epochs)
         buffer = self._buffer
 
         def on_message(
@@ -335,9 +341,12 @@ class ConsumerLink:
                 held[1].close()
             self._on_queue_lost(queue, epoch, "the broker cancelled the consumer")
 
-    def _close_queue(self, queue: str) -> None:
-        held = self._channels.pop(queue, None)
-        if held is not None and held[1].is_open:
+    def _close_queue(self, queue: str, epoch: int | None) -> None:
+        held = self._channels.get(queue)
+        if held is None or (epoch is not None and held[0] != epoch):
+            return
+        del self._channels[queue]
+        if held[1].is_open:
             with contextlib.suppress(pika.exceptions.AMQPError):
                 held[1].close()
 

@@ -223,9 +223,24 @@ class Worker:
             log.warning("batch interrupted, will retry: %s", exc)
             leftover = self._processor.unsettled(batch)
             self._stop.wait(_ERROR_BACKOFF_S)
+        assert self._claims is not None
+        for lease in self._processor.lost_leases:
+            self._claims.lose(lease, "commit refused: the lock moved on")
+        self._processor.lost_leases.clear()
         if leftover:
-            still_held = [d for d in leftover if self._holdings.lease_for(d.queue, d.channel_epoch)]
+            still_held = []
+            orphaned: set[tuple[str, int]] = set()
+            for delivery in leftover:
+                if self._holdings.lease_for(delivery.queue, delivery.channel_epoch):
+                    still_held.append(delivery)
+                else:
+                    orphaned.add((delivery.queue, delivery.channel_epoch))
             self._buffer.put_back(still_held)
+            assert self._link is not None
+            for queue, epoch in orphaned:
+                # Never keep a consumer whose deliveries we dropped: close it (if it is still
+                # open) so the broker hands them out again, in order.
+                self._link.close_queue(queue, epoch)
 
     def _fire_events(self) -> None:
         while True:
@@ -249,7 +264,7 @@ class Worker:
             held = self._holdings.get(queue)
             if held is None or (reason == "idle" and self._buffer.depth(queue) > 0):
                 continue
-            self._link.close_queue(queue)
+            self._link.close_queue(queue, held.epoch)
             self._buffer.drop(queue, held.epoch)
             self._holdings.remove(queue, held.epoch)
             self._claims.note_released(queue)
@@ -270,7 +285,7 @@ class Worker:
         claims.stop_claiming()
         held = self._holdings.all()
         for item in held:
-            link.close_queue(item.queue)
+            link.close_queue(item.queue, item.epoch)
             self._buffer.drop(item.queue, item.epoch)
             self._holdings.remove(item.queue, item.epoch)
         claims.stop()
