@@ -38,6 +38,7 @@ test: install services lint typecheck
 bench: install services
 	@mkdir -p bench/results
 	$(BIN)/python -m bench.producer --out bench/results/producer.json
+	$(BIN)/python -m bench.e2e --out bench/results/e2e.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info

@@ -4,7 +4,8 @@ One run measures, on the same broker:
 
 * ``raw_pika_unconfirmed``: the publish ceiling (as in ``bench.producer``), events/s.
 * ``e2e``: one keyq producer and two worker processes (bucket mode, production defaults); the
-  clock runs from the first publish until every event's state is committed. events/s.
+  clock runs from the first publish until every event's state is committed. events/s. The
+  workers are warmed up first with an untimed load (``--warmup-events``).
 * ``spark_batch``: the Spark part of one 5,000-event batch (DataFrame via Arrow, the keyed
   fold, results back), in this process, median of repeats.
 * ``failover``: with a trickle of events on every key, kill -9 a worker holding queues; the
@@ -307,6 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keys", type=int, default=1000)
     parser.add_argument("--buckets", type=int, default=16)
     parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument(
+        "--warmup-events", type=int, default=50_000, help="untimed load before the e2e run"
+    )
     parser.add_argument("--spark-repeats", type=int, default=7)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -332,8 +336,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers = [WorkerProcess(stream, args.buckets, log_dir) for _ in range(2)]
         for worker in workers:
             worker.wait_ready()
+        if args.warmup_events:
+            # Untimed: a fresh JVM spends its first dozens of jobs compiling Spark's hot
+            # paths (the CPU per job falls about fivefold over the first ~50 jobs); long-running
+            # workers are measured in their steady state.
+            warm, _ = measure_e2e(
+                settings, client, stream, events[: args.warmup_events], args.buckets
+            )
+            log(f"warm-up: {warm:,.0f} events/s")
         e2e, publish_s = measure_e2e(settings, client, stream, events, args.buckets)
         log(f"end to end: {e2e:,.0f} events/s (publishing took {publish_s:.1f} s)")
+        time.sleep(1)  # one more heartbeat, so the workers' figures include the last batch
+        infos = Membership(client, stream, 1000).info()
+        result["e2e_workers"] = [
+            {name: info.get(name) for name in ("events", "batches", "spark_seconds")}
+            for info in infos.values()
+        ]
+        log(f"workers: {result['e2e_workers']}")
         result["raw_pika_unconfirmed_events_per_s"] = round(raw)
         result["e2e_events_per_s"] = round(e2e)
         result["e2e_over_raw"] = round(ratio(e2e, raw) or 0, 3)

@@ -25,6 +25,14 @@ class WorkerSettings(Settings):
         description="partitions of each batch's keyed fold; 1 means no shuffle at all",
     )
 
+    spark_driver_java_options: str = Field(
+        default="-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+        description=(
+            "JVM options of the worker's Spark driver: a quick compiler and a single-threaded "
+            "GC suit many small jobs and leave CPU to the broker and producers"
+        ),
+    )
+
     batch_max_events: int = Field(default=5000, ge=1, description="events per micro-batch")
     batch_max_ms: int = Field(
         default=250, ge=1, description="longest wait for a batch to fill, from its first event"

@@ -45,6 +45,8 @@ log = logging.getLogger("keyq.worker")
 QueueCallback = Callable[[list[str]], None]
 _SAFE_ID = re.compile(r"[^A-Za-z0-9_.-]")
 _ERROR_BACKOFF_S = 1.0
+BATCH_WAIT_SPARK_FACTOR = 2.0
+BATCH_WAIT_MAX_S = 2.0
 
 
 def new_worker_id() -> str:
@@ -204,9 +206,7 @@ class Worker:
                     raise link.failure
                 self._fire_events()
                 self._apply_releases(claims.take_release_requests(), client)
-                batch = self._buffer.take(
-                    settings.batch_max_events, settings.batch_max_ms / 1000, 0.1
-                )
+                batch = self._buffer.take(settings.batch_max_events, self._batch_wait(), 0.1)
                 if batch:
                     self._process(batch)
                     last_work = time.monotonic()
@@ -241,6 +241,15 @@ class Worker:
                 # Never keep a consumer whose deliveries we dropped: close it (if it is still
                 # open) so the broker hands them out again, in order.
                 self._link.close_queue(queue, epoch)
+
+    def _batch_wait(self) -> float:
+        """How long a batch may wait to fill: ``batch_max_ms``, or longer while Spark jobs
+        are slow (a loaded machine), since every job has a fixed cost: under load batches
+        grow and jobs get fewer; when idle, latency stays at ``batch_max_ms``."""
+        floor = self.settings.batch_max_ms / 1000
+        assert self._processor is not None
+        recent = self._processor.stats.last_spark_seconds
+        return min(max(floor, BATCH_WAIT_SPARK_FACTOR * recent), BATCH_WAIT_MAX_S)
 
     def _fire_events(self) -> None:
         while True:

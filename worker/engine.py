@@ -104,6 +104,7 @@ class SparkEngine:
                 .config("spark.ui.showConsoleProgress", "false")
                 .config("spark.sql.execution.arrow.pyspark.enabled", "true")
                 .config("spark.python.worker.reuse", "true")
+                .config("spark.driver.extraJavaOptions", settings.spark_driver_java_options)
             )
         builder = builder.config(
             "spark.sql.shuffle.partitions", str(settings.spark_shuffle_partitions)
