@@ -15,13 +15,13 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import redis.exceptions
 
 from broker.clock import now_ms
-from broker.connections import open_redis, redis_errors
+from broker.connections import open_blocking_connection, open_redis, redis_errors
 from broker.errors import ConfigurationError, KeyqError
 from broker.locks import FencedLocks
 from broker.membership import Membership
@@ -141,6 +141,8 @@ class Worker:
         settings = self.settings
         client = open_redis(settings, client_name=client_name(self.worker_id))
         try:
+            # Bad credentials or a wrong vhost should fail now, not after Spark started.
+            open_blocking_connection(settings, f"worker-check-{self.worker_id}").close()
             if self._engine is None:
                 self._engine = SparkEngine(settings, f"keyq-worker-{self.worker_id}")
                 self._engine.start()
@@ -344,19 +346,3 @@ class Worker:
             store.forget_sink_record(token)
         self._sink.sweep_orphans(set(pending.values()))
 
-
-def run_worker(
-    stream: str,
-    pipeline: str,
-    *,
-    sink: str | None = None,
-    mode: str | None = None,
-    buckets: int | None = None,
-    until_idle: float | None = None,
-    queues_seen: Sequence[str] = (),
-) -> Worker:
-    """Build and run a worker with settings from the environment (for the CLI)."""
-    del queues_seen
-    worker = Worker(stream, pipeline, sink=sink, mode=mode, buckets=buckets)
-    worker.run(until_idle=until_idle)
-    return worker

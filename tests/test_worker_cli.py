@@ -1,0 +1,129 @@
+"""``keyq worker`` from the shell: mistakes give one clear line and the right exit code, and a
+key-mode worker hands back a queue that went idle, so the janitor can reclaim it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import pytest
+
+from broker.locks import FencedLocks
+from broker.naming import key_queue_name
+from broker.settings import Settings, load_settings
+from producer import Producer
+from tests.helpers import queue_depth
+from tests.workers import REPO, wait_until
+from worker.config import WorkerSettings
+from worker.daemon import Worker
+from worker.state_store import StateStore
+
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+
+def keyq_worker(settings: Settings, *args: str, env: dict[str, str] | None = None) -> Any:
+    environment = {
+        **os.environ,
+        "KEYQ_AMQP_URL": settings.amqp_url,
+        "KEYQ_REDIS_URL": settings.redis_url,
+        "PYTHONPATH": str(REPO),
+        **(env or {}),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "keyq", "worker", *args],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=120,
+        cwd=REPO,
+    )
+
+
+def test_a_pipeline_that_cannot_be_imported_is_a_usage_error(settings: Settings) -> None:
+    done = keyq_worker(settings, "--stream", "s", "--pipeline", "no_such_module:run")
+    assert done.returncode == EXIT_USAGE
+    assert "cannot import pipeline module 'no_such_module'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_pipeline_that_is_not_a_function_is_a_usage_error(settings: Settings) -> None:
+    done = keyq_worker(settings, "--stream", "s", "--pipeline", "keyq.orders:EVENT_TYPES")
+    assert done.returncode == EXIT_USAGE
+    assert "is not a function" in done.stderr
+
+
+def test_an_unknown_sink_is_a_usage_error(settings: Settings) -> None:
+    done = keyq_worker(
+        settings, "--stream", "s", "--pipeline", "keyq.orders:pipeline", "--sink", "ftp://x"
+    )
+    assert done.returncode == EXIT_USAGE
+    assert "parquet:" in done.stderr
+
+
+def test_a_bad_stream_name_is_a_usage_error(settings: Settings) -> None:
+    done = keyq_worker(settings, "--stream", "no spaces", "--pipeline", "keyq.orders:pipeline")
+    assert done.returncode == EXIT_USAGE
+    assert "stream" in done.stderr.lower()
+
+
+def test_wrong_credentials_fail_fast_without_showing_the_password(settings: Settings) -> None:
+    secret = "s3cret-Pa55"
+    url = settings.amqp_url.replace("guest:guest@", f"guest:{secret}@")
+    assert secret in url
+    done = keyq_worker(
+        settings,
+        "--stream",
+        "s",
+        "--pipeline",
+        "keyq.orders:pipeline",
+        env={"KEYQ_AMQP_URL": url, "KEYQ_RECONNECT_TIMEOUT": "1"},
+    )
+    assert done.returncode == EXIT_FAILURE
+    assert "refused the credentials" in done.stderr
+    assert secret not in done.stderr + done.stdout
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_a_key_mode_worker_hands_back_an_idle_queue(
+    stream: Any, spark_engine: Any, amqp: Any
+) -> None:
+    settings = load_settings(
+        WorkerSettings, idle_release_ms=1500, tick_ms=100, scan_interval_ms=200
+    )
+    with Producer(stream.name, mode="key") as producer:
+        for n in range(1, 6):
+            producer.publish("sensor-1", {"n": n, "producer": "p"})
+        producer.flush()
+    queue = key_queue_name(stream.name, "sensor-1")
+    revoked: list[str] = []
+    worker = Worker(
+        stream.name,
+        "tests.pipelines:audit",
+        settings=settings,
+        engine=spark_engine,
+        on_revoked=revoked.extend,
+    )
+    runner = threading.Thread(target=worker.run, daemon=True)
+    runner.start()
+    try:
+        store = StateStore(stream.redis, stream.name)
+        wait_until(lambda: (store.get("sensor-1") or {}).get("applied") == 5, 60, "processing")
+        locks = FencedLocks(stream.redis, stream.name)
+        assert locks.holder(queue) is not None
+        # Nothing more arrives: after idle_release_ms the worker lets the queue go.
+        wait_until(lambda: locks.holder(queue) is None, 15, "the idle queue to be released")
+        assert queue in revoked
+        assert worker.stats()["released"] >= 1
+        channel = amqp.channel()
+        declared = channel.queue_declare(queue, passive=True)
+        assert declared.method.consumer_count == 0  # free for the janitor
+        assert queue_depth(amqp, queue) == 0
+    finally:
+        worker.stop()
+        runner.join(60)
+    assert not runner.is_alive()
