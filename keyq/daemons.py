@@ -46,11 +46,11 @@ def configure_logging(level: str, stream: str, worker: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    for noisy in ("pika", "py4j"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    # A refused exclusive consume (403) or a vanished queue (404) is routine for a worker,
-    # and keyq logs what it does about it.
-    logging.getLogger("pika.channel").setLevel(logging.ERROR)
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+    # keyq turns every pika failure into one line of its own (a refused exclusive consume, a
+    # vanished queue and a lost connection are routine for a worker); pika's own records
+    # would repeat them with tracebacks.
+    logging.getLogger("pika").setLevel(logging.CRITICAL)
 
 
 def run_worker_daemon(
