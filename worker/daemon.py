@@ -345,4 +345,3 @@ class Worker:
             self._sink.publish(token, staged)
             store.forget_sink_record(token)
         self._sink.sweep_orphans(set(pending.values()))
-
