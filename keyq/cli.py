@@ -115,6 +115,44 @@ def worker_command(
         _fail(exc)
 
 
+@cli.command("janitor")
+@click.option("--stream", "streams", multiple=True, help="Stream to tend; repeat. Default: all.")
+@click.option(
+    "--idle-ttl",
+    type=float,
+    default=None,
+    help="Seconds a queue must be idle before it is reclaimed (KEYQ_IDLE_TTL_S, default 60).",
+)
+@click.option("--once", is_flag=True, help="One pass, then exit (for cron and tests).")
+@click.option("--janitor-id", default=None, help="Name in the leadership lease.")
+@click.option("--log-level", default="INFO", show_default=True)
+def janitor_command(
+    *,
+    streams: tuple[str, ...],
+    idle_ttl: float | None,
+    once: bool,
+    janitor_id: str | None,
+    log_level: str,
+) -> None:
+    """Delete drained, idle, unheld key-mode queues and keyq's stale Redis entries.
+
+    Several janitors may run: one leads each stream, the others stand by. Services that are
+    down are waited for; only bad configuration makes it exit (2).
+    """
+    from keyq.daemons import run_janitor_daemon  # noqa: PLC0415 - light imports elsewhere
+
+    try:
+        run_janitor_daemon(
+            streams=streams,
+            idle_ttl=idle_ttl,
+            once=once,
+            janitor_id=janitor_id,
+            log_level=log_level,
+        )
+    except KeyqError as exc:
+        _fail(exc)
+
+
 @cli.command("state")
 @click.option("--stream", required=True, help="Stream name.")
 @click.option("--key", required=True, help="The key whose state to print.")

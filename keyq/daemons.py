@@ -14,6 +14,8 @@ import orjson
 from broker.connections import open_redis, redis_errors
 from broker.naming import check_stream_name, encode_key
 from broker.settings import Settings, load_settings
+from janitor.config import JanitorSettings
+from janitor.janitor import Janitor
 from worker.config import WorkerSettings
 from worker.daemon import Worker
 from worker.state_store import StateStore
@@ -93,6 +95,30 @@ def run_worker_daemon(
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     worker.run(until_idle=until_idle)
+
+
+def run_janitor_daemon(
+    *,
+    streams: tuple[str, ...],
+    idle_ttl: float | None,
+    once: bool,
+    janitor_id: str | None,
+    log_level: str,
+) -> None:
+    settings = load_settings(JanitorSettings, idle_ttl_s=idle_ttl)
+    janitor = Janitor(streams, settings=settings, janitor_id=janitor_id)
+    configure_logging(log_level, ",".join(streams) or "*", janitor.janitor_id)
+    log = logging.getLogger("keyq.janitor")
+    log.info("settings: %s", settings.describe())
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("signal %d: stopping after the current step", signum)
+        janitor.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    janitor.run(once=once)
+    log.info("janitor stopped: %s", janitor.snapshot())
 
 
 def _give_up(log: logging.Logger) -> None:

@@ -1,0 +1,29 @@
+"""The janitor's settings, on top of the shared ones (each also ``KEYQ_<FIELD>``)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from broker.settings import Settings
+
+
+class JanitorSettings(Settings):
+    """How eagerly and how fast the janitor reclaims idle queues."""
+
+    idle_ttl_s: float = Field(
+        default=60.0, ge=0, description="a queue idle this long (and drained, unheld) goes"
+    )
+    janitor_interval_s: float = Field(default=5.0, gt=0, description="pause between passes")
+    janitor_batch: int = Field(default=5000, ge=1, description="queues retired per pass")
+    janitor_connections: int = Field(
+        default=4, ge=1, le=32, description="AMQP connections deleting in parallel"
+    )
+    janitor_lease_ms: int = Field(
+        default=30_000, ge=1000, description="leadership lease of a stream's janitor"
+    )
+    management_url: str | None = Field(
+        default=None,
+        repr=False,
+        description="RabbitMQ management API (http://user:pass@host:15672) to find queues "
+        "left unregistered by a crash; without it rabbitmqctl is used when present",
+    )

@@ -1,0 +1,233 @@
+"""The janitor: deletes drained, idle, unheld key-mode queues, and keyq's stale Redis state.
+
+A pass over a stream, as its leader: read registry entries idle past the ttl, skip queues a
+worker holds, mark the rest retiring (the retirement fence), wait ``retire_grace_ms`` so no
+producer can still be publishing to them, delete each with ``if_empty`` and ``if_unused``,
+forget the deleted ones in the registry unless a producer touched them since (compare and
+delete), drop their fencing counters, and lift the marks. A queue refused as not empty is
+marked active again, so workers pick up its backlog. Bucket-mode streams keep their queues.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+import redis.exceptions
+
+from broker.clock import now_ms
+from broker.connections import open_redis, redis_errors
+from broker.errors import AuthenticationFailed, ConfigurationError, KeyqError
+from broker.locks import FencedLocks
+from broker.membership import Membership
+from broker.naming import Mode, check_stream_name, dead_letter_queue_name
+from broker.redis_keys import KEY_PREFIX, StreamKeys
+from broker.registry import QueueRegistry
+from broker.retirement import RetirementFence
+from broker.settings import load_settings
+from broker.streams import load_stream_config
+from janitor.config import JanitorSettings
+from janitor.deleter import Outcome, QueueDeleter
+from janitor.inventory import InventoryUnavailable, list_queues
+from janitor.leader import Leadership
+
+log = logging.getLogger("keyq.janitor")
+
+MAX_BACKOFF_S = 30.0
+ADOPT_EVERY_S = 60.0
+# A mark outlives the grace period by this much, in case the janitor dies mid-pass.
+MARK_MARGIN_MS = 60_000
+
+
+class Janitor:
+    """Reclaims idle queues of the given streams (all keyq streams if none are given)."""
+
+    def __init__(
+        self,
+        streams: Sequence[str] = (),
+        *,
+        settings: JanitorSettings | None = None,
+        janitor_id: str | None = None,
+    ) -> None:
+        self.settings = settings or load_settings(JanitorSettings)
+        self.streams = [check_stream_name(stream) for stream in streams]
+        self.janitor_id = janitor_id or f"janitor-{uuid.uuid4().hex[:8]}"
+        self.stats: Counter[str] = Counter()
+        self._stop = threading.Event()
+        self._adopted_at = 0.0
+        self._inventory_warned = False
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def run(self, *, once: bool = False) -> None:
+        """Pass over the streams until stopped (or once). Services that are down are waited
+        for with backoff; only bad configuration raises."""
+        backoff = 1.0
+        client: redis.Redis | None = None
+        deleter: QueueDeleter | None = None
+        try:
+            while not self._stop.is_set():
+                try:
+                    if client is None:
+                        client = open_redis(self.settings)
+                    if deleter is None:
+                        deleter = QueueDeleter(
+                            self.settings, self.settings.janitor_connections, self.janitor_id
+                        )
+                    with redis_errors(self.settings.redis_url):
+                        self.run_pass(client, deleter)
+                    backoff = 1.0
+                except (ConfigurationError, AuthenticationFailed):
+                    raise
+                except (KeyqError, redis.exceptions.RedisError, OSError) as exc:
+                    self.stats["errors"] += 1
+                    log.warning("janitor pass failed, retrying in %.0fs: %s", backoff, exc)
+                    if once:
+                        raise
+                    if self._stop.wait(backoff):
+                        break
+                    backoff = min(backoff * 2, MAX_BACKOFF_S)
+                    continue
+                if once or self._stop.wait(self.settings.janitor_interval_s):
+                    break
+        finally:
+            if deleter is not None:
+                deleter.close()
+            if client is not None:
+                self._resign(client)
+                client.close()
+
+    def run_pass(self, client: redis.Redis, deleter: QueueDeleter) -> None:
+        self.stats["passes"] += 1
+        streams = self.streams or discover_streams(client)
+        self._adopt_leftovers(client, streams)
+        for stream in streams:
+            if self._stop.is_set():
+                return
+            self._pass_stream(client, deleter, stream)
+
+    def _pass_stream(self, client: redis.Redis, deleter: QueueDeleter, stream: str) -> None:
+        pruned = Membership(client, stream, 1).prune()
+        self.stats["members_pruned"] += len(pruned)
+        config = load_stream_config(client, stream)
+        if config is None or config.mode is not Mode.KEY:
+            return
+        leader = Leadership(client, stream, self.janitor_id, self.settings.janitor_lease_ms)
+        if not leader.hold():
+            self.stats["not_leader"] += 1
+            return
+        registry = QueueRegistry(client, stream)
+        cutoff = now_ms() - int(self.settings.idle_ttl_s * 1000)
+        idle = registry.idle_since(cutoff, limit=self.settings.janitor_batch)
+        idle.pop(dead_letter_queue_name(stream), None)
+        if not idle:
+            return
+        holders = FencedLocks(client, stream).holders(list(idle))
+        free = [queue for queue, lease in holders.items() if lease is None]
+        self.stats["skipped_held"] += len(idle) - len(free)
+        fence = RetirementFence(client, stream)
+        grace_ms = self.settings.retire_grace_ms
+        marked = fence.mark(free, self.janitor_id, grace_ms + MARK_MARGIN_MS)
+        if not marked:
+            return
+        try:
+            # No producer lease taken before the marks can outlive this wait.
+            if self._stop.wait(grace_ms / 1000) or not leader.hold():
+                return
+            outcomes = deleter.delete(marked)
+            self._settle(client, stream, registry, idle, outcomes)
+        finally:
+            fence.unmark(marked)
+
+    def _settle(
+        self,
+        client: redis.Redis,
+        stream: str,
+        registry: QueueRegistry,
+        seen: dict[str, int],
+        outcomes: dict[str, Outcome],
+    ) -> None:
+        tally = Counter(outcome.value for outcome in outcomes.values())
+        self.stats["deleted"] += tally[Outcome.DELETED.value]
+        self.stats["already_gone"] += tally[Outcome.GONE.value]
+        self.stats["skipped_not_empty"] += tally[Outcome.NOT_EMPTY.value]
+        self.stats["skipped_in_use"] += tally[Outcome.IN_USE.value]
+        gone = {
+            queue: seen[queue]
+            for queue, outcome in outcomes.items()
+            if outcome in (Outcome.DELETED, Outcome.GONE)
+        }
+        self.stats["forgotten"] += registry.forget_if_unchanged(gone)
+        if gone:
+            # Fencing counters of deleted queues: only equality of owner|token is ever
+            # checked, and a new incarnation starts with new owners, so they can go.
+            client.hdel(StreamKeys(stream).fences, *gone)
+        backlog = [q for q, outcome in outcomes.items() if outcome is Outcome.NOT_EMPTY]
+        if backlog:
+            registry.touch(backlog)  # active again: workers claim it and drain it
+            self.stats["revived"] += len(backlog)
+        if tally:
+            log.info("stream %s: %s", stream, dict(tally))
+
+    def _adopt_leftovers(self, client: redis.Redis, streams: Sequence[str]) -> None:
+        """Register keyq queues that exist on the broker but not in the registry (a crash
+        between declare and register), so the normal passes can reclaim them."""
+        if time.monotonic() - self._adopted_at < ADOPT_EVERY_S:
+            return
+        self._adopted_at = time.monotonic()
+        try:
+            names = list_queues(self.settings.management_url, _vhost(self.settings.amqp_url))
+        except InventoryUnavailable as exc:
+            if not self._inventory_warned:
+                log.info("not looking for unregistered queues: %s", exc)
+                self._inventory_warned = True
+            return
+        for stream in streams:
+            prefixes = (f"keyq.{stream}.k.", f"keyq.{stream}.h.")
+            ours = [name for name in names if name.startswith(prefixes)]
+            if not ours:
+                continue
+            registry = QueueRegistry(client, stream)
+            known = set(registry.queues())
+            orphans = [name for name in ours if name not in known]
+            if orphans:
+                registry.register(dict.fromkeys(orphans), announce=False)
+                self.stats["adopted"] += len(orphans)
+                log.info("stream %s: adopted %d unregistered queues", stream, len(orphans))
+
+    def _resign(self, client: redis.Redis) -> None:
+        for stream in self.streams or []:
+            try:
+                Leadership(client, stream, self.janitor_id, 1000).resign()
+            except (redis.exceptions.RedisError, OSError):
+                return
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"janitor": self.janitor_id, **self.stats}
+
+
+def discover_streams(client: redis.Redis) -> list[str]:
+    """Every stream with a recorded config."""
+    streams = []
+    for key in client.scan_iter(match=f"{KEY_PREFIX}:{{*}}:config", count=1000):
+        text = str(key)
+        start, end = text.find("{"), text.rfind("}")
+        if 0 <= start < end:
+            streams.append(text[start + 1 : end])
+    return sorted(streams)
+
+
+def _vhost(amqp_url: str) -> str:
+    from urllib.parse import unquote, urlsplit  # noqa: PLC0415 - only here
+
+    path = urlsplit(amqp_url).path
+    return unquote(path[1:]) if len(path) > 1 else "/"
