@@ -14,7 +14,10 @@ class JanitorSettings(Settings):
         default=60.0, ge=0, description="a queue idle this long (and drained, unheld) goes"
     )
     janitor_interval_s: float = Field(default=5.0, gt=0, description="pause between passes")
-    janitor_batch: int = Field(default=5000, ge=1, description="queues retired per pass")
+    janitor_batch: int = Field(default=20_000, ge=1, description="idle queues read per pass")
+    janitor_chunk: int = Field(
+        default=2500, ge=1, description="queues marked, then deleted, together within a pass"
+    )
     janitor_connections: int = Field(
         default=4, ge=1, le=32, description="AMQP connections deleting in parallel"
     )

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +43,7 @@ MAX_BACKOFF_S = 30.0
 ADOPT_EVERY_S = 60.0
 # A mark outlives the grace period by this much, in case the janitor dies mid-pass.
 MARK_MARGIN_MS = 60_000
+CHUNKS_IN_FLIGHT = 3
 
 
 class Janitor:
@@ -135,18 +136,58 @@ class Janitor:
         free = [queue for queue, lease in holders.items() if lease is None]
         self.stats["skipped_held"] += len(idle) - len(free)
         fence = RetirementFence(client, stream)
-        grace_ms = self.settings.retire_grace_ms
-        marked = fence.mark(free, self.janitor_id, grace_ms + MARK_MARGIN_MS)
-        if not marked:
-            return
+        chunk = self.settings.janitor_chunk
+        waiting = deque(free[i : i + chunk] for i in range(0, len(free), chunk))
+        self._retire(
+            client=client,
+            stream=stream,
+            deleter=deleter,
+            leader=leader,
+            fence=fence,
+            registry=registry,
+            seen=idle,
+            waiting=waiting,
+        )
+
+    def _retire(
+        self,
+        *,
+        client: redis.Redis,
+        stream: str,
+        deleter: QueueDeleter,
+        leader: Leadership,
+        fence: RetirementFence,
+        registry: QueueRegistry,
+        seen: dict[str, int],
+        waiting: deque[list[str]],
+    ) -> None:
+        """Mark chunks ahead and delete each once its grace has passed, so the grace of the
+        next chunks overlaps the deletes of this one; a queue stays marked only about
+        ``retire_grace_ms`` plus a few chunks' deletes."""
+        grace_s = self.settings.retire_grace_ms / 1000
+        mark_ttl = self.settings.retire_grace_ms + MARK_MARGIN_MS
+        in_flight: deque[tuple[list[str], float]] = deque()
         try:
-            # No producer lease taken before the marks can outlive this wait.
-            if self._stop.wait(grace_ms / 1000) or not leader.hold():
-                return
-            outcomes = deleter.delete(marked)
-            self._settle(client, stream, registry, idle, outcomes)
+            while waiting or in_flight:
+                if waiting and len(in_flight) < CHUNKS_IN_FLIGHT:
+                    marked = fence.mark(waiting.popleft(), self.janitor_id, mark_ttl)
+                    if marked:
+                        in_flight.append((marked, time.monotonic()))
+                    continue
+                marked, marked_at = in_flight[0]
+                # No producer lease taken before the marks can outlive this wait.
+                left = marked_at + grace_s - time.monotonic()
+                if (left > 0 and self._stop.wait(left)) or self._stop.is_set():
+                    return
+                if not leader.hold():
+                    return
+                outcomes = deleter.delete(marked)
+                self._settle(client, stream, registry, seen, outcomes)
+                in_flight.popleft()
+                fence.unmark(marked)
         finally:
-            fence.unmark(marked)
+            for marked, _at in in_flight:
+                fence.unmark(marked)
 
     def _settle(
         self,
