@@ -38,6 +38,13 @@ class _Lane:
         self._connection: pika.BlockingConnection | None = None
         self._channel: BlockingChannel | None = None
 
+    def connect(self) -> None:
+        try:
+            self._open_channel()
+        except (pika.exceptions.AMQPError, OSError) as exc:
+            self.close()
+            raise amqp_failure(exc, self._settings.amqp_url) from None
+
     def _open_channel(self) -> BlockingChannel:
         if self._connection is None or not self._connection.is_open:
             self._connection = open_blocking_connection(self._settings, self._name)
@@ -90,7 +97,17 @@ class QueueDeleter:
                 outcomes.update(part)
         return outcomes
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    def check(self) -> None:
+        """Connect one lane now, so a broker that is down or refuses us shows at every pass,
+        not only when there is something to delete."""
+        self._lanes[0].connect()
+
+    def release(self) -> None:
+        """Close the connections between passes (an idle blocking connection would miss its
+        heartbeats and be dropped by the broker anyway)."""
         for lane in self._lanes:
             lane.close()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.release()

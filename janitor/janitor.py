@@ -109,12 +109,16 @@ class Janitor:
 
     def run_pass(self, client: redis.Redis, deleter: QueueDeleter) -> None:
         self.stats["passes"] += 1
-        streams = self.streams or discover_streams(client)
-        self._adopt_leftovers(client, streams)
-        for stream in streams:
-            if self._stop.is_set():
-                return
-            self._pass_stream(client, deleter, stream)
+        try:
+            deleter.check()
+            streams = self.streams or discover_streams(client)
+            self._adopt_leftovers(client, streams)
+            for stream in streams:
+                if self._stop.is_set():
+                    return
+                self._pass_stream(client, deleter, stream)
+        finally:
+            deleter.release()
 
     def _pass_stream(self, client: redis.Redis, deleter: QueueDeleter, stream: str) -> None:
         pruned = Membership(client, stream, 1).prune()

@@ -1,0 +1,89 @@
+"""``keyq janitor`` from the shell: one pass reclaims a drained idle queue; bad settings exit 2
+in one line; a broker that is down is waited for rather than fatal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from broker.naming import key_queue_name
+from broker.settings import Settings
+from producer import Producer
+from tests.helpers import queue_depth
+from tests.workers import REPO
+
+EXIT_USAGE = 2
+
+
+def keyq(settings: Settings, *args: str, env: dict[str, str] | None = None) -> Any:
+    environment = {
+        **os.environ,
+        "KEYQ_AMQP_URL": settings.amqp_url,
+        "KEYQ_REDIS_URL": settings.redis_url,
+        "PYTHONPATH": str(REPO),
+        **(env or {}),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "keyq", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment,
+        cwd=REPO,
+    )
+
+
+def test_one_pass_reclaims_a_drained_idle_queue(stream: Any, amqp: Any) -> None:
+    with Producer(stream.name, mode="key") as producer:
+        producer.publish("gone-quiet", {"n": 1})
+        producer.publish("still-busy", {"n": 1})
+        producer.flush()
+    quiet = key_queue_name(stream.name, "gone-quiet")
+    busy = key_queue_name(stream.name, "still-busy")
+    amqp.channel().queue_purge(quiet)
+    process = keyq(
+        stream.settings,
+        "janitor",
+        "--stream",
+        stream.name,
+        "--idle-ttl",
+        "0",
+        "--once",
+        env={"KEYQ_PUBLISH_LEASE_MS": "200", "KEYQ_RETIRE_GRACE_MS": "500"},
+    )
+    _out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err
+    assert queue_depth(amqp, quiet) is None  # deleted
+    assert queue_depth(amqp, busy) == 1  # a queue with an event stays
+    assert "'deleted': 1" in err and "'not_empty': 1" in err
+
+
+def test_bad_settings_exit_2_in_one_line(settings: Settings) -> None:
+    process = keyq(settings, "janitor", "--once", env={"KEYQ_JANITOR_CONNECTIONS": "0"})
+    _out, err = process.communicate(timeout=60)
+    assert process.returncode == EXIT_USAGE
+    assert "janitor_connections" in err
+    assert "Traceback" not in err
+
+
+def test_a_broker_that_is_down_is_waited_for(settings: Settings) -> None:
+    # Nothing listens on port 1: the janitor retries with backoff until stopped.
+    process = keyq(
+        settings,
+        "janitor",
+        env={
+            "KEYQ_AMQP_URL": "amqp://guest:hidden-pw@127.0.0.1:1/%2F",
+            "KEYQ_CONNECT_TIMEOUT": "1",
+        },
+    )
+    time.sleep(6)
+    assert process.poll() is None  # still running, retrying
+    process.send_signal(signal.SIGTERM)
+    _out, err = process.communicate(timeout=60)
+    assert process.returncode == 0
+    assert "retrying" in err
+    assert "hidden-pw" not in err
