@@ -39,6 +39,7 @@ bench: install services
 	@mkdir -p bench/results
 	$(BIN)/python -m bench.producer --out bench/results/producer.json
 	$(BIN)/python -m bench.e2e --out bench/results/e2e.json
+	$(BIN)/python -m bench.janitor --out bench/results/janitor.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info

@@ -1,0 +1,384 @@
+"""The janitor on the real services: it deletes drained, idle, unheld, unused key-mode queues
+(and only those), cleans up keyq's stale Redis state, leads each stream alone, and never loses
+a confirmed event while producers and workers race its deletes."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from typing import Any
+
+import orjson
+import pika
+import pytest
+
+from broker.clock import now_ms
+from broker.locks import FencedLocks
+from broker.naming import dead_letter_queue_name, key_queue_name
+from broker.registry import QueueRegistry
+from broker.retirement import RetirementFence
+from broker.settings import Settings, load_settings
+from broker.streams import ensure_stream_config
+from broker.topology import keyed_queue_arguments
+from janitor.config import JanitorSettings
+from janitor.janitor import Janitor
+from producer import Producer
+from tests.conftest import StreamFixture
+from tests.helpers import drain, queue_depth
+from tests.workers import WorkerProcess, wait_until
+from worker.state_store import StateStore
+
+LEASE_MS = 200
+GRACE_MS = 500  # at least 2 x LEASE_MS, as the settings demand
+
+
+def fast_settings() -> Settings:
+    """Producer settings with the same small lease and grace as the janitor's."""
+    return load_settings(publish_lease_ms=LEASE_MS, retire_grace_ms=GRACE_MS)
+
+
+def janitor_settings(**overrides: Any) -> JanitorSettings:
+    values: dict[str, Any] = {
+        "idle_ttl_s": 0,
+        "publish_lease_ms": LEASE_MS,
+        "retire_grace_ms": GRACE_MS,
+        "janitor_interval_s": 0.2,
+        **overrides,
+    }
+    return load_settings(JanitorSettings, **values)
+
+
+def publish_one_each(stream: StreamFixture, keys: list[str], *, mode: str = "key") -> list[str]:
+    """One event per key, confirmed and registered; returns each key's queue, in key order."""
+    buckets = 4 if mode == "bucket" else None
+    with Producer(stream.name, mode=mode, buckets=buckets, settings=fast_settings()) as producer:
+        queues = [producer.publish(key, {"n": 1, "producer": "p"}).queue for key in keys]
+        producer.flush(30)
+    return queues
+
+
+def drain_all(amqp: pika.BlockingConnection, queues: list[str]) -> int:
+    """Ack everything in the queues; the channel is closed so every ack has been handled."""
+    channel = amqp.channel()
+    try:
+        return sum(len(drain(channel, queue)) for queue in queues)
+    finally:
+        channel.close()
+
+
+def exists(amqp: pika.BlockingConnection, queue: str) -> bool:
+    return queue_depth(amqp, queue) is not None
+
+
+class JanitorThread(threading.Thread):
+    """``Janitor.run()`` in the background, until stopped."""
+
+    def __init__(self, janitor: Janitor) -> None:
+        super().__init__(daemon=True, name=janitor.janitor_id)
+        self.janitor = janitor
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.janitor.run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            self.error = exc
+
+
+@contextmanager
+def running(*janitors: Janitor) -> Iterator[list[JanitorThread]]:
+    """Run the janitors in threads; they are stopped (and must stop cleanly) on the way out."""
+    threads = [JanitorThread(janitor) for janitor in janitors]
+    for thread in threads:
+        thread.start()
+    try:
+        yield threads
+    finally:
+        for thread in threads:
+            thread.janitor.stop()
+        for thread in threads:
+            thread.join(30)
+    for thread in threads:
+        assert not thread.is_alive(), f"{thread.name} did not stop"
+        assert thread.error is None, f"{thread.name} failed: {thread.error!r}"
+
+
+# ------------------------------------------------------------------- what is deleted
+
+
+def test_deletes_drained_idle_queue_and_spares_busy_ones(
+    stream: StreamFixture, amqp: pika.BlockingConnection
+) -> None:
+    keys = ["drained", "backlog", "held", "consumed"]
+    drained, backlog, held, consumed = queues = publish_one_each(stream, keys)
+    assert drain_all(amqp, [drained, held, consumed]) == 3
+    assert queue_depth(amqp, backlog) == 1
+
+    locks = FencedLocks(stream.redis, stream.name)
+    # The drained queue was held by a worker once: it has a fencing counter.
+    earlier = locks.acquire(drained, "earlier-worker", 10_000)
+    assert earlier is not None and locks.release([earlier]) == 1
+    assert stream.redis.hexists(stream.keys.fences, drained)
+    holder = locks.acquire(held, "fake-owner", 60_000)
+    assert holder is not None
+    consumer = amqp.channel()
+    consumer.basic_consume(consumed, lambda *_: None)
+
+    registry = QueueRegistry(stream.redis, stream.name)
+    before = registry.queues()
+    assert set(before) == set(queues)
+    assert registry.original_keys([drained]) == {drained: "drained"}
+    time.sleep(0.01)  # so that a touch is visibly later
+
+    janitor = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-basic")
+    janitor.run(once=True)
+
+    stats = janitor.stats
+    assert stats["deleted"] == 1, stats
+    assert stats["forgotten"] == 1, stats
+    assert stats["skipped_not_empty"] == 1 and stats["revived"] == 1, stats
+    assert stats["skipped_held"] == 1, stats
+    assert stats["skipped_in_use"] == 1, stats
+    assert stats["already_gone"] == 0 and stats["adopted"] == 0, stats
+    assert stats["not_leader"] == 0 and stats["errors"] == 0, stats
+
+    # The drained queue is gone everywhere.
+    assert queue_depth(amqp, drained) is None
+    after = registry.queues()
+    assert drained not in after
+    assert registry.original_keys([drained]) == {drained: None}
+    assert not stream.redis.hexists(stream.keys.fences, drained)
+    # The others are all still there, as they were.
+    assert queue_depth(amqp, backlog) == 1
+    assert queue_depth(amqp, held) == 0
+    assert queue_depth(amqp, consumed) == 0
+    assert set(after) == {backlog, held, consumed}
+    assert after[backlog] > before[backlog], "a refused backlog must be made active again"
+    assert after[held] == before[held]
+    assert after[consumed] == before[consumed]
+    assert locks.holder(held) == holder
+    assert stream.redis.hkeys(stream.keys.fences) == [held]
+    assert RetirementFence(stream.redis, stream.name).marked(queues) == []
+
+    # Once nothing stands in the way, a later pass reclaims them too.
+    assert locks.release([holder]) == 1
+    consumer.close()
+    assert drain_all(amqp, [backlog]) == 1
+    janitor.run(once=True)
+    assert stats["deleted"] == 4, stats
+    assert stats["forgotten"] == 4, stats
+    assert [queue for queue in queues if exists(amqp, queue)] == []
+    assert registry.queues() == {}
+    assert stream.redis.hlen(stream.keys.queue_keys) == 0
+    assert stream.redis.hlen(stream.keys.fences) == 0
+    assert RetirementFence(stream.redis, stream.name).marked(queues) == []
+
+
+# ------------------------------------------------------------------------ bad states
+
+
+def test_repairs_bad_states(stream: StreamFixture, amqp: pika.BlockingConnection) -> None:
+    ensure_stream_config(stream.redis, stream.name, "key")
+    registry = QueueRegistry(stream.redis, stream.name)
+    # A registry entry whose queue does not exist (it was never declared).
+    ghost = key_queue_name(stream.name, "ghost")
+    registry.register({ghost: "ghost"}, announce=False)
+    assert queue_depth(amqp, ghost) is None
+    # A keyq queue on the broker that nobody registered (a crash between the two).
+    leftover = f"keyq.{stream.name}.k.leftover"
+    stream.track(leftover)
+    channel = amqp.channel()
+    channel.queue_declare(leftover, durable=True, arguments=keyed_queue_arguments(stream.name))
+    channel.close()
+    assert queue_depth(amqp, leftover) == 0
+    assert leftover not in registry.queues()
+    # A worker that stopped heartbeating a minute ago, and one that is alive.
+    keys = stream.keys
+    stream.redis.zadd(keys.members, {"dead-worker": now_ms() - 60_000})
+    stream.redis.zadd(keys.members, {"live-worker": now_ms() + 60_000})
+    for worker in ("dead-worker", "live-worker"):
+        stream.redis.hset(keys.member_info, worker, orjson.dumps({"pid": 1}).decode())
+
+    janitor = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-repair")
+    janitor.run(once=True)
+    stats = janitor.stats
+    assert stats["adopted"] == 1, stats
+    assert stats["members_pruned"] == 1, stats
+    assert ghost not in registry.queues()
+    assert registry.original_keys([ghost]) == {ghost: None}
+    assert queue_depth(amqp, ghost) is None
+    assert stream.redis.zscore(keys.members, "dead-worker") is None
+    assert not stream.redis.hexists(keys.member_info, "dead-worker")
+    assert stream.redis.zscore(keys.members, "live-worker") is not None
+    assert stream.redis.hexists(keys.member_info, "live-worker")
+
+    janitor.run(once=True)  # the adopted queue is reclaimed like any other, by now
+    assert queue_depth(amqp, leftover) is None
+    assert registry.queues() == {}
+    assert RetirementFence(stream.redis, stream.name).marked([ghost, leftover]) == []
+    assert stats["adopted"] == 1 and stats["members_pruned"] == 1, stats
+    assert stats["forgotten"] == 2 and stats["errors"] == 0, stats
+    # The ghost never existed: it must be told apart from a queue this janitor deleted.
+    assert stats["already_gone"] == 1, f"the missing queue was not seen as gone: {stats}"
+    assert stats["deleted"] == 1, stats
+
+
+def test_bucket_mode_queues_are_never_deleted(
+    stream: StreamFixture, amqp: pika.BlockingConnection
+) -> None:
+    keys = [f"k{i}" for i in range(16)]
+    buckets = sorted(set(publish_one_each(stream, keys, mode="bucket")))
+    assert len(buckets) >= 2
+    assert drain_all(amqp, buckets) == len(keys)
+    registry = QueueRegistry(stream.redis, stream.name)
+    before = registry.queues()
+    assert set(before) == set(buckets)
+
+    janitor = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-bucket")
+    janitor.run(once=True)
+    janitor.run(once=True)
+
+    assert janitor.stats["passes"] == 2
+    for outcome in ("deleted", "already_gone", "forgotten", "adopted", "errors"):
+        assert janitor.stats[outcome] == 0, janitor.stats
+    assert {queue: queue_depth(amqp, queue) for queue in buckets} == dict.fromkeys(buckets, 0)
+    assert registry.queues() == before
+    assert RetirementFence(stream.redis, stream.name).marked(buckets) == []
+
+
+# --------------------------------------------------------------------- two janitors
+
+
+def test_two_janitors_delete_each_queue_once(
+    stream: StreamFixture, amqp: pika.BlockingConnection
+) -> None:
+    keys = [f"idle-{i}" for i in range(200)] + [f"live-{i}" for i in range(5)]
+    queues = publish_one_each(stream, keys)
+    idle, live = queues[:200], queues[200:]
+    assert drain_all(amqp, idle) == 200
+    registry = QueueRegistry(stream.redis, stream.name)
+    assert len(registry.queues()) == 205
+
+    first = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-a")
+    second = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-b")
+    with running(first, second):
+
+        def reclaimed() -> bool:
+            return set(registry.queues()) == set(live)
+
+        wait_until(reclaimed, 30, "the idle queues to be reclaimed", every=0.2)
+        time.sleep(1.5)  # a few more passes by both, with nothing left to delete
+
+    both = first.stats + second.stats
+    assert both["deleted"] == 200, (first.stats, second.stats)
+    assert both["forgotten"] == 200 + both["already_gone"], (first.stats, second.stats)
+    assert both["errors"] == 0, (first.stats, second.stats)
+    leader, standby = (first, second) if first.stats["deleted"] else (second, first)
+    assert leader.stats["deleted"] == 200 and leader.stats["not_leader"] == 0, leader.stats
+    assert standby.stats["deleted"] == 0 and standby.stats["not_leader"] > 0, standby.stats
+    assert leader.stats["skipped_not_empty"] >= len(live), leader.stats
+
+    assert [queue for queue in idle if exists(amqp, queue)] == []
+    assert {queue: queue_depth(amqp, queue) for queue in live} == dict.fromkeys(live, 1)
+    assert set(registry.queues()) == set(live)
+    assert RetirementFence(stream.redis, stream.name).marked(queues) == []
+    assert not stream.redis.exists(stream.keys.janitor_lease), "leaders resign when stopped"
+
+
+# ---------------------------------------------------------------------------- race
+
+
+class RoundPublisher(threading.Thread):
+    """Publishes to every key in rounds for ``duration_s``, pausing between rounds: briefly
+    (so publishes meet the janitor's marks and deletes) or long enough for queues to go idle,
+    be released by the workers and be deleted."""
+
+    def __init__(self, stream: str, keys: list[str], duration_s: float, seed: int) -> None:
+        super().__init__(daemon=True, name="round-publisher")
+        self.stream = stream
+        self.keys = keys
+        self.duration_s = duration_s
+        self.rng = random.Random(seed)
+        self.published: Counter[str] = Counter()
+        self.rounds = 0
+        self.producer_stats: dict[str, int] = {}
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with Producer(self.stream, mode="key", settings=fast_settings()) as producer:
+                end = time.monotonic() + self.duration_s
+                while time.monotonic() < end:
+                    chosen = self.rng.sample(self.keys, self.rng.randint(1, len(self.keys)))
+                    for key in chosen:
+                        for _ in range(self.rng.randint(1, 5)):
+                            seq = self.published[key] + 1
+                            producer.publish(key, {"n": seq, "producer": "p"})
+                            self.published[key] = seq
+                    producer.flush(30)
+                    self.rounds += 1
+                    if self.rng.random() < 0.5:
+                        time.sleep(self.rng.uniform(0.02, 0.4))
+                    else:
+                        time.sleep(self.rng.uniform(1.5, 2.5))
+                producer.flush(30)
+                self.producer_stats = producer.stats
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            self.error = exc
+
+
+def audit_problems(store: StateStore, published: Counter[str]) -> dict[str, Any]:
+    problems: dict[str, Any] = {}
+    for key, count in published.items():
+        state = store.get(key)
+        if state != {"applied": count, "last": {"p": count}, "violations": []}:
+            problems[key] = {"published": count, "state": state}
+    return problems
+
+
+@pytest.mark.slow
+def test_no_event_lost_while_janitor_deletes_under_load(
+    stream: StreamFixture,
+    amqp: pika.BlockingConnection,
+    workers: Callable[..., WorkerProcess],
+) -> None:
+    env = {
+        "KEYQ_PUBLISH_LEASE_MS": str(LEASE_MS),
+        "KEYQ_RETIRE_GRACE_MS": str(GRACE_MS),
+        "KEYQ_IDLE_RELEASE_MS": "500",
+    }
+    started = [workers(stream.name, mode="key", env=env) for _ in range(2)]
+    for worker in started:
+        worker.wait_ready()
+    keys = [f"acct-{i}" for i in range(20)]
+    store = StateStore(stream.redis, stream.name)
+    janitor = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-race")
+    publisher = RoundPublisher(stream.name, keys, duration_s=30, seed=20240611)
+    with running(janitor):
+        publisher.start()
+        publisher.join(120)
+        assert not publisher.is_alive(), "the publisher did not finish"
+        assert publisher.error is None, repr(publisher.error)
+        published = publisher.published
+        assert set(published) == set(keys)
+
+        def all_applied() -> bool:
+            return all((store.get(k) or {"applied": 0})["applied"] >= published[k] for k in keys)
+
+        with suppress(AssertionError):  # the audit below says which keys are short
+            wait_until(all_applied, 60, "every confirmed event to be applied", every=0.5)
+        problems = audit_problems(store, published)
+        assert not problems, (
+            f"{len(problems)} keys wrong after {publisher.rounds} rounds, "
+            f"janitor {dict(janitor.stats)}, producer {publisher.producer_stats}: "
+            f"{dict(list(problems.items())[:5])}"
+        )
+    assert janitor.stats["deleted"] >= 10, janitor.stats
+    assert janitor.stats["errors"] == 0, janitor.stats
+    assert queue_depth(amqp, dead_letter_queue_name(stream.name)) in (0, None)
+    for worker in started:
+        assert worker.process.poll() is None, worker.log()[-3000:]
