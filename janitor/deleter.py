@@ -26,7 +26,9 @@ class Outcome(enum.Enum):
     DELETED = "deleted"
     NOT_EMPTY = "not_empty"
     IN_USE = "in_use"
-    GONE = "gone"  # it did not exist (deleted by someone else)
+    # It did not exist, as a broker that answers 404 says; RabbitMQ 3.10 answers delete-ok
+    # for a missing queue, which counts as DELETED (either way it is no longer there).
+    GONE = "gone"
 
 
 class _Lane:

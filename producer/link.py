@@ -10,6 +10,7 @@ re-sends every unconfirmed event in submission order.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -427,7 +428,9 @@ class PublisherLink:
         state.registered = False
         log.debug("queue %s was deleted; re-declaring and re-sending %d", queue, len(returned))
         for message in returned:
-            self._send(message)
+            # A fresh record: the settled one may still sit in the in-flight window (behind
+            # an older unconfirmed event), where its delivery tag must stay what it was.
+            self._send(dataclasses.replace(message, tag=0, returned=False, settled=False))
         for message in parked:
             self._send(message)
 

@@ -34,6 +34,8 @@ from worker.state_store import StateStore
 
 LEASE_MS = 200
 GRACE_MS = 500  # at least 2 x LEASE_MS, as the settings demand
+# A flush waits at most for one retirement (grace + delete) and the re-declare after it.
+FLUSH_TIMEOUT_S = 15
 
 
 def fast_settings() -> Settings:
@@ -222,9 +224,9 @@ def test_repairs_bad_states(stream: StreamFixture, amqp: pika.BlockingConnection
     assert RetirementFence(stream.redis, stream.name).marked([ghost, leftover]) == []
     assert stats["adopted"] == 1 and stats["members_pruned"] == 1, stats
     assert stats["forgotten"] == 2 and stats["errors"] == 0, stats
-    # The ghost never existed: it must be told apart from a queue this janitor deleted.
-    assert stats["already_gone"] == 1, f"the missing queue was not seen as gone: {stats}"
-    assert stats["deleted"] == 1, stats
+    # RabbitMQ answers queue.delete of a missing queue with delete-ok (3.10) or 404 (others):
+    # either way both entries are gone, and counted once.
+    assert stats["deleted"] + stats["already_gone"] == 2, stats
 
 
 def test_bucket_mode_queues_are_never_deleted(
@@ -309,6 +311,7 @@ class RoundPublisher(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
+        producer: Producer | None = None
         try:
             with Producer(self.stream, mode="key", settings=fast_settings()) as producer:
                 end = time.monotonic() + self.duration_s
@@ -319,16 +322,20 @@ class RoundPublisher(threading.Thread):
                             seq = self.published[key] + 1
                             producer.publish(key, {"n": seq, "producer": "p"})
                             self.published[key] = seq
-                    producer.flush(30)
                     self.rounds += 1
                     if self.rng.random() < 0.5:
+                        # Straight on: events overlap the marks, deletes and re-declares.
                         time.sleep(self.rng.uniform(0.02, 0.4))
                     else:
+                        # Everything confirmed, then quiet: queues go idle and are deleted.
+                        producer.flush(FLUSH_TIMEOUT_S)
                         time.sleep(self.rng.uniform(1.5, 2.5))
-                producer.flush(30)
-                self.producer_stats = producer.stats
+                producer.flush(FLUSH_TIMEOUT_S)
         except BaseException as exc:  # noqa: BLE001 - handed to the test
             self.error = exc
+        finally:
+            if producer is not None:
+                self.producer_stats = producer.stats
 
 
 def audit_problems(store: StateStore, published: Counter[str]) -> dict[str, Any]:
@@ -362,7 +369,10 @@ def test_no_event_lost_while_janitor_deletes_under_load(
         publisher.start()
         publisher.join(120)
         assert not publisher.is_alive(), "the publisher did not finish"
-        assert publisher.error is None, repr(publisher.error)
+        assert publisher.error is None, (
+            f"publishing failed in round {publisher.rounds + 1} ({publisher.producer_stats}, "
+            f"janitor {dict(janitor.stats)}): {publisher.error!r}"
+        )
         published = publisher.published
         assert set(published) == set(keys)
 
