@@ -47,6 +47,11 @@ class Settings(BaseSettings):
         default=5000, ge=20, description="a deleter waits this long after marking a queue"
     )
 
+    metrics_port: int | None = Field(
+        default=None, ge=0, le=65535, description="serve Prometheus /metrics on this port"
+    )
+    metrics_host: str = Field(default="0.0.0.0", description="address the metrics endpoint binds")
+
     lock_ttl_ms: int = Field(default=4000, ge=100, description="queue lock ttl")
     member_ttl_ms: int = Field(default=4000, ge=100, description="worker membership ttl")
 

@@ -14,10 +14,12 @@ import orjson
 
 from broker.errors import ConfigurationError, InvalidInput, KeyqError
 from broker.settings import Settings, load_settings
+from keyq.status import status_command
 from producer import Producer
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+EXIT_VERDICT = 3
 
 
 def _fail(exc: KeyqError) -> None:
@@ -81,6 +83,12 @@ def publish(
     help="Stop by itself once nothing arrived for this many seconds (drain mode).",
 )
 @click.option("--worker-id", default=None, help="Name in membership and locks (default host-pid).")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus metrics on this port (KEYQ_METRICS_PORT).",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def worker_command(
     *,
@@ -91,6 +99,7 @@ def worker_command(
     buckets: int | None,
     until_idle: float | None,
     worker_id: str | None,
+    metrics_port: int | None,
     log_level: str,
 ) -> None:
     """Claim the stream's queues and process them in micro-batches on Spark.
@@ -109,6 +118,7 @@ def worker_command(
             buckets=buckets,
             until_idle=until_idle,
             worker_id=worker_id,
+            metrics_port=metrics_port,
             log_level=log_level,
         )
     except KeyqError as exc:
@@ -125,6 +135,12 @@ def worker_command(
 )
 @click.option("--once", is_flag=True, help="One pass, then exit (for cron and tests).")
 @click.option("--janitor-id", default=None, help="Name in the leadership lease.")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus metrics on this port (KEYQ_METRICS_PORT).",
+)
 @click.option("--log-level", default="INFO", show_default=True)
 def janitor_command(
     *,
@@ -132,6 +148,7 @@ def janitor_command(
     idle_ttl: float | None,
     once: bool,
     janitor_id: str | None,
+    metrics_port: int | None,
     log_level: str,
 ) -> None:
     """Delete drained, idle, unheld key-mode queues and keyq's stale Redis entries.
@@ -147,10 +164,100 @@ def janitor_command(
             idle_ttl=idle_ttl,
             once=once,
             janitor_id=janitor_id,
+            metrics_port=metrics_port,
             log_level=log_level,
         )
     except KeyqError as exc:
         _fail(exc)
+
+
+@cli.command("produce")
+@click.option("--stream", required=True, help="Stream name.")
+@click.option("--keys", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option("--events", type=click.IntRange(min=1), default=100_000, show_default=True)
+@click.option("--rate", type=float, default=0.0, show_default=True, help="events/s; 0 = max")
+@click.option("--skew", type=float, default=1.1, show_default=True, help="Zipf exponent; 0 = even")
+@click.option("--payload-bytes", type=click.IntRange(min=0), default=200, show_default=True)
+@click.option("--mode", type=click.Choice(["key", "bucket"]), default=None)
+@click.option("--buckets", type=int, default=None)
+@click.option("--seed", type=int, default=1, show_default=True)
+def produce_command(
+    *,
+    stream: str,
+    keys: int,
+    events: int,
+    rate: float,
+    skew: float,
+    payload_bytes: int,
+    mode: str | None,
+    buckets: int | None,
+    seed: int,
+) -> None:
+    """Publish synthetic keyed load and print what was done as JSON."""
+    from keyq.produce import Load, produce  # noqa: PLC0415 - keeps startup light
+
+    try:
+        done = produce(Load(stream, keys, events, rate, skew, payload_bytes, mode, buckets, seed))
+    except KeyqError as exc:
+        _fail(exc)
+    click.echo(orjson.dumps(done).decode())
+
+
+@cli.command("demo")
+@click.option("--orders", type=click.IntRange(min=1), default=2000, show_default=True)
+@click.option("--events", type=click.IntRange(min=1), default=100_000, show_default=True)
+@click.option("--workers", type=click.IntRange(min=1, max=16), default=2, show_default=True)
+@click.option("--chaos", is_flag=True, help="Kill, restart and scale workers while it runs.")
+@click.option(
+    "--external-workers",
+    is_flag=True,
+    help="Use workers already running (e.g. docker compose) on --stream (default orders).",
+)
+@click.option("--stream", default=None, help="Stream name (default: a fresh demo-… stream).")
+@click.option("--seed", type=int, default=7, show_default=True)
+@click.option("--idle-ttl", type=float, default=30.0, show_default=True, help="Janitor idle ttl.")
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="Drain timeout, s.")
+@click.option("--rate", type=float, default=0.0, show_default=True, help="events/s; 0 = max")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def demo_command(
+    *,
+    orders: int,
+    events: int,
+    workers: int,
+    chaos: bool,
+    external_workers: bool,
+    stream: str | None,
+    seed: int,
+    idle_ttl: float,
+    timeout: float,
+    rate: float,
+    as_json: bool,
+) -> None:
+    """Order events through real workers and a janitor, checked against what was published.
+
+    Exit 0 when every order's state equals a plain-Python fold of its events (nothing lost,
+    reordered or applied twice), 3 when it does not, 1 on a runtime failure.
+    """
+    from keyq.demo_cli import run_demo  # noqa: PLC0415 - keeps startup light
+
+    try:
+        ok = run_demo(
+            orders=orders,
+            events=events,
+            workers=workers,
+            chaos=chaos,
+            external_workers=external_workers,
+            stream=stream,
+            seed=seed,
+            idle_ttl=idle_ttl,
+            timeout=timeout,
+            as_json=as_json,
+            rate=rate,
+        )
+    except KeyqError as exc:
+        _fail(exc)
+    if not ok:
+        sys.exit(EXIT_VERDICT)
 
 
 @cli.command("state")
@@ -170,6 +277,9 @@ def state_command(stream: str, key: str, marks: bool) -> None:
         sys.exit(EXIT_FAILURE)
     shown: Any = {"key": key, "state": value, "marks": key_marks} if marks else value
     click.echo(orjson.dumps(shown, option=orjson.OPT_INDENT_2).decode())
+
+
+cli.add_command(status_command)
 
 
 def main() -> None:

@@ -6,18 +6,24 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
 import orjson
 
 from broker.connections import open_redis, redis_errors
+from broker.errors import ConfigurationError
+from broker.metrics import Metric, MetricsServer
 from broker.naming import check_stream_name, encode_key
 from broker.settings import Settings, load_settings
 from janitor.config import JanitorSettings
 from janitor.janitor import Janitor
+from janitor.metrics import janitor_metrics
 from worker.config import WorkerSettings
 from worker.daemon import Worker
+from worker.metrics import worker_metrics
 from worker.state_store import StateStore
 
 EXIT_UNCLEAN = 1
@@ -64,9 +70,10 @@ def run_worker_daemon(
     buckets: int | None,
     until_idle: float | None,
     worker_id: str | None,
+    metrics_port: int | None,
     log_level: str,
 ) -> None:
-    settings = load_settings(WorkerSettings)
+    settings = load_settings(WorkerSettings, metrics_port=metrics_port)
     worker = Worker(
         stream,
         pipeline,
@@ -94,7 +101,8 @@ def run_worker_daemon(
     worker_stopping = threading.Event()
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    worker.run(until_idle=until_idle)
+    with serve_metrics(settings, lambda: worker_metrics(worker)):
+        worker.run(until_idle=until_idle)
 
 
 def run_janitor_daemon(
@@ -103,9 +111,10 @@ def run_janitor_daemon(
     idle_ttl: float | None,
     once: bool,
     janitor_id: str | None,
+    metrics_port: int | None,
     log_level: str,
 ) -> None:
-    settings = load_settings(JanitorSettings, idle_ttl_s=idle_ttl)
+    settings = load_settings(JanitorSettings, idle_ttl_s=idle_ttl, metrics_port=metrics_port)
     janitor = Janitor(streams, settings=settings, janitor_id=janitor_id)
     configure_logging(log_level, ",".join(streams) or "*", janitor.janitor_id)
     log = logging.getLogger("keyq.janitor")
@@ -117,8 +126,29 @@ def run_janitor_daemon(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    janitor.run(once=once)
+    with serve_metrics(settings, lambda: janitor_metrics(janitor)):
+        janitor.run(once=once)
     log.info("janitor stopped: %s", janitor.snapshot())
+
+
+@contextmanager
+def serve_metrics(settings: Settings, collect: Callable[[], list[Metric]]) -> Iterator[None]:
+    """The Prometheus endpoint while the daemon runs, if a metrics port is set."""
+    if settings.metrics_port is None:
+        yield
+        return
+    server = MetricsServer(settings.metrics_port, settings.metrics_host, collect=collect)
+    try:
+        server.start()
+    except OSError as exc:
+        raise ConfigurationError(
+            f"cannot serve metrics on port {settings.metrics_port}: {exc}"
+        ) from None
+    logging.getLogger("keyq.metrics").info("metrics on :%d/metrics", server.port)
+    try:
+        yield
+    finally:
+        server.stop()
 
 
 def _give_up(log: logging.Logger) -> None:

@@ -1,28 +1,344 @@
-"""docker-compose.yml is checked by reading it, since no Docker engine runs the tests."""
+"""docker-compose.yml and the Dockerfile are checked by reading them: no Docker engine runs the
+tests, so they must be right by construction. Every command a service runs must be a real
+``keyq`` command with real options, every ``KEYQ_*`` variable a real setting, and the workers
+must scale and stop cleanly."""
 
 from __future__ import annotations
 
+import importlib
+import json
+import re
+import shlex
+from functools import cache
 from pathlib import Path
 from typing import Any
 
+import click
+import pytest
 import yaml
 
+from broker.settings import Settings
+from janitor.config import JanitorSettings
+from keyq.cli import cli
+from worker.config import WorkerSettings
+
 ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "Dockerfile"
+
+INFRASTRUCTURE = ("rabbitmq", "redis")
+KEYQ_SERVICES = ("worker", "janitor", "producer")
+# Commands the deployment and the operations guide rely on, whether or not a service runs them.
+REQUIRED_COMMANDS = ("worker", "janitor", "demo", "produce", "status")
+SETTINGS_OF_SERVICE: dict[str, type[Settings]] = {
+    "worker": WorkerSettings,
+    "janitor": JanitorSettings,
+    "producer": Settings,
+}
+PACKAGES = ("broker", "producer", "worker", "janitor", "keyq")
 
 
+# --------------------------------------------------------------------------- compose
+
+
+@cache
 def _compose() -> dict[str, Any]:
-    loaded = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    assert isinstance(loaded, dict)
+    loaded = yaml.safe_load(COMPOSE.read_text())
+    assert isinstance(loaded, dict), "docker-compose.yml is not a mapping"
     return loaded
 
 
-def test_services_and_ports_match_the_default_settings() -> None:
+def _services() -> dict[str, Any]:
     services = _compose()["services"]
-    assert {"rabbitmq", "redis"} <= set(services)
-    rabbit, redis = services["rabbitmq"], services["redis"]
-    assert str(rabbit["image"]).startswith("rabbitmq:4") and "management" in rabbit["image"]
-    assert str(redis["image"]).startswith("redis:7")
-    assert "5672:5672" in rabbit["ports"] and "15672:15672" in rabbit["ports"]
-    assert "6379:6379" in redis["ports"]
-    for service in (rabbit, redis):
-        assert service["healthcheck"]["test"][0] == "CMD"
+    assert isinstance(services, dict)
+    return services
+
+
+def _service(name: str) -> dict[str, Any]:
+    service = _services()[name]
+    assert isinstance(service, dict), f"service {name} is not a mapping"
+    return service
+
+
+def _command(name: str) -> list[str]:
+    """A service's command as words (compose splits a string the way a shell would)."""
+    command = _service(name).get("command")
+    assert command, f"service {name} has no command"
+    return shlex.split(command) if isinstance(command, str) else [str(word) for word in command]
+
+
+def _environment(name: str) -> dict[str, str]:
+    environment = _service(name).get("environment") or {}
+    if isinstance(environment, list):
+        pairs = (str(item).partition("=") for item in environment)
+        return {key: value for key, _, value in pairs}
+    return {str(key): "" if value is None else str(value) for key, value in environment.items()}
+
+
+def _keyq_variables() -> list[str]:
+    names = {
+        variable
+        for service in _services()
+        for variable in _environment(service)
+        if variable.startswith("KEYQ_")
+    }
+    return sorted(names)
+
+
+def _setting_variables() -> set[str]:
+    return {
+        f"KEYQ_{field.upper()}"
+        for kind in (Settings, WorkerSettings, JanitorSettings)
+        for field in kind.model_fields
+    }
+
+
+def _seconds(duration: str | int | float) -> float:
+    """A compose duration (``45s``, ``1m30s``, ``1500ms``, ``1h``) in seconds."""
+    if isinstance(duration, (int, float)):
+        return float(duration)
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", duration)
+    assert parts and "".join(a + u for a, u in parts) == duration, f"bad duration {duration!r}"
+    return sum(float(amount) * units[unit] for amount, unit in parts)
+
+
+def _options(command: click.Command) -> set[str]:
+    return {
+        opt
+        for param in command.params
+        if isinstance(param, click.Option)
+        for opt in (*param.opts, *param.secondary_opts)
+    }
+
+
+def test_every_service_is_there() -> None:
+    assert {*INFRASTRUCTURE, *KEYQ_SERVICES} <= set(_services())
+
+
+@pytest.mark.parametrize("name", KEYQ_SERVICES)
+def test_keyq_services_build_from_the_dockerfile(name: str) -> None:
+    build = _service(name).get("build")
+    assert build, f"service {name} must build keyq's image"
+    if isinstance(build, str):
+        build = {"context": build}
+    context = (COMPOSE.parent / build.get("context", ".")).resolve()
+    dockerfile = (context / build.get("dockerfile", "Dockerfile")).resolve()
+    assert dockerfile == DOCKERFILE.resolve(), f"service {name} builds {dockerfile}"
+
+
+@pytest.mark.parametrize("command", REQUIRED_COMMANDS)
+def test_keyq_has_the_command(command: str) -> None:
+    assert command in cli.commands, (
+        f"`keyq {command}` does not exist; keyq has {sorted(cli.commands)}"
+    )
+
+
+@pytest.mark.parametrize("name", KEYQ_SERVICES)
+def test_service_runs_a_keyq_command(name: str) -> None:
+    command = _command(name)[0]
+    assert command in cli.commands, (
+        f"service {name} runs `keyq {command}`, which does not exist; "
+        f"keyq has {sorted(cli.commands)}"
+    )
+
+
+@pytest.mark.parametrize("name", KEYQ_SERVICES)
+def test_service_command_line_parses(name: str) -> None:
+    command, *args = _command(name)
+    if command not in cli.commands:
+        pytest.skip(f"`keyq {command}` does not exist yet (test_service_runs_a_keyq_command)")
+    subcommand = cli.commands[command]
+    known = _options(subcommand)
+    used = {arg.partition("=")[0] for arg in args if arg.startswith("--")}
+    assert used <= known, f"service {name}: `keyq {command}` has no {sorted(used - known)}"
+    # Parse it as click would (types, required options, choices), without running anything.
+    try:
+        subcommand.make_context(command, list(args))
+    except click.ClickException as exc:
+        pytest.fail(f"service {name}: `keyq {' '.join(_command(name))}`: {exc.format_message()}")
+
+
+@pytest.mark.parametrize("name", KEYQ_SERVICES)
+def test_pipelines_named_in_commands_exist(name: str) -> None:
+    args = _command(name)
+    for index, arg in enumerate(args):
+        if arg == "--pipeline" or arg.startswith("--pipeline="):
+            spec = arg.partition("=")[2] or args[index + 1]
+            module, _, function = spec.partition(":")
+            assert callable(getattr(importlib.import_module(module), function, None)), spec
+
+
+@pytest.mark.parametrize("variable", _keyq_variables())
+def test_compose_variables_are_keyq_settings(variable: str) -> None:
+    assert variable in _setting_variables(), (
+        f"{variable} is set in docker-compose.yml but is not a field of Settings, "
+        "WorkerSettings or JanitorSettings"
+    )
+
+
+@pytest.mark.parametrize("name", KEYQ_SERVICES)
+def test_compose_settings_are_valid(name: str) -> None:
+    values = {
+        variable.removeprefix("KEYQ_").lower(): value
+        for variable, value in _environment(name).items()
+        if variable.startswith("KEYQ_")
+    }
+    SETTINGS_OF_SERVICE[name](**values)
+
+
+def test_workers_scale() -> None:
+    """`docker compose up --scale worker=N` needs replicas that do not collide."""
+    worker = _service("worker")
+    assert "container_name" not in worker, "a fixed container name stops --scale"
+    assert not worker.get("ports"), "a fixed host port stops --scale"
+    assert int(worker.get("deploy", {}).get("replicas", 1)) >= 2
+
+
+def test_metrics_ports_are_not_published() -> None:
+    for name in ("worker", "janitor"):
+        assert _environment(name).get("KEYQ_METRICS_PORT"), f"{name} has no metrics port"
+        assert not _service(name).get("ports"), f"{name} publishes a port on the host"
+
+
+def test_worker_sink_is_on_a_shared_volume() -> None:
+    args = _command("worker")
+    sink = args[args.index("--sink") + 1]
+    kind, _, folder = sink.partition(":")
+    assert kind == "parquet"
+    top_volumes = _compose().get("volumes") or {}
+    mounts = [str(v).split(":") for v in _service("worker").get("volumes", [])]
+    shared = [target for source, target, *_ in mounts if source in top_volumes]
+    assert any(folder == t or folder.startswith(t.rstrip("/") + "/") for t in shared), (
+        f"the worker's sink {folder} is not on a named volume its replicas share"
+    )
+
+
+@pytest.mark.parametrize("name", KEYQ_SERVICES)
+def test_keyq_services_wait_for_healthy_services(name: str) -> None:
+    depends_on = _service(name).get("depends_on")
+    assert isinstance(depends_on, dict), f"{name}: depends_on needs conditions"
+    for dependency in INFRASTRUCTURE:
+        assert depends_on.get(dependency, {}).get("condition") == "service_healthy", (
+            f"{name} must wait for {dependency} to be healthy"
+        )
+
+
+def test_services_have_healthchecks() -> None:
+    rabbit = _service("rabbitmq")["healthcheck"]["test"]
+    redis = _service("redis")["healthcheck"]["test"]
+    assert rabbit[0] in ("CMD", "CMD-SHELL") and "rabbitmq-diagnostics" in " ".join(rabbit)
+    assert "ping" in " ".join(rabbit)
+    assert redis[0] in ("CMD", "CMD-SHELL") and "redis-cli ping" in " ".join(redis)
+
+
+def test_infrastructure_images_and_ports() -> None:
+    rabbit, redis = _service("rabbitmq"), _service("redis")
+    found = re.fullmatch(r"rabbitmq:(\d+)(?:\.\d+){0,2}-management(?:-alpine)?", rabbit["image"])
+    assert found, f"{rabbit['image']} is not an official RabbitMQ image with the management UI"
+    assert int(found.group(1)) >= 4, "RabbitMQ 3.x is out of community support"
+    assert re.fullmatch(r"redis:(\d+)(?:\.\d+){0,2}(?:-\w+)?", redis["image"])
+    assert int(redis["image"].split(":")[1].split(".")[0]) >= 7
+    assert {"5672:5672", "15672:15672"} <= {str(port) for port in rabbit["ports"]}
+
+
+def test_worker_stops_after_its_shutdown_timeout() -> None:
+    """Docker must not SIGKILL a worker that is still finishing its batch after SIGTERM."""
+    worker = _service("worker")
+    configured = _environment("worker").get("KEYQ_SHUTDOWN_TIMEOUT")
+    default = WorkerSettings.model_fields["shutdown_timeout"].default
+    timeout = float(configured) if configured else float(default)
+    grace = worker.get("stop_grace_period")
+    assert grace is not None, "without stop_grace_period Docker kills workers after 10 s"
+    assert _seconds(grace) > timeout, f"stop_grace_period {grace} <= shutdown timeout {timeout}"
+
+
+def test_services_restart() -> None:
+    for name in (*INFRASTRUCTURE, "worker", "janitor"):
+        assert _service(name).get("restart") in ("unless-stopped", "always", "on-failure")
+
+
+# --------------------------------------------------------------------------- Dockerfile
+
+
+@cache
+def _instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    instructions: list[tuple[str, str]] = []
+    pending = ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if pending and line.startswith("#"):
+            continue  # Docker drops comment lines inside a continuation
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        whole = pending + line
+        pending = ""
+        keyword, _, arguments = whole.partition(" ")
+        instructions.append((keyword.upper(), arguments.strip()))
+    assert not pending, "the Dockerfile ends inside a continuation line"
+    return instructions
+
+
+def _arguments(keyword: str) -> list[str]:
+    return [arguments for instruction, arguments in _instructions() if instruction == keyword]
+
+
+def _env() -> dict[str, str]:
+    variables: dict[str, str] = {}
+    for arguments in _arguments("ENV"):
+        words = shlex.split(arguments)
+        if "=" in words[0]:
+            variables.update(word.split("=", 1) for word in words)
+        else:
+            variables[words[0]] = " ".join(words[1:])
+    return variables
+
+
+def _final_base() -> str:
+    froms = _arguments("FROM")
+    assert froms, "the Dockerfile has no FROM"
+    return shlex.split(froms[-1])[0].removeprefix("docker.io/library/")
+
+
+def test_dockerfile_uses_python_3_11_or_newer() -> None:
+    base = _final_base()
+    found = re.fullmatch(r"python:(\d+)\.(\d+)(?:\.\d+)?-slim(?:-(\w+))?", base)
+    assert found, f"base image {base} is not an official python:X.Y-slim image"
+    assert (int(found.group(1)), int(found.group(2))) >= (3, 11)
+
+
+def test_dockerfile_installs_java_17() -> None:
+    runs = " ".join(_arguments("RUN"))
+    assert re.search(r"apt-get install\b[^;&]*\bopenjdk-17-(jre|jdk)-headless\b", runs)
+    # Debian 13 (trixie), which unpinned python:*-slim tags follow, has no openjdk-17.
+    assert _final_base().endswith("-bookworm"), "openjdk-17 needs a Debian 12 (bookworm) base"
+    assert "java-17" in _env().get("JAVA_HOME", ""), "JAVA_HOME must point at Java 17"
+
+
+def test_dockerfile_installs_keyq() -> None:
+    copied = " ".join(_arguments("COPY"))
+    for needed in ("pyproject.toml", "README.md", *PACKAGES):
+        assert re.search(rf"(^|\s){re.escape(needed)}/?(\s|$)", copied), f"{needed} not copied"
+    assert any(re.search(r"pip install\b.*\s\.(\s|$)", run) for run in _arguments("RUN"))
+
+
+def test_dockerfile_runs_keyq_as_a_user_without_privileges() -> None:
+    users = _arguments("USER")
+    assert users, "the image runs as root"
+    assert users[-1].split(":")[0] not in ("root", "0"), f"the image runs as {users[-1]}"
+
+
+def test_dockerfile_entrypoint_is_keyq() -> None:
+    entrypoint = _arguments("ENTRYPOINT")
+    # The exec form (JSON): a shell form would not pass SIGTERM on to keyq.
+    assert entrypoint and json.loads(entrypoint[-1]) == ["keyq"]
+    command = _arguments("CMD")
+    assert command and json.loads(command[-1]) == ["--help"]
+
+
+def test_dockerfile_points_spark_at_the_image_python() -> None:
+    assert _env().get("PYSPARK_PYTHON", "").startswith("/usr/local/bin/python")

@@ -87,3 +87,50 @@ def test_a_broker_that_is_down_is_waited_for(settings: Settings) -> None:
     assert process.returncode == 0
     assert "retrying" in err
     assert "hidden-pw" not in err
+
+
+def test_metrics_endpoint_of_the_running_janitor(stream: Any) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with Producer(stream.name, mode="key") as producer:
+        producer.publish("k", {"n": 1})
+        producer.flush()
+    process = keyq(
+        stream.settings,
+        "janitor",
+        "--stream",
+        stream.name,
+        "--metrics-port",
+        str(port),
+        env={"KEYQ_JANITOR_INTERVAL_S": "0.2"},
+    )
+    try:
+        deadline = time.monotonic() + 30
+        text = ""
+        while time.monotonic() < deadline and "keyq_janitor_passes_total" not in text:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                    text = r.read().decode()
+            except OSError:
+                time.sleep(0.2)
+        for family in (
+            "keyq_janitor_passes_total",
+            "keyq_janitor_deletions_total",
+            "keyq_janitor_skipped_total",
+            "keyq_janitor_errors_total",
+        ):
+            assert f"# TYPE {family} counter" in text, text
+        passes = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("keyq_janitor_passes_total")
+        ]
+        assert passes and passes[0] >= 1
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)
+    assert process.returncode == 0

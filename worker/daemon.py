@@ -106,6 +106,10 @@ class Worker:
         self._stop.set()
         self._buffer.wake()
 
+    def batch_seconds(self) -> list[float]:
+        """Durations of the most recent batches (up to 1,000), oldest first."""
+        return list(self._processor.stats.batch_seconds) if self._processor else []
+
     @property
     def held(self) -> list[str]:
         return sorted(self._holdings.queues())

@@ -1,0 +1,57 @@
+# syntax=docker/dockerfile:1
+#
+# One image for every keyq service: `docker run IMAGE worker --stream orders ...`,
+# `... janitor`, `... demo`. The entrypoint is the `keyq` command.
+#
+# The base is pinned to Debian 12 (bookworm): Debian 13, which the plain `python:3.11-slim`
+# tag now follows, no longer ships openjdk-17, and Spark 4 needs Java 17 or 21.
+FROM python:3.11-slim-bookworm
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# Java 17 for Spark's driver JVM (the worker's local Spark). procps gives Spark's launch
+# scripts `ps`. The man1 folder works around openjdk's post-install on slim images. The
+# `java-17` link gives JAVA_HOME one path on every architecture (amd64, arm64).
+RUN set -eux; \
+    mkdir -p /usr/share/man/man1; \
+    apt-get update; \
+    apt-get install -y --no-install-recommends openjdk-17-jre-headless procps; \
+    rm -rf /var/lib/apt/lists/*; \
+    ln -s "/usr/lib/jvm/java-17-openjdk-$(dpkg --print-architecture)" /usr/lib/jvm/java-17; \
+    /usr/lib/jvm/java-17/bin/java -version
+
+ENV JAVA_HOME=/usr/lib/jvm/java-17 \
+    PYSPARK_PYTHON=/usr/local/bin/python
+
+WORKDIR /opt/keyq-src
+
+# Dependencies first, from pyproject.toml alone, so that a change to keyq's code does not
+# reinstall pyspark and pyarrow.
+COPY pyproject.toml README.md ./
+RUN python -c "import pathlib, tomllib; project = tomllib.loads(pathlib.Path('pyproject.toml').read_text())['project']; pathlib.Path('/tmp/requirements.txt').write_text('\n'.join(project['dependencies']))" \
+    && pip install -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
+
+# Then keyq itself (its dependencies are already there).
+COPY broker ./broker
+COPY producer ./producer
+COPY worker ./worker
+COPY janitor ./janitor
+COPY keyq ./keyq
+RUN pip install --no-deps . \
+    && rm -rf build ./*.egg-info \
+    && keyq --version
+
+# A user without privileges; /data is where the compose file mounts the Parquet sink's
+# volume (a new named volume takes this folder's owner).
+RUN useradd --create-home --uid 10001 --user-group keyq \
+    && mkdir -p /data \
+    && chown keyq:keyq /data
+USER keyq
+WORKDIR /home/keyq
+
+ENTRYPOINT ["keyq"]
+CMD ["--help"]

@@ -1,0 +1,329 @@
+"""``keyq demo``: order events through real workers and a janitor, then proof from the data.
+
+Against the configured RabbitMQ and Redis, it starts a janitor and worker processes (or uses
+workers already running, ``--external-workers``), publishes a skewed stream of order events,
+optionally kills, restarts and scales workers while it runs (``--chaos``), waits until every
+order's state is committed, and compares each order's state in Redis with a plain-Python fold
+of exactly what was published. The verdict comes from that comparison.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import redis
+
+from broker.connections import open_redis
+from broker.locks import FencedLocks
+from broker.registry import QueueRegistry
+from broker.settings import Settings
+from keyq.orders import expected_states, generate_orders
+from keyq.processes import Daemon, log_folder
+from producer import Producer
+from worker.state_store import StateStore
+
+PIPELINE = "keyq.orders:pipeline"
+LATENCY_SAMPLE = 200
+
+
+@dataclass
+class DemoOptions:
+    orders: int = 2000
+    events: int = 100_000
+    workers: int = 2
+    max_workers: int = 4
+    chaos: bool = False
+    external_workers: bool = False
+    stream: str | None = None
+    seed: int = 7
+    idle_ttl: float = 30.0
+    drain_timeout: float = 600.0
+    rate: float = 0.0  # events/s while publishing; 0 = as fast as possible
+
+
+@dataclass
+class Chaos:
+    """What the chaos thread did: kills, restarts, scale changes, and failover durations."""
+
+    actions: list[dict[str, Any]] = field(default_factory=list)
+    failovers_s: list[float] = field(default_factory=list)
+
+
+def percentile(values: list[float], share: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+class Demo:
+    """One demo run; ``run()`` returns the summary (with the verdict)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        options: DemoOptions,
+        progress: Callable[[int, int], None] | None = None,
+        say: Callable[[str], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.options = options
+        self.stream = options.stream or (
+            "orders" if options.external_workers else f"demo-{uuid.uuid4().hex[:8]}"
+        )
+        self._progress = progress or (lambda done, total: None)
+        self._say = say or (lambda text: None)
+        self._logs = log_folder()
+        self._workers: list[Daemon] = []
+        self._janitor: Daemon | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.chaos = Chaos()
+
+    # ---- processes --------------------------------------------------------------------------
+
+    def _start_worker(self) -> Daemon:
+        worker = Daemon(
+            "worker", ["--stream", self.stream, "--pipeline", PIPELINE, "--mode", "key"], self._logs
+        )
+        with self._lock:
+            self._workers.append(worker)
+        return worker
+
+    def _wait_ready(self, daemons: list[Daemon], timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        for daemon in daemons:
+            while not daemon.ready():
+                if not daemon.alive:
+                    raise RuntimeError(f"{daemon.id} exited; see {daemon.log_path}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{daemon.id} did not start; see {daemon.log_path}")
+                time.sleep(0.2)
+
+    def _chaos_loop(self, client: redis.Redis) -> None:
+        rng = random.Random(self.options.seed)
+        locks = FencedLocks(client, self.stream)
+        registry = QueueRegistry(client, self.stream)
+        while not self._stop.wait(rng.uniform(4.0, 8.0)):
+            with self._lock:
+                alive = [w for w in self._workers if w.alive]
+            choice = rng.choice(["kill", "kill", "restart", "add", "remove"])
+            if choice == "add" and len(alive) < self.options.max_workers:
+                worker = self._start_worker()
+                self.chaos.actions.append({"at": time.time(), "action": "add", "worker": worker.id})
+            elif choice == "remove" and len(alive) > 1:
+                victim = rng.choice(alive)
+                victim.stop()
+                self.chaos.actions.append(
+                    {"at": time.time(), "action": "remove", "worker": victim.id}
+                )
+            elif alive and choice in ("kill", "restart"):
+                victim = rng.choice(alive)
+                queues = list(registry.queues())
+                held = [
+                    q
+                    for q, lease in locks.holders(queues).items()
+                    if lease and lease.owner == victim.id
+                ]
+                victim.kill()
+                killed_at = time.monotonic()
+                self.chaos.actions.append(
+                    {"at": time.time(), "action": "kill -9", "worker": victim.id, "held": len(held)}
+                )
+                if len(alive) == 1 or choice == "restart":
+                    self._start_worker()
+                if held:
+                    self._measure_failover(locks, victim.id, held, killed_at)
+
+    def _measure_failover(
+        self, locks: FencedLocks, dead: str, held: list[str], killed_at: float
+    ) -> None:
+        """Time until every queue the dead worker held is held by a live worker (or needs
+        no holder: drained and let go)."""
+        while time.monotonic() - killed_at < 60 and not self._stop.is_set():
+            holders = locks.holders(held)
+            if all(lease is not None and lease.owner != dead for lease in holders.values()):
+                self.chaos.failovers_s.append(round(time.monotonic() - killed_at, 3))
+                return
+            released = not any(
+                lease is not None and lease.owner == dead for lease in holders.values()
+            )
+            # Its locks are gone; queues still not re-held after a while are simply drained.
+            if released and time.monotonic() - killed_at > 10:
+                self.chaos.failovers_s.append(round(time.monotonic() - killed_at, 3))
+                return
+            time.sleep(0.05)
+
+    # ---- the run ----------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        options = self.options
+        events = generate_orders(options.orders, options.events, options.seed)
+        expected = expected_states(events)
+        counts: dict[str, int] = {}
+        for order, _event in events:
+            counts[order] = counts.get(order, 0) + 1
+        client = open_redis(self.settings)
+        store = StateStore(client, self.stream)
+        chaos_thread: threading.Thread | None = None
+        try:
+            if not options.external_workers:
+                self._janitor = Daemon(
+                    "janitor",
+                    ["--stream", self.stream, "--idle-ttl", str(options.idle_ttl)],
+                    self._logs,
+                )
+                for _ in range(options.workers):
+                    self._start_worker()
+                self._say(f"starting {options.workers} workers and a janitor (logs: {self._logs})")
+                self._wait_ready(list(self._workers))
+            if options.chaos and not options.external_workers:
+                chaos_thread = threading.Thread(
+                    target=self._chaos_loop, args=(client,), daemon=True
+                )
+                chaos_thread.start()
+            sample = set(
+                random.Random(options.seed).sample(sorted(counts), min(LATENCY_SAMPLE, len(counts)))
+            )
+            sent: dict[tuple[str, int], float] = {}
+            seen_seq: dict[str, int] = {}
+            started = time.monotonic()
+            latencies: list[float] = []
+            watcher = threading.Thread(
+                target=self._watch_latency, args=(store, sample, sent, latencies), daemon=True
+            )
+            watcher.start()
+            with Producer(self.stream, mode="key", settings=self.settings) as producer:
+                for number, (order, event) in enumerate(events, 1):
+                    seq = seen_seq.get(order, 0) + 1
+                    seen_seq[order] = seq
+                    if order in sample:
+                        sent[(order, seq)] = time.monotonic()
+                    producer.publish(order, event)
+                    if options.rate > 0:
+                        ahead = started + number / options.rate - time.monotonic()
+                        if ahead > 0:
+                            time.sleep(ahead)
+                    if number % 1000 == 0:
+                        self._progress(number, len(events))
+                producer.flush()
+                producer_stats = producer.stats
+            self._progress(len(events), len(events))
+            published_s = time.monotonic() - started
+            self._say("published; waiting until every order is committed")
+            drained_s = self._wait_drained(store, counts, started)
+            self._stop.set()
+            watcher.join(5)
+            if chaos_thread is not None:
+                chaos_thread.join(30)
+            verdict = self._verdict(store, expected, counts)
+            registry = QueueRegistry(client, self.stream)
+            return {
+                "stream": self.stream,
+                "orders": options.orders,
+                "events": len(events),
+                "publish_events_per_s": round(len(events) / published_s),
+                "end_to_end_events_per_s": round(len(events) / drained_s) if drained_s else None,
+                "seconds_to_all_committed": round(drained_s, 1) if drained_s else None,
+                "latency_ms": {
+                    name: None if value is None else round(value * 1000)
+                    for name, value in (
+                        ("p50", percentile(latencies, 0.50)),
+                        ("p95", percentile(latencies, 0.95)),
+                        ("p99", percentile(latencies, 0.99)),
+                    )
+                },
+                "chaos": {"actions": self.chaos.actions, "failovers_s": self.chaos.failovers_s},
+                "queues_created": len(counts),
+                "queues_left": registry.count(),
+                "producer": producer_stats,
+                "verdict": verdict,
+                "logs": str(self._logs),
+            }
+        finally:
+            self._stop.set()
+            for worker in self._workers:
+                worker.stop()
+            if self._janitor is not None:
+                self._janitor.stop()
+            client.close()
+
+    def _watch_latency(
+        self,
+        store: StateStore,
+        sample: set[str],
+        sent: dict[tuple[str, int], float],
+        latencies: list[float],
+    ) -> None:
+        """Publish-to-commit latency of a sample of orders: poll their marks and note when
+        each sent seq is first seen applied."""
+        applied: dict[str, int] = dict.fromkeys(sample, 0)
+        orders = sorted(sample)
+        while not self._stop.is_set():
+            now = time.monotonic()
+            marks = store.marks(orders)
+            for order in orders:
+                top = max(marks[order].seqs.values(), default=0)
+                for seq in range(applied[order] + 1, top + 1):
+                    at = sent.get((order, seq))
+                    if at is not None:
+                        latencies.append(now - at)
+                applied[order] = max(applied[order], top)
+            time.sleep(0.05)
+
+    def _wait_drained(
+        self, store: StateStore, counts: dict[str, int], started: float
+    ) -> float | None:
+        orders = sorted(counts)
+        deadline = time.monotonic() + self.options.drain_timeout
+        while time.monotonic() < deadline:
+            states = store.states(orders)
+            done = sum(
+                1
+                for order in orders
+                if order in states and _applied(states[order]) >= counts[order]
+            )
+            if done == len(orders):
+                return time.monotonic() - started
+            time.sleep(0.25)
+        return None
+
+    def _verdict(
+        self, store: StateStore, expected: dict[str, Any], counts: dict[str, int]
+    ) -> dict[str, Any]:
+        """Lost, applied twice, reordered: from each order's committed state and marks."""
+        orders = sorted(counts)
+        raw = store.states(orders)
+        marks = store.marks(orders)
+        lost = twice = reordered = 0
+        wrong: list[str] = []
+        for order in orders:
+            state = None if order not in raw else orjson.loads(raw[order])
+            applied = 0 if state is None else int(state["events_applied"])
+            lost += max(0, counts[order] - applied)
+            twice += max(0, applied - counts[order])
+            if applied == counts[order] and state != expected.get(order):
+                reordered += 1
+            if state != expected.get(order):
+                wrong.append(order)
+            if marks[order].applied not in (0, applied):
+                twice += abs(marks[order].applied - applied)
+        return {
+            "lost": lost,
+            "applied_twice": twice,
+            "reordered": reordered,
+            "orders_checked": len(orders),
+            "orders_wrong": wrong[:20],
+            "ok": lost == twice == reordered == 0 and not wrong,
+        }
+
+
+def _applied(raw: str) -> int:
+    return int(orjson.loads(raw).get("events_applied", 0))

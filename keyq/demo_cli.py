@@ -1,0 +1,87 @@
+"""The demo's face: a progress bar while publishing, then a summary and the verdict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from broker.settings import load_settings
+from keyq.demo import Demo, DemoOptions
+
+
+def run_demo(
+    *,
+    orders: int,
+    events: int,
+    workers: int,
+    chaos: bool,
+    external_workers: bool,
+    stream: str | None,
+    seed: int,
+    idle_ttl: float,
+    timeout: float,
+    as_json: bool,
+    rate: float = 0.0,
+) -> bool:
+    """Run the demo; True when the verdict is clean."""
+    console = Console(stderr=True)
+    options = DemoOptions(
+        orders=orders,
+        events=events,
+        workers=workers,
+        chaos=chaos,
+        external_workers=external_workers,
+        stream=stream,
+        seed=seed,
+        idle_ttl=idle_ttl,
+        drain_timeout=timeout,
+        rate=rate,
+    )
+    with Progress(
+        TextColumn("publishing"),
+        BarColumn(),
+        TextColumn("{task.completed:,}/{task.total:,} events"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("publish", total=events)
+        demo = Demo(
+            load_settings(),
+            options,
+            progress=lambda done, total: bar.update(task, completed=done, total=total),
+            say=console.print,
+        )
+        summary = demo.run()
+    if as_json:
+        print(orjson.dumps(summary).decode())
+    else:
+        Console().print(_table(summary))
+    return bool(summary["verdict"]["ok"])
+
+
+def _table(summary: dict[str, Any]) -> Table:
+    verdict = summary["verdict"]
+    latency = summary["latency_ms"]
+    failovers = summary["chaos"]["failovers_s"]
+    table = Table(title=f"keyq demo — stream {summary['stream']}", show_header=False)
+    rows = [
+        ("events / orders", f"{summary['events']:,} / {summary['orders']:,}"),
+        ("publish rate", f"{summary['publish_events_per_s']:,} events/s"),
+        ("end to end", f"{summary['end_to_end_events_per_s'] or '—'} events/s"),
+        ("latency p50 / p95 / p99", f"{latency['p50']} / {latency['p95']} / {latency['p99']} ms"),
+        ("chaos actions", str(len(summary["chaos"]["actions"]))),
+        ("failovers", ", ".join(f"{s:.2f}s" for s in failovers) or "—"),
+        ("queues created / left", f"{summary['queues_created']:,} / {summary['queues_left']:,}"),
+        ("lost", str(verdict["lost"])),
+        ("reordered", str(verdict["reordered"])),
+        ("applied twice", str(verdict["applied_twice"])),
+        ("verdict", "OK" if verdict["ok"] else "FAILED"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table

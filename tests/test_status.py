@@ -1,0 +1,305 @@
+"""``keyq status``: every figure it shows is checked against what really is in RabbitMQ and
+Redis, in-process and from the shell (table, JSON, ``--watch``, errors)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pika
+import pytest
+
+from broker.locks import FencedLocks, Lease
+from broker.membership import Membership
+from broker.naming import dead_letter_queue_name, key_queue_name
+from broker.registry import QueueRegistry
+from broker.settings import Settings, load_settings
+from keyq.status import TABLE_LIMIT, add_rates, collect_status, render_table
+from producer import Producer
+from tests.helpers import queue_depth
+from tests.workers import REPO, wait_until
+
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+# Long enough that the fake member outlives the subprocesses' start-up.
+MEMBER_TTL_MS = 60_000
+PUBLISHED = {"sensor-a": 3, "sensor-b": 2, "sensor-c": 1}
+OWNER = "fake-worker"
+GONE = "gone-worker"
+RUN_STATUS = "from keyq.status import status_command; status_command()"
+
+
+@dataclass
+class World:
+    """What the test set up, to compare the status with."""
+
+    stream: str
+    queues: dict[str, str]  # key -> queue
+    ghost: str  # registered, never declared
+    owned: Lease  # held by OWNER, a live member
+    orphaned: Lease  # held by GONE, not a member
+    dlq: str
+
+
+@pytest.fixture
+def world(stream: Any) -> World:
+    with Producer(stream.name, mode="key") as producer:
+        for key, count in PUBLISHED.items():
+            for n in range(count):
+                producer.publish(key, {"n": n})
+        producer.flush()
+    queues = {key: key_queue_name(stream.name, key) for key in PUBLISHED}
+    ghost = key_queue_name(stream.name, "ghost")
+    QueueRegistry(stream.redis, stream.name).register({ghost: "ghost"}, announce=False)
+    locks = FencedLocks(stream.redis, stream.name)
+    owned = locks.acquire(queues["sensor-a"], OWNER, 120_000)
+    orphaned = locks.acquire(queues["sensor-b"], GONE, 120_000)
+    assert owned is not None and orphaned is not None
+    Membership(stream.redis, stream.name, MEMBER_TTL_MS).heartbeat(
+        OWNER, {"worker": OWNER, "events": 42, "batches": 7, "dead_lettered": 1}
+    )
+    return World(stream.name, queues, ghost, owned, orphaned, dead_letter_queue_name(stream.name))
+
+
+def status_settings() -> Settings:
+    return load_settings(member_ttl_ms=MEMBER_TTL_MS)
+
+
+def check_against_world(
+    status: dict[str, Any], world: World, amqp: pika.BlockingConnection
+) -> None:
+    """Every figure of ``status`` equals the real state."""
+    assert status["stream"] == world.stream
+    assert status["mode"] == "key"
+    assert status["buckets"] is None
+    rows = {row["name"]: row for row in status["queues"]}
+    assert set(rows) == {*world.queues.values(), world.ghost, world.dlq}
+    for key, queue in world.queues.items():
+        row = rows[queue]
+        real = queue_depth(amqp, queue)
+        assert real == PUBLISHED[key]
+        assert row["depth"] == real
+        assert row["key"] == key
+        assert row["consumers"] == 0
+        assert row["missing"] is False
+        assert row["dead_letter"] is False
+        assert 0 <= row["idle_ms"] < 600_000
+    assert rows[world.owned.queue]["owner"] == OWNER
+    assert rows[world.owned.queue]["token"] == world.owned.token
+    assert rows[world.owned.queue]["owner_alive"] is True
+    assert rows[world.orphaned.queue]["owner"] == GONE
+    assert rows[world.orphaned.queue]["owner_alive"] is False
+    for name in (world.queues["sensor-c"], world.ghost, world.dlq):
+        assert rows[name]["owner"] is None
+        assert rows[name]["token"] is None
+
+    ghost = rows[world.ghost]
+    assert queue_depth(amqp, world.ghost) is None
+    assert ghost["missing"] is True
+    assert ghost["depth"] is None
+    assert ghost["key"] == "ghost"
+
+    dlq = rows[world.dlq]
+    assert queue_depth(amqp, world.dlq) == 0
+    assert dlq["dead_letter"] is True
+    assert dlq["depth"] == 0
+    assert status["queues"][-1]["name"] == world.dlq
+
+    keyed = [row for row in status["queues"] if not row["dead_letter"]]
+    depths = [row["depth"] for row in keyed]
+    assert depths == [3, 2, 1, None]  # deepest first, missing last
+
+    assert status["totals"] == {
+        "queues": 4,
+        "lag": sum(PUBLISHED.values()),
+        "dead_letter_depth": 0,
+        "held": 2,
+        "unheld": 2,
+        "missing": 1,
+        "workers": 1,
+        "events_per_s": status["totals"]["events_per_s"],
+    }
+
+    [worker] = status["workers"]
+    assert worker["worker"] == OWNER
+    assert worker["held"] == 1
+    assert worker["events"] == 42
+    assert worker["batches"] == 7
+    assert worker["dead_lettered"] == 1
+    assert worker["pid"] == os.getpid()
+    assert 0 <= worker["heartbeat_age_ms"] < MEMBER_TTL_MS
+
+
+def test_collect_status_matches_the_real_state(world: World, amqp: Any) -> None:
+    status = collect_status(status_settings(), world.stream)
+    check_against_world(status, world, amqp)
+    assert status["workers"][0]["events_per_s"] is None
+    assert status["totals"]["events_per_s"] is None
+    orjson.dumps(status)  # JSON-ready as it is
+
+
+def test_rates_come_from_the_growth_of_the_events_counter(world: World) -> None:
+    before = collect_status(status_settings(), world.stream)
+    later = copy.deepcopy(before)
+    later["at_ms"] += 2000
+    later["workers"][0]["events"] += 100
+    add_rates(later, before)
+    assert later["workers"][0]["events_per_s"] == 50.0
+    assert later["totals"]["events_per_s"] == 50.0
+    restarted = copy.deepcopy(later)
+    restarted["at_ms"] += 1000
+    restarted["workers"][0]["events"] = 5  # counter went back: no rate
+    restarted["workers"][0]["events_per_s"] = None
+    add_rates(restarted, later)
+    assert restarted["workers"][0]["events_per_s"] is None
+
+
+def test_the_table_shows_queues_owners_and_at_most_the_deepest_queues(world: World) -> None:
+    status = collect_status(status_settings(), world.stream)
+    text = render_table(status)
+    for queue in (*world.queues.values(), world.ghost, world.dlq):
+        assert queue in text
+    assert OWNER in text
+    assert f"{GONE} (not alive)" in text
+    assert "more queues" not in text
+
+    crowded = copy.deepcopy(status)
+    extra = [
+        {**status["queues"][0], "name": f"keyq.{world.stream}.k.extra-{n:03d}", "depth": n}
+        for n in range(TABLE_LIMIT + 10)
+    ]
+    crowded["queues"] = sorted(extra, key=lambda row: -row["depth"]) + crowded["queues"]
+    text = render_table(crowded)
+    assert f"… and {len(crowded['queues']) - 1 - TABLE_LIMIT} more queues" in text
+    assert f"extra-{TABLE_LIMIT + 9:03d}" in text  # the deepest is shown
+    assert "extra-000" not in text
+
+
+# ---- from the shell ----------------------------------------------------------------------
+
+
+def status_env(settings: Settings) -> dict[str, str]:
+    return {
+        **os.environ,
+        "KEYQ_AMQP_URL": settings.amqp_url,
+        "KEYQ_REDIS_URL": settings.redis_url,
+        "KEYQ_MEMBER_TTL_MS": str(MEMBER_TTL_MS),
+        "PYTHONPATH": str(REPO),
+    }
+
+
+def keyq_status(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", RUN_STATUS, *args],
+        capture_output=True,
+        text=True,
+        env=status_env(settings),
+        timeout=60,
+        cwd=REPO,
+    )
+
+
+def test_json_from_the_shell_matches_the_real_state(
+    world: World, settings: Settings, amqp: Any
+) -> None:
+    done = keyq_status(settings, "--stream", world.stream, "--json")
+    assert done.returncode == 0, done.stderr
+    check_against_world(orjson.loads(done.stdout), world, amqp)
+
+
+def test_table_from_the_shell_names_the_queues_and_the_owner(
+    world: World, settings: Settings
+) -> None:
+    done = keyq_status(settings, "--stream", world.stream)
+    assert done.returncode == 0, done.stderr
+    for queue in (*world.queues.values(), world.ghost, world.dlq):
+        assert queue in done.stdout
+    assert OWNER in done.stdout
+    assert "lag 6" in done.stdout
+
+
+def test_a_stream_nothing_produced_to_is_a_one_line_failure(
+    stream: Any, settings: Settings
+) -> None:
+    done = keyq_status(settings, "--stream", stream.name)
+    assert done.returncode == EXIT_FAILURE
+    assert done.stderr.strip() == (
+        f"keyq: stream {stream.name!r} has no producer yet (no config recorded in Redis)"
+    )
+    assert done.stdout == ""
+
+
+def test_a_bad_stream_name_is_a_usage_error(settings: Settings) -> None:
+    done = keyq_status(settings, "--stream", "no spaces")
+    assert done.returncode == EXIT_USAGE
+    assert done.stderr.startswith("keyq: invalid stream name")
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_watch_json_prints_one_object_per_refresh_until_ctrl_c(
+    world: World, settings: Settings, amqp: Any, tmp_path: Path
+) -> None:
+    out_path = tmp_path / "out.jsonl"
+    with out_path.open("wb") as out:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                RUN_STATUS,
+                "--stream",
+                world.stream,
+                "--json",
+                "--watch",
+                "0.5",
+            ],
+            stdout=out,
+            stderr=subprocess.PIPE,
+            env=status_env(settings),
+            cwd=REPO,
+        )
+        try:
+            # Start-up (imports, connections) is not part of the 1.5 s.
+            wait_until(out_path.read_bytes, 30, "the first refresh")
+            time.sleep(1.5)
+            process.send_signal(signal.SIGINT)
+            code = process.wait(30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+    assert process.stderr is not None
+    stderr = process.stderr.read().decode()
+    assert code == 0, stderr
+    assert "Traceback" not in stderr
+    lines = out_path.read_bytes().splitlines()
+    assert len(lines) >= 2
+    snapshots = [orjson.loads(line) for line in lines]
+    for snapshot in snapshots:
+        check_against_world(snapshot, world, amqp)
+    assert snapshots[0]["workers"][0]["events_per_s"] is None
+    # The fake worker's counter stands still: a rate of zero from the second refresh on.
+    assert all(s["workers"][0]["events_per_s"] == 0.0 for s in snapshots[1:])
+    assert [s["at_ms"] for s in snapshots] == sorted(s["at_ms"] for s in snapshots)
+
+
+def test_bucket_mode_shows_buckets_without_keys(stream: Any, amqp: Any) -> None:
+    with Producer(stream.name, mode="bucket", buckets=4) as producer:
+        receipts = [producer.publish(key, {"n": 1}) for key in ("a", "b", "c", "d", "e")]
+        producer.flush()
+    status = collect_status(status_settings(), stream.name)
+    assert (status["mode"], status["buckets"]) == ("bucket", 4)
+    keyed = [row for row in status["queues"] if not row["dead_letter"]]
+    assert {row["name"] for row in keyed} == {receipt.queue for receipt in receipts}
+    for row in keyed:
+        assert row["key"] is None  # a bucket queue holds many keys
+        assert row["depth"] == queue_depth(amqp, row["name"])
+    assert status["totals"]["lag"] == len(receipts)
+    assert "mode bucket (4 buckets)" in render_table(status)

@@ -1,0 +1,177 @@
+"""A worker's Prometheus metrics: its ``stats()`` counters as metric families, labelled with
+``stream`` and ``worker``, and a batch-latency histogram.
+
+Serve them with ``MetricsServer(port, collect=lambda: worker_metrics(worker)).start()``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from broker.metrics import Histogram, Metric
+
+if TYPE_CHECKING:
+    from worker.daemon import Worker
+
+# Batches run a Spark job each: tens of milliseconds when idle, seconds under load.
+BATCH_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+
+# (key in Worker.stats(), family name, help): all cumulative since the worker started.
+COUNTERS: tuple[tuple[str, str, str], ...] = (
+    (
+        "events",
+        "keyq_worker_events_processed_total",
+        "Events applied by this worker's committed batches (exactly once).",
+    ),
+    (
+        "skipped",
+        "keyq_worker_events_skipped_total",
+        "Duplicate events skipped: redeliveries and re-sends that were already applied.",
+    ),
+    ("batches", "keyq_worker_batches_total", "Micro-batches committed."),
+    (
+        "spark_seconds",
+        "keyq_worker_spark_seconds_total",
+        "Seconds spent running the pipeline's Spark jobs.",
+    ),
+    ("claims", "keyq_worker_claims_total", "Queues claimed (a lock taken and a consumer opened)."),
+    (
+        "released",
+        "keyq_worker_releases_total",
+        "Queues handed back while running (idle, or to rebalance).",
+    ),
+    (
+        "lost",
+        "keyq_worker_queues_lost_total",
+        "Queues lost without handing them back: lock lost or moved on, consumer cancelled.",
+    ),
+    ("dead_lettered", "keyq_worker_dead_lettered_total", "Messages sent to the dead-letter queue."),
+    (
+        "commits_refused",
+        "keyq_worker_commits_refused_total",
+        "Batch commits refused because a queue's lock had moved on.",
+    ),
+    (
+        "peers_reaped",
+        "keyq_worker_peers_reaped_total",
+        "Dead peer workers whose locks and membership this worker released.",
+    ),
+    (
+        "pipeline_failures",
+        "keyq_worker_pipeline_failures_total",
+        "Failed pipeline runs (each retry and each isolation step counts).",
+    ),
+    ("reconnects", "keyq_worker_reconnects_total", "Reconnections to RabbitMQ."),
+)
+
+
+class BatchLatency:
+    """A cumulative histogram of batch durations, fed from the processor's window of the
+    last (at most 1000) durations: each call observes the entries appended since the last.
+
+    New entries are told apart by object identity (each duration is a fresh float, and the
+    last one seen is kept alive here). Batches that scrolled out of the window between two
+    scrapes (over 1000 of them) are not observed.
+    """
+
+    def __init__(self, bounds: Sequence[float] = BATCH_SECONDS_BUCKETS) -> None:
+        self.bounds = tuple(bounds)
+        self._lock = threading.Lock()
+        self._per_bucket = [0] * (len(self.bounds) + 1)  # the last one is +Inf only
+        self._count = 0
+        self._sum = 0.0
+        self._last_seen: float | None = None
+
+    def update(self, window: Sequence[float]) -> None:
+        with self._lock:
+            start = 0
+            if self._last_seen is not None:
+                for index in range(len(window) - 1, -1, -1):
+                    if window[index] is self._last_seen:
+                        start = index + 1
+                        break
+            for seconds in window[start:]:
+                self._per_bucket[bisect.bisect_left(self.bounds, seconds)] += 1
+                self._count += 1
+                self._sum += seconds
+            if window:
+                self._last_seen = window[-1]
+
+    def snapshot(self) -> Histogram:
+        with self._lock:
+            cumulative, buckets = 0, []
+            for bound, count in zip(self.bounds, self._per_bucket, strict=False):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            return Histogram(buckets=buckets, count=self._count, sum=self._sum)
+
+
+_latencies: weakref.WeakKeyDictionary[Worker, BatchLatency] = weakref.WeakKeyDictionary()
+_latencies_lock = threading.Lock()
+
+
+def batch_durations(worker: Worker) -> list[float]:
+    """The worker's recent batch durations in seconds, oldest first (empty before it serves)."""
+    return worker.batch_seconds()
+
+
+def batch_latency(worker: Worker) -> Histogram:
+    """The worker's batch-latency histogram, brought up to date."""
+    with _latencies_lock:
+        latency = _latencies.get(worker)
+        if latency is None:
+            latency = _latencies[worker] = BatchLatency()
+    latency.update(batch_durations(worker))
+    return latency.snapshot()
+
+
+def worker_metrics(worker: Worker) -> list[Metric]:
+    """The worker's metric families, each with one sample labelled ``stream`` and ``worker``."""
+    stats = worker.stats()
+    labels = {"stream": str(stats["stream"]), "worker": str(stats["worker"])}
+    metrics = [
+        Metric(name, "counter", help_text, [(labels, stats.get(key, 0))])
+        for key, name, help_text in COUNTERS
+    ]
+    metrics.append(
+        Metric(
+            "keyq_worker_queues_held",
+            "gauge",
+            "Queues this worker holds now.",
+            [(labels, stats.get("held", 0))],
+        )
+    )
+    metrics.append(
+        Metric(
+            "keyq_worker_start_time_seconds",
+            "gauge",
+            "When this worker started, in seconds since the epoch.",
+            [(labels, stats.get("started_ms", 0) / 1000)],
+        )
+    )
+    metrics.append(
+        Metric(
+            "keyq_worker_batch_seconds",
+            "histogram",
+            "Duration of committed micro-batches, from decoding to the ack, in seconds.",
+            [(labels, batch_latency(worker))],
+        )
+    )
+    return metrics
