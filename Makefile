@@ -5,10 +5,11 @@ BIN := $(VENV)/bin
 PACKAGES := broker producer worker janitor keyq
 CODE := $(PACKAGES) tests bench scripts
 
-.PHONY: help install services lint typecheck test bench clean
+.PHONY: help install services lint typecheck test bench demo clean
 
 help:
 	@echo "make test       install into $(VENV), find or start RabbitMQ and Redis, lint, type-check, run the tests"
+	@echo "make demo       the demo: order events through workers and a janitor, with chaos, verified"
 	@echo "make bench      run the benchmarks (JSON to stdout and bench/results/)"
 	@echo "make services   find or start RabbitMQ and Redis (scripts/services.sh)"
 	@echo "make lint | typecheck | install | clean"
@@ -34,6 +35,9 @@ typecheck: install
 
 test: install services lint typecheck
 	$(BIN)/pytest
+
+demo: install services
+	$(BIN)/keyq demo --chaos
 
 bench: install services
 	@mkdir -p bench/results
