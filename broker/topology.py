@@ -19,6 +19,11 @@ def keyed_queue_arguments(stream: str, queue_type: str = "classic") -> dict[str,
     }
     if queue_type != "classic":
         args["x-queue-type"] = queue_type
+    if queue_type == "quorum":
+        # Quorum queues accept a second "exclusive" consumer; single active consumer keeps
+        # a newcomer idle until the previous consumer is gone, as exclusivity does for
+        # classic queues, so a key is never consumed by two workers at once.
+        args["x-single-active-consumer"] = True
     return args
 
 

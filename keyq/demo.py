@@ -85,6 +85,7 @@ class Demo:
         self._janitor: Daemon | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._published = threading.Event()  # chaos runs while events are being published
         self.chaos = Chaos()
 
     # ---- processes --------------------------------------------------------------------------
@@ -111,10 +112,13 @@ class Demo:
         rng = random.Random(self.options.seed)
         locks = FencedLocks(client, self.stream)
         registry = QueueRegistry(client, self.stream)
-        while not self._stop.wait(rng.uniform(4.0, 8.0)):
+        while not self._stop.wait(rng.uniform(5.0, 10.0)) and not self._published.is_set():
             with self._lock:
-                alive = [w for w in self._workers if w.alive]
+                # Only workers that are serving count: one still starting Spark is no help.
+                alive = [w for w in self._workers if w.alive and w.ready()]
             choice = rng.choice(["kill", "kill", "restart", "add", "remove"])
+            if len(alive) <= 1 and choice in ("kill", "restart", "remove"):
+                choice = "add"  # never leave the stream without a serving worker
             if choice == "add" and len(alive) < self.options.max_workers:
                 worker = self._start_worker()
                 self.chaos.actions.append({"at": time.time(), "action": "add", "worker": worker.id})
@@ -137,7 +141,7 @@ class Demo:
                 self.chaos.actions.append(
                     {"at": time.time(), "action": "kill -9", "worker": victim.id, "held": len(held)}
                 )
-                if len(alive) == 1 or choice == "restart":
+                if choice == "restart":
                     self._start_worker()
                 if held:
                     self._measure_failover(locks, victim.id, held, killed_at)
@@ -216,6 +220,7 @@ class Demo:
                 producer.flush()
                 producer_stats = producer.stats
             self._progress(len(events), len(events))
+            self._published.set()
             published_s = time.monotonic() - started
             self._say("published; waiting until every order is committed")
             drained_s = self._wait_drained(store, counts, started)

@@ -179,7 +179,7 @@ def test_compose_variables_are_keyq_settings(variable: str) -> None:
 
 @pytest.mark.parametrize("name", KEYQ_SERVICES)
 def test_compose_settings_are_valid(name: str) -> None:
-    values = {
+    values: dict[str, Any] = {
         variable.removeprefix("KEYQ_").lower(): value
         for variable, value in _environment(name).items()
         if variable.startswith("KEYQ_")
@@ -292,7 +292,7 @@ def _env() -> dict[str, str]:
     for arguments in _arguments("ENV"):
         words = shlex.split(arguments)
         if "=" in words[0]:
-            variables.update(word.split("=", 1) for word in words)
+            variables.update(word.partition("=")[::2] for word in words)
         else:
             variables[words[0]] = " ".join(words[1:])
     return variables

@@ -1,0 +1,51 @@
+"""Quorum keyed queues: RabbitMQ ignores ``exclusive`` on their consumers, so keyq declares
+them with single active consumer; a second consumer gets nothing while the first is attached,
+and every message once it is gone. (Not necessarily in order: a quorum queue may hand the
+dead consumer's unacked messages back after newer ones, which is why keyq's per-key order is
+promised for classic queues only; see docs/operations.md.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pika
+
+from broker.naming import key_queue_name
+from broker.topology import keyed_queue_arguments
+
+
+def test_a_second_consumer_of_a_quorum_keyed_queue_waits_for_the_first(
+    stream: Any, settings: Any
+) -> None:
+    queue = key_queue_name(stream.name, "acct-1")
+    stream.track(queue)
+    params = pika.URLParameters(settings.amqp_url)
+    first, second = pika.BlockingConnection(params), pika.BlockingConnection(params)
+    try:
+        channel = first.channel()
+        channel.queue_declare(
+            queue, durable=True, arguments=keyed_queue_arguments(stream.name, "quorum")
+        )
+        channel.basic_qos(prefetch_count=1)
+        got_first: list[bytes] = []
+        channel.basic_consume(queue, lambda c, m, p, b: got_first.append(b), exclusive=True)
+        got_second: list[bytes] = []
+        other = second.channel()
+        other.basic_consume(queue, lambda c, m, p, b: got_second.append(b), exclusive=True)
+        publisher = second.channel()
+        for n in range(1, 6):
+            publisher.basic_publish("", queue, str(n).encode())
+        first.process_data_events(time_limit=1.0)
+        second.process_data_events(time_limit=1.0)
+        assert got_first == [b"1"]  # prefetch 1, never acked
+        assert got_second == []  # attached, but idle while the first consumer lives
+        first.close()  # the first worker dies: its unacked message goes back to the queue
+        for _ in range(50):
+            second.process_data_events(time_limit=0.1)
+            if len(got_second) == 5:
+                break
+        assert sorted(got_second) == [b"1", b"2", b"3", b"4", b"5"], got_second
+    finally:
+        for connection in (first, second):
+            if connection.is_open:
+                connection.close()
