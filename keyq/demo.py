@@ -87,6 +87,7 @@ class Demo:
         self._stop = threading.Event()
         self._published = threading.Event()  # chaos runs while events are being published
         self.chaos = Chaos()
+        self.run_tag = uuid.uuid4().hex[:6]
 
     # ---- processes --------------------------------------------------------------------------
 
@@ -169,7 +170,12 @@ class Demo:
 
     def run(self) -> dict[str, Any]:
         options = self.options
-        events = generate_orders(options.orders, options.events, options.seed)
+        # Keys carry this run's tag, so a stream can host run after run (docker compose
+        # keeps its state) and each run is checked against its own events only.
+        events = [
+            (f"{order}.{self.run_tag}", event)
+            for order, event in generate_orders(options.orders, options.events, options.seed)
+        ]
         expected = expected_states(events)
         counts: dict[str, int] = {}
         for order, _event in events:
@@ -232,6 +238,7 @@ class Demo:
             registry = QueueRegistry(client, self.stream)
             return {
                 "stream": self.stream,
+                "key_suffix": f".{self.run_tag}",
                 "orders": options.orders,
                 "events": len(events),
                 "publish_events_per_s": round(len(events) / published_s),

@@ -60,7 +60,10 @@ def test_demo_with_chaos_ends_with_every_order_exactly_as_published(stream: Any)
     assert summary["verdict"]["ok"] is True
     assert summary["chaos"]["actions"], "the chaos schedule did nothing in a 15 s run"
     # The proof, from the data: every order's committed state is the plain-Python fold.
-    expected = expected_states(generate_orders(ORDERS, EVENTS, SEED))
+    suffix = summary["key_suffix"]
+    published = [(order + suffix, event) for order, event in generate_orders(ORDERS, EVENTS, SEED)]
+    expected = expected_states(published)
+    assert len(expected) == ORDERS
     store = StateStore(stream.redis, stream.name)
     wrong = {o: store.get(o) for o, state in expected.items() if store.get(o) != state}
     assert not wrong, f"{len(wrong)} orders differ, e.g. {next(iter(wrong.items()))}"

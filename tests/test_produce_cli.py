@@ -1,0 +1,79 @@
+"""``keyq produce``: synthetic keyed load lands whole, on the keys asked for, and every option
+can also come from the environment."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any
+
+import orjson
+
+from broker.registry import QueueRegistry
+from tests.helpers import queue_depth
+from tests.workers import REPO
+
+
+def run_keyq(stream: Any, *args: str, env: dict[str, str] | None = None) -> Any:
+    environment = {
+        **os.environ,
+        "KEYQ_AMQP_URL": stream.settings.amqp_url,
+        "KEYQ_REDIS_URL": stream.settings.redis_url,
+        "PYTHONPATH": str(REPO),
+        **(env or {}),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "keyq", *args],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=120,
+        cwd=REPO,
+    )
+
+
+def test_produce_publishes_every_event_to_the_keys(stream: Any, amqp: Any) -> None:
+    done = run_keyq(
+        stream,
+        "produce",
+        "--stream",
+        stream.name,
+        "--keys",
+        "20",
+        "--events",
+        "500",
+        "--payload-bytes",
+        "100",
+        "--mode",
+        "key",
+    )
+    assert done.returncode == 0, done.stderr
+    report = orjson.loads(done.stdout)
+    assert report["events"] == 500
+    queues = QueueRegistry(stream.redis, stream.name).queues()
+    assert 1 <= len(queues) <= 20
+    assert len(queues) == report["keys_used"]
+    assert sum(queue_depth(amqp, queue) or 0 for queue in queues) == 500
+
+
+def test_options_come_from_the_environment_too(stream: Any) -> None:
+    done = run_keyq(
+        stream,
+        "produce",
+        env={
+            "KEYQ_PRODUCE_STREAM": stream.name,
+            "KEYQ_PRODUCE_EVENTS": "30",
+            "KEYQ_PRODUCE_KEYS": "3",
+            "KEYQ_PRODUCE_MODE": "bucket",
+            "KEYQ_PRODUCE_BUCKETS": "4",
+        },
+    )
+    assert done.returncode == 0, done.stderr
+    assert orjson.loads(done.stdout)["events"] == 30
+
+
+def test_a_bad_option_is_a_usage_error(stream: Any) -> None:
+    done = run_keyq(stream, "produce", "--stream", stream.name, "--events", "0")
+    assert done.returncode == 2
+    assert "--events" in done.stderr
