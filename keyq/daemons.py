@@ -15,6 +15,7 @@ import orjson
 
 from broker.connections import open_redis, redis_errors
 from broker.errors import ConfigurationError
+from broker.log_context import current_queue
 from broker.metrics import Metric, MetricsServer
 from broker.naming import check_stream_name, encode_key
 from broker.settings import Settings, load_settings
@@ -40,6 +41,7 @@ class _Context(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.stream = self.stream
         record.worker = self.worker
+        record.queue = current_queue.get()
         return True
 
 
@@ -47,7 +49,8 @@ def configure_logging(level: str, stream: str, worker: str) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(
         logging.Formatter(
-            "%(asctime)s %(levelname)s %(name)s stream=%(stream)s worker=%(worker)s %(message)s"
+            "%(asctime)s %(levelname)s %(name)s stream=%(stream)s worker=%(worker)s "
+            "queue=%(queue)s %(message)s"
         )
     )
     handler.addFilter(_Context(stream, worker))

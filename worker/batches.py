@@ -20,6 +20,7 @@ from typing import Any
 
 from broker.errors import CommitRefused, KeyqError, PipelineError, SparkUnavailable
 from broker.locks import Lease
+from broker.log_context import about_queues
 from broker.registry import QueueRegistry
 from worker.config import WorkerSettings
 from worker.consumer import ConsumerLink, DeadLetter
@@ -203,6 +204,10 @@ class BatchProcessor:
     # ---- one attempt -----------------------------------------------------------------------
 
     def _run(self, deliveries: list[Delivery], attempt: int, dead: str | None = None) -> None:
+        with about_queues([d.queue for d in deliveries]):
+            self._run_logged(deliveries, attempt, dead)
+
+    def _run_logged(self, deliveries: list[Delivery], attempt: int, dead: str | None) -> None:
         started = time.monotonic()
         leases = self._leases(deliveries)
         events: list[Event] = []

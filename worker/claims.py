@@ -25,6 +25,7 @@ import redis.exceptions
 from broker.clock import now_ms
 from broker.errors import KeyqError
 from broker.locks import FencedLocks, Lease
+from broker.log_context import about_queues
 from broker.membership import Membership, fair_share
 from broker.naming import Mode
 from broker.redis_keys import StreamKeys
@@ -244,7 +245,8 @@ class ClaimLoop:
         if self._holdings.remove(held.queue, held.epoch) is None:
             return
         self.stats.lost += 1
-        log.warning("lost %s (%s): stopping it", held.queue, reason)
+        with about_queues([held.queue]):
+            log.warning("lost %s (%s): stopping it", held.queue, reason)
         self._link.close_queue(held.queue, held.epoch)
         self._buffer.drop(held.queue, held.epoch)
         self._notify("revoked", [held.queue], reason)
