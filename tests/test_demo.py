@@ -3,7 +3,6 @@ independently of what the demo prints."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from typing import Any
@@ -12,7 +11,7 @@ import orjson
 import pytest
 
 from keyq.orders import expected_states, generate_orders
-from tests.workers import FAST, REPO
+from tests.workers import FAST, REPO, keyq_environment
 from worker.state_store import StateStore
 
 pytestmark = pytest.mark.slow
@@ -21,13 +20,7 @@ ORDERS, EVENTS, SEED = 80, 3000, 11
 
 
 def test_demo_with_chaos_ends_with_every_order_exactly_as_published(stream: Any) -> None:
-    environment = {
-        **os.environ,
-        "KEYQ_AMQP_URL": stream.settings.amqp_url,
-        "KEYQ_REDIS_URL": stream.settings.redis_url,
-        "PYTHONPATH": str(REPO),
-        **FAST,
-    }
+    environment = keyq_environment(stream.settings, FAST)
     done = subprocess.run(
         [
             sys.executable,

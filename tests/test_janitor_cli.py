@@ -3,7 +3,6 @@ in one line; a broker that is down is waited for rather than fatal."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,19 +13,13 @@ from broker.naming import key_queue_name
 from broker.settings import Settings
 from producer import Producer
 from tests.helpers import queue_depth
-from tests.workers import REPO
+from tests.workers import REPO, keyq_environment
 
 EXIT_USAGE = 2
 
 
 def keyq(settings: Settings, *args: str, env: dict[str, str] | None = None) -> Any:
-    environment = {
-        **os.environ,
-        "KEYQ_AMQP_URL": settings.amqp_url,
-        "KEYQ_REDIS_URL": settings.redis_url,
-        "PYTHONPATH": str(REPO),
-        **(env or {}),
-    }
+    environment = keyq_environment(settings, env)
     return subprocess.Popen(
         [sys.executable, "-m", "keyq", *args],
         stdout=subprocess.PIPE,

@@ -6,10 +6,8 @@ plain Python fold of its published events gives: in Redis, in the Parquet output
 from __future__ import annotations
 
 import copy
-import os
 import pickle
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -45,7 +43,7 @@ from keyq.orders import (
 from producer import Producer
 from tests.conftest import StreamFixture
 from tests.helpers import queue_depth
-from tests.workers import REPO, held_by, wait_until
+from tests.workers import held_by, run_keyq, wait_until
 from worker.fold import FoldFailed, make_folder
 from worker.state_store import StateStore
 
@@ -617,20 +615,7 @@ def test_orders_survive_a_killed_worker(
 
 
 def keyq_state(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "KEYQ_AMQP_URL": settings.amqp_url,
-        "KEYQ_REDIS_URL": settings.redis_url,
-        "PYTHONPATH": str(REPO),
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "keyq", "state", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=120,
-    )
+    return run_keyq(settings, "state", *args)
 
 
 @pytest.mark.slow

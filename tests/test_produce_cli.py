@@ -3,39 +3,18 @@ can also come from the environment."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from typing import Any
 
 import orjson
 
 from broker.registry import QueueRegistry
 from tests.helpers import queue_depth
-from tests.workers import REPO
-
-
-def run_keyq(stream: Any, *args: str, env: dict[str, str] | None = None) -> Any:
-    environment = {
-        **os.environ,
-        "KEYQ_AMQP_URL": stream.settings.amqp_url,
-        "KEYQ_REDIS_URL": stream.settings.redis_url,
-        "PYTHONPATH": str(REPO),
-        **(env or {}),
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "keyq", *args],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=120,
-        cwd=REPO,
-    )
+from tests.workers import run_keyq
 
 
 def test_produce_publishes_every_event_to_the_keys(stream: Any, amqp: Any) -> None:
     done = run_keyq(
-        stream,
+        stream.settings,
         "produce",
         "--stream",
         stream.name,
@@ -59,7 +38,7 @@ def test_produce_publishes_every_event_to_the_keys(stream: Any, amqp: Any) -> No
 
 def test_options_come_from_the_environment_too(stream: Any) -> None:
     done = run_keyq(
-        stream,
+        stream.settings,
         "produce",
         env={
             "KEYQ_PRODUCE_STREAM": stream.name,
@@ -74,6 +53,6 @@ def test_options_come_from_the_environment_too(stream: Any) -> None:
 
 
 def test_a_bad_option_is_a_usage_error(stream: Any) -> None:
-    done = run_keyq(stream, "produce", "--stream", stream.name, "--events", "0")
+    done = run_keyq(stream.settings, "produce", "--stream", stream.name, "--events", "0")
     assert done.returncode == 2
     assert "--events" in done.stderr

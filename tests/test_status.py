@@ -25,7 +25,7 @@ from broker.settings import Settings, load_settings
 from keyq.status import TABLE_LIMIT, add_rates, collect_status, render_table
 from producer import Producer
 from tests.helpers import queue_depth
-from tests.workers import REPO, wait_until
+from tests.workers import REPO, keyq_environment, wait_until
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -187,13 +187,7 @@ def test_the_table_shows_queues_owners_and_at_most_the_deepest_queues(world: Wor
 
 
 def status_env(settings: Settings) -> dict[str, str]:
-    return {
-        **os.environ,
-        "KEYQ_AMQP_URL": settings.amqp_url,
-        "KEYQ_REDIS_URL": settings.redis_url,
-        "KEYQ_MEMBER_TTL_MS": str(MEMBER_TTL_MS),
-        "PYTHONPATH": str(REPO),
-    }
+    return keyq_environment(settings, {"KEYQ_MEMBER_TTL_MS": str(MEMBER_TTL_MS)})
 
 
 def keyq_status(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:

@@ -3,9 +3,6 @@ key-mode worker hands back a queue that went idle, so the janitor can reclaim it
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 from typing import Any
 
@@ -16,7 +13,7 @@ from broker.naming import key_queue_name
 from broker.settings import Settings, load_settings
 from producer import Producer
 from tests.helpers import queue_depth
-from tests.workers import REPO, wait_until
+from tests.workers import run_keyq, wait_until
 from worker.config import WorkerSettings
 from worker.daemon import Worker
 from worker.state_store import StateStore
@@ -26,21 +23,7 @@ EXIT_USAGE = 2
 
 
 def keyq_worker(settings: Settings, *args: str, env: dict[str, str] | None = None) -> Any:
-    environment = {
-        **os.environ,
-        "KEYQ_AMQP_URL": settings.amqp_url,
-        "KEYQ_REDIS_URL": settings.redis_url,
-        "PYTHONPATH": str(REPO),
-        **(env or {}),
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "keyq", "worker", *args],
-        capture_output=True,
-        text=True,
-        env=environment,
-        timeout=120,
-        cwd=REPO,
-    )
+    return run_keyq(settings, "worker", *args, env=env)
 
 
 def test_a_pipeline_that_cannot_be_imported_is_a_usage_error(settings: Settings) -> None:

@@ -33,6 +33,31 @@ FAST = {
 }
 
 
+def keyq_environment(settings: Settings, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a keyq process under test: these services, this checkout."""
+    return {
+        **os.environ,
+        "KEYQ_AMQP_URL": settings.amqp_url,
+        "KEYQ_REDIS_URL": settings.redis_url,
+        "PYTHONPATH": str(REPO),
+        **(extra or {}),
+    }
+
+
+def run_keyq(
+    settings: Settings, *args: str, env: Mapping[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``python -m keyq ARGS`` to completion, output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "keyq", *args],
+        capture_output=True,
+        text=True,
+        env=keyq_environment(settings, env),
+        timeout=timeout,
+        cwd=REPO,
+    )
+
+
 def wait_until(check: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
     deadline = time.monotonic() + timeout
     while True:
@@ -84,16 +109,7 @@ class WorkerProcess:
             command += ["--buckets", str(buckets)]
         if until_idle is not None:
             command += ["--until-idle", str(until_idle)]
-        environment = dict(os.environ)
-        environment.update(
-            {
-                "KEYQ_AMQP_URL": settings.amqp_url,
-                "KEYQ_REDIS_URL": settings.redis_url,
-                "PYTHONPATH": str(REPO),
-                **FAST,
-                **(env or {}),
-            }
-        )
+        environment = keyq_environment(settings, {**FAST, **(env or {})})
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen(
             command, stdout=self._log, stderr=subprocess.STDOUT, env=environment, cwd=REPO
