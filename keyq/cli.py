@@ -28,6 +28,14 @@ def _fail(exc: KeyqError) -> None:
     sys.exit(code)
 
 
+metrics_port_option = click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus metrics on this port (KEYQ_METRICS_PORT).",
+)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "KEYQ"})
 @click.version_option(package_name="keyq")
 def cli() -> None:
@@ -83,12 +91,7 @@ def publish(
     help="Stop by itself once nothing arrived for this many seconds (drain mode).",
 )
 @click.option("--worker-id", default=None, help="Name in membership and locks (default host-pid).")
-@click.option(
-    "--metrics-port",
-    type=click.IntRange(0, 65535),
-    default=None,
-    help="Serve Prometheus metrics on this port (KEYQ_METRICS_PORT).",
-)
+@metrics_port_option
 @click.option("--log-level", default="INFO", show_default=True)
 def worker_command(
     *,
@@ -135,12 +138,7 @@ def worker_command(
 )
 @click.option("--once", is_flag=True, help="One pass, then exit (for cron and tests).")
 @click.option("--janitor-id", default=None, help="Name in the leadership lease.")
-@click.option(
-    "--metrics-port",
-    type=click.IntRange(0, 65535),
-    default=None,
-    help="Serve Prometheus metrics on this port (KEYQ_METRICS_PORT).",
-)
+@metrics_port_option
 @click.option("--log-level", default="INFO", show_default=True)
 def janitor_command(
     *,
@@ -238,22 +236,23 @@ def demo_command(
     Exit 0 when every order's state equals a plain-Python fold of its events (nothing lost,
     reordered or applied twice), 3 when it does not, 1 on a runtime failure.
     """
-    from keyq.demo_cli import run_demo  # noqa: PLC0415 - keeps startup light
+    from keyq.demo import DemoOptions  # noqa: PLC0415 - keeps startup light
+    from keyq.demo_cli import run_demo  # noqa: PLC0415
 
+    options = DemoOptions(
+        orders=orders,
+        events=events,
+        workers=workers,
+        chaos=chaos,
+        external_workers=external_workers,
+        stream=stream,
+        seed=seed,
+        idle_ttl=idle_ttl,
+        drain_timeout=timeout,
+        rate=rate,
+    )
     try:
-        ok = run_demo(
-            orders=orders,
-            events=events,
-            workers=workers,
-            chaos=chaos,
-            external_workers=external_workers,
-            stream=stream,
-            seed=seed,
-            idle_ttl=idle_ttl,
-            timeout=timeout,
-            as_json=as_json,
-            rate=rate,
-        )
+        ok = run_demo(options, as_json=as_json)
     except KeyqError as exc:
         _fail(exc)
     if not ok:

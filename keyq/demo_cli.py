@@ -13,34 +13,9 @@ from broker.settings import load_settings
 from keyq.demo import Demo, DemoOptions
 
 
-def run_demo(
-    *,
-    orders: int,
-    events: int,
-    workers: int,
-    chaos: bool,
-    external_workers: bool,
-    stream: str | None,
-    seed: int,
-    idle_ttl: float,
-    timeout: float,
-    as_json: bool,
-    rate: float = 0.0,
-) -> bool:
+def run_demo(options: DemoOptions, *, as_json: bool) -> bool:
     """Run the demo; True when the verdict is clean."""
     console = Console(stderr=True)
-    options = DemoOptions(
-        orders=orders,
-        events=events,
-        workers=workers,
-        chaos=chaos,
-        external_workers=external_workers,
-        stream=stream,
-        seed=seed,
-        idle_ttl=idle_ttl,
-        drain_timeout=timeout,
-        rate=rate,
-    )
     with Progress(
         TextColumn("publishing"),
         BarColumn(),
@@ -49,7 +24,7 @@ def run_demo(
         console=console,
         transient=True,
     ) as bar:
-        task = bar.add_task("publish", total=events)
+        task = bar.add_task("publish", total=options.events)
         demo = Demo(
             load_settings(),
             options,
