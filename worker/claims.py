@@ -44,7 +44,9 @@ BUSY_BACKOFF_S = 1.0
 MISSING_BACKOFF_S = 30.0
 # After handing a queue over, do not take it back at once: let a peer have it.
 RELEASE_COOLDOWN_S = 3.0
-PROBES_PER_SCAN = 20
+# Idle unheld queues looked into per scan (a passive declare each, ~1 ms), so a backlog left
+# while no worker held its queue is found within seconds even among thousands of queues.
+PROBES_PER_SCAN = 200
 
 
 def client_name(worker_id: str) -> str:
