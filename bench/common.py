@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -33,6 +34,15 @@ DELETE_CHUNK = 500
 DELETE_CONNECTIONS = 4
 
 _STARTED = time.monotonic()
+
+
+def emit(result: dict[str, Any], out: Path | None) -> None:
+    """The benchmark's one JSON object: to stdout, and to ``out`` when given."""
+    text = orjson.dumps(result, option=orjson.OPT_INDENT_2).decode()
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+    print(text)
 
 
 def log(message: str) -> None:

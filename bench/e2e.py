@@ -33,10 +33,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import orjson
 import redis
 
-from bench.common import Cleanup, amqp, declare_queues, log, machine_info, median, ratio
+from bench.common import Cleanup, amqp, declare_queues, emit, log, machine_info, median, ratio
 from bench.producer import publish_raw
 from broker.connections import open_redis
 from broker.errors import KeyqError
@@ -375,11 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         client.close()
     result["errors"] = errors
     result["worker_logs"] = str(log_dir)
-    text = orjson.dumps(result, option=orjson.OPT_INDENT_2).decode()
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(text)
+    emit(result, args.out)
     return 1 if errors else 0
 
 

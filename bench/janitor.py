@@ -34,7 +34,7 @@ from typing import Any
 import orjson
 import pika
 
-from bench.common import Cleanup, amqp, declare_queues, log, machine_info
+from bench.common import Cleanup, amqp, declare_queues, emit, log, machine_info
 from broker.connections import open_redis
 from broker.errors import KeyqError
 from broker.naming import key_queue_name
@@ -183,11 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (KeyqError, pika.exceptions.AMQPError, OSError) as exc:
             errors.append(f"cleanup failed: {exc}")
     result["errors"] = errors
-    text = orjson.dumps(result, option=orjson.OPT_INDENT_2).decode()
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(text)
+    emit(result, args.out)
     return 1 if errors else 0
 
 

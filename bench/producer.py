@@ -43,6 +43,7 @@ from bench.common import (
     Cleanup,
     amqp,
     declare_queues,
+    emit,
     log,
     machine_info,
     mean_size,
@@ -458,10 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (KeyqError, pika.exceptions.AMQPError, redis.RedisError, OSError) as exc:
             run.errors.append(f"cleanup failed: {type(exc).__name__}: {exc}")
     result = report(run, machine)
-    text = orjson.dumps(result, option=orjson.OPT_INDENT_2).decode()
-    if args.out is not None:
-        args.out.write_text(text + "\n")
-    print(text)
+    emit(result, args.out)
     for error in run.errors:
         log(f"FAILED: {error}")
     return 1 if run.errors else 0

@@ -24,9 +24,11 @@ import pika.exceptions
 import pytest
 import redis
 
+from broker.errors import KeyqError
 from broker.naming import dead_letter_queue_name
 from broker.redis_keys import StreamKeys
 from broker.settings import Settings, load_settings
+from producer import Producer
 
 TEST_STREAM_PREFIX = "t-"
 
@@ -175,6 +177,17 @@ def stream(settings: Settings, redis_client: redis.Redis) -> Iterator[StreamFixt
     )
     yield fixture
     fixture.cleanup()
+
+
+@pytest.fixture
+def producer(stream: StreamFixture) -> Iterator[Producer]:
+    """A key-mode producer on the test's stream, closed (without raising) at the end."""
+    made = Producer(stream.name, mode="key", settings=stream.settings, publish_timeout=10)
+    try:
+        yield made
+    finally:
+        with suppress(KeyqError):
+            made.close(timeout=5)
 
 
 @pytest.fixture

@@ -5,8 +5,6 @@ other event is applied exactly once and in order. Workers run in the test proces
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import suppress
 from typing import Any
 
 import orjson
@@ -21,7 +19,6 @@ from broker.envelope import (
     HEADER_PRODUCER,
     HEADER_SEQ,
 )
-from broker.errors import KeyqError
 from broker.naming import dead_letter_queue_name, key_queue_name
 from broker.registry import QueueRegistry
 from broker.settings import load_settings
@@ -51,16 +48,6 @@ def fast_settings(**overrides: Any) -> WorkerSettings:
 
 def text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-
-
-@pytest.fixture
-def producer(stream: StreamFixture) -> Iterator[Producer]:
-    made = Producer(stream.name, mode="key", settings=stream.settings, publish_timeout=10)
-    try:
-        yield made
-    finally:
-        with suppress(KeyqError):
-            made.close(timeout=5)
 
 
 def publish_valid(producer: Producer, key: str, numbers: range, poison: int | None = None) -> None:

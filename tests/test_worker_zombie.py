@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +13,6 @@ import orjson
 import pytest
 import redis
 
-from broker.errors import KeyqError
 from broker.naming import key_queue_name
 from broker.redis_keys import StreamKeys
 from producer import Producer
@@ -26,16 +23,6 @@ from worker.state_store import StateStore
 pytestmark = pytest.mark.slow
 
 KEYS = ["zombie-key"]
-
-
-@pytest.fixture
-def producer(stream: StreamFixture) -> Iterator[Producer]:
-    made = Producer(stream.name, mode="key", settings=stream.settings, publish_timeout=10)
-    try:
-        yield made
-    finally:
-        with suppress(KeyqError):
-            made.close(timeout=5)
 
 
 def publish(producer: Producer, numbers: range) -> None:
