@@ -10,7 +10,7 @@ CODE := $(PACKAGES) tests bench scripts
 help:
 	@echo "make test       install into $(VENV), find or start RabbitMQ and Redis, lint, type-check, run the tests"
 	@echo "make demo       the demo: order events through workers and a janitor, with chaos, verified"
-	@echo "make bench      run the benchmarks (JSON to stdout and bench/results/)"
+	@echo "make bench      every benchmark, keyq against its baselines, into bench/results/all.json"
 	@echo "make services   find or start RabbitMQ and Redis (scripts/services.sh)"
 	@echo "make lint | typecheck | install | clean"
 
@@ -40,10 +40,7 @@ demo: install services
 	$(BIN)/keyq demo --chaos
 
 bench: install services
-	@mkdir -p bench/results
-	$(BIN)/python -m bench.producer --out bench/results/producer.json
-	$(BIN)/python -m bench.e2e --out bench/results/e2e.json
-	$(BIN)/python -m bench.janitor --out bench/results/janitor.json
+	$(BIN)/python -m bench --out bench/results/all.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info

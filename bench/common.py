@@ -26,6 +26,7 @@ import pika.exceptions
 import redis
 
 from broker.connections import open_blocking_connection, open_redis
+from broker.naming import dead_letter_queue_name
 from broker.redis_keys import StreamKeys
 from broker.settings import Settings
 
@@ -230,6 +231,7 @@ class Cleanup:
         try:
             for stream in self.streams:
                 self.queues.update(registered_queues(client, stream))
+                self.queues.add(dead_letter_queue_name(stream))  # declared by its workers
             if self.queues:
                 started = time.monotonic()
                 count = delete_queues(self._settings, self.queues)

@@ -61,7 +61,7 @@ PIPELINE = "bench.pipelines:count"
 class WorkerProcess:
     """``python -m keyq worker`` for the benchmark's stream."""
 
-    def __init__(self, stream: str, buckets: int, log_dir: Path) -> None:
+    def __init__(self, stream: str, buckets: int, log_dir: Path, pipeline: str = PIPELINE) -> None:
         self.worker_id = f"bench-{uuid.uuid4().hex[:8]}"
         self.log_path = log_dir / f"{self.worker_id}.log"
         self._log = self.log_path.open("wb")
@@ -75,7 +75,7 @@ class WorkerProcess:
                 "--stream",
                 stream,
                 "--pipeline",
-                PIPELINE,
+                pipeline,
                 "--mode",
                 "bucket",
                 "--buckets",

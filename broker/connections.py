@@ -7,6 +7,7 @@ of the password too, and the original exception is not chained where it could ca
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,19 +49,26 @@ def amqp_parameters(settings: Settings, name: str) -> pika.URLParameters:
     return params
 
 
+_REFUSAL = re.compile(r"\b(403|530)\b|ACCESS_REFUSED|NOT_ALLOWED")
+
+
 def amqp_failure(exc: BaseException, url: str) -> KeyqError:
     """The keyq error for a failure to connect to, or a loss of, RabbitMQ."""
     causes = _flatten(exc)
     shown = redact_url(url)
-    auth_types = (
-        pika.exceptions.ProbableAuthenticationError,
-        pika.exceptions.AuthenticationError,
-    )
-    if any(isinstance(cause, auth_types) for cause in causes):
+    # pika calls any connection lost during the login "probable" refusal; only the broker's
+    # own answer (403 / 530) is one. A handshake cut short (a broker starting or stopping, a
+    # slow link) is the broker being unavailable, and is retried.
+    said_no = any(_REFUSAL.search(str(cause)) for cause in causes)
+    if any(isinstance(cause, pika.exceptions.AuthenticationError) for cause in causes) or (
+        said_no
+        and any(isinstance(cause, pika.exceptions.ProbableAuthenticationError) for cause in causes)
+    ):
         return AuthenticationFailed(
             f"RabbitMQ at {shown} refused the credentials (check user and password)"
         )
-    if any(isinstance(cause, pika.exceptions.ProbableAccessDeniedError) for cause in causes):
+    denied = any(isinstance(cause, pika.exceptions.ProbableAccessDeniedError) for cause in causes)
+    if denied and said_no:
         return AuthenticationFailed(
             f"RabbitMQ at {shown} denied access to the virtual host (check the vhost and "
             "the user's permissions)"
@@ -105,6 +113,12 @@ def open_blocking_connection(settings: Settings, name: str) -> pika.BlockingConn
         return pika.BlockingConnection(params)
     except (pika.exceptions.AMQPError, OSError) as exc:
         raise amqp_failure(exc, settings.amqp_url) from None
+    except ValueError as exc:
+        # pika raises ValueError when the socket is reset between connect() and its
+        # getpeername() check: the broker went away mid-connect, not bad input.
+        raise amqp_failure(
+            OSError(f"connection reset while connecting: {exc}"), settings.amqp_url
+        ) from None
 
 
 def open_redis(

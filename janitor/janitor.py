@@ -89,11 +89,23 @@ class Janitor:
                     backoff = 1.0
                 except (ConfigurationError, AuthenticationFailed):
                     raise
-                except (KeyqError, redis.exceptions.RedisError, OSError) as exc:
+                except Exception as exc:  # a daemon survives a failed pass
+                    # Anything but these is unexpected (pika can fail inside its own loop on a
+                    # broken socket): logged with its traceback, and the next pass starts over
+                    # on fresh connections rather than the daemon dying.
+                    expected = isinstance(exc, (KeyqError, redis.exceptions.RedisError, OSError))
                     self.stats["errors"] += 1
-                    log.warning("janitor pass failed, retrying in %.0fs: %s", backoff, exc)
+                    log.warning(
+                        "janitor pass failed, retrying in %.0fs: %s",
+                        backoff,
+                        exc,
+                        exc_info=not expected,
+                    )
                     if once:
                         raise
+                    if not expected and deleter is not None:
+                        deleter.close()
+                        deleter = None
                     if self._stop.wait(backoff):
                         break
                     backoff = min(backoff * 2, MAX_BACKOFF_S)

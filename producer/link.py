@@ -163,7 +163,17 @@ class PublisherLink:
     def _run(self) -> None:
         try:
             self._connect()
-            self._ioloop.start()
+            while True:
+                try:
+                    self._ioloop.start()
+                    break
+                except ValueError as exc:
+                    if "getpeername" not in str(exc):
+                        raise
+                    # pika's connector raises out of the loop when the broker resets the
+                    # socket between connect() and its first check: a failed attempt.
+                    self._connection = None
+                    self._on_open_error(None, ConnectionResetError(str(exc)))
         except Exception as exc:  # any bug here must fail the producer, loudly
             log.exception("producer I/O thread failed")
             reason = scrub(describe_exception(exc), self._settings.amqp_url)
@@ -217,14 +227,21 @@ class PublisherLink:
         self._ready.set()
         self._drain()
 
-    def _on_open_error(self, _connection: Any, error: BaseException) -> None:
+    def _on_open_error(self, connection: Any, error: BaseException) -> None:
+        if connection is not None and connection is not self._connection:
+            return  # a timer of an abandoned attempt: its failure was handled already
         failure = amqp_failure(error, self._settings.amqp_url)
-        if not self._ready.is_set() or isinstance(failure, AuthenticationFailed):
+        if not self._ready.is_set():
             self._fail(failure)
             return
+        # Reconnecting: even a refusal of credentials that worked a moment ago is retried
+        # (a broker starting or stopping can drop a handshake half-way) until
+        # reconnect_timeout, then the producer fails with it.
         self._schedule_reconnect(failure)
 
-    def _on_closed(self, _connection: Any, reason: BaseException) -> None:
+    def _on_closed(self, connection: Any, reason: BaseException) -> None:
+        if connection is not self._connection:
+            return  # an abandoned attempt
         self._channel = None
         if self._stopping:
             self._ioloop.stop()

@@ -94,6 +94,7 @@ class _Pipe:
     down: _Flow  # upstream -> client
     connected: bool = False  # upstream connect() completed
     closed: bool = False
+    client_reads: int = 0  # chunks read from the client so far
 
 
 class FaultProxy:
@@ -126,6 +127,7 @@ class FaultProxy:
 
         self._paused = False
         self._refusing = False
+        self._dropping_handshakes = False
         self._delay = 0.0
 
         # Guards the command queue, the running/stopped flags and the pipe
@@ -198,6 +200,11 @@ class FaultProxy:
         """While on, accept and immediately reset new connections, as a
         server that is down would; existing connections are unaffected."""
         self._call(lambda: setattr(self, "_refusing", on))
+
+    def drop_handshakes(self, on: bool = True) -> None:
+        """While on, new connections are forwarded until the client's second chunk (for
+        AMQP, its credentials), then reset: a server that is starting or stopping."""
+        self._call(lambda: setattr(self, "_dropping_handshakes", on))
 
     def set_delay(self, seconds: float) -> None:
         """Hold every chunk read from either side ``seconds`` before
@@ -366,6 +373,11 @@ class FaultProxy:
         except OSError:
             self._close_pipe(pipe, reset=True)  # propagate the reset
             return
+        if data and flow is pipe.up:
+            pipe.client_reads += 1
+            if self._dropping_handshakes and pipe.client_reads >= 2:
+                self._close_pipe(pipe, reset=True)
+                return
         if data:
             flow.chunks.append((time.monotonic() + self._delay, data))
             flow.held += len(data)

@@ -44,3 +44,17 @@ def audit_slow(df: Any, ctx: Any) -> Any:
 
 def passthrough(df: Any, ctx: Any) -> Any:
     return df
+
+
+def ledger_event(state: Any, event: Any) -> Any:
+    """Record every applied event's number per producer, in the order applied, so a checker
+    can tell lost, reordered and twice-applied events apart. A planted poison event fails."""
+    if event.get("poison"):
+        raise ValueError(f"planted poison event {event.get('n')}")
+    state = state or {"seen": {}}
+    state["seen"].setdefault(str(event["producer"]), []).append(int(event["n"]))
+    return state
+
+
+def ledger(df: Any, ctx: Any) -> Any:
+    return ctx.state.fold(df, ledger_event)

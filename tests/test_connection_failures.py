@@ -370,6 +370,56 @@ def test_broker_gone_longer_than_reconnect_timeout_closes_the_producer(
     assert [m.json()["n"] for m in landed] == list(range(10))
 
 
+def test_handshakes_reset_while_reconnecting_are_retried_not_fatal(
+    stream: StreamFixture, amqp: pika.BlockingConnection, proxy: FaultProxy
+) -> None:
+    """A broker restarting accepts connections and drops them mid-handshake; pika calls that a
+    "probable authentication error" or fails its own socket check. While reconnecting with
+    credentials that worked, both are retried, and nothing accepted is lost."""
+    key = "flapping"
+    settings = _with(stream.settings, reconnect_timeout=20)
+    with Producer(
+        stream.name,
+        mode="key",
+        settings=settings,
+        amqp_url=proxy.url_for(settings.amqp_url),
+        publish_timeout=20,
+    ) as producer:
+        for n in range(10):
+            producer.publish(key, {"n": n})
+        producer.flush(10)
+        for drop in (proxy.refuse, proxy.drop_handshakes, proxy.refuse):
+            drop(True)  # every attempt fails: reset at once, or in the middle of its handshake
+            proxy.cut()
+            for n in range(10, 20):
+                producer.publish(key, {"n": n})
+            time.sleep(1.5)
+            drop(False)
+            producer.flush(20)
+        assert producer.stats["unconfirmed"] == 0
+    landed = drain(amqp.channel(), key_queue_name(stream.name, key))
+    unique, _ = _dedup(landed)
+    assert [m.json()["n"] for m in unique] == list(range(10)) + list(range(10, 20)) * 3
+
+
+def test_a_handshake_cut_short_is_unavailable_not_refused_credentials(
+    stream: StreamFixture, proxy: FaultProxy
+) -> None:
+    """pika calls a connection lost during login a "probable authentication error"; only the
+    broker's own 403 is a refusal. Anything else must not send an operator hunting for a
+    password problem, nor stop a daemon for good."""
+    proxy.drop_handshakes(True)
+    with pytest.raises(KeyqError) as info:
+        Producer(
+            stream.name,
+            mode="key",
+            settings=stream.settings,
+            amqp_url=proxy.url_for(stream.settings.amqp_url),
+        )
+    assert isinstance(info.value, BrokerUnavailable), repr(info.value)
+    assert "credentials" not in str(info.value)
+
+
 def test_close_while_reconnecting_stops_cleanly(
     stream: StreamFixture, proxy: FaultProxy, thread_errors: list[threading.ExceptHookArgs]
 ) -> None:

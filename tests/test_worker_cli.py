@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -112,3 +113,27 @@ def test_a_key_mode_worker_hands_back_an_idle_queue(
         worker.stop()
         runner.join(60)
     assert not runner.is_alive()
+
+
+@pytest.mark.slow
+def test_a_worker_started_while_the_broker_is_down_waits_for_it(stream: Any, workers: Any) -> None:
+    """A daemon started beside a broker that is still starting (or restarting) waits for it
+    instead of exiting, then serves as usual."""
+    from tests.faults import FaultProxy
+
+    broker = urlsplit(stream.settings.amqp_url)
+    with FaultProxy(broker.hostname or "127.0.0.1", broker.port or 5672) as proxy:
+        proxy.refuse(True)
+        down = load_settings(amqp_url=proxy.url_for(stream.settings.amqp_url))
+        with Producer(stream.name, mode="key", settings=stream.settings) as producer:
+            producer.publish("waited", {"n": 1, "producer": "p"})
+            producer.flush(30)
+        worker = workers(stream.name, env={"KEYQ_AMQP_URL": down.amqp_url})
+        wait_until(lambda: "waiting for the services" in worker.log(), 30, "a waiting worker")
+        assert worker.process.poll() is None
+        proxy.refuse(False)
+        worker.wait_ready(120)
+        store = StateStore(stream.redis, stream.name)
+        wait_until(lambda: store.get("waited") is not None, 60, "the event applied")
+        assert worker.terminate(60) == 0
+    assert "guest:guest@" not in worker.log()

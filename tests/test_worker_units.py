@@ -190,6 +190,20 @@ def test_buffer_take_by_time_waits_from_the_first_arrival() -> None:
     assert time.monotonic() - started < 0.2
 
 
+def test_buffer_take_survives_its_queue_being_dropped_while_it_waits() -> None:
+    # A queue lost (channel closed, lock gone) while the batch loop waits for more events:
+    # the wait ends with nothing, it does not trip over the vanished first arrival.
+    buffer = DeliveryBuffer()
+    buffer.add(delivery(tag=1))
+    dropper = threading.Timer(0.1, lambda: buffer.drop("q"))
+    dropper.start()
+    started = time.monotonic()
+    assert buffer.take(100, max_wait_s=2.0, idle_wait_s=1.0) == []
+    assert time.monotonic() - started < 1.5
+    dropper.join()
+    assert len(buffer) == 0
+
+
 def test_buffer_take_fills_while_waiting() -> None:
     buffer = DeliveryBuffer()
 
@@ -598,3 +612,15 @@ def test_load_pipeline_errors(spec: str, message: str) -> None:
     with pytest.raises(ConfigurationError) as caught:
         load_pipeline(spec)
     assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "key", ["plain", "ключ 'quoted' \"double\"", "new\nline ] [keyq-event 00 x 1]", "x" * 4096]
+)
+def test_a_fold_failure_names_its_event_for_any_key(key: str) -> None:
+    from worker.fold import event_token, failing_event, without_event_token
+
+    text = f"FoldFailed: fold of key {key!r} failed: ValueError: boom{event_token(key, 'p.1-a', 7)}"
+    assert failing_event(text) == (key, "p.1-a", 7)
+    assert without_event_token(text) == f"FoldFailed: fold of key {key!r} failed: ValueError: boom"
+    assert event_token(key, None, None) == ""

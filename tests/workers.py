@@ -160,6 +160,41 @@ class WorkerProcess:
         self._log.close()
 
 
+class JanitorProcess:
+    """``python -m keyq janitor`` in a subprocess, its log in a file."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        log_dir: Path,
+        *args: str,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.log_path = log_dir / f"janitor-{uuid.uuid4().hex[:8]}.log"
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "keyq", "janitor", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=keyq_environment(settings, env),
+            cwd=REPO,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def terminate(self, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+        self._log.close()
+
+
 def held_by(client: redis.Redis, stream: str) -> dict[str, list[str]]:
     """worker id -> queues whose lock it holds now."""
     queues = list(QueueRegistry(client, stream).queues())

@@ -28,6 +28,7 @@ from worker.decoding import Event, Undecodable, decode
 from worker.dedup import Identified, split_fresh
 from worker.deliveries import Delivery
 from worker.engine import SparkEngine, batch_table
+from worker.fold import failing_event, without_event_token
 from worker.holdings import Holdings
 from worker.pipeline import BatchContext, KeyedState, Pipeline
 from worker.sinks import ParquetSink
@@ -50,9 +51,17 @@ class BatchStats:
     batch_seconds: list[float] = field(default_factory=list)
 
 
+class _EventFailed(PipelineError):
+    """The pipeline failed on one event, which the failure names: (key, producer, seq)."""
+
+    def __init__(self, reason: str, event: tuple[str, str, int]) -> None:
+        super().__init__(reason)
+        self.event = event
+
+
 def describe_failure(exc: BaseException) -> str:
     """A one-line reason for a failure, good enough for a dead-letter header."""
-    text = str(exc)
+    text = without_event_token(str(exc))
     marker = "FoldFailed: "
     if marker in text:
         return text[text.index(marker) + len(marker) :].splitlines()[0].strip()
@@ -162,20 +171,56 @@ class BatchProcessor:
         for delivery in deliveries:
             by_queue.setdefault(delivery.queue, []).append(delivery)
         for group in by_queue.values():
-            self._isolate(group)
+            self._isolate(group, failure)
 
-    def _isolate(self, group: list[Delivery]) -> None:
-        try:
-            self._run(group, 1)
-            return
-        except PipelineError as exc:
-            self.stats.pipeline_failures += 1
-            if len(group) > 1:
-                middle = len(group) // 2
-                self._isolate(group[:middle])
-                self._isolate(group[middle:])
+    def _isolate(self, group: list[Delivery], known: PipelineError | None = None) -> None:
+        """Process one queue's deliveries, in order, dead-lettering only what fails: around
+        the event a failure names when it names one here, else by halves."""
+        failure = known
+        if failure is not None and self._named_event(failure, group) is None:
+            failure = None  # it was about other events: see how this group fares alone
+        if failure is None:
+            try:
+                self._run(group, 1)
                 return
-            failure = exc
+            except PipelineError as exc:
+                self.stats.pipeline_failures += 1
+                failure = exc
+        index = self._named_event(failure, group)
+        if index is not None:
+            before, named, after = group[:index], group[index], group[index + 1 :]
+            if before:
+                self._isolate(before)
+            self._isolate_one(named, failure)
+            if after:
+                self._isolate(after)
+            return
+        if len(group) == 1:
+            self._isolate_one(group[0], failure)
+            return
+        middle = len(group) // 2
+        self._isolate(group[:middle])
+        self._isolate(group[middle:])
+
+    def _named_event(self, failure: PipelineError, group: Sequence[Delivery]) -> int | None:
+        """Where in ``group`` the event named by ``failure`` is, if it names one there."""
+        if not isinstance(failure, _EventFailed):
+            return None
+        named = failure.event
+        key, producer, seq = named
+        for index, delivery in enumerate(group):
+            decoded = decode(delivery, self._fallback_key(delivery.queue))
+            if isinstance(decoded, Event) and (decoded.key, decoded.producer, decoded.seq) == (
+                key,
+                producer,
+                seq,
+            ):
+                return index
+        return None
+
+    def _isolate_one(self, delivery: Delivery, failure: PipelineError) -> None:
+        """One event that failed: retried with backoff, then dead-lettered with its reason."""
+        group = [delivery]
         for attempt in range(2, self._settings.max_attempts + 1):
             self._backoff(attempt - 1)
             try:
@@ -347,6 +392,9 @@ class BatchProcessor:
         except Exception as exc:
             if spark_unavailable(exc):
                 raise SparkUnavailable(f"Spark is unavailable: {describe_failure(exc)}") from exc
+            named = failing_event(str(exc))
+            if named is not None:
+                raise _EventFailed(describe_failure(exc), named) from exc
             raise PipelineError(describe_failure(exc)) from exc
         states: dict[str, str] = {}
         if folded is not None:

@@ -23,7 +23,7 @@ import pika
 import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
-from broker.connections import amqp_failure, amqp_parameters
+from broker.connections import amqp_failure, describe_exception, open_blocking_connection
 from broker.envelope import HEADER_ATTEMPTS, HEADER_DEAD_QUEUE, HEADER_DEAD_REASON
 from broker.errors import AuthenticationFailed, BrokerUnavailable, ConfigurationError, KeyqError
 from broker.naming import dead_letter_queue_name
@@ -94,23 +94,20 @@ class ConsumerLink:
         self._fatal: KeyqError | None = None
         self._thread = threading.Thread(target=self._run, name="keyq-amqp", daemon=True)
         self.reconnects = 0
+        self._lost_at: float | None = None  # when the connection last went away
 
     # ---- lifecycle ------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Connect (retrying up to ``reconnect_timeout``); raise if that fails."""
+    def start(self, give_up: threading.Event | None = None) -> None:
+        """Connect, waiting while RabbitMQ is unreachable; raise if it refuses the
+        credentials, or ``BrokerUnavailable`` once ``give_up`` is set."""
         self._thread.start()
-        deadline = (
-            time.monotonic()
-            + self._settings.reconnect_timeout
-            + 2 * (self._settings.connect_timeout * 2)
-        )
         while not self._connected.wait(0.1):
             if self._fatal is not None:
                 raise self._fatal
-            if time.monotonic() > deadline:
+            if give_up is not None and give_up.is_set():
                 self.stop()
-                raise self._fatal or BrokerUnavailable("RabbitMQ did not answer in time")
+                raise BrokerUnavailable("stopped before RabbitMQ answered")
 
     @property
     def connected(self) -> bool:
@@ -131,37 +128,55 @@ class ConsumerLink:
             self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        try:
+            self._pump()
+        except Exception as exc:  # never die silently: the worker must see it
+            log.exception("the AMQP I/O thread failed")
+            self._fatal = BrokerUnavailable(
+                f"the AMQP I/O thread failed: {describe_exception(exc)}"
+            )
+            self._connected.clear()
+
+    def _pump(self) -> None:
         started = time.monotonic()
         backoff = 0.1
         while not self._stopping.is_set():
             try:
                 self._connect()
-            except (AuthenticationFailed, ConfigurationError) as exc:
+            except ConfigurationError as exc:
                 self._fatal = exc
                 log.error("worker cannot connect to RabbitMQ: %s", exc)
                 return
-            except KeyqError as exc:
-                never_connected = not self._connected.is_set() and self.reconnects == 0
-                waited = time.monotonic() - started
-                if never_connected and waited > self._settings.reconnect_timeout:
+            except AuthenticationFailed as exc:
+                # Reconnecting, a refusal of credentials that worked before is retried for
+                # reconnect_timeout: a broker starting or stopping can drop a handshake.
+                lost_for = time.monotonic() - (self._lost_at or started)
+                if self.reconnects == 0 or lost_for > self._settings.reconnect_timeout:
                     self._fatal = exc
+                    log.error("worker cannot connect to RabbitMQ: %s", exc)
                     return
+                log.warning("RabbitMQ refused a reconnect, retrying in %.1fs: %s", backoff, exc)
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            except KeyqError as exc:  # unreachable: a daemon waits for its broker
                 log.warning("RabbitMQ unavailable, retrying in %.1fs: %s", backoff, exc)
                 self._stopping.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.1
+            self._lost_at = None
             reason = self._serve()
             self._teardown(reason)
             if reason is not None and not self._stopping.is_set():
+                self._lost_at = time.monotonic()
                 self.reconnects += 1
                 self._on_disconnected(reason)
         self._teardown(None)
 
     def _connect(self) -> None:
-        params = amqp_parameters(self._settings, self._name)
+        connection = open_blocking_connection(self._settings, self._name)
         try:
-            connection = pika.BlockingConnection(params)
             channel = connection.channel()
             channel.queue_declare(
                 self._dlq,
@@ -170,6 +185,8 @@ class ConsumerLink:
             )
             channel.confirm_delivery()
         except (pika.exceptions.AMQPError, OSError) as exc:
+            with contextlib.suppress(Exception):  # a half-open connection: drop it
+                connection.close()
             raise amqp_failure(exc, self._settings.amqp_url) from None
         self._connection = connection
         self._dead_letter_channel = channel
@@ -180,10 +197,18 @@ class ConsumerLink:
         assert self._connection is not None
         next_check = time.monotonic() + _CHANNEL_CHECK_S
         while not self._stopping.is_set():
+            if not self._connection.is_open:  # lost inside a call made on this thread
+                return "connection to RabbitMQ lost"
             try:
                 self._connection.process_data_events(time_limit=0.05)
             except (pika.exceptions.AMQPError, OSError) as exc:
                 return str(amqp_failure(exc, self._settings.amqp_url))
+            except ValueError as exc:
+                # pika's timers raise ValueError once a lost connection closed its loop
+                # ("Timeout closed before call"): a lost connection like any other.
+                if self._connection.is_open:
+                    raise
+                return f"connection to RabbitMQ lost: {describe_exception(exc)}"
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + _CHANNEL_CHECK_S
                 self._check_channels()

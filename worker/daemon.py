@@ -22,7 +22,13 @@ import redis.exceptions
 
 from broker.clock import now_ms
 from broker.connections import open_blocking_connection, open_redis, redis_errors
-from broker.errors import ConfigurationError, KeyqError
+from broker.errors import (
+    AuthenticationFailed,
+    BrokerUnavailable,
+    ConfigurationError,
+    ConnectionFailed,
+    KeyqError,
+)
 from broker.locks import FencedLocks
 from broker.membership import Membership
 from broker.naming import Mode, check_stream_name
@@ -143,10 +149,10 @@ class Worker:
         """Serve until stopped; with ``until_idle``, also stop once nothing arrived for that
         many seconds (a drain mode for jobs and tests)."""
         settings = self.settings
-        client = open_redis(settings, client_name=client_name(self.worker_id))
+        client = self._wait_for_services()
+        if client is None:
+            return  # stopped while waiting
         try:
-            # Bad credentials or a wrong vhost should fail now, not after Spark started.
-            open_blocking_connection(settings, f"worker-check-{self.worker_id}").close()
             if self._engine is None:
                 self._engine = SparkEngine(settings, f"keyq-worker-{self.worker_id}")
                 self._engine.start()
@@ -158,6 +164,30 @@ class Worker:
             self._serve(client, store, until_idle)
         finally:
             client.close()
+
+    def _wait_for_services(self) -> redis.Redis | None:
+        """Reach Redis and RabbitMQ before Spark starts. Bad credentials or a wrong vhost fail
+        at once; a service that is down is waited for, as a daemon started beside it (or
+        while it restarts) should. None if stopped while waiting."""
+        backoff = 0.5
+        while True:
+            try:
+                client = open_redis(self.settings, client_name=client_name(self.worker_id))
+                try:
+                    open_blocking_connection(
+                        self.settings, f"worker-check-{self.worker_id}"
+                    ).close()
+                except BaseException:
+                    client.close()
+                    raise
+                return client
+            except AuthenticationFailed:
+                raise
+            except ConnectionFailed as exc:
+                log.warning("waiting for the services, retrying in %.1fs: %s", backoff, exc)
+                if self._stop.wait(backoff):
+                    return None
+                backoff = min(backoff * 2, 5.0)
 
     def _serve(self, client: redis.Redis, store: StateStore, until_idle: float | None) -> None:
         settings = self.settings
@@ -173,7 +203,12 @@ class Worker:
             on_disconnected=lambda reason: log.warning("lost RabbitMQ: %s", reason),
         )
         self._link = link
-        link.start()
+        try:
+            link.start(give_up=self._stop)
+        except BrokerUnavailable:
+            if self._stop.is_set():
+                return  # stopped before RabbitMQ answered: nothing was held yet
+            raise
         claims = ClaimLoop(
             settings=settings,
             stream=self.stream,
@@ -336,6 +371,10 @@ class Worker:
         raise KeyqError("stopped before the stream was configured")
 
     def _key_of(self, registry: QueueRegistry, queue: str) -> str | None:
+        """The key a key-mode queue was declared for (a message there without a key header
+        still belongs to it). A bucket holds many keys: such a message has no key."""
+        if self.config is None or self.config.mode is not Mode.KEY:
+            return None
         if queue not in self._queue_keys:
             self._queue_keys[queue] = registry.original_keys([queue]).get(queue)
         return self._queue_keys[queue]

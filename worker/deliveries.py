@@ -78,7 +78,8 @@ class DeliveryBuffer:
                     return []
                 self._changed.wait(left)
             while self._count < max_events and not self._woken:
-                assert self._first_arrival is not None
+                if self._first_arrival is None:  # all dropped while we waited (queue lost)
+                    break
                 left = self._first_arrival + max_wait_s - time.monotonic()
                 if left <= 0:
                     break
@@ -128,6 +129,7 @@ class DeliveryBuffer:
                 self._last_arrival.pop(queue, None)
             self._count -= dropped
             self._reset_first_arrival()
+            self._changed.notify_all()  # a waiting take must see what is gone
             return dropped
 
     def _reset_first_arrival(self) -> None:

@@ -10,6 +10,7 @@ and orjson, and the reducer must be importable there (a module-level function).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +25,38 @@ STATE_SCHEMA_DDL = "key string, state string, applied long"
 
 class FoldFailed(Exception):
     """The reducer raised (or returned something that is not JSON) on one event."""
+
+
+_TOKEN = re.compile(r" \[keyq-event ([0-9a-f]+) ([A-Za-z0-9_.:-]+) (\d+)\]")
+
+
+def event_token(key: str, producer: str | None, seq: int | None) -> str:
+    """A machine-readable tail naming the failing event, so the worker can dead-letter that
+    event without bisecting the batch (events without an SDK identity have none)."""
+    if producer is None or seq is None:
+        return ""
+    return f" [keyq-event {key.encode('utf-8').hex()} {producer} {seq}]"
+
+
+def failing_event(text: str) -> tuple[str, str, int] | None:
+    """(key, producer, seq) named by a fold failure's text, if it names one."""
+    found = _last_token(text)
+    if found is None:
+        return None
+    return bytes.fromhex(found.group(1)).decode("utf-8"), found.group(2), int(found.group(3))
+
+
+def without_event_token(text: str) -> str:
+    found = _last_token(text)
+    return text if found is None else text[: found.start()] + text[found.end() :]
+
+
+def _last_token(text: str) -> re.Match[str] | None:
+    """The token is appended last: a key that itself looks like one cannot pose as it."""
+    found = None
+    for found in _TOKEN.finditer(text):  # noqa: B007 - the last one is wanted
+        pass
+    return found
 
 
 def make_folder(
@@ -61,6 +94,7 @@ def make_folder(
                     raise FoldFailed(
                         f"fold of key {key!r} failed on the event from producer {producer} "
                         f"seq {seq}: {type(exc).__name__}: {exc}"
+                        f"{event_token(key, producer, seq)}"
                     ) from None
             try:
                 encoded = orjson.dumps(state).decode()

@@ -1,0 +1,239 @@
+"""The bad-input sweep, end to end through a real worker in both modes.
+
+Keys of every kind are processed each on its own; payloads no pipeline can read are
+dead-lettered with their reason while the key's other events go on in order; a vhost the user
+may not enter is refused in one clear line. Each case also checks a bystander key, so nothing
+else is disturbed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from contextlib import suppress
+from typing import Any
+from urllib.parse import quote
+
+import orjson
+import pika
+import pytest
+
+from broker.envelope import (
+    HEADER_DEAD_QUEUE,
+    HEADER_DEAD_REASON,
+    HEADER_KEY,
+    HEADER_PRODUCER,
+    HEADER_SEQ,
+)
+from broker.errors import AuthenticationFailed, InvalidEvent, KeyqError
+from broker.naming import dead_letter_queue_name
+from broker.registry import QueueRegistry
+from broker.settings import load_settings
+from producer import Producer
+from tests.conftest import StreamFixture
+from tests.helpers import drain, queue_depth
+from tests.test_worker_poison import fast_settings, text
+from tests.workers import run_keyq
+from worker.daemon import Worker
+from worker.engine import SparkEngine
+from worker.state_store import StateStore
+
+pytestmark = pytest.mark.slow
+
+ODD_KEYS = [
+    "plain",
+    "Plain",  # keys differ by case: two keys
+    "ключ-λ",
+    "账户/7",
+    "🚚 truck",
+    "tab\tkey",
+    "new\nline",
+    "nul\x00byte",
+    "\x1b[31mred\x7f",
+    " ",
+    "../../etc/passwd",
+    "*",
+    "#",
+    "%2F",
+    "amq.gen-looks-like-a-server-name",
+    "keyq.other-stream.k.plain",  # looks like another stream's queue
+    "x" * 4096,  # the longest key allowed
+    "é" * 2048,  # 4096 bytes of two-byte characters
+]
+
+
+def audit_state(applied: int) -> dict[str, Any]:
+    return {"applied": applied, "last": {"p": applied}, "violations": []}
+
+
+@pytest.fixture(params=["key", "bucket"])
+def mode_producer(request: pytest.FixtureRequest, stream: StreamFixture) -> Iterator[Producer]:
+    made = Producer(
+        stream.name,
+        mode=request.param,
+        buckets=4 if request.param == "bucket" else None,
+        settings=stream.settings,
+        publish_timeout=10,
+    )
+    try:
+        yield made
+    finally:
+        with suppress(KeyqError):
+            made.close(timeout=5)
+
+
+def drain_with_worker(stream: StreamFixture, engine: SparkEngine) -> Worker:
+    worker = Worker(stream.name, "tests.pipelines:audit", settings=fast_settings(), engine=engine)
+    worker.run(until_idle=3)
+    return worker
+
+
+def test_keys_of_every_kind_are_processed_each_on_its_own(
+    stream: StreamFixture,
+    mode_producer: Producer,
+    amqp: pika.BlockingConnection,
+    spark_engine: SparkEngine,
+) -> None:
+    keys = [*ODD_KEYS, f"keyq.{stream.name}.dlq"]  # the name of this stream's own DLQ
+    for n in range(1, 4):
+        for key in keys:
+            mode_producer.publish(key, {"n": n, "producer": "p"})
+    mode_producer.flush(30)
+
+    worker = drain_with_worker(stream, spark_engine)
+
+    store = StateStore(stream.redis, stream.name)
+    states = {key: store.get(key) for key in keys}
+    assert {key: state for key, state in states.items() if state != audit_state(3)} == {}
+    assert stream.redis.hlen(stream.keys.state) == len(keys)  # no key merged into another
+    assert worker.stats()["events"] == 3 * len(keys)
+    assert queue_depth(amqp, dead_letter_queue_name(stream.name)) == 0
+    if mode_producer.config.mode.value == "key":
+        registry = QueueRegistry(stream.redis, stream.name)
+        queues = {mode_producer.config.queue_for(key): key for key in keys}
+        assert len(queues) == len(keys)  # one queue per key, none shared
+        assert registry.original_keys(queues) == queues
+
+
+def publish_raw(
+    channel: Any, queue: str, body: bytes, seq: int, *, key: str | None, message_id: str
+) -> None:
+    headers: dict[str, Any] = {HEADER_PRODUCER: "raw", HEADER_SEQ: seq}
+    if key is not None:
+        headers[HEADER_KEY] = key
+    channel.basic_publish(
+        "",
+        queue,
+        body,
+        pika.BasicProperties(
+            headers=headers,
+            delivery_mode=pika.DeliveryMode.Persistent,
+            content_type="application/json",
+            message_id=message_id,
+        ),
+        mandatory=True,
+    )
+
+
+def test_bad_payloads_are_dead_lettered_with_reasons_and_the_key_goes_on(
+    stream: StreamFixture,
+    mode_producer: Producer,
+    amqp: pika.BlockingConnection,
+    spark_engine: SparkEngine,
+) -> None:
+    key, bystander = "order-1", "order-2"
+    bucket_mode = mode_producer.config.mode.value == "bucket"
+    queue = mode_producer.config.queue_for(key)
+    deep = b"[" * 5000 + b"]" * 5000
+    bad: list[tuple[bytes, str | None, str]] = [
+        (b'\xff\xfe{"n": 1}', key, "not UTF-8"),
+        (b"this is not json {", key, "not JSON"),
+        (b'{"n": 1, "truncated', key, "not JSON"),
+        (deep, key, "not JSON"),  # nested deeper than any parser here will go
+    ]
+    if bucket_mode:  # a bucket holds many keys: a message without the key header has none
+        bad.append((orjson.dumps({"n": 1, "producer": "p"}), None, "missing header"))
+    huge = orjson.dumps({"pad": "x" * 900_000})  # well-formed and big: applied, not refused
+
+    channel = amqp.channel()
+    channel.confirm_delivery()
+    number = 0
+    for index, (body, header_key, _) in enumerate(bad):
+        number += 1
+        mode_producer.publish(key, {"n": number, "producer": "p"})
+        mode_producer.publish(bystander, {"n": number, "producer": "p"})
+        mode_producer.flush(30)  # the queue exists and the good event is ahead
+        publish_raw(channel, queue, body, index + 1, key=header_key, message_id=f"bad-{index}")
+    number += 1
+    mode_producer.publish(key, {"n": number, "producer": "p", "huge": huge.decode()})
+    number += 1
+    mode_producer.publish(key, {"n": number, "producer": "p"})
+    with pytest.raises(InvalidEvent, match="nested deeper"):
+        nested: dict[str, Any] = {}
+        inner = nested
+        for _ in range(300):
+            inner["a"] = {}
+            inner = inner["a"]
+        mode_producer.publish(key, nested)
+    mode_producer.flush(30)
+
+    worker = drain_with_worker(stream, spark_engine)
+
+    letters = drain(amqp.channel(), dead_letter_queue_name(stream.name))
+    assert [letter.message_id for letter in letters] == [f"bad-{i}" for i in range(len(bad))]
+    for (body, _, words), letter in zip(bad, letters, strict=True):
+        reason = text(letter.headers[HEADER_DEAD_REASON])
+        assert words in reason, reason
+        assert letter.body == body  # kept byte for byte for whoever repairs it
+        assert text(letter.headers[HEADER_DEAD_QUEUE]) == queue
+    store = StateStore(stream.redis, stream.name)
+    assert store.get(key) == audit_state(number)
+    assert store.get(bystander) == audit_state(len(bad))
+    assert stream.redis.hlen(stream.keys.state) == 2  # the keyless one landed on no key
+    assert worker.stats()["dead_lettered"] == len(bad)
+    assert queue_depth(amqp, queue) == 0
+
+
+@pytest.fixture
+def locked_vhost(settings: Any) -> Iterator[str]:
+    """A vhost that exists but that the test user has no permission on."""
+    ctl = shutil.which("rabbitmqctl")
+    if ctl is None:
+        pytest.skip("rabbitmqctl is needed to make a vhost without permissions")
+    vhost = f"keyq-locked-{uuid.uuid4().hex[:8]}"
+    subprocess.run([ctl, "add_vhost", vhost], check=True, capture_output=True, timeout=60)
+    try:
+        yield vhost
+    finally:
+        subprocess.run([ctl, "delete_vhost", vhost], capture_output=True, timeout=60)
+
+
+def test_a_vhost_without_permission_is_refused_in_one_clear_line(
+    settings: Any, locked_vhost: str, stream: StreamFixture
+) -> None:
+    base = settings.amqp_url.rsplit("/", 1)[0]
+    url = f"{base}/{quote(locked_vhost, safe='')}"
+    password = pika.URLParameters(settings.amqp_url).credentials.password
+    with pytest.raises(AuthenticationFailed) as refused:
+        Producer(stream.name, mode="key", amqp_url=url, settings=settings)
+    message = str(refused.value)
+    assert "virtual host" in message or "access" in message, message
+    assert f":{password}@" not in message
+
+    locked = load_settings(amqp_url=url)
+    for command in (
+        ("worker", "--stream", stream.name, "--pipeline", "tests.pipelines:audit"),
+        ("janitor", "--stream", stream.name, "--once"),
+    ):
+        done = run_keyq(locked, *command, timeout=120)
+        assert done.returncode == 1, (command, done.stdout, done.stderr)
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert any("access" in line or "virtual host" in line for line in lines), done.stderr
+        assert f":{password}@" not in done.stdout + done.stderr
+
+    # The refused clients disturbed nothing: the same stream works on the right vhost.
+    with Producer(stream.name, mode="key", settings=settings) as producer:
+        producer.publish("after", {"n": 1, "producer": "p"})
+        producer.flush(30)
