@@ -24,6 +24,7 @@ import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
 from broker.connections import amqp_failure, describe_exception, open_blocking_connection
+from broker.consumers import close_keeping_consumers
 from broker.envelope import HEADER_ATTEMPTS, HEADER_DEAD_QUEUE, HEADER_DEAD_REASON
 from broker.errors import AuthenticationFailed, BrokerUnavailable, ConfigurationError, KeyqError
 from broker.naming import dead_letter_queue_name
@@ -222,6 +223,9 @@ class ConsumerLink:
         self._probe_channel = None
         connection, self._connection = self._connection, None
         if connection is not None and connection.is_open:
+            for _queue, (_epoch, channel) in lost:  # each atomically, as in _close_queue
+                with contextlib.suppress(Exception):
+                    close_keeping_consumers(channel)
             with contextlib.suppress(Exception):  # closing a broken connection
                 connection.close()
         with self._pending_lock:
@@ -363,7 +367,7 @@ class ConsumerLink:
         if held is not None and held[0] == epoch:
             del self._channels[queue]
             with contextlib.suppress(Exception):  # already closing
-                held[1].close()
+                close_keeping_consumers(held[1])
             self._on_queue_lost(queue, epoch, "the broker cancelled the consumer")
 
     def _close_queue(self, queue: str, epoch: int | None) -> None:
@@ -371,9 +375,10 @@ class ConsumerLink:
         if held is None or (epoch is not None and held[0] != epoch):
             return
         del self._channels[queue]
-        if held[1].is_open:
-            with contextlib.suppress(pika.exceptions.AMQPError):
-                held[1].close()
+        # Never cancel first: the queue would look unused while it still holds our unacked
+        # deliveries, and a janitor's delete(if_empty, if_unused) would take them with it.
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            close_keeping_consumers(held[1])
 
     def _ack(self, acks: Sequence[tuple[str, int, int]]) -> int:
         done = 0

@@ -1,0 +1,52 @@
+"""Closing a consuming channel without a moment in which its queue looks unused.
+
+pika's ``BlockingChannel.close()`` first cancels the channel's consumers and waits for the
+broker's cancel-ok, and only then sends ``channel.close``. Between the two, the queue has no
+consumer while this channel still holds its unacked deliveries, and RabbitMQ's
+``queue.delete(if_empty, if_unused)`` counts neither: it sees no ready message and no
+consumer, deletes the queue, and the unacked messages go with it. A janitor deleting idle
+queues hits that window whenever a worker stops a queue whose lock it has just lost.
+
+Closing the channel with its consumers still registered lets the broker drop the consumer
+and requeue the unacked messages in one step of the queue's own process, so the queue is
+never both consumer-less and holding our deliveries. pika has no public way to skip the
+cancels; this module tells it the consumers are already cancelled (it then rejects, with
+requeue, any delivery that still arrives for them) and closes. The test suite pins the pika
+internals used here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from pika.adapters.blocking_connection import (
+    BlockingChannel,
+    _ConsumerCancellationEvt,
+    _ConsumerDeliveryEvt,
+)
+
+CLOSE_TEXT = "keyq: consumer stopped"
+
+
+def close_keeping_consumers(channel: BlockingChannel) -> None:
+    """Close ``channel`` without cancelling its consumers first (see the module doc).
+
+    Raises pika's errors as ``BlockingChannel.close`` does; a channel that is already closed
+    or closing is left alone.
+    """
+    if not channel.is_open:
+        return
+    blocking: Any = channel
+    impl: Any = blocking._impl
+    tags = list(blocking._consumer_infos)
+    impl._cancelled.update(tags)  # pika sends no basic.cancel for these on close
+    blocking._consumer_infos = {}
+    # Deliveries read but not yet handed to the callback are unacked like the rest: the
+    # close gives them back to the queue; they must not reach a callback that is gone.
+    blocking._pending_events = deque(
+        event
+        for event in blocking._pending_events
+        if not isinstance(event, (_ConsumerDeliveryEvt, _ConsumerCancellationEvt))
+    )
+    channel.close(200, CLOSE_TEXT)

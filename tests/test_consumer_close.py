@@ -1,0 +1,185 @@
+"""A worker letting go of a queue never leaves it looking unused while it holds deliveries.
+
+RabbitMQ's ``queue.delete(if_empty, if_unused)`` ignores unacked messages: a queue with no
+ready message and no consumer is deleted, and messages still unacked on some channel go with
+it. pika's ``channel.close()`` cancels the consumer and waits for the broker's answer before
+closing, which opens exactly that window. The janitor deletes with those two flags, so the
+worker must close without it. Checked here on the real broker with a "janitor" that tries
+the delete every few milliseconds while the worker's link is slowed by a proxy.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit
+
+import pika
+import pika.exceptions
+import pytest
+
+from broker.settings import Settings, load_settings
+from tests.conftest import StreamFixture
+from tests.faults import FaultProxy
+from worker.consumer import ConsumeOutcome, ConsumerLink
+from worker.deliveries import DeliveryBuffer
+
+MESSAGES = 20
+LINK_DELAY_S = 0.25
+
+
+class EagerDeleter:
+    """Tries ``queue.delete(if_empty, if_unused)`` in a loop, as a janitor would, until it
+    succeeds or is stopped; remembers whether it ever succeeded."""
+
+    def __init__(self, settings: Settings, queue: str) -> None:
+        self._connection = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
+        self._queue = queue
+        self._stop = threading.Event()
+        self.deleted = False
+        self.attempts = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> EagerDeleter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._connection.close()
+
+    def _run(self) -> None:
+        channel = self._connection.channel()
+        while not self._stop.is_set():
+            self.attempts += 1
+            try:
+                channel.queue_delete(self._queue, if_unused=True, if_empty=True)
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                assert exc.reply_code == 406, exc
+                channel = self._connection.channel()
+                self._stop.wait(0.003)
+                continue
+            self.deleted = True
+            return
+
+
+@pytest.fixture
+def proxy(settings: Settings) -> Iterator[FaultProxy]:
+    parts = urlsplit(settings.amqp_url)
+    with FaultProxy(parts.hostname or "127.0.0.1", parts.port or 5672) as started:
+        yield started
+
+
+@pytest.fixture
+def loaded_queue(stream: StreamFixture, amqp: pika.BlockingConnection) -> str:
+    """A durable queue of the test's own holding MESSAGES persistent messages."""
+    queue = f"{stream.name}.close-{uuid.uuid4().hex[:6]}"
+    stream.track(queue)
+    channel = amqp.channel()
+    channel.queue_declare(queue, durable=True)
+    channel.confirm_delivery()
+    for n in range(MESSAGES):
+        channel.basic_publish(
+            "", queue, str(n).encode(), pika.BasicProperties(delivery_mode=2), mandatory=True
+        )
+    channel.close()
+    return queue
+
+
+def _ready(amqp: pika.BlockingConnection, queue: str) -> int | None:
+    channel = amqp.channel()
+    try:
+        return int(channel.queue_declare(queue, passive=True).method.message_count)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        assert exc.reply_code == 404
+        return None
+    finally:
+        if channel.is_open:
+            channel.close()
+
+
+def _consuming_link(
+    settings: Settings, proxy: FaultProxy, stream: str
+) -> tuple[ConsumerLink, DeliveryBuffer]:
+    buffer = DeliveryBuffer()
+    link = ConsumerLink(
+        settings=load_settings(
+            **{**settings.model_dump(), "amqp_url": proxy.url_for(settings.amqp_url)}
+        ),
+        stream=stream,
+        name="test-consumer-close",
+        buffer=buffer,
+        prefetch=100,
+        on_queue_lost=lambda *_args: None,
+        on_disconnected=lambda _reason: None,
+    )
+    link.start()
+    return link, buffer
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("letting_go", ["close_queue", "stop"])
+def test_letting_go_of_a_queue_gives_every_unacked_message_back(
+    letting_go: str,
+    settings: Settings,
+    proxy: FaultProxy,
+    stream: StreamFixture,
+    loaded_queue: str,
+    amqp: pika.BlockingConnection,
+) -> None:
+    link, buffer = _consuming_link(settings, proxy, stream.name)
+    try:
+        epoch = link.new_epoch()
+        assert link.consume(loaded_queue, epoch).outcome is ConsumeOutcome.CONSUMING
+        _wait_for(lambda: len(buffer) == MESSAGES)
+        assert _ready(amqp, loaded_queue) == 0  # all unacked on the link's channel
+        proxy.set_delay(LINK_DELAY_S)
+        with EagerDeleter(settings, loaded_queue) as deleter:
+            if letting_go == "close_queue":
+                link.close_queue(loaded_queue, epoch)
+            else:
+                link.stop()
+            time.sleep(2 * LINK_DELAY_S)
+        assert deleter.attempts > 10, "the deleter hardly tried"
+        assert not deleter.deleted, "the queue was deleted with the worker's unacked messages"
+        assert _ready(amqp, loaded_queue) == MESSAGES
+    finally:
+        proxy.set_delay(0)
+        link.stop()
+
+
+def test_pikas_own_close_opens_the_window_the_worker_avoids(
+    proxy: FaultProxy, loaded_queue: str, settings: Settings, amqp: pika.BlockingConnection
+) -> None:
+    """The broker behaviour the test above guards against, shown with pika's plain close:
+    the queue is deleted although none of its messages was ever acked."""
+    connection = pika.BlockingConnection(pika.URLParameters(proxy.url_for(settings.amqp_url)))
+    try:
+        channel = connection.channel()
+        channel.basic_qos(prefetch_count=100)
+        received: list[int] = []
+        channel.basic_consume(
+            loaded_queue, lambda _ch, method, _p, _b: received.append(method.delivery_tag)
+        )
+        deadline = time.monotonic() + 10
+        while len(received) < MESSAGES and time.monotonic() < deadline:
+            connection.process_data_events(0.05)
+        assert len(received) == MESSAGES
+        proxy.set_delay(LINK_DELAY_S)
+        with EagerDeleter(settings, loaded_queue) as deleter:
+            channel.close()
+        assert deleter.deleted
+        assert _ready(amqp, loaded_queue) is None  # gone, with 20 unacked messages
+    finally:
+        proxy.set_delay(0)
+        if connection.is_open:
+            connection.close()
