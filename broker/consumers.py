@@ -39,8 +39,8 @@ def close_keeping_consumers(channel: BlockingChannel) -> None:
         return
     blocking: Any = channel
     impl: Any = blocking._impl
-    tags = list(blocking._consumer_infos)
-    impl._cancelled.update(tags)  # pika sends no basic.cancel for these on close
+    # pika sends no basic.cancel on close for tags it believes cancelled
+    impl._cancelled.update(blocking._consumer_infos, impl._consumers)
     blocking._consumer_infos = {}
     # Deliveries read but not yet handed to the callback are unacked like the rest: the
     # close gives them back to the queue; they must not reach a callback that is gone.
