@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 import pika
@@ -26,6 +26,7 @@ import pika.exceptions
 import redis
 
 from broker.connections import open_blocking_connection, open_redis
+from broker.errors import KeyqError
 from broker.naming import dead_letter_queue_name
 from broker.redis_keys import StreamKeys
 from broker.settings import Settings
@@ -245,3 +246,21 @@ class Cleanup:
             self.streams.clear()
         finally:
             client.close()
+
+
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+def finish_run(
+    workers: Iterable[Stoppable], cleanup: Cleanup, client: redis.Redis, errors: list[str]
+) -> None:
+    """End a benchmark: stop its workers, remove what it created, close its Redis client. A
+    failed cleanup goes into ``errors`` so that it neither hides nor replaces the result."""
+    for worker in workers:
+        worker.stop()
+    try:
+        cleanup.run()
+    except (KeyqError, redis.RedisError, OSError) as exc:
+        errors.append(f"cleanup failed: {exc}")
+    client.close()

@@ -35,7 +35,17 @@ from typing import Any
 
 import redis
 
-from bench.common import Cleanup, amqp, declare_queues, emit, log, machine_info, median, ratio
+from bench.common import (
+    Cleanup,
+    amqp,
+    declare_queues,
+    emit,
+    finish_run,
+    log,
+    machine_info,
+    median,
+    ratio,
+)
 from bench.producer import publish_raw
 from broker.connections import open_redis
 from broker.errors import KeyqError
@@ -365,13 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyqError, RuntimeError, redis.RedisError, OSError) as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
     finally:
-        for worker in workers:
-            worker.stop()
-        try:
-            cleanup.run()
-        except (KeyqError, redis.RedisError, OSError) as exc:
-            errors.append(f"cleanup failed: {exc}")
-        client.close()
+        finish_run(workers, cleanup, client, errors)
     result["errors"] = errors
     result["worker_logs"] = str(log_dir)
     emit(result, args.out)

@@ -51,7 +51,7 @@ import orjson
 import pika
 import redis
 
-from bench.common import Cleanup, amqp, emit, log, machine_info, ratio
+from bench.common import Cleanup, amqp, emit, finish_run, log, machine_info, ratio
 from bench.e2e import WorkerProcess
 from broker.connections import open_redis
 from broker.errors import KeyqError
@@ -527,13 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyqError, RuntimeError, redis.RedisError, OSError, pika.exceptions.AMQPError) as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
     finally:
-        for worker in workers:
-            worker.stop()
-        try:
-            cleanup.run()
-        except (KeyqError, redis.RedisError, OSError) as exc:
-            errors.append(f"cleanup failed: {exc}")
-        client.close()
+        finish_run(workers, cleanup, client, errors)
     result["errors"] = errors
     emit(result, args.out)
     return 1 if errors else 0
