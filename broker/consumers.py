@@ -10,21 +10,15 @@ queues hits that window whenever a worker stops a queue whose lock it has just l
 Closing the channel with its consumers still registered lets the broker drop the consumer
 and requeue the unacked messages in one step of the queue's own process, so the queue is
 never both consumer-less and holding our deliveries. pika has no public way to skip the
-cancels; this module tells it the consumers are already cancelled (it then rejects, with
-requeue, any delivery that still arrives for them) and closes. The test suite pins the pika
-internals used here.
+cancels: this module marks the consumers as already cancelled and closes the channel beneath
+pika's blocking wrapper. ``tests/test_consumer_close.py`` pins the pika internals used here.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
-from pika.adapters.blocking_connection import (
-    BlockingChannel,
-    _ConsumerCancellationEvt,
-    _ConsumerDeliveryEvt,
-)
+from pika.adapters.blocking_connection import BlockingChannel
 
 CLOSE_TEXT = "keyq: consumer stopped"
 
@@ -39,14 +33,14 @@ def close_keeping_consumers(channel: BlockingChannel) -> None:
         return
     blocking: Any = channel
     impl: Any = blocking._impl
-    # pika sends no basic.cancel on close for tags it believes cancelled
-    impl._cancelled.update(blocking._consumer_infos, impl._consumers)
-    blocking._consumer_infos = {}
-    # Deliveries read but not yet handed to the callback are unacked like the rest: the
-    # close gives them back to the queue; they must not reach a callback that is gone.
-    blocking._pending_events = deque(
-        event
-        for event in blocking._pending_events
-        if not isinstance(event, (_ConsumerDeliveryEvt, _ConsumerCancellationEvt))
-    )
-    channel.close(200, CLOSE_TEXT)
+    # pika sends no basic.cancel on close for tags it believes cancelled. The blocking
+    # wrapper keeps its own record of them until the close completes (a cancel the broker
+    # sends meanwhile is looked up there), so its close, which would cancel, is bypassed.
+    impl._cancelled.update(impl._consumers)
+    try:
+        impl.close(200, CLOSE_TEXT)
+        blocking._flush_output(lambda: channel.is_closed)
+    finally:
+        # Drops deliveries read but not yet handed to the callback: unacked like the rest,
+        # the close gives them back to the queue.
+        blocking._cleanup()

@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import pika
@@ -183,3 +184,52 @@ def test_pikas_own_close_opens_the_window_the_worker_avoids(
         proxy.set_delay(0)
         if connection.is_open:
             connection.close()
+
+
+def test_the_pika_internals_the_close_relies_on_are_there(amqp: pika.BlockingConnection) -> None:
+    """``broker.consumers`` reaches beneath pika's blocking channel; a pika that moved these
+    would silently bring back the cancel-then-close window, so fail loudly here instead."""
+    channel: Any = amqp.channel()
+    try:
+        impl = channel._impl
+        assert isinstance(impl._cancelled, set)
+        assert isinstance(impl._consumers, dict)
+        assert callable(impl.close) and callable(channel._flush_output)
+        assert callable(channel._cleanup)
+    finally:
+        channel.close()
+
+
+def test_a_cancel_from_the_broker_during_the_close_leaves_the_connection_alone(
+    settings: Settings,
+    proxy: FaultProxy,
+    stream: StreamFixture,
+    loaded_queue: str,
+    amqp: pika.BlockingConnection,
+) -> None:
+    """The queue deleted (by someone else, without conditions) while our close is on its
+    way: the broker's basic.cancel reaches a closing channel, which must not break the
+    connection that carries every other held queue."""
+    link, buffer = _consuming_link(settings, proxy, stream.name)
+    try:
+        epoch = link.new_epoch()
+        assert link.consume(loaded_queue, epoch).outcome is ConsumeOutcome.CONSUMING
+        _wait_for(lambda: len(buffer) == MESSAGES)
+        proxy.set_delay(LINK_DELAY_S)
+
+        def delete_meanwhile() -> None:
+            time.sleep(LINK_DELAY_S / 5)
+            amqp.channel().queue_delete(loaded_queue)
+
+        deleter = threading.Thread(target=delete_meanwhile)
+        deleter.start()
+        link.close_queue(loaded_queue, epoch)
+        deleter.join(10)
+        time.sleep(3 * LINK_DELAY_S)  # the cancel, if late, arrives now
+        proxy.set_delay(0)
+        assert link.failure is None
+        assert link.reconnects == 0, "the connection broke"
+        assert link.message_count(loaded_queue) == 0  # still connected and answering
+    finally:
+        proxy.set_delay(0)
+        link.stop()

@@ -286,8 +286,9 @@ class ConsumerLink:
     def close_queue(self, queue: str, epoch: int | None = None) -> None:
         """Stop consuming ``queue`` (only that consumer incarnation, if ``epoch`` is given);
         its unacked messages go back to it, in order."""
-        # If the connection is gone, so is the consumer.
-        with contextlib.suppress(BrokerUnavailable):
+        # If the connection is gone, so is the consumer; if the I/O thread is slow to get to
+        # it (a stalled link), the close is still queued there and happens when it does.
+        with contextlib.suppress(BrokerUnavailable, TimeoutError):
             self.call(lambda: self._close_queue(queue, epoch))
 
     def ack(self, acks: Sequence[tuple[str, int, int]]) -> int:
