@@ -52,6 +52,13 @@ def test_demo_with_chaos_ends_with_every_order_exactly_as_published(stream: Any)
     summary = orjson.loads(done.stdout)
     assert summary["verdict"]["ok"] is True
     assert summary["chaos"]["actions"], "the chaos schedule did nothing in a 15 s run"
+    kills = [a for a in summary["chaos"]["actions"] if a["action"] == "kill -9" and a["held"]]
+    failovers = summary["chaos"]["failovers_s"]
+    # Every kill of a worker that held queues is followed by a measured hand-over (the last
+    # may be cut short by the end of the run), each well under the minute the measurement
+    # waits: seconds, for peer reaping or the lock ttl, then claims.
+    assert len(kills) - 1 <= len(failovers) <= len(kills), (kills, failovers)
+    assert all(0 < seconds < 30 for seconds in failovers), failovers
     # The proof, from the data: every order's committed state is the plain-Python fold.
     suffix = summary["key_suffix"]
     published = [(order + suffix, event) for order, event in generate_orders(ORDERS, EVENTS, SEED)]

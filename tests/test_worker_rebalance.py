@@ -313,3 +313,20 @@ def test_in_process_callbacks_see_assignments_and_revocations(
         "the peer to take every queue",
     )
     assert peer.terminate() == 0, peer.log()[-3000:]
+
+
+def test_a_burst_of_claims_never_outlasts_the_locks_already_held(
+    stream: StreamFixture, producer: Producer, workers: Any
+) -> None:
+    """A worker that finds hundreds of queues at once (a backlog at start, a dead peer's
+    queues) claims them over several ticks and renews its locks in between: none expires
+    while it claims. Lock ttl here 0.6 s; claiming 800 queues takes seconds."""
+    keys = [f"burst-{n}" for n in range(800)]
+    for key in keys:
+        producer.publish(key, {"n": 1})
+    producer.flush(60)
+    fast_locks = {"KEYQ_LOCK_TTL_MS": "600", "KEYQ_MEMBER_TTL_MS": "600", "KEYQ_TICK_MS": "150"}
+    worker = workers(stream.name, mode="key", env=fast_locks).wait_ready()
+    state = StreamKeys(stream.name).state
+    wait_until(lambda: stream.redis.hlen(state) == len(keys), 180, "every key committed")
+    assert worker.log().count("(lock lost)") == 0, "locks expired while the worker claimed"

@@ -116,6 +116,9 @@ class ClaimLoop:
         self._thread = threading.Thread(target=self._run, name="keyq-claims", daemon=True)
         self._first_round = threading.Event()
         self._failing = False
+        self._more_to_claim = False
+        # Claiming in one tick stops after this long, well inside the lock ttl.
+        self._claim_budget_s = min(settings.tick_ms, settings.lock_ttl_ms / 4) / 1000
         self.stats = ClaimStats()
 
     # ---- control --------------------------------------------------------------------------
@@ -221,7 +224,9 @@ class ClaimLoop:
         if self._worker_id not in members:
             members = sorted([*members, self._worker_id])
         if self._claiming.is_set():
-            self._balance(members, force=scanned or reaped or changed or self._announced)
+            force = scanned or reaped or changed or self._announced or self._more_to_claim
+            self._more_to_claim = False
+            self._balance(members, force=force)
         self._announced = False
         if self._mode is Mode.KEY:
             self._release_idle()
@@ -308,8 +313,15 @@ class ClaimLoop:
         holders = self._locks.holders(candidates)
         free = [q for q, lease in holders.items() if lease is None]
         random.shuffle(free)
+        # Each claim is a few round trips; hundreds in one go (a dead peer's queues, a burst
+        # of new keys) would outlast the locks this worker already holds, which are renewed
+        # only between ticks. Claim for a bounded time, renew, go on next tick.
+        deadline = time.monotonic() + self._claim_budget_s
         for queue in free[: share - len(held)]:
             if self._stop.is_set() or not self._claiming.is_set():
+                return
+            if time.monotonic() >= deadline:
+                self._more_to_claim = True
                 return
             self._claim(queue)
 
