@@ -13,7 +13,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -24,6 +25,7 @@ import pytest
 from broker.settings import Settings, load_settings
 from tests.conftest import StreamFixture
 from tests.faults import FaultProxy
+from tests.workers import wait_until
 from worker.consumer import ConsumeOutcome, ConsumerLink
 from worker.deliveries import DeliveryBuffer
 
@@ -102,15 +104,24 @@ def _ready(amqp: pika.BlockingConnection, queue: str) -> int | None:
             channel.close()
 
 
-def _consuming_link(
-    settings: Settings, proxy: FaultProxy, stream: str
-) -> tuple[ConsumerLink, DeliveryBuffer]:
+@dataclass
+class Consuming:
+    link: ConsumerLink
+    epoch: int
+
+
+@pytest.fixture
+def consuming(
+    settings: Settings, proxy: FaultProxy, stream: StreamFixture, loaded_queue: str
+) -> Iterator[Consuming]:
+    """A worker's link, through the proxy, consuming ``loaded_queue`` with every message
+    delivered and unacked; stopped (and the proxy unslowed) at the end."""
     buffer = DeliveryBuffer()
     link = ConsumerLink(
         settings=load_settings(
             **{**settings.model_dump(), "amqp_url": proxy.url_for(settings.amqp_url)}
         ),
-        stream=stream,
+        stream=stream.name,
         name="test-consumer-close",
         buffer=buffer,
         prefetch=100,
@@ -118,14 +129,14 @@ def _consuming_link(
         on_disconnected=lambda _reason: None,
     )
     link.start()
-    return link, buffer
-
-
-def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+    try:
+        epoch = link.new_epoch()
+        assert link.consume(loaded_queue, epoch).outcome is ConsumeOutcome.CONSUMING
+        wait_until(lambda: len(buffer) == MESSAGES, 10, "every message delivered")
+        yield Consuming(link, epoch)
+    finally:
+        proxy.set_delay(0)
+        link.stop()
 
 
 @pytest.mark.parametrize("letting_go", ["close_queue", "stop"])
@@ -133,29 +144,22 @@ def test_letting_go_of_a_queue_gives_every_unacked_message_back(
     letting_go: str,
     settings: Settings,
     proxy: FaultProxy,
-    stream: StreamFixture,
+    consuming: Consuming,
     loaded_queue: str,
     amqp: pika.BlockingConnection,
 ) -> None:
-    link, buffer = _consuming_link(settings, proxy, stream.name)
-    try:
-        epoch = link.new_epoch()
-        assert link.consume(loaded_queue, epoch).outcome is ConsumeOutcome.CONSUMING
-        _wait_for(lambda: len(buffer) == MESSAGES)
-        assert _ready(amqp, loaded_queue) == 0  # all unacked on the link's channel
-        proxy.set_delay(LINK_DELAY_S)
-        with EagerDeleter(settings, loaded_queue) as deleter:
-            if letting_go == "close_queue":
-                link.close_queue(loaded_queue, epoch)
-            else:
-                link.stop()
-            time.sleep(2 * LINK_DELAY_S)
-        assert deleter.attempts > 10, "the deleter hardly tried"
-        assert not deleter.deleted, "the queue was deleted with the worker's unacked messages"
-        assert _ready(amqp, loaded_queue) == MESSAGES
-    finally:
-        proxy.set_delay(0)
-        link.stop()
+    assert _ready(amqp, loaded_queue) == 0  # all unacked on the link's channel
+    proxy.set_delay(LINK_DELAY_S)
+    with EagerDeleter(settings, loaded_queue) as deleter:
+        if letting_go == "close_queue":
+            consuming.link.close_queue(loaded_queue, consuming.epoch)
+        else:
+            consuming.link.stop()
+        time.sleep(2 * LINK_DELAY_S)
+    assert deleter.attempts > 10, "the deleter hardly tried"
+    assert not deleter.deleted, "the queue was deleted with the worker's unacked messages"
+    proxy.set_delay(0)
+    assert _ready(amqp, loaded_queue) == MESSAGES
 
 
 def test_pikas_own_close_opens_the_window_the_worker_avoids(
@@ -201,35 +205,24 @@ def test_the_pika_internals_the_close_relies_on_are_there(amqp: pika.BlockingCon
 
 
 def test_a_cancel_from_the_broker_during_the_close_leaves_the_connection_alone(
-    settings: Settings,
-    proxy: FaultProxy,
-    stream: StreamFixture,
-    loaded_queue: str,
-    amqp: pika.BlockingConnection,
+    proxy: FaultProxy, consuming: Consuming, loaded_queue: str, amqp: pika.BlockingConnection
 ) -> None:
     """The queue deleted (by someone else, without conditions) while our close is on its
     way: the broker's basic.cancel reaches a closing channel, which must not break the
     connection that carries every other held queue."""
-    link, buffer = _consuming_link(settings, proxy, stream.name)
-    try:
-        epoch = link.new_epoch()
-        assert link.consume(loaded_queue, epoch).outcome is ConsumeOutcome.CONSUMING
-        _wait_for(lambda: len(buffer) == MESSAGES)
-        proxy.set_delay(LINK_DELAY_S)
+    link = consuming.link
+    proxy.set_delay(LINK_DELAY_S)
 
-        def delete_meanwhile() -> None:
-            time.sleep(LINK_DELAY_S / 5)
-            amqp.channel().queue_delete(loaded_queue)
+    def delete_meanwhile() -> None:
+        time.sleep(LINK_DELAY_S / 5)
+        amqp.channel().queue_delete(loaded_queue)
 
-        deleter = threading.Thread(target=delete_meanwhile)
-        deleter.start()
-        link.close_queue(loaded_queue, epoch)
-        deleter.join(10)
-        time.sleep(3 * LINK_DELAY_S)  # the cancel, if late, arrives now
-        proxy.set_delay(0)
-        assert link.failure is None
-        assert link.reconnects == 0, "the connection broke"
-        assert link.message_count(loaded_queue) == 0  # still connected and answering
-    finally:
-        proxy.set_delay(0)
-        link.stop()
+    deleter = threading.Thread(target=delete_meanwhile)
+    deleter.start()
+    link.close_queue(loaded_queue, consuming.epoch)
+    deleter.join(10)
+    time.sleep(3 * LINK_DELAY_S)  # the cancel, if late, arrives now
+    proxy.set_delay(0)
+    assert link.failure is None
+    assert link.reconnects == 0, "the connection broke"
+    assert link.message_count(loaded_queue) == 0  # still connected and answering
