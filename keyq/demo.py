@@ -171,7 +171,7 @@ class Demo:
                     if not pending:
                         self.chaos.failovers_s.append(round(time.monotonic() - killed_at, 3))
                         return
-                    time.sleep(0.05)
+                    time.sleep(0.2)  # each look may declare hundreds of queues: not too often
         except (KeyqError, pika.exceptions.AMQPError, OSError) as exc:
             log.warning("failover not measured: %s", exc)
 
