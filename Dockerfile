@@ -40,7 +40,7 @@ COPY broker ./broker
 COPY producer ./producer
 COPY worker ./worker
 COPY janitor ./janitor
-COPY keyq ./keyq
+COPY src ./src
 RUN pip install --no-deps . \
     && rm -rf build ./*.egg-info \
     && keyq --version

@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PACKAGES := broker producer worker janitor keyq
+# The import package `keyq`: its root in src/keyq, the four components mapped into it.
+PACKAGES := src/keyq broker producer worker janitor
 CODE := $(PACKAGES) tests bench scripts
 
 .PHONY: help install services lint typecheck test bench demo clean
@@ -18,10 +19,17 @@ $(BIN)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "keyq needs Python 3.11 or newer")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e ".[dev]" --config-settings editable_mode=strict
 	@touch $@
 
-install: $(BIN)/.installed
+# A strict editable install links each module into build/__editable__.*, the folder on the
+# venv's path that maps broker/ to keyq.broker and so on: a module added or removed needs a
+# relink, which a change to a package folder triggers.
+$(BIN)/.linked: $(BIN)/.installed $(PACKAGES)
+	$(BIN)/python -m pip install -q --no-deps -e . --config-settings editable_mode=strict
+	@touch $@
+
+install: $(BIN)/.linked
 
 services:
 	@scripts/services.sh

@@ -24,12 +24,11 @@ import orjson
 import pika
 import pika.exceptions
 import redis
-
-from broker.connections import open_blocking_connection, open_redis
-from broker.errors import KeyqError
-from broker.naming import dead_letter_queue_name
-from broker.redis_keys import StreamKeys
-from broker.settings import Settings
+from keyq.broker.connections import open_blocking_connection, open_redis
+from keyq.broker.errors import KeyqError
+from keyq.broker.naming import dead_letter_queue_name
+from keyq.broker.redis_keys import StreamKeys
+from keyq.broker.settings import Settings
 
 RABBITMQCTL_TIMEOUT_S = 30
 DELETE_CHUNK = 500

@@ -34,6 +34,21 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from keyq.broker.connections import open_redis
+from keyq.broker.errors import KeyqError
+from keyq.broker.locks import FencedLocks
+from keyq.broker.membership import Membership, fair_share
+from keyq.broker.naming import Mode
+from keyq.broker.registry import QueueRegistry
+from keyq.broker.settings import Settings, load_settings
+from keyq.broker.streams import StreamConfig
+from keyq.broker.topology import keyed_queue_arguments
+from keyq.worker.config import WorkerSettings
+from keyq.worker.decoding import Event
+from keyq.worker.deliveries import Delivery
+from keyq.worker.engine import SparkEngine, batch_table
+from keyq.worker.pipeline import KeyedState
+from keyq.worker.state_store import StateStore
 
 from bench.common import (
     Cleanup,
@@ -47,22 +62,7 @@ from bench.common import (
     ratio,
 )
 from bench.producer import publish_raw
-from broker.connections import open_redis
-from broker.errors import KeyqError
-from broker.locks import FencedLocks
-from broker.membership import Membership, fair_share
-from broker.naming import Mode
-from broker.registry import QueueRegistry
-from broker.settings import Settings, load_settings
-from broker.streams import StreamConfig
-from broker.topology import keyed_queue_arguments
-from producer import Producer
-from worker.config import WorkerSettings
-from worker.decoding import Event
-from worker.deliveries import Delivery
-from worker.engine import SparkEngine, batch_table
-from worker.pipeline import KeyedState
-from worker.state_store import StateStore
+from keyq import Producer
 
 REPO = Path(__file__).resolve().parent.parent
 PIPELINE = "bench.pipelines:count"

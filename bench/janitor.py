@@ -33,17 +33,17 @@ from typing import Any
 
 import orjson
 import pika
+from keyq.broker.connections import open_redis
+from keyq.broker.errors import KeyqError
+from keyq.broker.naming import key_queue_name
+from keyq.broker.registry import QueueRegistry
+from keyq.broker.settings import Settings, load_settings
+from keyq.broker.streams import ensure_stream_config
+from keyq.broker.topology import keyed_queue_arguments
+from keyq.janitor.config import JanitorSettings
+from keyq.janitor.janitor import Janitor
 
 from bench.common import Cleanup, amqp, declare_queues, emit, log, machine_info
-from broker.connections import open_redis
-from broker.errors import KeyqError
-from broker.naming import key_queue_name
-from broker.registry import QueueRegistry
-from broker.settings import Settings, load_settings
-from broker.streams import ensure_stream_config
-from broker.topology import keyed_queue_arguments
-from janitor.config import JanitorSettings
-from janitor.janitor import Janitor
 
 CREATE_CONNECTIONS = 8
 

@@ -38,6 +38,21 @@ import orjson
 import pika
 import pika.exceptions
 import redis
+from keyq.broker.clock import now_ms
+from keyq.broker.connections import open_redis
+from keyq.broker.envelope import (
+    CONTENT_JSON,
+    HEADER_KEY,
+    HEADER_PRODUCER,
+    HEADER_PUBLISHED_AT,
+    HEADER_SEQ,
+    HEADER_STREAM,
+)
+from keyq.broker.errors import KeyqError
+from keyq.broker.naming import dead_letter_queue_name, key_queue_name
+from keyq.broker.redis_keys import StreamKeys
+from keyq.broker.settings import Settings, load_settings
+from keyq.broker.topology import keyed_queue_arguments
 
 from bench.common import (
     Cleanup,
@@ -54,22 +69,7 @@ from bench.common import (
     ratio,
     wait_for_total,
 )
-from broker.clock import now_ms
-from broker.connections import open_redis
-from broker.envelope import (
-    CONTENT_JSON,
-    HEADER_KEY,
-    HEADER_PRODUCER,
-    HEADER_PUBLISHED_AT,
-    HEADER_SEQ,
-    HEADER_STREAM,
-)
-from broker.errors import KeyqError
-from broker.naming import dead_letter_queue_name, key_queue_name
-from broker.redis_keys import StreamKeys
-from broker.settings import Settings, load_settings
-from broker.topology import keyed_queue_arguments
-from producer import Producer
+from keyq import Producer
 
 RAW_UNCONFIRMED = "raw_pika_unconfirmed"
 RAW_CONFIRM_EACH = "raw_pika_confirm_each"

@@ -16,16 +16,15 @@ import pika
 import pika.exceptions
 import redis
 import redis.exceptions
-
-from broker.errors import (
+from keyq.broker.errors import (
     AuthenticationFailed,
     BrokerUnavailable,
     ConfigurationError,
     KeyqError,
     RedisUnavailable,
 )
-from broker.settings import Settings
-from broker.urls import redact_url, scrub
+from keyq.broker.settings import Settings
+from keyq.broker.urls import redact_url, scrub
 
 
 def amqp_parameters(settings: Settings, name: str) -> pika.URLParameters:

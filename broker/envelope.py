@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from broker.errors import InvalidHeaders
+from keyq.broker.errors import InvalidHeaders
 
 HEADER_PREFIX = "x-keyq-"
 HEADER_STREAM = "x-keyq-stream"

@@ -12,8 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import redis
-
-from broker.redis_keys import StreamKeys
+from keyq.broker.redis_keys import StreamKeys
 
 _ACQUIRE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then

@@ -11,9 +11,8 @@ import socket
 
 import orjson
 import redis
-
-from broker.clock import now_ms
-from broker.redis_keys import StreamKeys
+from keyq.broker.clock import now_ms
+from keyq.broker.redis_keys import StreamKeys
 
 
 class Membership:

@@ -12,7 +12,7 @@ import hashlib
 import re
 from enum import StrEnum
 
-from broker.errors import InvalidKey, InvalidStreamName
+from keyq.broker.errors import InvalidKey, InvalidStreamName
 
 MAX_QUEUE_NAME_BYTES = 255
 MAX_KEY_BYTES = 4096

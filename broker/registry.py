@@ -11,9 +11,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import redis
-
-from broker.clock import now_ms
-from broker.redis_keys import StreamKeys
+from keyq.broker.clock import now_ms
+from keyq.broker.redis_keys import StreamKeys
 
 # Remove a registry entry only if its activity time is still the one the janitor read.
 _FORGET_IF_UNCHANGED = """

@@ -15,9 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import redis
-
-from broker.clock import now_ms
-from broker.redis_keys import StreamKeys
+from keyq.broker.clock import now_ms
+from keyq.broker.redis_keys import StreamKeys
 
 # KEYS[1] = registry, KEYS[2..] = retirement marks; ARGV[1] = now, ARGV[2..] = queue names.
 _LEASE = """

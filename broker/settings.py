@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
+from keyq.broker.errors import ConfigurationError
+from keyq.broker.urls import AMQP_SCHEMES, REDIS_SCHEMES, check_url, redact_url
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from broker.errors import ConfigurationError
-from broker.urls import AMQP_SCHEMES, REDIS_SCHEMES, check_url, redact_url
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@localhost:5672/%2F"
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"

@@ -10,17 +10,16 @@ from dataclasses import dataclass
 
 import orjson
 import redis
-
-from broker.errors import ConfigurationError, StreamConfigMismatch
-from broker.hashing import bucket_of
-from broker.naming import (
+from keyq.broker.errors import ConfigurationError, StreamConfigMismatch
+from keyq.broker.hashing import bucket_of
+from keyq.broker.naming import (
     Mode,
     bucket_queue_name,
     check_stream_name,
     dead_letter_queue_name,
     key_queue_name,
 )
-from broker.redis_keys import StreamKeys
+from keyq.broker.redis_keys import StreamKeys
 
 DEFAULT_BUCKETS = 64
 MAX_BUCKETS = 65_536

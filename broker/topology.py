@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from broker.naming import dead_letter_queue_name
+from keyq.broker.naming import dead_letter_queue_name
 
 
 def keyed_queue_arguments(stream: str, queue_type: str = "classic") -> dict[str, Any]:

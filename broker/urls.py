@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit, urlunsplit
 
-from broker.errors import ConfigurationError
+from keyq.broker.errors import ConfigurationError
 
 AMQP_SCHEMES = ("amqp", "amqps")
 REDIS_SCHEMES = ("redis", "rediss", "unix")

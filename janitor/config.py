@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+from keyq.broker.settings import Settings
 from pydantic import Field
-
-from broker.settings import Settings
 
 
 class JanitorSettings(Settings):

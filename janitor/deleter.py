@@ -16,10 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pika
 import pika.exceptions
+from keyq.broker.connections import amqp_failure, open_blocking_connection
+from keyq.broker.settings import Settings
 from pika.adapters.blocking_connection import BlockingChannel
-
-from broker.connections import amqp_failure, open_blocking_connection
-from broker.settings import Settings
 
 
 class Outcome(enum.Enum):

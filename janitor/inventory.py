@@ -12,7 +12,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from broker.urls import redact_url
+from keyq.broker.urls import redact_url
 
 TIMEOUT_S = 30
 

@@ -20,22 +20,21 @@ from typing import Any
 
 import redis
 import redis.exceptions
-
-from broker.clock import now_ms
-from broker.connections import open_redis, redis_errors
-from broker.errors import AuthenticationFailed, ConfigurationError, KeyqError
-from broker.locks import FencedLocks
-from broker.membership import Membership
-from broker.naming import Mode, check_stream_name, dead_letter_queue_name
-from broker.redis_keys import KEY_PREFIX, StreamKeys
-from broker.registry import QueueRegistry
-from broker.retirement import RetirementFence
-from broker.settings import load_settings
-from broker.streams import load_stream_config
-from janitor.config import JanitorSettings
-from janitor.deleter import Outcome, QueueDeleter
-from janitor.inventory import InventoryUnavailable, list_queues
-from janitor.leader import Leadership
+from keyq.broker.clock import now_ms
+from keyq.broker.connections import open_redis, redis_errors
+from keyq.broker.errors import AuthenticationFailed, ConfigurationError, KeyqError
+from keyq.broker.locks import FencedLocks
+from keyq.broker.membership import Membership
+from keyq.broker.naming import Mode, check_stream_name, dead_letter_queue_name
+from keyq.broker.redis_keys import KEY_PREFIX, StreamKeys
+from keyq.broker.registry import QueueRegistry
+from keyq.broker.retirement import RetirementFence
+from keyq.broker.settings import load_settings
+from keyq.broker.streams import load_stream_config
+from keyq.janitor.config import JanitorSettings
+from keyq.janitor.deleter import Outcome, QueueDeleter
+from keyq.janitor.inventory import InventoryUnavailable, list_queues
+from keyq.janitor.leader import Leadership
 
 log = logging.getLogger("keyq.janitor")
 

@@ -8,8 +8,7 @@ take over within a lease ttl if the leader dies.
 from __future__ import annotations
 
 import redis
-
-from broker.redis_keys import StreamKeys
+from keyq.broker.redis_keys import StreamKeys
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then

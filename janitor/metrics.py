@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from broker.metrics import Metric
+from keyq.broker.metrics import Metric
 
 if TYPE_CHECKING:
-    from janitor.janitor import Janitor
+    from keyq.janitor.janitor import Janitor
 
 # (key in Janitor.stats, family name, help): all cumulative since the janitor started.
 COUNTERS: tuple[tuple[str, str, str], ...] = (

@@ -1,6 +1,6 @@
-"""keyq's producer SDK: ``from producer import Producer``."""
+"""keyq's producer SDK; users import it as ``from keyq import Producer``."""
 
-from broker.errors import (
+from keyq.broker.errors import (
     InvalidEvent,
     InvalidHeaders,
     InvalidKey,
@@ -10,7 +10,7 @@ from broker.errors import (
     PublishError,
     PublishTimeout,
 )
-from producer.producer import Producer, Receipt
+from keyq.producer.producer import Producer, Receipt
 
 __all__ = [
     "InvalidEvent",

@@ -7,9 +7,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import orjson
-
-from broker.envelope import CONTENT_BYTES, CONTENT_JSON
-from broker.errors import InvalidEvent
+from keyq.broker.envelope import CONTENT_BYTES, CONTENT_JSON
+from keyq.broker.errors import InvalidEvent
 
 MAX_DEPTH = 200
 

@@ -19,10 +19,9 @@ from types import TracebackType
 from typing import Any
 
 import pika
-
-from broker.clock import now_ms
-from broker.connections import open_redis, redis_errors
-from broker.envelope import (
+from keyq.broker.clock import now_ms
+from keyq.broker.connections import open_redis, redis_errors
+from keyq.broker.envelope import (
     HEADER_KEY,
     HEADER_PRODUCER,
     HEADER_PUBLISHED_AT,
@@ -31,16 +30,16 @@ from broker.envelope import (
     check_user_headers,
     header_bytes,
 )
-from broker.errors import ConfigurationError, KeyqError, MessageTooLarge, ProducerClosed
-from broker.naming import Mode, check_stream_name, dead_letter_queue_name, encode_key
-from broker.registry import QueueRegistry
-from broker.retirement import RetirementFence
-from broker.settings import Settings, load_settings
-from broker.streams import StreamConfig, ensure_stream_config, requested_config
-from producer.encoding import encode_event
-from producer.link import PublisherLink
-from producer.outgoing import Outgoing
-from producer.registrar import Registrar
+from keyq.broker.errors import ConfigurationError, KeyqError, MessageTooLarge, ProducerClosed
+from keyq.broker.naming import Mode, check_stream_name, dead_letter_queue_name, encode_key
+from keyq.broker.registry import QueueRegistry
+from keyq.broker.retirement import RetirementFence
+from keyq.broker.settings import Settings, load_settings
+from keyq.broker.streams import StreamConfig, ensure_stream_config, requested_config
+from keyq.producer.encoding import encode_event
+from keyq.producer.link import PublisherLink
+from keyq.producer.outgoing import Outgoing
+from keyq.producer.registrar import Registrar
 
 _PRODUCER_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 # Room kept for AMQP properties and keyq's headers when checking the size limit.

@@ -14,10 +14,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from broker.connections import redis_errors
-from broker.errors import KeyqError, PublishTimeout
-from broker.registry import QueueRegistry
-from broker.retirement import RetirementFence
+from keyq.broker.connections import redis_errors
+from keyq.broker.errors import KeyqError, PublishTimeout
+from keyq.broker.registry import QueueRegistry
+from keyq.broker.retirement import RetirementFence
 
 log = logging.getLogger("keyq.producer")
 

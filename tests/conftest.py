@@ -23,12 +23,12 @@ import pika
 import pika.exceptions
 import pytest
 import redis
+from keyq.broker.errors import KeyqError
+from keyq.broker.naming import dead_letter_queue_name
+from keyq.broker.redis_keys import StreamKeys
+from keyq.broker.settings import Settings, load_settings
 
-from broker.errors import KeyqError
-from broker.naming import dead_letter_queue_name
-from broker.redis_keys import StreamKeys
-from broker.settings import Settings, load_settings
-from producer import Producer
+from keyq import Producer
 
 TEST_STREAM_PREFIX = "t-"
 
@@ -221,8 +221,8 @@ def workers(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Ite
 @pytest.fixture(scope="session")
 def spark_engine(services: Settings) -> Iterator[Any]:
     """One in-process SparkSession for tests that run a Worker in the test process."""
-    from worker.config import WorkerSettings
-    from worker.engine import SparkEngine
+    from keyq.worker.config import WorkerSettings
+    from keyq.worker.engine import SparkEngine
 
     engine = SparkEngine(load_settings(WorkerSettings, spark_master="local[2]"), "keyq-tests")
     engine.start()

@@ -20,9 +20,8 @@ from typing import Any
 import orjson
 import pika
 import pytest
-
-from broker.envelope import CONTENT_BYTES, CONTENT_JSON, HEADER_KEY
-from broker.errors import (
+from keyq.broker.envelope import CONTENT_BYTES, CONTENT_JSON, HEADER_KEY
+from keyq.broker.errors import (
     ConfigurationError,
     InvalidEvent,
     InvalidHeaders,
@@ -33,10 +32,11 @@ from broker.errors import (
     MessageTooLarge,
     StreamConfigMismatch,
 )
-from broker.naming import MAX_KEY_BYTES, dead_letter_queue_name, key_queue_name
-from broker.settings import load_settings
-from producer import Producer
-from producer.producer import HEADER_ALLOWANCE
+from keyq.broker.naming import MAX_KEY_BYTES, dead_letter_queue_name, key_queue_name
+from keyq.broker.settings import load_settings
+from keyq.producer.producer import HEADER_ALLOWANCE
+
+from keyq import Producer
 from tests.conftest import StreamFixture
 from tests.helpers import Landed, drain, queue_depth
 

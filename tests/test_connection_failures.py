@@ -22,8 +22,7 @@ from urllib.parse import urlsplit
 
 import pika
 import pytest
-
-from broker.errors import (
+from keyq.broker.errors import (
     AuthenticationFailed,
     BrokerUnavailable,
     ConnectionFailed,
@@ -32,9 +31,10 @@ from broker.errors import (
     PublishTimeout,
     RedisUnavailable,
 )
-from broker.naming import key_queue_name
-from broker.settings import Settings, load_settings
-from producer import Producer
+from keyq.broker.naming import key_queue_name
+from keyq.broker.settings import Settings, load_settings
+
+from keyq import Producer
 from tests.conftest import StreamFixture
 from tests.faults import FaultProxy
 from tests.helpers import Landed, drain

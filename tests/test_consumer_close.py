@@ -21,13 +21,13 @@ from urllib.parse import urlsplit
 import pika
 import pika.exceptions
 import pytest
+from keyq.broker.settings import Settings, load_settings
+from keyq.worker.consumer import ConsumeOutcome, ConsumerLink
+from keyq.worker.deliveries import DeliveryBuffer
 
-from broker.settings import Settings, load_settings
 from tests.conftest import StreamFixture
 from tests.faults import FaultProxy
 from tests.workers import wait_until
-from worker.consumer import ConsumeOutcome, ConsumerLink
-from worker.deliveries import DeliveryBuffer
 
 MESSAGES = 20
 LINK_DELAY_S = 0.25

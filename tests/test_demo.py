@@ -9,10 +9,10 @@ from typing import Any
 
 import orjson
 import pytest
+from keyq.worker.state_store import StateStore
 
 from keyq.orders import expected_states, generate_orders
 from tests.workers import FAST, REPO, keyq_environment
-from worker.state_store import StateStore
 
 pytestmark = pytest.mark.slow
 

@@ -16,11 +16,11 @@ from typing import Any
 import click
 import pytest
 import yaml
+from keyq.broker.settings import Settings
+from keyq.janitor.config import JanitorSettings
+from keyq.worker.config import WorkerSettings
 
-from broker.settings import Settings
-from janitor.config import JanitorSettings
 from keyq.cli import cli
-from worker.config import WorkerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
-
-from broker.hashing import bucket_of, murmur3_32
+from keyq.broker.hashing import bucket_of, murmur3_32
 
 
 def reference_murmur3_32(data: bytes, seed: int = 0) -> int:

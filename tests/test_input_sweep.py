@@ -19,26 +19,26 @@ from urllib.parse import quote
 import orjson
 import pika
 import pytest
-
-from broker.envelope import (
+from keyq.broker.envelope import (
     HEADER_DEAD_QUEUE,
     HEADER_DEAD_REASON,
     HEADER_KEY,
     HEADER_PRODUCER,
     HEADER_SEQ,
 )
-from broker.errors import AuthenticationFailed, InvalidEvent, KeyqError
-from broker.naming import dead_letter_queue_name
-from broker.registry import QueueRegistry
-from broker.settings import load_settings
-from producer import Producer
+from keyq.broker.errors import AuthenticationFailed, InvalidEvent, KeyqError
+from keyq.broker.naming import dead_letter_queue_name
+from keyq.broker.registry import QueueRegistry
+from keyq.broker.settings import load_settings
+from keyq.worker.daemon import Worker
+from keyq.worker.engine import SparkEngine
+from keyq.worker.state_store import StateStore
+
+from keyq import Producer
 from tests.conftest import StreamFixture
 from tests.helpers import drain, queue_depth
 from tests.test_worker_poison import fast_settings, text
 from tests.workers import run_keyq
-from worker.daemon import Worker
-from worker.engine import SparkEngine
-from worker.state_store import StateStore
 
 pytestmark = pytest.mark.slow
 

@@ -15,22 +15,22 @@ from typing import Any
 import orjson
 import pika
 import pytest
+from keyq.broker.clock import now_ms
+from keyq.broker.locks import FencedLocks
+from keyq.broker.naming import dead_letter_queue_name, key_queue_name
+from keyq.broker.registry import QueueRegistry
+from keyq.broker.retirement import RetirementFence
+from keyq.broker.settings import Settings, load_settings
+from keyq.broker.streams import ensure_stream_config
+from keyq.broker.topology import keyed_queue_arguments
+from keyq.janitor.config import JanitorSettings
+from keyq.janitor.janitor import Janitor
+from keyq.worker.state_store import StateStore
 
-from broker.clock import now_ms
-from broker.locks import FencedLocks
-from broker.naming import dead_letter_queue_name, key_queue_name
-from broker.registry import QueueRegistry
-from broker.retirement import RetirementFence
-from broker.settings import Settings, load_settings
-from broker.streams import ensure_stream_config
-from broker.topology import keyed_queue_arguments
-from janitor.config import JanitorSettings
-from janitor.janitor import Janitor
-from producer import Producer
+from keyq import Producer
 from tests.conftest import StreamFixture
 from tests.helpers import drain, queue_depth
 from tests.workers import WorkerProcess, wait_until
-from worker.state_store import StateStore
 
 LEASE_MS = 200
 GRACE_MS = 500  # at least 2 x LEASE_MS, as the settings demand

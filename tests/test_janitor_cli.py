@@ -9,9 +9,10 @@ import sys
 import time
 from typing import Any
 
-from broker.naming import key_queue_name
-from broker.settings import Settings
-from producer import Producer
+from keyq.broker.naming import key_queue_name
+from keyq.broker.settings import Settings
+
+from keyq import Producer
 from tests.helpers import queue_depth
 from tests.workers import REPO, keyq_environment
 

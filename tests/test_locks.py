@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from broker.locks import FencedLocks
+from keyq.broker.locks import FencedLocks
+
 from tests.conftest import StreamFixture
 
 

@@ -12,8 +12,7 @@ from typing import Any
 
 import pika
 import pytest
-
-from broker.metrics import (
+from keyq.broker.metrics import (
     CONTENT_TYPE,
     Histogram,
     Metric,
@@ -22,17 +21,18 @@ from broker.metrics import (
     format_value,
     render,
 )
-from broker.settings import load_settings
-from janitor.config import JanitorSettings
-from janitor.janitor import Janitor
-from janitor.metrics import janitor_metrics
-from producer import Producer
+from keyq.broker.settings import load_settings
+from keyq.janitor.config import JanitorSettings
+from keyq.janitor.janitor import Janitor
+from keyq.janitor.metrics import janitor_metrics
+from keyq.worker.config import WorkerSettings
+from keyq.worker.daemon import Worker
+from keyq.worker.metrics import BatchLatency, worker_metrics
+
+from keyq import Producer
 from tests.conftest import StreamFixture
 from tests.helpers import queue_depth
 from tests.workers import wait_until
-from worker.config import WorkerSettings
-from worker.daemon import Worker
-from worker.metrics import BatchLatency, worker_metrics
 
 # ---- a parser of the text format, independent of the renderer -----------------------------
 

@@ -7,9 +7,8 @@ import pika.exceptions
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from broker.errors import InvalidKey, InvalidStreamName
-from broker.naming import (
+from keyq.broker.errors import InvalidKey, InvalidStreamName
+from keyq.broker.naming import (
     MAX_KEY_BYTES,
     MAX_QUEUE_NAME_BYTES,
     bucket_queue_name,
@@ -19,6 +18,7 @@ from broker.naming import (
     is_stream_queue,
     key_queue_name,
 )
+
 from tests.conftest import StreamFixture
 
 keys = st.text(min_size=1, max_size=300).filter(lambda k: len(k.encode("utf-8")) <= MAX_KEY_BYTES)

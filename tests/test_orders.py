@@ -25,11 +25,14 @@ import pytest
 from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
+from keyq.broker.locks import FencedLocks
+from keyq.broker.naming import key_queue_name
+from keyq.broker.registry import QueueRegistry
+from keyq.broker.settings import Settings
+from keyq.worker.fold import FoldFailed, make_folder
+from keyq.worker.state_store import StateStore
 
-from broker.locks import FencedLocks
-from broker.naming import key_queue_name
-from broker.registry import QueueRegistry
-from broker.settings import Settings
+from keyq import Producer
 from keyq.orders import (
     EVENT_TYPES,
     MAX_INT64,
@@ -40,12 +43,9 @@ from keyq.orders import (
     new_order_state,
     pipeline,
 )
-from producer import Producer
 from tests.conftest import StreamFixture
 from tests.helpers import queue_depth
 from tests.workers import held_by, run_keyq, wait_until
-from worker.fold import FoldFailed, make_folder
-from worker.state_store import StateStore
 
 ORDER = "order-00001"
 
@@ -230,7 +230,7 @@ def test_the_reducer_and_the_pipeline_pickle_by_reference() -> None:
 
 
 def test_the_pipeline_folds_with_the_order_reducer() -> None:
-    from worker.pipeline import load_pipeline
+    from keyq.worker.pipeline import load_pipeline
 
     assert load_pipeline("keyq.orders:pipeline") is pipeline
     calls: list[tuple[Any, Any]] = []

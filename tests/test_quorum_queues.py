@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import pika
-
-from broker.naming import key_queue_name
-from broker.topology import keyed_queue_arguments
+from keyq.broker.naming import key_queue_name
+from keyq.broker.topology import keyed_queue_arguments
 
 
 def test_a_second_consumer_of_a_quorum_keyed_queue_waits_for_the_first(

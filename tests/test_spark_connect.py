@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from keyq.worker.state_store import StateStore
 
-from producer import Producer
+from keyq import Producer
 from tests.workers import wait_until
-from worker.state_store import StateStore
 
 pytestmark = pytest.mark.slow
 

@@ -16,14 +16,14 @@ from typing import Any
 import orjson
 import pika
 import pytest
+from keyq.broker.locks import FencedLocks, Lease
+from keyq.broker.membership import Membership
+from keyq.broker.naming import dead_letter_queue_name, key_queue_name
+from keyq.broker.registry import QueueRegistry
+from keyq.broker.settings import Settings, load_settings
 
-from broker.locks import FencedLocks, Lease
-from broker.membership import Membership
-from broker.naming import dead_letter_queue_name, key_queue_name
-from broker.registry import QueueRegistry
-from broker.settings import Settings, load_settings
+from keyq import Producer
 from keyq.status import TABLE_LIMIT, add_rates, collect_status, render_table
-from producer import Producer
 from tests.helpers import queue_depth
 from tests.workers import REPO, keyq_environment, wait_until
 

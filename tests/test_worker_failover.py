@@ -8,10 +8,10 @@ import time
 from typing import Any
 
 import pytest
+from keyq.worker.state_store import StateStore
 
-from producer import Producer
+from keyq import Producer
 from tests.workers import held_by, wait_until
-from worker.state_store import StateStore
 
 pytestmark = pytest.mark.slow
 

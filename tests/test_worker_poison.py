@@ -10,8 +10,7 @@ from typing import Any
 import orjson
 import pika
 import pytest
-
-from broker.envelope import (
+from keyq.broker.envelope import (
     HEADER_ATTEMPTS,
     HEADER_DEAD_QUEUE,
     HEADER_DEAD_REASON,
@@ -19,17 +18,18 @@ from broker.envelope import (
     HEADER_PRODUCER,
     HEADER_SEQ,
 )
-from broker.naming import dead_letter_queue_name, key_queue_name
-from broker.registry import QueueRegistry
-from broker.settings import load_settings
-from broker.topology import keyed_queue_arguments
-from producer import Producer
+from keyq.broker.naming import dead_letter_queue_name, key_queue_name
+from keyq.broker.registry import QueueRegistry
+from keyq.broker.settings import load_settings
+from keyq.broker.topology import keyed_queue_arguments
+from keyq.worker.config import WorkerSettings
+from keyq.worker.daemon import Worker
+from keyq.worker.engine import SparkEngine
+from keyq.worker.state_store import StateStore
+
+from keyq import Producer
 from tests.conftest import StreamFixture
 from tests.helpers import Landed, drain, queue_depth
-from worker.config import WorkerSettings
-from worker.daemon import Worker
-from worker.engine import SparkEngine
-from worker.state_store import StateStore
 
 pytestmark = pytest.mark.slow
 

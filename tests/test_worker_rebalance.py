@@ -12,20 +12,20 @@ from typing import Any
 
 import pika
 import pytest
+from keyq.broker.errors import KeyqError
+from keyq.broker.naming import bucket_queue_name
+from keyq.broker.redis_keys import StreamKeys
+from keyq.broker.registry import QueueRegistry
+from keyq.broker.settings import load_settings
+from keyq.worker.config import WorkerSettings
+from keyq.worker.daemon import Worker
+from keyq.worker.engine import SparkEngine
+from keyq.worker.state_store import StateStore
 
-from broker.errors import KeyqError
-from broker.naming import bucket_queue_name
-from broker.redis_keys import StreamKeys
-from broker.registry import QueueRegistry
-from broker.settings import load_settings
-from producer import Producer
+from keyq import Producer
 from tests.conftest import StreamFixture
 from tests.helpers import queue_depth
 from tests.workers import held_by, wait_until
-from worker.config import WorkerSettings
-from worker.daemon import Worker
-from worker.engine import SparkEngine
-from worker.state_store import StateStore
 
 pytestmark = pytest.mark.slow
 

@@ -15,19 +15,19 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_PUBLISHED_AT, HEADER_SEQ
+from keyq.broker.errors import ConfigurationError
+from keyq.broker.settings import load_settings
+from keyq.worker.batches import describe_failure
+from keyq.worker.config import WorkerSettings
+from keyq.worker.decoding import Event, Undecodable, decode
+from keyq.worker.dedup import MAX_PRODUCERS_PER_KEY, Identified, KeyMarks, split_fresh
+from keyq.worker.deliveries import Delivery, DeliveryBuffer
+from keyq.worker.fold import STATE_COLUMNS, FoldFailed, make_folder
+from keyq.worker.pipeline import load_pipeline
+from keyq.worker.sinks import STAGING, ParquetSink, open_sink
 
-from broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_PUBLISHED_AT, HEADER_SEQ
-from broker.errors import ConfigurationError
-from broker.settings import load_settings
 from tests.pipelines import audit, audit_event
-from worker.batches import describe_failure
-from worker.config import WorkerSettings
-from worker.decoding import Event, Undecodable, decode
-from worker.dedup import MAX_PRODUCERS_PER_KEY, Identified, KeyMarks, split_fresh
-from worker.deliveries import Delivery, DeliveryBuffer
-from worker.fold import STATE_COLUMNS, FoldFailed, make_folder
-from worker.pipeline import load_pipeline
-from worker.sinks import STAGING, ParquetSink, open_sink
 
 # --------------------------------------------------------------------------- helpers
 
@@ -452,7 +452,7 @@ def test_describe_failure_of_a_fold_failure_is_its_first_line() -> None:
         "An exception was thrown from the Python worker.\n"
         "Traceback (most recent call last):\n"
         '  File "fold.py", line 70, in fold\n'
-        "worker.fold.FoldFailed: fold of key 'k' failed on the event from producer p seq 3: "
+        "keyq.worker.fold.FoldFailed: fold of key 'k' failed on the event from producer p seq 3: "
         "ValueError: poison event 3\n"
         "\tat org.apache.spark.api.python.BasePythonRunner.handlePythonException(X.scala:1)\n"
     )
@@ -618,7 +618,7 @@ def test_load_pipeline_errors(spec: str, message: str) -> None:
     "key", ["plain", "ключ 'quoted' \"double\"", "new\nline ] [keyq-event 00 x 1]", "x" * 4096]
 )
 def test_a_fold_failure_names_its_event_for_any_key(key: str) -> None:
-    from worker.fold import event_token, failing_event, without_event_token
+    from keyq.worker.fold import event_token, failing_event, without_event_token
 
     text = f"FoldFailed: fold of key {key!r} failed: ValueError: boom{event_token(key, 'p.1-a', 7)}"
     assert failing_event(text) == (key, "p.1-a", 7)

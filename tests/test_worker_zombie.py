@@ -12,13 +12,13 @@ from typing import Any
 import orjson
 import pytest
 import redis
+from keyq.broker.naming import key_queue_name
+from keyq.broker.redis_keys import StreamKeys
+from keyq.worker.state_store import StateStore
 
-from broker.naming import key_queue_name
-from broker.redis_keys import StreamKeys
-from producer import Producer
+from keyq import Producer
 from tests.conftest import StreamFixture
 from tests.workers import held_by, wait_until
-from worker.state_store import StateStore
 
 pytestmark = pytest.mark.slow
 

@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import redis
-
-from broker.locks import FencedLocks
-from broker.registry import QueueRegistry
-from broker.settings import Settings
+from keyq.broker.locks import FencedLocks
+from keyq.broker.registry import QueueRegistry
+from keyq.broker.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -18,21 +18,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from broker.errors import CommitRefused, KeyqError, PipelineError, SparkUnavailable
-from broker.locks import Lease
-from broker.log_context import about_queues
-from broker.registry import QueueRegistry
-from worker.config import WorkerSettings
-from worker.consumer import ConsumerLink, DeadLetter
-from worker.decoding import Event, Undecodable, decode
-from worker.dedup import Identified, split_fresh
-from worker.deliveries import Delivery
-from worker.engine import SparkEngine, batch_table
-from worker.fold import failing_event, without_event_token
-from worker.holdings import Holdings
-from worker.pipeline import BatchContext, KeyedState, Pipeline
-from worker.sinks import ParquetSink
-from worker.state_store import StateStore
+from keyq.broker.errors import CommitRefused, KeyqError, PipelineError, SparkUnavailable
+from keyq.broker.locks import Lease
+from keyq.broker.log_context import about_queues
+from keyq.broker.registry import QueueRegistry
+from keyq.worker.config import WorkerSettings
+from keyq.worker.consumer import ConsumerLink, DeadLetter
+from keyq.worker.decoding import Event, Undecodable, decode
+from keyq.worker.dedup import Identified, split_fresh
+from keyq.worker.deliveries import Delivery
+from keyq.worker.engine import SparkEngine, batch_table
+from keyq.worker.fold import failing_event, without_event_token
+from keyq.worker.holdings import Holdings
+from keyq.worker.pipeline import BatchContext, KeyedState, Pipeline
+from keyq.worker.sinks import ParquetSink
+from keyq.worker.state_store import StateStore
 
 log = logging.getLogger("keyq.worker.batch")
 

@@ -21,19 +21,18 @@ from dataclasses import dataclass, field
 import orjson
 import redis
 import redis.exceptions
-
-from broker.clock import now_ms
-from broker.errors import KeyqError
-from broker.locks import FencedLocks, Lease
-from broker.log_context import about_queues
-from broker.membership import Membership, fair_share
-from broker.naming import Mode
-from broker.redis_keys import StreamKeys
-from broker.registry import QueueRegistry
-from worker.config import WorkerSettings
-from worker.consumer import ConsumeOutcome, ConsumerLink
-from worker.deliveries import DeliveryBuffer
-from worker.holdings import Held, Holdings
+from keyq.broker.clock import now_ms
+from keyq.broker.errors import KeyqError
+from keyq.broker.locks import FencedLocks, Lease
+from keyq.broker.log_context import about_queues
+from keyq.broker.membership import Membership, fair_share
+from keyq.broker.naming import Mode
+from keyq.broker.redis_keys import StreamKeys
+from keyq.broker.registry import QueueRegistry
+from keyq.worker.config import WorkerSettings
+from keyq.worker.consumer import ConsumeOutcome, ConsumerLink
+from keyq.worker.deliveries import DeliveryBuffer
+from keyq.worker.holdings import Held, Holdings
 
 log = logging.getLogger("keyq.worker.claims")
 

@@ -5,9 +5,8 @@ Every field is also a ``KEYQ_<FIELD>`` environment variable, like the shared set
 
 from __future__ import annotations
 
+from keyq.broker.settings import Settings
 from pydantic import Field, model_validator
-
-from broker.settings import Settings
 
 
 class WorkerSettings(Settings):

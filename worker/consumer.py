@@ -21,16 +21,20 @@ from typing import Any, TypeVar
 
 import pika
 import pika.exceptions
+from keyq.broker.connections import amqp_failure, describe_exception, open_blocking_connection
+from keyq.broker.consumers import close_keeping_consumers
+from keyq.broker.envelope import HEADER_ATTEMPTS, HEADER_DEAD_QUEUE, HEADER_DEAD_REASON
+from keyq.broker.errors import (
+    AuthenticationFailed,
+    BrokerUnavailable,
+    ConfigurationError,
+    KeyqError,
+)
+from keyq.broker.naming import dead_letter_queue_name
+from keyq.broker.settings import Settings
+from keyq.broker.topology import dead_letter_queue_arguments
+from keyq.worker.deliveries import Delivery, DeliveryBuffer
 from pika.adapters.blocking_connection import BlockingChannel
-
-from broker.connections import amqp_failure, describe_exception, open_blocking_connection
-from broker.consumers import close_keeping_consumers
-from broker.envelope import HEADER_ATTEMPTS, HEADER_DEAD_QUEUE, HEADER_DEAD_REASON
-from broker.errors import AuthenticationFailed, BrokerUnavailable, ConfigurationError, KeyqError
-from broker.naming import dead_letter_queue_name
-from broker.settings import Settings
-from broker.topology import dead_letter_queue_arguments
-from worker.deliveries import Delivery, DeliveryBuffer
 
 log = logging.getLogger("keyq.worker.amqp")
 

@@ -19,32 +19,31 @@ from collections.abc import Callable
 from typing import Any
 
 import redis.exceptions
-
-from broker.clock import now_ms
-from broker.connections import open_blocking_connection, open_redis, redis_errors
-from broker.errors import (
+from keyq.broker.clock import now_ms
+from keyq.broker.connections import open_blocking_connection, open_redis, redis_errors
+from keyq.broker.errors import (
     AuthenticationFailed,
     BrokerUnavailable,
     ConfigurationError,
     ConnectionFailed,
     KeyqError,
 )
-from broker.locks import FencedLocks
-from broker.membership import Membership
-from broker.naming import Mode, check_stream_name
-from broker.registry import QueueRegistry
-from broker.settings import load_settings
-from broker.streams import StreamConfig, ensure_stream_config, load_stream_config
-from worker.batches import BatchProcessor
-from worker.claims import ClaimLoop, client_name
-from worker.config import WorkerSettings
-from worker.consumer import ConsumerLink
-from worker.deliveries import Delivery, DeliveryBuffer
-from worker.engine import SparkEngine
-from worker.holdings import Holdings
-from worker.pipeline import Pipeline, load_pipeline
-from worker.sinks import ParquetSink, open_sink
-from worker.state_store import StateStore
+from keyq.broker.locks import FencedLocks
+from keyq.broker.membership import Membership
+from keyq.broker.naming import Mode, check_stream_name
+from keyq.broker.registry import QueueRegistry
+from keyq.broker.settings import load_settings
+from keyq.broker.streams import StreamConfig, ensure_stream_config, load_stream_config
+from keyq.worker.batches import BatchProcessor
+from keyq.worker.claims import ClaimLoop, client_name
+from keyq.worker.config import WorkerSettings
+from keyq.worker.consumer import ConsumerLink
+from keyq.worker.deliveries import Delivery, DeliveryBuffer
+from keyq.worker.engine import SparkEngine
+from keyq.worker.holdings import Holdings
+from keyq.worker.pipeline import Pipeline, load_pipeline
+from keyq.worker.sinks import ParquetSink, open_sink
+from keyq.worker.state_store import StateStore
 
 log = logging.getLogger("keyq.worker")
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import orjson
-
-from broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_PUBLISHED_AT, HEADER_SEQ
-from worker.deliveries import Delivery
+from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_PUBLISHED_AT, HEADER_SEQ
+from keyq.worker.deliveries import Delivery
 
 
 @dataclass(slots=True)

@@ -14,12 +14,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
+from keyq.broker.errors import ConfigurationError
+from keyq.worker.config import WorkerSettings
+from keyq.worker.decoding import Event
+from keyq.worker.fold import STATE_SCHEMA_DDL, make_folder
 from pyspark.sql import SparkSession
-
-from broker.errors import ConfigurationError
-from worker.config import WorkerSettings
-from worker.decoding import Event
-from worker.fold import STATE_SCHEMA_DDL, make_folder
 
 log = logging.getLogger("keyq.worker.spark")
 

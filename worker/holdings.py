@@ -6,7 +6,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from broker.locks import Lease
+from keyq.broker.locks import Lease
 
 
 @dataclass(frozen=True)

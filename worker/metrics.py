@@ -12,10 +12,10 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from broker.metrics import Histogram, Metric
+from keyq.broker.metrics import Histogram, Metric
 
 if TYPE_CHECKING:
-    from worker.daemon import Worker
+    from keyq.worker.daemon import Worker
 
 # Batches run a Spark job each: tens of milliseconds when idle, seconds under load.
 BATCH_SECONDS_BUCKETS: tuple[float, ...] = (

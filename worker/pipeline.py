@@ -12,11 +12,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from keyq.broker.errors import ConfigurationError, PipelineError
+from keyq.worker.fold import STATE_SCHEMA_DDL, Reducer, make_folder
+from keyq.worker.state_store import StateStore
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
-
-from broker.errors import ConfigurationError, PipelineError
-from worker.fold import STATE_SCHEMA_DDL, Reducer, make_folder
-from worker.state_store import StateStore
 
 Pipeline = Callable[[Any, "BatchContext"], Any]
 

@@ -13,10 +13,9 @@ from typing import Any
 
 import orjson
 import redis
-
-from broker.locks import Lease
-from broker.redis_keys import StreamKeys
-from worker.dedup import KeyMarks
+from keyq.broker.locks import Lease
+from keyq.broker.redis_keys import StreamKeys
+from keyq.worker.dedup import KeyMarks
 
 _COMMIT = """
 local n_locks = tonumber(ARGV[1])

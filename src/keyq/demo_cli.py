@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from broker.settings import load_settings
+from keyq.broker.settings import load_settings
 from keyq.demo import Demo, DemoOptions
 
 

@@ -13,19 +13,19 @@ from typing import Any
 
 import orjson
 
-from broker.connections import open_redis, redis_errors
-from broker.errors import ConfigurationError
-from broker.log_context import current_queue
-from broker.metrics import Metric, MetricsServer
-from broker.naming import check_stream_name, encode_key
-from broker.settings import Settings, load_settings
-from janitor.config import JanitorSettings
-from janitor.janitor import Janitor
-from janitor.metrics import janitor_metrics
-from worker.config import WorkerSettings
-from worker.daemon import Worker
-from worker.metrics import worker_metrics
-from worker.state_store import StateStore
+from keyq.broker.connections import open_redis, redis_errors
+from keyq.broker.errors import ConfigurationError
+from keyq.broker.log_context import current_queue
+from keyq.broker.metrics import Metric, MetricsServer
+from keyq.broker.naming import check_stream_name, encode_key
+from keyq.broker.settings import Settings, load_settings
+from keyq.janitor.config import JanitorSettings
+from keyq.janitor.janitor import Janitor
+from keyq.janitor.metrics import janitor_metrics
+from keyq.worker.config import WorkerSettings
+from keyq.worker.daemon import Worker
+from keyq.worker.metrics import worker_metrics
+from keyq.worker.state_store import StateStore
 
 EXIT_UNCLEAN = 1
 

@@ -23,15 +23,15 @@ import orjson
 import pika.exceptions
 import redis
 
-from broker.connections import open_blocking_connection, open_redis
-from broker.errors import KeyqError
-from broker.locks import FencedLocks
-from broker.registry import QueueRegistry
-from broker.settings import Settings
+from keyq.broker.connections import open_blocking_connection, open_redis
+from keyq.broker.errors import KeyqError
+from keyq.broker.locks import FencedLocks
+from keyq.broker.registry import QueueRegistry
+from keyq.broker.settings import Settings
 from keyq.orders import expected_states, generate_orders
 from keyq.processes import Daemon, log_folder
-from producer import Producer
-from worker.state_store import StateStore
+from keyq.producer import Producer
+from keyq.worker.state_store import StateStore
 
 PIPELINE = "keyq.orders:pipeline"
 LATENCY_SAMPLE = 200

@@ -23,15 +23,15 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from broker.clock import now_ms
-from broker.connections import amqp_failure, open_blocking_connection, open_redis, redis_errors
-from broker.errors import ConfigurationError, InvalidInput, KeyqError
-from broker.locks import FencedLocks
-from broker.naming import Mode, check_stream_name, dead_letter_queue_name
-from broker.redis_keys import StreamKeys
-from broker.registry import QueueRegistry
-from broker.settings import Settings, load_settings
-from broker.streams import StreamConfig
+from keyq.broker.clock import now_ms
+from keyq.broker.connections import amqp_failure, open_blocking_connection, open_redis, redis_errors
+from keyq.broker.errors import ConfigurationError, InvalidInput, KeyqError
+from keyq.broker.locks import FencedLocks
+from keyq.broker.naming import Mode, check_stream_name, dead_letter_queue_name
+from keyq.broker.redis_keys import StreamKeys
+from keyq.broker.registry import QueueRegistry
+from keyq.broker.settings import Settings, load_settings
+from keyq.broker.streams import StreamConfig
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, TypedDict
 
 if TYPE_CHECKING:
-    from worker.pipeline import BatchContext
+    from keyq.worker.pipeline import BatchContext
 
 Status = Literal["new", "created", "paid", "cancelled", "shipped"]
 Event = dict[str, Any]

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from producer import Producer
+from keyq.producer import Producer
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ from typing import Any
 import click
 import orjson
 
-from broker.errors import ConfigurationError, InvalidInput, KeyqError
-from broker.settings import Settings, load_settings
+from keyq.broker.errors import ConfigurationError, InvalidInput, KeyqError
+from keyq.broker.settings import Settings, load_settings
+from keyq.producer import Producer
 from keyq.status import status_command
-from producer import Producer
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2

@@ -1,1 +1,0 @@
-"""The ``keyq`` command: the edge that wires broker, producer, worker and janitor together."""

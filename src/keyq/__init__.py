@@ -1,0 +1,127 @@
+"""keyq: keyed event streams on RabbitMQ, processed in order with Apache Spark.
+
+The public API is ``from keyq import Producer, Worker, Janitor`` and the errors below. The
+internals live in ``keyq.broker``, ``keyq.producer``, ``keyq.worker`` and ``keyq.janitor``.
+Names resolve on first use, so a producer's ``from keyq import Producer`` does not import
+Spark, and ``import keyq.broker`` imports nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from keyq.broker.errors import (
+        AuthenticationFailed,
+        BrokerUnavailable,
+        CommitRefused,
+        ConfigurationError,
+        ConnectionFailed,
+        InvalidEvent,
+        InvalidHeaders,
+        InvalidInput,
+        InvalidKey,
+        InvalidStreamName,
+        KeyqError,
+        LockLost,
+        MessageTooLarge,
+        PipelineError,
+        ProducerClosed,
+        PublishError,
+        PublishTimeout,
+        RedisUnavailable,
+        SparkUnavailable,
+        StreamConfigMismatch,
+        TopologyError,
+    )
+    from keyq.broker.naming import Mode
+    from keyq.broker.settings import Settings, load_settings
+    from keyq.janitor.janitor import Janitor
+    from keyq.producer.producer import Producer, Receipt
+    from keyq.worker.daemon import Worker
+    from keyq.worker.pipeline import BatchContext, KeyedState
+
+_ERRORS = (
+    "AuthenticationFailed",
+    "BrokerUnavailable",
+    "CommitRefused",
+    "ConfigurationError",
+    "ConnectionFailed",
+    "InvalidEvent",
+    "InvalidHeaders",
+    "InvalidInput",
+    "InvalidKey",
+    "InvalidStreamName",
+    "KeyqError",
+    "LockLost",
+    "MessageTooLarge",
+    "PipelineError",
+    "ProducerClosed",
+    "PublishError",
+    "PublishTimeout",
+    "RedisUnavailable",
+    "SparkUnavailable",
+    "StreamConfigMismatch",
+    "TopologyError",
+)
+
+# Where each public name is defined.
+_HOMES: dict[str, str] = {
+    **dict.fromkeys(_ERRORS, "keyq.broker.errors"),
+    "Mode": "keyq.broker.naming",
+    "Settings": "keyq.broker.settings",
+    "load_settings": "keyq.broker.settings",
+    "Producer": "keyq.producer.producer",
+    "Receipt": "keyq.producer.producer",
+    "Worker": "keyq.worker.daemon",
+    "BatchContext": "keyq.worker.pipeline",
+    "KeyedState": "keyq.worker.pipeline",
+    "Janitor": "keyq.janitor.janitor",
+}
+
+__all__ = [
+    "AuthenticationFailed",
+    "BatchContext",
+    "BrokerUnavailable",
+    "CommitRefused",
+    "ConfigurationError",
+    "ConnectionFailed",
+    "InvalidEvent",
+    "InvalidHeaders",
+    "InvalidInput",
+    "InvalidKey",
+    "InvalidStreamName",
+    "Janitor",
+    "KeyedState",
+    "KeyqError",
+    "LockLost",
+    "MessageTooLarge",
+    "Mode",
+    "PipelineError",
+    "Producer",
+    "ProducerClosed",
+    "PublishError",
+    "PublishTimeout",
+    "Receipt",
+    "RedisUnavailable",
+    "Settings",
+    "SparkUnavailable",
+    "StreamConfigMismatch",
+    "TopologyError",
+    "Worker",
+    "load_settings",
+]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'keyq' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])
