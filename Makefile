@@ -6,10 +6,11 @@ BIN := $(VENV)/bin
 PACKAGES := src/keyq broker producer worker janitor
 CODE := $(PACKAGES) tests bench scripts
 
-.PHONY: help install services lint typecheck test bench demo clean
+.PHONY: help install services lint typecheck test test-fast bench demo clean
 
 help:
 	@echo "make test       install into $(VENV), find or start RabbitMQ and Redis, lint, type-check, run the tests"
+	@echo "make test-fast  the unit tests alone: no RabbitMQ, Redis or Spark needed (under a minute)"
 	@echo "make demo       the demo: order events through workers and a janitor, with chaos, verified"
 	@echo "make bench      every benchmark, keyq against its baselines, into bench/results/all.json"
 	@echo "make services   find or start RabbitMQ and Redis (scripts/services.sh)"
@@ -43,6 +44,12 @@ typecheck: install
 
 test: install services lint typecheck
 	$(BIN)/pytest
+
+# Unit tests only (tests/conftest.py marks every test that uses no service fixture). The
+# service URLs point at a closed port, so a test that reaches a service unmarked fails here.
+test-fast: install
+	KEYQ_AMQP_URL=amqp://guest:guest@127.0.0.1:1/%2F KEYQ_REDIS_URL=redis://127.0.0.1:1/0 \
+		$(BIN)/pytest -m unit -q -p no:cacheprovider
 
 demo: install services
 	$(BIN)/keyq demo --chaos

@@ -73,6 +73,7 @@ class WorkerProcess:
 
     def __init__(self, stream: str, buckets: int, log_dir: Path, pipeline: str = PIPELINE) -> None:
         self.worker_id = f"bench-{uuid.uuid4().hex[:8]}"
+        self.stream = stream
         self.log_path = log_dir / f"{self.worker_id}.log"
         self._log = self.log_path.open("wb")
         env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -100,13 +101,19 @@ class WorkerProcess:
         )
 
     def wait_ready(self, timeout: float = 120) -> float:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"worker exited: {self.log_path.read_text()[-2000:]}")
-            if "serving stream" in self.log_path.read_text(errors="replace"):
-                return time.monotonic()
-            time.sleep(0.05)
+        """When the worker says in Redis that its first claim round is done."""
+        client = open_redis(load_settings())
+        try:
+            membership = Membership(client, self.stream, ttl_ms=1)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"worker exited: {self.log_path.read_text()[-2000:]}")
+                if membership.serving(self.worker_id):
+                    return time.monotonic()
+                time.sleep(0.05)
+        finally:
+            client.close()
         raise RuntimeError("worker did not start in time")
 
     def kill(self) -> None:

@@ -55,6 +55,11 @@ class RedisUnavailable(ConnectionFailed):
     """Redis could not be reached or answered with a connection-level error."""
 
 
+class ManagementUnavailable(ConnectionFailed):
+    """RabbitMQ's management API is not configured, not reachable, or refused us: what only it
+    reports (file descriptors, the queue list) is unknown, and keyq carries on without it."""
+
+
 class AuthenticationFailed(ConnectionFailed):
     """The service refused the credentials or the vhost; retrying will not help."""
 

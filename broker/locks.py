@@ -2,8 +2,8 @@
 
 A worker owns a queue while its lock ``owner|token`` lives. The token comes from a per-queue
 counter that only grows, so a worker that was paused past its ttl holds a stale token: its
-renewals fail and, above all, its commits are refused by ``commit`` (check-token-and-write in
-one script), so it can never overwrite the work of the queue's newer owner.
+renewals fail and, above all, its commits are refused by ``commit`` (check-every-token-then-
+write in one script), so it can never overwrite the work of the queue's newer owner.
 """
 
 from __future__ import annotations
@@ -47,25 +47,30 @@ end
 return released
 """
 
-# KEYS[1] = target hash, KEYS[2..] = lock keys; ARGV = per lock: expected value, n, n pairs.
+# The fenced commit. KEYS = n lock keys, then the hashes to write. ARGV = n, the n expected
+# lock values, then per hash: a field count and its field/value pairs. Writes nothing unless
+# every lock still holds its expected value; returns the 1-based indexes of those that do not.
 _COMMIT = """
-local ok = {}
-local at = 1
-for i = 2, #KEYS do
-  local expected = ARGV[at]
-  local n = tonumber(ARGV[at + 1])
-  at = at + 2
-  if redis.call('GET', KEYS[i]) == expected then
-    for j = 0, n - 1 do
-      redis.call('HSET', KEYS[1], ARGV[at + 2 * j], ARGV[at + 2 * j + 1])
-    end
-    ok[i - 1] = 1
-  else
-    ok[i - 1] = 0
+local n_locks = tonumber(ARGV[1])
+local lost = {}
+for i = 1, n_locks do
+  if redis.call('GET', KEYS[i]) ~= ARGV[1 + i] then
+    lost[#lost + 1] = i
   end
-  at = at + 2 * n
 end
-return ok
+if #lost > 0 then
+  return lost
+end
+local at = 2 + n_locks
+for h = n_locks + 1, #KEYS do
+  local n_fields = tonumber(ARGV[at])
+  at = at + 1
+  for j = 0, n_fields - 1 do
+    redis.call('HSET', KEYS[h], ARGV[at + 2 * j], ARGV[at + 2 * j + 1])
+  end
+  at = at + 2 * n_fields
+end
+return lost
 """
 
 
@@ -142,23 +147,21 @@ class FencedLocks:
         }
 
     def commit(
-        self, target_hash: str, writes: Mapping[Lease, Mapping[str, str]]
-    ) -> dict[str, bool]:
-        """Write hash fields for each lease only if that lease is still current.
+        self, leases: Sequence[Lease], writes: Mapping[str, Mapping[str, str]]
+    ) -> frozenset[str]:
+        """Write hash fields (hash key -> field -> value) only if every lease is current.
 
-        All checks and writes happen in one script, so no other owner can slip in between
-        the check and the write. Returns queue -> committed.
+        The one fenced commit of keyq: checks and writes happen in one script, so no other
+        owner can slip in between, and a batch is committed whole or not at all. Returns the
+        queues whose lease is no longer current (then nothing was written). Every key must
+        share the stream's hash tag, as ``StreamKeys`` does, for Redis Cluster.
         """
-        if not writes:
-            return {}
-        leases = list(writes)
-        args: list[str | int] = []
-        for lease in leases:
-            fields = writes[lease]
-            args.extend((lease.value, len(fields)))
+        args: list[str | int] = [len(leases), *(lease.value for lease in leases)]
+        keys = [self._keys.lock(lease.queue) for lease in leases]
+        for target, fields in writes.items():
+            keys.append(target)
+            args.append(len(fields))
             for field, value in fields.items():
                 args.extend((field, value))
-        done = self._commit(
-            keys=[target_hash, *(self._keys.lock(lease.queue) for lease in leases)], args=args
-        )
-        return {lease.queue: bool(flag) for lease, flag in zip(leases, done, strict=True)}
+        lost = self._commit(keys=keys, args=args)
+        return frozenset(leases[int(index) - 1].queue for index in lost)

@@ -43,6 +43,17 @@ class Membership:
         members = self._client.zrangebyscore(self._keys.members, now_ms(), "+inf")
         return sorted(str(member) for member in members)
 
+    def serving(self, worker_id: str) -> bool:
+        """Alive, and done with its first claim round: what "ready" means for a worker, read
+        from Redis so that a supervisor, a test or the demo waits on state, not on a log."""
+        pipe = self._client.pipeline(transaction=False)
+        pipe.zscore(self._keys.members, worker_id)
+        pipe.hget(self._keys.member_info, worker_id)
+        expires, raw = pipe.execute()
+        if expires is None or float(expires) < now_ms() or raw is None:
+            return False
+        return bool(orjson.loads(raw).get("ready"))
+
     def info(self) -> dict[str, dict[str, object]]:
         raw = self._client.hgetall(self._keys.member_info)
         return {str(worker): orjson.loads(value) for worker, value in raw.items()}

@@ -9,7 +9,13 @@ from __future__ import annotations
 from typing import Any, Literal, TypeVar
 
 from keyq.broker.errors import ConfigurationError
-from keyq.broker.urls import AMQP_SCHEMES, REDIS_SCHEMES, check_url, redact_url
+from keyq.broker.urls import (
+    AMQP_SCHEMES,
+    HTTP_SCHEMES,
+    REDIS_SCHEMES,
+    check_url,
+    redact_url,
+)
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -24,6 +30,12 @@ class Settings(BaseSettings):
 
     amqp_url: str = Field(default=DEFAULT_AMQP_URL, repr=False)
     redis_url: str = Field(default=DEFAULT_REDIS_URL, repr=False)
+    management_url: str | None = Field(
+        default=None,
+        repr=False,
+        description="RabbitMQ management API (http://user:pass@host:15672): the broker's "
+        "file descriptor use (status, janitor) and queues a crash left unregistered (janitor)",
+    )
 
     amqp_heartbeat: int = Field(default=5, ge=1, le=600, description="AMQP heartbeat, seconds")
     connect_timeout: float = Field(default=5.0, gt=0, description="per connection attempt, s")
@@ -51,6 +63,14 @@ class Settings(BaseSettings):
     )
     metrics_host: str = Field(default="0.0.0.0", description="address the metrics endpoint binds")
 
+    fd_warn_ratio: float = Field(
+        default=0.8,
+        gt=0,
+        le=1,
+        description="warn when a broker node's open file descriptors reach this share of its "
+        "limit (key mode needs about one per queue holding messages)",
+    )
+
     lock_ttl_ms: int = Field(default=4000, ge=100, description="queue lock ttl")
     member_ttl_ms: int = Field(default=4000, ge=100, description="worker membership ttl")
 
@@ -63,6 +83,13 @@ class Settings(BaseSettings):
     @classmethod
     def _redis(cls, value: str) -> str:
         return check_url(value, REDIS_SCHEMES, "KEYQ_REDIS_URL")
+
+    @field_validator("management_url")
+    @classmethod
+    def _management(cls, value: str | None) -> str | None:
+        if not value:
+            return None  # KEYQ_MANAGEMENT_URL= (empty) means not set
+        return check_url(value, HTTP_SCHEMES, "KEYQ_MANAGEMENT_URL")
 
     @model_validator(mode="after")
     def _grace_outlasts_lease(self) -> Settings:
@@ -78,6 +105,8 @@ class Settings(BaseSettings):
         shown = self.model_dump()
         shown["amqp_url"] = redact_url(self.amqp_url)
         shown["redis_url"] = redact_url(self.redis_url)
+        if self.management_url:
+            shown["management_url"] = redact_url(self.management_url)
         return shown
 
 

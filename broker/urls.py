@@ -8,6 +8,7 @@ from keyq.broker.errors import ConfigurationError
 
 AMQP_SCHEMES = ("amqp", "amqps")
 REDIS_SCHEMES = ("redis", "rediss", "unix")
+HTTP_SCHEMES = ("http", "https")
 
 
 def redact_url(url: str) -> str:

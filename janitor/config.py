@@ -23,9 +23,11 @@ class JanitorSettings(Settings):
     janitor_lease_ms: int = Field(
         default=30_000, ge=1000, description="leadership lease of a stream's janitor"
     )
-    management_url: str | None = Field(
-        default=None,
-        repr=False,
-        description="RabbitMQ management API (http://user:pass@host:15672) to find queues "
-        "left unregistered by a crash; without it rabbitmqctl is used when present",
+    # management_url (queues left unregistered by a crash; without it rabbitmqctl is used
+    # when present) and fd_warn_ratio are shared settings: keyq status reads them too.
+    fd_warn_every_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="repeat the warning about the broker's file descriptors this often while "
+        "they stay near the limit",
     )

@@ -4,15 +4,12 @@ broker's own machine, ``rabbitmqctl``. Used only to find keyq queues a crash lef
 
 from __future__ import annotations
 
-import base64
-import json
 import shutil
 import subprocess
-import urllib.error
 import urllib.parse
-import urllib.request
 
-from keyq.broker.urls import redact_url
+from keyq.broker.errors import ManagementUnavailable
+from keyq.broker.management import get_json
 
 TIMEOUT_S = 30
 
@@ -31,23 +28,11 @@ def list_queues(management_url: str | None, vhost: str = "/") -> list[str]:
 
 
 def _from_management(url: str, vhost: str) -> list[str]:
-    parts = urllib.parse.urlsplit(url)
-    base = f"{parts.scheme}://{parts.hostname}:{parts.port or 15672}"
-    request = urllib.request.Request(
-        f"{base}/api/queues/{urllib.parse.quote(vhost, safe='')}?columns=name"
-    )
-    user = urllib.parse.unquote(parts.username or "guest")
-    password = urllib.parse.unquote(parts.password or "guest")
-    token = base64.b64encode(f"{user}:{password}".encode()).decode()
-    request.add_header("Authorization", f"Basic {token}")
+    path = f"/api/queues/{urllib.parse.quote(vhost, safe='')}?columns=name"
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
-            rows = json.load(response)
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise InventoryUnavailable(
-            f"management API at {redact_url(url)} did not answer: {reason}"
-        ) from None
+        rows = get_json(url, path, TIMEOUT_S)
+    except ManagementUnavailable as exc:
+        raise InventoryUnavailable(str(exc)) from None
     return [str(row["name"]) for row in rows]
 
 

@@ -33,6 +33,7 @@ from keyq.broker.settings import load_settings
 from keyq.broker.streams import load_stream_config
 from keyq.janitor.config import JanitorSettings
 from keyq.janitor.deleter import Outcome, QueueDeleter
+from keyq.janitor.fd_watch import FdWatch
 from keyq.janitor.inventory import InventoryUnavailable, list_queues
 from keyq.janitor.leader import Leadership
 
@@ -62,6 +63,7 @@ class Janitor:
         self._stop = threading.Event()
         self._adopted_at = 0.0
         self._inventory_warned = False
+        self.fd_watch = FdWatch(self.settings, self.settings.fd_warn_every_s)
 
     def stop(self) -> None:
         self._stop.set()
@@ -120,6 +122,7 @@ class Janitor:
 
     def run_pass(self, client: redis.Redis, deleter: QueueDeleter) -> None:
         self.stats["passes"] += 1
+        self.fd_watch.poll()  # the broker's fd use, at most once a minute; never raises
         try:
             deleter.check()
             streams = self.streams or discover_streams(client)

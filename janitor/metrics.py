@@ -1,5 +1,5 @@
 """A janitor's Prometheus metrics: its ``stats`` counters as metric families, labelled with
-``janitor``.
+``janitor``, and the broker's file descriptors as it last saw them (when known).
 
 Serve them with ``MetricsServer(port, collect=lambda: janitor_metrics(janitor)).start()``.
 """
@@ -71,4 +71,22 @@ def janitor_metrics(janitor: Janitor) -> list[Metric]:
             [({**labels, "reason": reason}, stats.get(key, 0)) for reason, key in SKIP_REASONS],
         )
     )
+    usage = janitor.fd_watch.latest
+    if usage is not None and usage.used is not None and usage.limit is not None:
+        node = {**labels, "node": usage.node or ""}
+        metrics += [
+            Metric(
+                "keyq_janitor_broker_fd_used",
+                "gauge",
+                "Open file descriptors of the broker node closest to its limit, at the last "
+                "check (needs KEYQ_MANAGEMENT_URL).",
+                [(node, usage.used)],
+            ),
+            Metric(
+                "keyq_janitor_broker_fd_limit",
+                "gauge",
+                "That node's file descriptor limit.",
+                [(node, usage.limit)],
+            ),
+        ]
     return metrics

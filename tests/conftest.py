@@ -53,7 +53,24 @@ def _docker_answers() -> bool:
         return False
 
 
-@pytest.fixture(scope="session", autouse=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that needs no service fixture, and is not marked ``services``, is a unit test:
+    ``make test-fast`` runs only those, with no RabbitMQ, Redis or Spark."""
+    for item in items:
+        uses_services = "services" in getattr(item, "fixturenames", ())
+        if not uses_services and item.get_closest_marker("services") is None:
+            item.add_marker(pytest.mark.unit)
+
+
+@pytest.fixture(autouse=True)
+def _services_for_marked_tests(request: pytest.FixtureRequest) -> None:
+    """Tests marked ``services`` reach them without a fixture (through keyq's default
+    settings): find or start the services for them too."""
+    if request.node.get_closest_marker("services") is not None:
+        request.getfixturevalue("services")
+
+
+@pytest.fixture(scope="session")
 def services() -> Iterator[Settings]:
     """The services' settings; containers are started only if nothing answers locally."""
     settings = load_settings()

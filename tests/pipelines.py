@@ -58,3 +58,18 @@ def ledger_event(state: Any, event: Any) -> Any:
 
 def ledger(df: Any, ctx: Any) -> Any:
     return ctx.state.fold(df, ledger_event)
+
+
+def paced_audit_event(state: Any, event: Any) -> Any:
+    """``audit_event``, paused ``KEYQ_TEST_EVENT_PAUSE`` seconds an event inside Spark's Python
+    worker, after touching ``KEYQ_TEST_BATCH_MARKER``: a test sees that a Spark job is running
+    and has time to signal the worker in the middle of it."""
+    marker = os.environ.get("KEYQ_TEST_BATCH_MARKER")
+    if marker:
+        Path(marker).touch()
+    time.sleep(float(os.environ.get("KEYQ_TEST_EVENT_PAUSE", "0.01")))
+    return audit_event(state, event)
+
+
+def audit_paced(df: Any, ctx: Any) -> Any:
+    return ctx.state.fold(df, paced_audit_event)

@@ -103,18 +103,35 @@ class PrivateRedis:
 
 
 class PrivateRabbit:
-    """A second RabbitMQ node of the installed release, on its own ports, run as this user."""
+    """A second RabbitMQ node of the installed release, on its own ports, run as this user.
 
-    def __init__(self, folder: Path) -> None:
+    ``management`` enables the management plugin on a free port of its own (``management_url``,
+    statistics refreshed every second); ``nofile`` starts the node with that file-descriptor
+    limit (soft and hard), as a systemd ``LimitNOFILE=`` would.
+    """
+
+    def __init__(
+        self, folder: Path, *, management: bool = False, nofile: int | None = None
+    ) -> None:
         self.folder = folder
         self.folder.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.node = f"keyq{self.port}@localhost"
         self.url = f"amqp://guest:guest@127.0.0.1:{self.port}/%2F"
-        (self.folder / "enabled_plugins").write_text("[].\n")
-        (self.folder / "rabbitmq.conf").write_text(
-            f"listeners.tcp.default = 127.0.0.1:{self.port}\nloopback_users = none\n"
-        )
+        self.nofile = nofile
+        self.management_url: str | None = None
+        config = f"listeners.tcp.default = 127.0.0.1:{self.port}\nloopback_users = none\n"
+        plugins = "[]"
+        if management:
+            management_port = free_port()
+            self.management_url = f"http://guest:guest@127.0.0.1:{management_port}"
+            plugins = "[rabbitmq_management]"
+            config += (
+                f"management.tcp.ip = 127.0.0.1\nmanagement.tcp.port = {management_port}\n"
+                "collect_statistics_interval = 1000\n"
+            )
+        (self.folder / "enabled_plugins").write_text(f"{plugins}.\n")
+        (self.folder / "rabbitmq.conf").write_text(config)
         cookie = self.folder / ".erlang.cookie"
         if not cookie.exists():
             cookie.write_text(secrets.token_hex(16).upper())
@@ -142,8 +159,11 @@ class PrivateRabbit:
         )
 
     def start(self) -> PrivateRabbit:
+        command = [str(_RABBIT_BIN / "rabbitmq-server"), "-detached"]
+        if self.nofile is not None:
+            command = ["prlimit", f"--nofile={self.nofile}:{self.nofile}", *command]
         subprocess.run(
-            [str(_RABBIT_BIN / "rabbitmq-server"), "-detached"],
+            command,
             env=self._env,
             check=True,
             capture_output=True,

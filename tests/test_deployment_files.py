@@ -9,6 +9,7 @@ import importlib
 import json
 import re
 import shlex
+import tomllib
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,17 @@ SETTINGS_OF_SERVICE: dict[str, type[Settings]] = {
     "janitor": JanitorSettings,
     "producer": Settings,
 }
-PACKAGES = ("broker", "producer", "worker", "janitor", "keyq")
+# The folders mapped into the one import package, `keyq` (pyproject's package-dir).
+PACKAGE_DIRS = tuple(
+    sorted(
+        {
+            folder.split("/")[0]
+            for folder in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"][
+                "setuptools"
+            ]["package-dir"].values()
+        }
+    )
+)
 
 
 # --------------------------------------------------------------------------- compose
@@ -321,7 +332,8 @@ def test_dockerfile_installs_java_17() -> None:
 
 def test_dockerfile_installs_keyq() -> None:
     copied = " ".join(_arguments("COPY"))
-    for needed in ("pyproject.toml", "README.md", *PACKAGES):
+    assert PACKAGE_DIRS == ("broker", "janitor", "producer", "src", "worker")
+    for needed in ("pyproject.toml", "README.md", *PACKAGE_DIRS):
         assert re.search(rf"(^|\s){re.escape(needed)}/?(\s|$)", copied), f"{needed} not copied"
     assert any(re.search(r"pip install\b.*\s\.(\s|$)", run) for run in _arguments("RUN"))
 

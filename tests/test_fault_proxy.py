@@ -8,7 +8,6 @@ hide the fault being tested.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import time
@@ -18,6 +17,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis
+from keyq.broker.settings import Settings
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -28,20 +28,15 @@ LOGGER = FaultProxy.__module__
 
 
 @pytest.fixture
-def redis_url() -> str:
-    """Read at test time, after any session fixture has pointed it at a container."""
-    return os.environ.get("KEYQ_REDIS_URL", "redis://localhost:6379/0")
+def redis_url(settings: Settings) -> str:
+    """The session's Redis (found or started by the services fixture)."""
+    return settings.redis_url
 
 
 @pytest.fixture
 def upstream(redis_url: str) -> tuple[str, int]:
     parts = urlsplit(redis_url)
-    host, port = parts.hostname or "localhost", parts.port or 6379
-    try:
-        socket.create_connection((host, port), timeout=1).close()
-    except OSError:
-        pytest.skip(f"Redis not reachable at {host}:{port}")
-    return host, port
+    return parts.hostname or "localhost", parts.port or 6379
 
 
 @pytest.fixture

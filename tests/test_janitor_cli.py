@@ -3,10 +3,12 @@ in one line; a broker that is down is waited for rather than fatal."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from typing import Any
 
 from keyq.broker.naming import key_queue_name
@@ -14,7 +16,7 @@ from keyq.broker.settings import Settings
 
 from keyq import Producer
 from tests.helpers import queue_depth
-from tests.workers import REPO, keyq_environment
+from tests.workers import REPO, JanitorProcess, keyq_environment, wait_until
 
 EXIT_USAGE = 2
 
@@ -83,34 +85,43 @@ def test_a_broker_that_is_down_is_waited_for(settings: Settings) -> None:
     assert "hidden-pw" not in err
 
 
-def test_metrics_endpoint_of_the_running_janitor(stream: Any) -> None:
-    import socket
-    import urllib.request
+def counter(text: str, family: str) -> float:
+    """The sum of a counter's samples in a Prometheus text page (0 if absent)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((f"{family} ", f"{family}{{"))
+    )
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+
+def test_metrics_endpoint_of_the_running_janitor(stream: Any, tmp_path: Any) -> None:
     with Producer(stream.name, mode="key") as producer:
         producer.publish("k", {"n": 1})
         producer.flush()
-    process = keyq(
+    # Port 0: the janitor binds a free port itself (no window in which another process could
+    # take one the test picked) and logs which.
+    janitor = JanitorProcess(
         stream.settings,
-        "janitor",
+        tmp_path,
         "--stream",
         stream.name,
         "--metrics-port",
-        str(port),
+        "0",
         env={"KEYQ_JANITOR_INTERVAL_S": "0.2"},
     )
     try:
-        deadline = time.monotonic() + 30
-        text = ""
-        while time.monotonic() < deadline and "keyq_janitor_passes_total" not in text:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-                    text = r.read().decode()
-            except OSError:
-                time.sleep(0.2)
+        bound = wait_until(
+            lambda: re.search(r"metrics on :(\d+)/metrics", janitor.log()), 30, "metrics"
+        )
+        url = f"http://127.0.0.1:{bound.group(1)}/metrics"
+
+        def page_after_a_pass() -> str:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                text = str(response.read().decode())
+            # The counter is served (as 0) before the first pass: wait for a pass, not a name.
+            return text if counter(text, "keyq_janitor_passes_total") >= 1 else ""
+
+        text = wait_until(page_after_a_pass, 30, "a completed janitor pass")
         for family in (
             "keyq_janitor_passes_total",
             "keyq_janitor_deletions_total",
@@ -118,13 +129,6 @@ def test_metrics_endpoint_of_the_running_janitor(stream: Any) -> None:
             "keyq_janitor_errors_total",
         ):
             assert f"# TYPE {family} counter" in text, text
-        passes = [
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("keyq_janitor_passes_total")
-        ]
-        assert passes and passes[0] >= 1
     finally:
-        process.send_signal(signal.SIGTERM)
-        process.communicate(timeout=60)
-    assert process.returncode == 0
+        assert janitor.terminate(60) == 0
+        janitor.close()

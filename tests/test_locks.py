@@ -64,12 +64,30 @@ def test_stale_token_cannot_commit(stream: StreamFixture) -> None:
     zombie = locks.acquire("q", "w1", 100)
     held = locks.acquire("r", "w1", 5000)
     assert zombie and held
-    assert locks.commit(target, {zombie: {"k1": "v1"}}) == {"q": True}
+    assert locks.commit([zombie], {target: {"k1": "v1"}}) == frozenset()
     time.sleep(0.2)  # w1 pauses past its ttl
     owner = locks.acquire("q", "w2", 5000)
     assert owner is not None
-    assert locks.commit(target, {owner: {"k1": "v2"}}) == {"q": True}
-    # The zombie resumes and tries to commit: refused, and the newer value stays.
-    result = locks.commit(target, {zombie: {"k1": "stale", "k2": "stale"}, held: {"k3": "ok"}})
-    assert result == {"q": False, "r": True}
-    assert stream.redis.hgetall(target) == {"k1": "v2", "k3": "ok"}
+    assert locks.commit([owner], {target: {"k1": "v2"}}) == frozenset()
+    # The zombie resumes and commits a batch that also used a lock it still holds: refused
+    # whole, naming the lost queue, and the newer value stays.
+    lost = locks.commit([zombie, held], {target: {"k1": "stale", "k3": "not alone"}})
+    assert lost == {"q"}
+    assert stream.redis.hgetall(target) == {"k1": "v2"}
+
+
+def test_a_commit_writes_every_hash_or_none(stream: StreamFixture) -> None:
+    locks = FencedLocks(stream.redis, stream.name)
+    a = locks.acquire("a", "w1", 5000)
+    b = locks.acquire("b", "w1", 5000)
+    assert a and b
+    writes = {stream.keys.state: {"k": "s1"}, stream.keys.marks: {"k": "m1", "j": "m2"}}
+    assert locks.commit([a, b], writes) == frozenset()
+    assert stream.redis.hgetall(stream.keys.state) == {"k": "s1"}
+    assert stream.redis.hgetall(stream.keys.marks) == {"k": "m1", "j": "m2"}
+    stream.redis.delete(stream.keys.lock("a"))
+    stream.redis.delete(stream.keys.lock("b"))
+    again = {stream.keys.state: {"k": "s2"}, stream.keys.marks: {"k": "m3"}}
+    assert locks.commit([a, b], again) == {"a", "b"}
+    assert stream.redis.hgetall(stream.keys.state) == {"k": "s1"}
+    assert stream.redis.hgetall(stream.keys.marks) == {"k": "m1", "j": "m2"}

@@ -19,7 +19,8 @@ from tests.soak import soak_run
 SECONDS = float(os.environ.get("KEYQ_SOAK_SECONDS", "45"))
 SEED = int(os.environ.get("KEYQ_SOAK_SEED") or random.SystemRandom().randrange(1, 10**6))
 
-pytestmark = [pytest.mark.soak, pytest.mark.slow]
+# It starts private RabbitMQ and Redis servers of its own, and Spark.
+pytestmark = [pytest.mark.soak, pytest.mark.slow, pytest.mark.services]
 
 
 @pytest.mark.timeout(SECONDS + 900)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -297,3 +298,23 @@ def test_bucket_mode_shows_buckets_without_keys(stream: Any, amqp: Any) -> None:
         assert row["depth"] == queue_depth(amqp, row["name"])
     assert status["totals"]["lag"] == len(receipts)
     assert "mode bucket (4 buckets)" in render_table(status)
+
+
+def test_a_running_worker_shows_its_real_host_and_pid(
+    stream: Any, settings: Settings, workers: Any
+) -> None:
+    """What the worker itself writes on every heartbeat, not what a test planted."""
+    with Producer(stream.name, mode="key") as producer:
+        producer.publish("sensor-a", {"n": 1})
+        producer.flush()
+    worker = workers(stream.name).wait_ready()
+    done = keyq_status(settings, "--stream", stream.name, "--json")
+    assert done.returncode == 0, done.stderr
+    [row] = orjson.loads(done.stdout)["workers"]
+    assert row["worker"] == worker.worker_id
+    assert row["host"] == socket.gethostname()
+    assert row["pid"] == worker.pid
+    assert row["ready"] is True
+    table = keyq_status(settings, "--stream", stream.name)
+    assert f"{socket.gethostname()}:{worker.pid}" in table.stdout
+    assert "-:-" not in table.stdout

@@ -103,7 +103,8 @@ def test_a_key_mode_worker_hands_back_an_idle_queue(
         assert queue in assigned  # the worker held it (it may already have let go: 1.5 s)
         # Nothing more arrives: after idle_release_ms the worker lets the queue go.
         wait_until(lambda: locks.holder(queue) is None, 15, "the idle queue to be released")
-        assert queue in revoked
+        # on_revoked fires on the batch thread after the release: wait for it, not assume it.
+        wait_until(lambda: queue in revoked, 15, "on_revoked for the released queue")
         assert worker.stats()["released"] >= 1
         channel = amqp.channel()
         declared = channel.queue_declare(queue, passive=True)

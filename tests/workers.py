@@ -14,6 +14,7 @@ from typing import Any
 
 import redis
 from keyq.broker.locks import FencedLocks
+from keyq.broker.membership import Membership
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings
 
@@ -84,6 +85,7 @@ class WorkerProcess:
         name: str | None = None,
         mode: str | None = None,
         buckets: int | None = None,
+        new_session: bool = False,
     ) -> None:
         self.worker_id = name or f"w-{uuid.uuid4().hex[:8]}"
         self.stream = stream
@@ -109,9 +111,16 @@ class WorkerProcess:
         if until_idle is not None:
             command += ["--until-idle", str(until_idle)]
         environment = keyq_environment(settings, {**FAST, **(env or {})})
+        self._redis_url = environment["KEYQ_REDIS_URL"]
         self._log = self.log_path.open("wb")
+        # new_session: a process group of its own, which the test can signal as a whole.
         self.process = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=environment, cwd=REPO
+            command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=environment,
+            cwd=REPO,
+            start_new_session=new_session,
         )
 
     @property
@@ -122,12 +131,22 @@ class WorkerProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 90) -> WorkerProcess:
+        """Until the worker says in Redis that its first claim round is done."""
+        client = redis.Redis.from_url(self._redis_url, socket_timeout=5)
+        membership = Membership(client, self.stream, ttl_ms=1)
+
         def ready() -> bool:
             if self.process.poll() is not None:
                 raise AssertionError(f"worker exited early:\n{self.log()[-3000:]}")
-            return "serving stream" in self.log()
+            try:
+                return membership.serving(self.worker_id)
+            except (redis.RedisError, OSError):
+                return False  # a test may be cutting Redis: ask again
 
-        wait_until(ready, timeout, f"worker {self.worker_id} to start")
+        try:
+            wait_until(ready, timeout, f"worker {self.worker_id} to start")
+        finally:
+            client.close()
         return self
 
     def kill(self) -> None:
@@ -141,6 +160,12 @@ class WorkerProcess:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout)
+
+    def signal_group(self, signum: int) -> None:
+        """Signal the worker's whole process group, as ``kill -- -PGID``, a supervisor or a
+        terminal's Ctrl-C does (only for a worker started with ``new_session``)."""
+        assert os.getpgid(self.process.pid) == self.process.pid, "not a group of its own"
+        os.killpg(self.process.pid, signum)
 
     def pause(self) -> None:
         self.process.send_signal(signal.SIGSTOP)

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import orjson
 import redis
 import redis.exceptions
 from keyq.broker.clock import now_ms
@@ -126,7 +125,12 @@ class ClaimLoop:
         self._thread.start()
 
     def wait_first_round(self, timeout: float) -> bool:
+        """True once a tick has succeeded: heartbeat, renewals and a claim round all done."""
         return self._first_round.wait(timeout)
+
+    @property
+    def ready(self) -> bool:
+        return self._first_round.is_set()
 
     def stop_claiming(self) -> None:
         """Keep renewing what we hold, but take nothing new (shutdown)."""
@@ -159,17 +163,20 @@ class ClaimLoop:
         while not self._stop.is_set():
             started = time.monotonic()
             try:
-                self._tick()
+                full_round = self._tick()
                 if self._failing:
                     log.info("claim loop recovered")
                     self._failing = False
+                if full_round and not self._first_round.is_set():
+                    self._first_round.set()
+                    # Say "ready" now rather than a tick later: status and supervisors read it.
+                    self._membership.heartbeat(self._worker_id, self._info())
             except (redis.exceptions.RedisError, OSError, KeyqError) as exc:
                 if not self._failing:  # once per outage, not once per tick
                     log.warning("claim loop cannot reach a service, retrying: %s", exc)
                     self._failing = True
             except Exception:
                 log.exception("claim loop failed a tick")
-            self._first_round.set()
             self._wait_for_news(max(0.0, tick - (time.monotonic() - started)))
 
     def _wait_for_news(self, seconds: float) -> None:
@@ -205,11 +212,12 @@ class ClaimLoop:
 
     _announced = False
 
-    def _tick(self) -> None:
+    def _tick(self) -> bool:
+        """One round; False if it could only heartbeat and renew (RabbitMQ not connected)."""
         held = self._holdings.all()
         self._heartbeat_and_renew(held)
         if not self._link.connected:
-            return
+            return False
         now = time.monotonic()
         interval = self._settings.scan_interval_ms / 1000
         scanned = False
@@ -229,16 +237,11 @@ class ClaimLoop:
         self._announced = False
         if self._mode is Mode.KEY:
             self._release_idle()
+        return True
 
     def _heartbeat_and_renew(self, held: list[Held]) -> None:
-        info = self._info()
-        pipe = self._client.pipeline(transaction=False)
-        ttl = self._settings.member_ttl_ms
-        pipe.zadd(self._keys.members, {self._worker_id: now_ms() + ttl})
-        pipe.hset(self._keys.member_info, self._worker_id, _json(info))
+        self._membership.heartbeat(self._worker_id, self._info())
         leases = [h.lease for h in held]
-        results = pipe.execute()
-        del results
         if not leases:
             return
         alive = self._locks.renew(leases, self._settings.lock_ttl_ms)
@@ -429,7 +432,3 @@ class ClaimLoop:
             self.stats.peers_reaped += 1
             log.warning("worker %s is gone: released its %d locks", dead, released)
         return True
-
-
-def _json(info: dict[str, object]) -> str:
-    return orjson.dumps(info).decode()

@@ -31,6 +31,7 @@ from keyq.broker.errors import (
 from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
 from keyq.broker.naming import Mode, check_stream_name
+from keyq.broker.redis_persistence import log_redis_persistence
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import load_settings
 from keyq.broker.streams import StreamConfig, ensure_stream_config, load_stream_config
@@ -125,6 +126,7 @@ class Worker:
         return {
             "worker": self.worker_id,
             "stream": self.stream,
+            "ready": self._claims.ready if self._claims else False,
             "started_ms": self._started_ms,
             "held": len(self._holdings),
             "batches": batch.batches if batch else 0,
@@ -151,10 +153,14 @@ class Worker:
         client = self._wait_for_services()
         if client is None:
             return  # stopped while waiting
+        log_redis_persistence(client, log)  # once: a Redis without AOF forgets commits
         try:
             if self._engine is None:
                 self._engine = SparkEngine(settings, f"keyq-worker-{self.worker_id}")
-                self._engine.start()
+                self._engine.start(stopping=self._stop)
+            if self._stop.is_set():
+                log.info("worker %s stopped while starting", self.worker_id)
+                return  # nothing is held yet
             self.config = self._stream_config(client)
             if self._stop.is_set():
                 return
@@ -162,6 +168,8 @@ class Worker:
             self._recover_sink(store)
             self._serve(client, store, until_idle)
         finally:
+            if self._owns_engine and self._engine is not None:
+                self._engine.stop()  # after a return before serving (else already stopped)
             client.close()
 
     def _wait_for_services(self) -> redis.Redis | None:
@@ -236,14 +244,16 @@ class Worker:
             stopping=self._stop,
         )
         claims.start()
-        claims.wait_first_round(10)
-        self.ready.set()
-        log.info("worker %s serving stream %s", self.worker_id, self.stream)
+        if not claims.wait_first_round(10):
+            log.warning("the first claim round has not completed yet; serving once it does")
         last_work = time.monotonic()
         try:
             while not self._stop.is_set():
                 if link.failure is not None:
                     raise link.failure
+                if not self.ready.is_set() and claims.ready:
+                    self.ready.set()
+                    log.info("worker %s serving stream %s", self.worker_id, self.stream)
                 self._fire_events()
                 self._apply_releases(claims.take_release_requests(), client)
                 batch = self._buffer.take(settings.batch_max_events, self._batch_wait(), 0.1)

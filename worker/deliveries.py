@@ -88,10 +88,17 @@ class DeliveryBuffer:
             return self._take_locked(max_events)
 
     def _take_locked(self, max_events: int) -> list[Delivery]:
+        """A prefix of each queue, shared fairly: busy queues must not starve the others.
+
+        Queues are visited least recently served first and the ones served move to the end,
+        so with ``Q`` queues a queue with ready events is served within ``ceil(Q / max_events)``
+        takes (every take when ``Q <= max_events``)."""
+        quotas = _fair_quotas(self._queues, max_events)
         taken: list[Delivery] = []
-        for fifo in self._queues.values():
-            while fifo and len(taken) < max_events:
-                taken.append(fifo.popleft())
+        for queue, quota in quotas.items():
+            fifo = self._queues.pop(queue)
+            taken.extend(fifo.popleft() for _ in range(quota))
+            self._queues[queue] = fifo  # re-inserted last: served most recently
         self._count -= len(taken)
         self._reset_first_arrival()
         return taken
@@ -135,3 +142,25 @@ class DeliveryBuffer:
     def _reset_first_arrival(self) -> None:
         heads = [fifo[0].received_at for fifo in self._queues.values() if fifo]
         self._first_arrival = min(heads) if heads else None
+
+
+def _fair_quotas(queues: dict[str, deque[Delivery]], max_events: int) -> dict[str, int]:
+    """How many to take from each queue, in ``queues``' order: rounds of an even share of
+    what is left, so a short queue leaves the rest of its share to the others. Each round
+    but the last gives every queue still pending at least one, so this is O(queues + events)."""
+    quotas: dict[str, int] = {}
+    pending = [(queue, len(fifo)) for queue, fifo in queues.items() if fifo]
+    left = max_events
+    while left > 0 and pending:
+        share = max(1, left // len(pending))
+        still: list[tuple[str, int]] = []
+        for queue, ready in pending:
+            if left == 0:
+                break
+            quota = min(share, ready, left)
+            quotas[queue] = quotas.get(queue, 0) + quota
+            left -= quota
+            if ready > quota:
+                still.append((queue, ready - quota))
+        pending = still
+    return quotas

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -18,9 +20,15 @@ from keyq.broker.errors import ConfigurationError
 from keyq.worker.config import WorkerSettings
 from keyq.worker.decoding import Event
 from keyq.worker.fold import STATE_SCHEMA_DDL, make_folder
+from pyspark import SparkConf, SparkContext
+from pyspark.java_gateway import launch_gateway
 from pyspark.sql import SparkSession
 
 log = logging.getLogger("keyq.worker.spark")
+
+# What supervisors send to stop a service: Spark's JVM is shielded from them (it stops when
+# the worker does).
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 
 BATCH_COLUMNS = (
     "stream",
@@ -84,38 +92,49 @@ class SparkEngine:
             raise RuntimeError("the Spark engine is not started")
         return self._session
 
-    def start(self) -> float:
-        """Create the session and run a first small job (so the first batch is not slow);
-        returns the seconds it took."""
+    def start(self, stopping: threading.Event | None = None) -> float:
+        """Create the session and run a first small job (so the first batch is not slow),
+        skipped if ``stopping`` is set by then, as nothing will run; returns the seconds it
+        took."""
         started = time.monotonic()
         settings = self._settings
-        builder: Any = SparkSession.builder.appName(self._app_name)
+        remote = settings.spark_remote
         # Spark's Python workers must run an interpreter that has keyq and the pipeline; for
         # a local master (or a local Spark Connect server) that is this one. A cluster's
         # executors need keyq installed and PYSPARK_PYTHON set on their side.
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-        if settings.spark_remote:
-            builder = builder.remote(settings.spark_remote)
-        else:
-            builder = (
-                builder.master(settings.spark_master)
-                .config("spark.ui.enabled", "false")
-                .config("spark.ui.showConsoleProgress", "false")
-                .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-                .config("spark.python.worker.reuse", "true")
-                .config("spark.driver.extraJavaOptions", settings.spark_driver_java_options)
-            )
-        builder = builder.config(
-            "spark.sql.shuffle.partitions", str(settings.spark_shuffle_partitions)
-        ).config("spark.sql.session.timeZone", "UTC")
+        options = {
+            "spark.app.name": self._app_name,
+            "spark.sql.shuffle.partitions": str(settings.spark_shuffle_partitions),
+            "spark.sql.session.timeZone": "UTC",
+        }
+        if not remote:
+            options |= {
+                "spark.master": settings.spark_master,
+                "spark.ui.enabled": "false",
+                "spark.ui.showConsoleProgress": "false",
+                "spark.sql.execution.arrow.pyspark.enabled": "true",
+                "spark.python.worker.reuse": "true",
+                # -Xrs: the JVM installs no handler for SIGTERM, SIGINT or SIGHUP, so the ones
+                # it is launched with blocked stay blocked (see _launch_jvm_apart).
+                "spark.driver.extraJavaOptions": f"{settings.spark_driver_java_options} -Xrs",
+            }
+        builder: Any = SparkSession.builder
+        builder = builder.config(map=options)
+        if remote:
+            builder = builder.remote(remote)
         try:
+            if not remote or remote.startswith("local"):
+                # A local master, or a local Spark Connect server: a JVM of this process.
+                _launch_jvm_apart({"spark.master": remote or settings.spark_master, **options})
             self._session = builder.getOrCreate()
         except Exception as exc:  # noqa: BLE001 - Spark fails in many ways; all are config
             where = settings.spark_remote or settings.spark_master
             raise ConfigurationError(f"cannot start Spark ({where}): {exc}") from None
-        if not settings.spark_remote:
+        if not remote:
             self._session.sparkContext.setLogLevel("ERROR")
-        self._warm_up()
+        if stopping is None or not stopping.is_set():
+            self._warm_up()
         elapsed = time.monotonic() - started
         log.info("spark ready in %.1fs (%s)", elapsed, self.describe())
         return elapsed
@@ -153,6 +172,35 @@ class SparkEngine:
             except Exception:
                 log.debug("spark stop failed", exc_info=True)
             self._session = None
+
+
+def _launch_jvm_apart(options: dict[str, str]) -> None:
+    """Launch this process's Spark JVM in a session of its own, with the stop signals blocked,
+    before pyspark launches it in ours. A SIGTERM to the worker's process group (``kill --
+    -PGID``, a supervisor that signals the group) then reaches only the worker, and one sent
+    to every process of its cgroup (systemd's default ``KillMode=control-group``) stays
+    pending in the JVM, which runs with ``-Xrs`` so that it does not unblock them: either way
+    the worker finishes its batch on a Spark that is still there. The JVM still dies with the
+    worker, even after kill -9: pyspark gives it a pipe as stdin and it exits when that
+    closes; its Python daemon exits when the JVM goes.
+
+    ``launch_gateway``'s ``popen_kwargs`` is pyspark's hook for how the JVM is spawned (it
+    sets ``preexec_fn`` itself, hence ``start_new_session``), and pyspark uses a gateway set
+    on ``SparkContext`` rather than launch its own: one JVM per process, kept, as pyspark
+    keeps it."""
+    with SparkContext._lock:
+        if SparkContext._gateway is not None:
+            return
+        conf = SparkConf(loadDefaults=False).setAll(list(options.items()))
+        spawn = {"start_new_session": True}
+        # A child inherits its parent thread's signal mask across fork and exec; a signal
+        # that arrives meanwhile goes to another thread of the worker, or waits for the unblock.
+        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            gateway = launch_gateway(conf, popen_kwargs=spawn)  # type: ignore[no-untyped-call]
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+        SparkContext._ensure_initialized(gateway=gateway)
 
 
 def _keep_state(state: Any, event: Any) -> Any:

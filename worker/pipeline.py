@@ -8,6 +8,8 @@ id, the SparkSession and ``ctx.state``, the exactly-once keyed state.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,12 +74,14 @@ class BatchContext:
 
 
 def load_pipeline(spec: str) -> Pipeline:
-    """Import ``module:function`` (or ``module.function``)."""
+    """Import ``module:function`` (or ``module.function``), looking in the working directory
+    first, as ``python -m`` would."""
     module_name, sep, attribute = spec.partition(":")
     if not sep:
         module_name, _, attribute = spec.rpartition(".")
     if not module_name or not attribute:
         raise ConfigurationError(f"pipeline {spec!r} must be written module:function")
+    _search_working_directory()
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -86,3 +90,16 @@ def load_pipeline(spec: str) -> Pipeline:
     if not callable(function):
         raise ConfigurationError(f"pipeline {spec!r}: {attribute!r} is not a function")
     return function  # type: ignore[no-any-return]
+
+
+def _search_working_directory() -> None:
+    """``keyq worker --pipeline app:pipeline`` run from the folder holding ``app.py`` finds it
+    (the ``keyq`` script alone would not: its own folder heads ``sys.path``). Spark's local
+    Python workers, which import the pipeline's functions by module name, are told the same
+    through ``PYTHONPATH``: they start later, from this environment."""
+    folder = os.getcwd()
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    paths = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
+    if folder not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([folder, *paths])

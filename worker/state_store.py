@@ -1,9 +1,10 @@
 """Keyed state and exactly-once marks in Redis, committed together and fenced.
 
-A batch commits all its keys' new states and marks, and its sink output's record, in one
-script that first checks every lock the batch relied on: if any moved on (the worker was
-paused past its ttl, say), nothing is written, so a zombie can never overwrite the work of a
-queue's newer owner. All keys of a stream share one hash tag, so this works on Redis Cluster.
+A batch commits all its keys' new states and marks, and its sink output's record, through
+``FencedLocks.commit``: one script that first checks every lock the batch relied on; if any
+moved on (the worker was paused past its ttl, say), nothing is written, so a zombie can never
+overwrite the work of a queue's newer owner. All keys of a stream share one hash tag, so this
+works on Redis Cluster.
 """
 
 from __future__ import annotations
@@ -13,39 +14,9 @@ from typing import Any
 
 import orjson
 import redis
-from keyq.broker.locks import Lease
+from keyq.broker.locks import FencedLocks, Lease
 from keyq.broker.redis_keys import StreamKeys
 from keyq.worker.dedup import KeyMarks
-
-_COMMIT = """
-local n_locks = tonumber(ARGV[1])
-local lost = {}
-for i = 1, n_locks do
-  if redis.call('GET', KEYS[3 + i]) ~= ARGV[1 + i] then
-    lost[#lost + 1] = i
-  end
-end
-if #lost > 0 then
-  return lost
-end
-local at = 2 + n_locks
-local n_marks = tonumber(ARGV[at])
-at = at + 1
-for i = 0, n_marks - 1 do
-  redis.call('HSET', KEYS[1], ARGV[at + 2 * i], ARGV[at + 2 * i + 1])
-end
-at = at + 2 * n_marks
-local n_states = tonumber(ARGV[at])
-at = at + 1
-for i = 0, n_states - 1 do
-  redis.call('HSET', KEYS[2], ARGV[at + 2 * i], ARGV[at + 2 * i + 1])
-end
-at = at + 2 * n_states
-if ARGV[at] ~= '' then
-  redis.call('HSET', KEYS[3], ARGV[at], ARGV[at + 1])
-end
-return lost
-"""
 
 
 class StateStore:
@@ -54,7 +25,7 @@ class StateStore:
     def __init__(self, client: redis.Redis, stream: str) -> None:
         self._client = client
         self._keys = StreamKeys(stream)
-        self._commit = client.register_script(_COMMIT)
+        self._locks = FencedLocks(client, stream)
 
     def marks(self, keys: Iterable[str]) -> dict[str, KeyMarks]:
         names = list(dict.fromkeys(keys))
@@ -86,20 +57,16 @@ class StateStore:
         states: Mapping[str, str],
         sink_record: tuple[str, str] | None = None,
     ) -> frozenset[str]:
-        """Write everything if every lease is current; returns the queues whose lease is not
-        (and then nothing was written)."""
-        args: list[str | int] = [len(leases), *(lease.value for lease in leases)]
-        args.append(len(marks))
-        for key, mark in marks.items():
-            args.extend((key, mark.to_json()))
-        args.append(len(states))
-        for key, state in states.items():
-            args.extend((key, state))
-        args.extend(sink_record or ("", ""))
-        keys = [self._keys.marks, self._keys.state, self._keys.sink_pending]
-        keys.extend(self._keys.lock(lease.queue) for lease in leases)
-        lost = self._commit(keys=keys, args=args)
-        return frozenset(leases[int(index) - 1].queue for index in lost)
+        """Write everything if every lease is current (``FencedLocks.commit``); returns the
+        queues whose lease is not (and then nothing was written)."""
+        writes: dict[str, dict[str, str]] = {
+            self._keys.marks: {key: mark.to_json() for key, mark in marks.items()},
+            self._keys.state: dict(states),
+        }
+        if sink_record is not None:
+            token, record = sink_record
+            writes[self._keys.sink_pending] = {token: record}
+        return self._locks.commit(leases, writes)
 
     def pending_sink_records(self) -> dict[str, str]:
         return {str(k): str(v) for k, v in self._client.hgetall(self._keys.sink_pending).items()}

@@ -26,6 +26,7 @@ import redis
 from keyq.broker.connections import open_blocking_connection, open_redis
 from keyq.broker.errors import KeyqError
 from keyq.broker.locks import FencedLocks
+from keyq.broker.membership import Membership
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings
 from keyq.orders import expected_states, generate_orders
@@ -105,10 +106,10 @@ class Demo:
             self._workers.append(worker)
         return worker
 
-    def _wait_ready(self, daemons: list[Daemon], timeout: float = 180) -> None:
+    def _wait_ready(self, members: Membership, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
-        for daemon in daemons:
-            while not daemon.ready():
+        for daemon in list(self._workers):
+            while not daemon.serving(members):
                 if not daemon.alive:
                     raise RuntimeError(f"{daemon.id} exited; see {daemon.log_path}")
                 if time.monotonic() > deadline:
@@ -119,10 +120,11 @@ class Demo:
         rng = random.Random(self.options.seed)
         locks = FencedLocks(client, self.stream)
         registry = QueueRegistry(client, self.stream)
+        members = Membership(client, self.stream, ttl_ms=1)
         while not self._stop.wait(rng.uniform(5.0, 10.0)) and not self._published.is_set():
             with self._lock:
                 # Only workers that are serving count: one still starting Spark is no help.
-                alive = [w for w in self._workers if w.alive and w.ready()]
+                alive = [w for w in self._workers if w.alive and w.serving(members)]
             choice = rng.choice(["kill", "kill", "restart", "add", "remove"])
             if len(alive) <= 1 and choice in ("kill", "restart", "remove"):
                 choice = "add"  # never leave the stream without a serving worker
@@ -202,7 +204,7 @@ class Demo:
                 for _ in range(options.workers):
                     self._start_worker()
                 self._say(f"starting {options.workers} workers and a janitor (logs: {self._logs})")
-                self._wait_ready(list(self._workers))
+                self._wait_ready(Membership(client, self.stream, ttl_ms=1))
             if options.chaos and not options.external_workers:
                 chaos_thread = threading.Thread(
                     target=self._chaos_loop, args=(client,), daemon=True

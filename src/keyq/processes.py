@@ -11,6 +11,8 @@ import time
 import uuid
 from pathlib import Path
 
+from keyq.broker.membership import Membership
+
 
 class Daemon:
     """``python -m keyq <command> ...`` with its output in a log file."""
@@ -29,9 +31,9 @@ class Daemon:
         )
         self.started = time.monotonic()
 
-    def ready(self) -> bool:
-        text = self.log_path.read_text(errors="replace")
-        return "serving stream" in text or (self.kind != "worker" and "settings:" in text)
+    def serving(self, membership: Membership) -> bool:
+        """A worker that says in Redis that its first claim round is done."""
+        return self.kind == "worker" and membership.serving(self.id)
 
     @property
     def alive(self) -> bool:

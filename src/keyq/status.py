@@ -1,8 +1,10 @@
-"""``keyq status``: a stream's queues (depth, owner, idle time), its live workers, its dead letters.
+"""``keyq status``: a stream's queues (depth, owner, idle time), its live workers, its dead letters,
+and how close the broker is to its file-descriptor limit.
 
 Everything is read, nothing is changed: Redis in three round trips (one pipeline for the
 config, the registry and the members, one MGET for every lock, one HMGET for the original
-keys), RabbitMQ by passive declares on one channel (AMQP cannot list queues).
+keys), RabbitMQ by passive declares on one channel (AMQP cannot list queues), and its fd use
+from the management API when ``KEYQ_MANAGEMENT_URL`` is set.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rich.table import Table
 from keyq.broker.clock import now_ms
 from keyq.broker.connections import amqp_failure, open_blocking_connection, open_redis, redis_errors
 from keyq.broker.errors import ConfigurationError, InvalidInput, KeyqError
+from keyq.broker.fd_usage import FdUsage, read_fd_usage
 from keyq.broker.locks import FencedLocks
 from keyq.broker.naming import Mode, check_stream_name, dead_letter_queue_name
 from keyq.broker.redis_keys import StreamKeys
@@ -38,6 +41,7 @@ EXIT_USAGE = 2
 TABLE_LIMIT = 50
 NOT_FOUND = 404
 PIPE_WIDTH = 400  # output to a pipe or file is never wrapped, so names stay greppable
+FD_REFRESH_S = 10.0  # --watch reads the broker's fd use at most this often
 
 
 class StreamNotFound(KeyqError):
@@ -60,6 +64,8 @@ class StatusReader:
         self._locks = FencedLocks(self._redis, self.stream)
         self._connection: Any = None
         self._channel: Any = None
+        self._fd_usage: FdUsage | None = None
+        self._fd_read_at = 0.0
 
     def __enter__(self) -> StatusReader:
         return self
@@ -138,6 +144,7 @@ class StatusReader:
         held = sum(1 for row in queues if row["owner"] is not None)
         return {
             "stream": self.stream,
+            "broker": self._broker_fds().as_dict(),
             "mode": config.mode.value,
             "buckets": config.buckets,
             "at_ms": now,
@@ -155,6 +162,13 @@ class StatusReader:
                 "events_per_s": None,
             },
         }
+
+    def _broker_fds(self) -> FdUsage:
+        """The broker's fd use, read again only every ``FD_REFRESH_S`` under ``--watch``."""
+        if self._fd_usage is None or time.monotonic() - self._fd_read_at >= FD_REFRESH_S:
+            self._fd_usage = read_fd_usage(self.settings)
+            self._fd_read_at = time.monotonic()
+        return self._fd_usage
 
     def wait(self, seconds: float) -> None:
         """Sleep between refreshes, answering RabbitMQ's heartbeats meanwhile."""
@@ -216,7 +230,10 @@ def collect_status(settings: Settings, stream: str) -> dict[str, Any]:
     live members with ``heartbeat_age_ms`` (expiry minus ``settings.member_ttl_ms``), ``held``
     (locks held now) and their reported counters; ``events_per_s`` is None in a snapshot
     (see ``add_rates``). ``totals``: queue count, lag (sum of keyed depths), dead-letter depth,
-    held/unheld/missing queues, workers. Raises ``StreamNotFound`` for an unused stream.
+    held/unheld/missing queues, workers. ``broker``: ``fd_used``/``fd_limit``/``fd_ratio`` of
+    the broker node closest to its fd limit and ``near_limit`` (at ``settings.fd_warn_ratio``),
+    or None figures and ``unknown_reason`` without the management API. Raises
+    ``StreamNotFound`` for an unused stream.
     """
     with StatusReader(settings, stream) as reader:
         return reader.collect()
@@ -280,6 +297,7 @@ def _worker_row(
         "events_per_s": None,
         "host": info.get("host"),
         "pid": info.get("pid"),
+        "ready": info.get("ready") is True,
         "started_ms": info.get("started_ms"),
     }
 
@@ -313,6 +331,12 @@ def render_table(status: dict[str, Any], *, width: int = PIPE_WIDTH) -> str:
         + f"   workers {totals['workers']}"
         + ("" if rate is None else f"   {rate} events/s")
     )
+    if status.get("broker") is not None:
+        fds = FdUsage.from_dict(status["broker"])
+        console.print(f"broker file descriptors {fds.summary()}")
+        warning = fds.warning()
+        if warning is not None:
+            console.print(f"WARNING: {warning}")
 
     console.print()
     keyed = [row for row in status["queues"] if not row["dead_letter"]]

@@ -1,0 +1,341 @@
+"""Operating limits keyq warns about: the broker's file descriptors (``keyq status`` and the
+janitor) and a Redis that would forget keyq's commits (a worker at start).
+
+The fd tests run a private RabbitMQ node with the management plugin and a low ``nofile``, and
+fill it with key-mode queues until it nears its limit; the shared node is never pushed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import redis
+from keyq.broker.connections import open_redis
+from keyq.broker.errors import ConfigurationError
+from keyq.broker.fd_usage import FdUsage, near_limit, read_fd_usage
+from keyq.broker.redis_persistence import Persistence, judge, log_redis_persistence
+from keyq.broker.settings import Settings, load_settings
+from keyq.janitor.config import JanitorSettings
+from keyq.janitor.fd_watch import FdWatch
+from keyq.janitor.janitor import Janitor
+from keyq.janitor.metrics import janitor_metrics
+
+from keyq import Producer
+from keyq.status import collect_status, render_table
+from tests.conftest import StreamFixture
+from tests.servers import PrivateRabbit, PrivateRedis, free_port, private_servers_available
+from tests.workers import REPO, WorkerProcess, keyq_environment, wait_until
+
+NOFILE = 512
+WARN_RATIO = 0.5  # of 512: 256 fds; the node opens about 40 at rest, one per queue with messages
+KEYS = 300  # 340 fds or so: above the warning, below what RabbitMQ's handle cache allows
+RUN_STATUS = "from keyq.status import status_command; status_command()"
+NO_PERSISTENCE = "Redis keeps nothing on disk"
+
+
+# ---- the threshold and when the janitor speaks (pure logic) -------------------------------
+
+
+def test_the_warning_starts_at_the_ratio_of_the_limit() -> None:
+    assert not near_limit(819, 1024, 0.8)
+    assert near_limit(820, 1024, 0.8)
+    assert near_limit(1024, 1024, 0.8)
+    assert not near_limit(5, 0, 0.8)  # a limit of 0 is no limit we know
+    assert FdUsage(0.8, used=900, limit=1024, node="n").near_limit
+    assert not FdUsage(0.8, unknown_reason="not set").near_limit
+    warning = FdUsage(0.8, used=900, limit=1024, node="rabbit@a").warning()
+    assert warning is not None and "900 of its 1024" in warning and "rabbit@a" in warning
+    assert FdUsage(0.8, used=100, limit=1024, node="n").warning() is None
+
+
+def _levels(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
+    found = [(record.levelname, record.getMessage()) for record in caplog.records]
+    caplog.clear()
+    return found
+
+
+def test_the_janitor_warns_when_crossing_then_rarely_and_says_when_it_clears(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="keyq.janitor")
+    watch = FdWatch(load_settings(), repeat_s=600)
+
+    def at(used: int, now: float) -> list[tuple[str, str]]:
+        watch.observe(FdUsage(0.8, used=used, limit=1000, node="rabbit@a"), now)
+        return _levels(caplog)
+
+    assert at(500, 0) == []
+    [(level, message)] = at(850, 60)
+    assert level == "WARNING" and "850 of its 1000" in message
+    assert at(900, 120) == []  # still near the limit: not every pass
+    assert at(950, 599) == []
+    [(level, message)] = at(950, 660)  # repeat_s later: said again
+    assert level == "WARNING" and "950 of its 1000" in message
+    [(level, message)] = at(400, 720)
+    assert level == "INFO" and "back below" in message
+    assert at(300, 780) == []
+
+
+def test_an_unknown_figure_is_mentioned_once_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="keyq.janitor")
+    calls: list[int] = []
+
+    def read(_settings: Settings) -> FdUsage:
+        calls.append(1)
+        return FdUsage(0.8, unknown_reason="KEYQ_MANAGEMENT_URL is not set")
+
+    clock = iter(range(0, 10_000, 30))
+    watch = FdWatch(load_settings(), 600, check_every_s=60, read=read, clock=lambda: next(clock))
+    for _ in range(10):
+        watch.poll()
+    assert len(calls) == 5  # every other poll: a check is due every 60 s, polls come every 30
+    assert _levels(caplog) == [
+        ("INFO", "not watching the broker's file descriptors: KEYQ_MANAGEMENT_URL is not set")
+    ]
+
+
+# ---- without a management API: unknown, quietly, without credentials ----------------------
+
+
+def test_without_a_reachable_api_the_figure_is_unknown_and_no_password_shows(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    assert read_fd_usage(load_settings()).unknown_reason == "KEYQ_MANAGEMENT_URL is not set"
+    closed = f"http://keyq:s3cret-pw@127.0.0.1:{free_port()}"  # nothing listens there
+    usage = read_fd_usage(load_settings(management_url=closed))
+    assert not usage.known and not usage.near_limit
+    assert usage.unknown_reason is not None and "did not answer" in usage.unknown_reason
+    shown = str(usage.as_dict()) + usage.summary() + caplog.text
+    assert "s3cret-pw" not in shown and "keyq:***@" in shown
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_the_management_url_is_checked_and_never_shown() -> None:
+    settings = load_settings(JanitorSettings, management_url="http://keyq:s3cret-pw@mq:15672")
+    assert settings.describe()["management_url"] == "http://keyq:***@mq:15672"
+    assert "s3cret-pw" not in repr(settings)
+    with pytest.raises(ConfigurationError, match="KEYQ_MANAGEMENT_URL") as raised:
+        load_settings(management_url="amqp://keyq:s3cret-pw@mq:5672")
+    assert "s3cret-pw" not in str(raised.value)
+    with pytest.raises(ConfigurationError, match="fd_warn_ratio"):
+        load_settings(fd_warn_ratio=1.5)
+
+
+def test_status_says_unknown_without_the_api(stream: StreamFixture, producer: Producer) -> None:
+    producer.publish("k", {"n": 1})
+    producer.flush()
+    settings = stream.settings.model_copy(update={"management_url": None})
+    status = collect_status(settings, stream.name)
+    assert status["broker"]["fd_used"] is None
+    assert status["broker"]["unknown_reason"] == "KEYQ_MANAGEMENT_URL is not set"
+    text = render_table(status)
+    assert "broker file descriptors unknown (KEYQ_MANAGEMENT_URL is not set)" in text
+    assert "WARNING" not in text
+
+
+# ---- a real node near its limit --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def managed_rabbit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRabbit]:
+    """A private node with the management API and ``nofile`` 512 (about 10 s to start)."""
+    missing = private_servers_available()
+    if missing:
+        pytest.skip(missing)
+    rabbit = PrivateRabbit(tmp_path_factory.mktemp("fd-rabbit"), management=True, nofile=NOFILE)
+    rabbit.start()
+    try:
+        yield rabbit
+    finally:
+        rabbit.stop()
+
+
+def _node_settings(rabbit: PrivateRabbit, kind: type[Settings] = Settings, **extra: Any) -> Any:
+    return load_settings(
+        kind,
+        amqp_url=rabbit.url,
+        management_url=rabbit.management_url,
+        fd_warn_ratio=WARN_RATIO,
+        **extra,
+    )
+
+
+def _reported(settings: Settings, check: Any, what: str) -> FdUsage:
+    """The usage once the API reports figures that pass ``check`` (stats lag a second)."""
+
+    def read() -> FdUsage | None:
+        usage = read_fd_usage(settings)
+        return usage if usage.known and check(usage) else None
+
+    found: FdUsage = wait_until(read, 30, what, every=0.5)
+    return found
+
+
+def test_the_figures_are_the_nodes_own(managed_rabbit: PrivateRabbit) -> None:
+    usage = _reported(_node_settings(managed_rabbit), lambda u: True, "fd figures")
+    pid = int((managed_rabbit.folder / "pid").read_text())
+    open_now = len(os.listdir(f"/proc/{pid}/fd"))
+    assert usage.node == managed_rabbit.node
+    assert usage.limit == NOFILE
+    assert usage.used is not None and abs(usage.used - open_now) <= 10
+    assert not usage.near_limit
+
+
+def _status(settings: Settings, stream: str, *args: str) -> subprocess.CompletedProcess[str]:
+    extra = {
+        "KEYQ_MANAGEMENT_URL": str(settings.management_url),
+        "KEYQ_FD_WARN_RATIO": str(settings.fd_warn_ratio),
+    }
+    return subprocess.run(
+        [sys.executable, "-c", RUN_STATUS, "--stream", stream, *args],
+        capture_output=True,
+        text=True,
+        env=keyq_environment(settings, extra),
+        timeout=60,
+        cwd=REPO,
+    )
+
+
+def test_many_keys_bring_the_warning_to_status_and_the_janitor(
+    managed_rabbit: PrivateRabbit, stream: StreamFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = _node_settings(managed_rabbit, redis_url=stream.settings.redis_url)
+    with Producer(stream.name, mode="key", settings=settings, publish_timeout=30) as producer:
+        for n in range(KEYS):
+            producer.publish(f"key-{n}", {"n": n})
+        producer.flush()
+    usage = _reported(settings, lambda u: u.near_limit, "fd use to pass the warning ratio")
+    assert usage.used is not None and usage.used >= WARN_RATIO * NOFILE
+
+    shown = _status(settings, stream.name, "--json")
+    assert shown.returncode == 0, shown.stderr
+    broker = orjson.loads(shown.stdout)["broker"]
+    assert broker["near_limit"] is True
+    assert broker["fd_limit"] == NOFILE
+    assert broker["fd_used"] >= WARN_RATIO * NOFILE
+    assert broker["node"] == managed_rabbit.node
+    assert broker["unknown_reason"] is None
+    table = _status(settings, stream.name)
+    assert table.returncode == 0, table.stderr
+    [warning] = [line for line in table.stdout.splitlines() if line.startswith("WARNING")]
+    assert f"RabbitMQ node {managed_rabbit.node} has" in warning and f"of its {NOFILE}" in warning
+    assert "guest:guest" not in table.stdout + shown.stdout + table.stderr
+
+    caplog.set_level(logging.INFO, logger="keyq.janitor")
+    janitor = Janitor([stream.name], settings=_node_settings(managed_rabbit, JanitorSettings))
+    janitor.run(once=True)
+    janitor.run(once=True)  # a second pass within the minute: no second warning
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "file descriptors open" in warnings[0], warnings
+    assert janitor.stats["adopted"] == 0  # the queue list came from the same API
+    families = {metric.name: metric for metric in janitor_metrics(janitor)}
+    [(labels, used)] = families["keyq_janitor_broker_fd_used"].samples
+    assert labels["node"] == managed_rabbit.node and used >= WARN_RATIO * NOFILE
+    assert families["keyq_janitor_broker_fd_limit"].samples[0][1] == NOFILE
+
+
+# ---- Redis persistence, said once when a worker starts -------------------------------------
+
+
+def test_what_a_worker_says_about_each_redis_persistence() -> None:
+    level, message = judge(Persistence(aof=False, save_points="", appendfsync="everysec"))
+    assert level == logging.WARNING and NO_PERSISTENCE in message and "appendonly yes" in message
+    level, message = judge(Persistence(aof=False, save_points="3600 1", appendfsync="everysec"))
+    assert level == logging.WARNING and "RDB snapshots only" in message
+    level, message = judge(Persistence(aof=False, save_points=None, appendfsync=None))
+    assert level == logging.INFO and "could not be read" in message
+    level, message = judge(Persistence(aof=True, save_points="", appendfsync="always"))
+    assert level == logging.INFO and "AOF, appendfsync always" in message
+
+
+def _shared_redis_is_volatile(settings: Settings) -> bool:
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    try:
+        aof = client.info("persistence")["aof_enabled"]
+        return bool(aof == 0 and client.config_get("save").get("save") == "")
+    finally:
+        client.close()
+
+
+def test_the_shared_redis_without_persistence_gets_one_warning(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    if not _shared_redis_is_volatile(settings):
+        pytest.skip("the shared Redis persists here; the warning is not expected")
+    caplog.set_level(logging.INFO, logger="keyq.worker")
+    client = open_redis(settings)
+    try:
+        log_redis_persistence(client, logging.getLogger("keyq.worker"))
+    finally:
+        client.close()
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING and NO_PERSISTENCE in record.getMessage()
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+    if private_servers_available():
+        pytest.skip(str(private_servers_available()))
+    server = PrivateRedis(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+def test_a_redis_with_aof_gets_no_warning_and_rdb_only_gets_one(
+    private_redis: PrivateRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="keyq.worker")
+    settings = load_settings(redis_url=private_redis.url)
+    client = open_redis(settings)
+    try:
+        log_redis_persistence(client, logging.getLogger("keyq.worker"))
+        assert _levels(caplog) == [("INFO", "Redis persistence: AOF, appendfsync always")]
+        client.config_set("appendonly", "no")  # the private server, not the shared one
+        client.config_set("save", "900 1")
+        log_redis_persistence(client, logging.getLogger("keyq.worker"))
+        [(level, message)] = _levels(caplog)
+        assert level == "WARNING" and "RDB snapshots only (save '900 1')" in message
+    finally:
+        client.close()
+
+
+def test_a_keyq_worker_process_warns_once_at_start_or_not_at_all(
+    settings: Settings,
+    stream: StreamFixture,
+    private_redis: PrivateRedis,
+    tmp_path: Path,
+) -> None:
+    """Real ``keyq worker`` processes: on the shared Redis (no persistence) and on one with
+    AOF. The line comes before Spark starts, so each is stopped once it has spoken."""
+    volatile = _shared_redis_is_volatile(settings)
+    lines = ("Redis persistence:", NO_PERSISTENCE, "RDB snapshots only", "could not read")
+    shared = WorkerProcess(settings, stream.name, tmp_path, mode="key")
+    durable = WorkerProcess(
+        settings,
+        stream.name,
+        tmp_path,
+        mode="key",
+        env={"KEYQ_REDIS_URL": private_redis.url},
+    )
+    try:
+        wait_until(
+            lambda: any(line in shared.log() for line in lines), 60, "the shared Redis's line"
+        )
+        wait_until(lambda: "Redis persistence: AOF" in durable.log(), 60, "the AOF line")
+    finally:
+        shared.close()
+        durable.close()
+    warned = [line for line in shared.log().splitlines() if NO_PERSISTENCE in line]
+    assert len(warned) == (1 if volatile else 0)
+    assert all(" WARNING keyq.worker " in line for line in warned)
+    assert NO_PERSISTENCE not in durable.log()
+    assert "RDB snapshots only" not in durable.log()
