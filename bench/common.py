@@ -24,6 +24,7 @@ import orjson
 import pika
 import pika.exceptions
 import redis
+
 from keyq.broker.connections import open_blocking_connection, open_redis
 from keyq.broker.errors import KeyqError
 from keyq.broker.naming import dead_letter_queue_name

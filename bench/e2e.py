@@ -34,6 +34,20 @@ from pathlib import Path
 from typing import Any
 
 import redis
+
+from bench.common import (
+    Cleanup,
+    amqp,
+    declare_queues,
+    emit,
+    finish_run,
+    log,
+    machine_info,
+    median,
+    ratio,
+)
+from bench.producer import publish_raw
+from keyq import Producer
 from keyq.broker.connections import open_redis
 from keyq.broker.errors import KeyqError
 from keyq.broker.locks import FencedLocks
@@ -49,20 +63,6 @@ from keyq.worker.deliveries import Delivery
 from keyq.worker.engine import SparkEngine, batch_table
 from keyq.worker.pipeline import KeyedState
 from keyq.worker.state_store import StateStore
-
-from bench.common import (
-    Cleanup,
-    amqp,
-    declare_queues,
-    emit,
-    finish_run,
-    log,
-    machine_info,
-    median,
-    ratio,
-)
-from bench.producer import publish_raw
-from keyq import Producer
 
 REPO = Path(__file__).resolve().parent.parent
 PIPELINE = "bench.pipelines:count"

@@ -33,6 +33,8 @@ from typing import Any
 
 import orjson
 import pika
+
+from bench.common import Cleanup, amqp, declare_queues, emit, log, machine_info
 from keyq.broker.connections import open_redis
 from keyq.broker.errors import KeyqError
 from keyq.broker.naming import key_queue_name
@@ -42,8 +44,6 @@ from keyq.broker.streams import ensure_stream_config
 from keyq.broker.topology import keyed_queue_arguments
 from keyq.janitor.config import JanitorSettings
 from keyq.janitor.janitor import Janitor
-
-from bench.common import Cleanup, amqp, declare_queues, emit, log, machine_info
 
 CREATE_CONNECTIONS = 8
 

@@ -50,14 +50,14 @@ from typing import Any
 import orjson
 import pika
 import redis
-from keyq.broker.connections import open_redis
-from keyq.broker.errors import KeyqError
-from keyq.broker.redis_keys import StreamKeys
-from keyq.broker.settings import Settings, load_settings
 
 from bench.common import Cleanup, amqp, emit, finish_run, log, machine_info, ratio
 from bench.e2e import WorkerProcess
 from keyq import Producer
+from keyq.broker.connections import open_redis
+from keyq.broker.errors import KeyqError
+from keyq.broker.redis_keys import StreamKeys
+from keyq.broker.settings import Settings, load_settings
 
 REPO = Path(__file__).resolve().parent.parent
 PREFETCH = 100

@@ -38,21 +38,6 @@ import orjson
 import pika
 import pika.exceptions
 import redis
-from keyq.broker.clock import now_ms
-from keyq.broker.connections import open_redis
-from keyq.broker.envelope import (
-    CONTENT_JSON,
-    HEADER_KEY,
-    HEADER_PRODUCER,
-    HEADER_PUBLISHED_AT,
-    HEADER_SEQ,
-    HEADER_STREAM,
-)
-from keyq.broker.errors import KeyqError
-from keyq.broker.naming import dead_letter_queue_name, key_queue_name
-from keyq.broker.redis_keys import StreamKeys
-from keyq.broker.settings import Settings, load_settings
-from keyq.broker.topology import keyed_queue_arguments
 
 from bench.common import (
     Cleanup,
@@ -70,6 +55,21 @@ from bench.common import (
     wait_for_total,
 )
 from keyq import Producer
+from keyq.broker.clock import now_ms
+from keyq.broker.connections import open_redis
+from keyq.broker.envelope import (
+    CONTENT_JSON,
+    HEADER_KEY,
+    HEADER_PRODUCER,
+    HEADER_PUBLISHED_AT,
+    HEADER_SEQ,
+    HEADER_STREAM,
+)
+from keyq.broker.errors import KeyqError
+from keyq.broker.naming import dead_letter_queue_name, key_queue_name
+from keyq.broker.redis_keys import StreamKeys
+from keyq.broker.settings import Settings, load_settings
+from keyq.broker.topology import keyed_queue_arguments
 
 RAW_UNCONFIRMED = "raw_pika_unconfirmed"
 RAW_CONFIRM_EACH = "raw_pika_confirm_each"

@@ -16,6 +16,7 @@ import pika
 import pika.exceptions
 import redis
 import redis.exceptions
+
 from keyq.broker.errors import (
     AuthenticationFailed,
     BrokerUnavailable,

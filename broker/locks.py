@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import redis
+
 from keyq.broker.redis_keys import StreamKeys
 
 _ACQUIRE = """

@@ -43,7 +43,8 @@ def get_json(management_url: str, path: str, timeout: float) -> Any:
     user = urllib.parse.unquote(parts.username or "guest")
     password = urllib.parse.unquote(parts.password or "guest")
     token = base64.b64encode(f"{user}:{password}".encode()).decode()
-    request.add_header("Authorization", f"Basic {token}")
+    # Not passed on if the API redirects, perhaps to another host or to plain http.
+    request.add_unredirected_header("Authorization", f"Basic {token}")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.load(response)

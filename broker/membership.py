@@ -11,6 +11,7 @@ import socket
 
 import orjson
 import redis
+
 from keyq.broker.clock import now_ms
 from keyq.broker.redis_keys import StreamKeys
 

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import redis
+
 from keyq.broker.clock import now_ms
 from keyq.broker.redis_keys import StreamKeys
 

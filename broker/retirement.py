@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import redis
+
 from keyq.broker.clock import now_ms
 from keyq.broker.redis_keys import StreamKeys
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
 from keyq.broker.errors import ConfigurationError
 from keyq.broker.urls import (
     AMQP_SCHEMES,
@@ -16,8 +19,6 @@ from keyq.broker.urls import (
     check_url,
     redact_url,
 )
-from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@localhost:5672/%2F"
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"

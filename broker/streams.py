@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import orjson
 import redis
+
 from keyq.broker.errors import ConfigurationError, StreamConfigMismatch
 from keyq.broker.hashing import bucket_of
 from keyq.broker.naming import (

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from keyq.broker.settings import Settings
 from pydantic import Field
+
+from keyq.broker.settings import Settings
 
 
 class JanitorSettings(Settings):

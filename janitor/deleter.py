@@ -16,9 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pika
 import pika.exceptions
+from pika.adapters.blocking_connection import BlockingChannel
+
 from keyq.broker.connections import amqp_failure, open_blocking_connection
 from keyq.broker.settings import Settings
-from pika.adapters.blocking_connection import BlockingChannel
 
 
 class Outcome(enum.Enum):

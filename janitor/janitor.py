@@ -20,6 +20,7 @@ from typing import Any
 
 import redis
 import redis.exceptions
+
 from keyq.broker.clock import now_ms
 from keyq.broker.connections import open_redis, redis_errors
 from keyq.broker.errors import AuthenticationFailed, ConfigurationError, KeyqError

@@ -8,6 +8,7 @@ take over within a lease ttl if the leader dies.
 from __future__ import annotations
 
 import redis
+
 from keyq.broker.redis_keys import StreamKeys
 
 _RENEW = """

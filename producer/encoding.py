@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import orjson
+
 from keyq.broker.envelope import CONTENT_BYTES, CONTENT_JSON
 from keyq.broker.errors import InvalidEvent
 

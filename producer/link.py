@@ -20,6 +20,8 @@ from typing import Any
 
 import pika
 import pika.exceptions
+from pika.adapters.select_connection import IOLoop
+
 from keyq.broker.connections import amqp_failure, amqp_parameters, describe_exception
 from keyq.broker.errors import (
     AuthenticationFailed,
@@ -34,7 +36,6 @@ from keyq.broker.settings import Settings
 from keyq.broker.topology import dead_letter_queue_arguments, keyed_queue_arguments
 from keyq.broker.urls import scrub
 from keyq.producer.outgoing import Outgoing, QueueState
-from pika.adapters.select_connection import IOLoop
 
 log = logging.getLogger("keyq.producer")
 

@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any
 
 import pika
+
 from keyq.broker.clock import now_ms
 from keyq.broker.connections import open_redis, redis_errors
 from keyq.broker.envelope import (

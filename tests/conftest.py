@@ -23,12 +23,12 @@ import pika
 import pika.exceptions
 import pytest
 import redis
+
+from keyq import Producer
 from keyq.broker.errors import KeyqError
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.settings import Settings, load_settings
-
-from keyq import Producer
 
 TEST_STREAM_PREFIX = "t-"
 

@@ -7,8 +7,9 @@ from typing import Any
 
 import orjson
 import pika.exceptions
-from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
 from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
+
+from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,12 @@ from typing import Any
 
 import pika
 import redis
+
+from keyq import Producer
 from keyq.broker.envelope import HEADER_DEAD_REASON
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.settings import load_settings
-
-from keyq import Producer
 from tests.faults import FaultProxy
 from tests.helpers import drain
 from tests.servers import PrivateRabbit, PrivateRedis

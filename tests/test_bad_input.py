@@ -1,6 +1,6 @@
 """Bad input gets a clear error, and nothing is sent or disturbed.
 
-Every refusal must be the right class from ``broker.errors`` (also a ``ValueError`` where the
+Every refusal must be the right class from ``keyq.broker.errors`` (also a ``ValueError`` where the
 class derives from it), with a message a person can act on, raised before anything reaches
 RabbitMQ or Redis. After each refusal the same producer keeps publishing, and the queue holds
 exactly the good events, with no gap in their per-key sequence numbers.
@@ -20,6 +20,8 @@ from typing import Any
 import orjson
 import pika
 import pytest
+
+from keyq import Producer
 from keyq.broker.envelope import CONTENT_BYTES, CONTENT_JSON, HEADER_KEY
 from keyq.broker.errors import (
     ConfigurationError,
@@ -35,8 +37,6 @@ from keyq.broker.errors import (
 from keyq.broker.naming import MAX_KEY_BYTES, dead_letter_queue_name, key_queue_name
 from keyq.broker.settings import load_settings
 from keyq.producer.producer import HEADER_ALLOWANCE
-
-from keyq import Producer
 from tests.conftest import StreamFixture
 from tests.helpers import Landed, drain, queue_depth
 

@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 
 import pika
 import pytest
+
+from keyq import Producer
 from keyq.broker.errors import (
     AuthenticationFailed,
     BrokerUnavailable,
@@ -33,8 +35,6 @@ from keyq.broker.errors import (
 )
 from keyq.broker.naming import key_queue_name
 from keyq.broker.settings import Settings, load_settings
-
-from keyq import Producer
 from tests.conftest import StreamFixture
 from tests.faults import FaultProxy
 from tests.helpers import Landed, drain

@@ -21,10 +21,10 @@ from urllib.parse import urlsplit
 import pika
 import pika.exceptions
 import pytest
+
 from keyq.broker.settings import Settings, load_settings
 from keyq.worker.consumer import ConsumeOutcome, ConsumerLink
 from keyq.worker.deliveries import DeliveryBuffer
-
 from tests.conftest import StreamFixture
 from tests.faults import FaultProxy
 from tests.workers import wait_until

@@ -9,9 +9,9 @@ from typing import Any
 
 import orjson
 import pytest
-from keyq.worker.state_store import StateStore
 
 from keyq.orders import expected_states, generate_orders
+from keyq.worker.state_store import StateStore
 from tests.workers import FAST, REPO, keyq_environment
 
 pytestmark = pytest.mark.slow

@@ -17,11 +17,11 @@ from typing import Any
 import click
 import pytest
 import yaml
+
 from keyq.broker.settings import Settings
+from keyq.cli import cli
 from keyq.janitor.config import JanitorSettings
 from keyq.worker.config import WorkerSettings
-
-from keyq.cli import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"

@@ -14,8 +14,8 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from keyq.worker.deliveries import Delivery, DeliveryBuffer
 
+from keyq.worker.deliveries import Delivery, DeliveryBuffer
 from tests.test_worker_units import delivery
 
 

@@ -17,10 +17,10 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis
-from keyq.broker.settings import Settings
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from keyq.broker.settings import Settings
 from tests.faults import FaultProxy
 
 ClientFactory = Callable[..., "redis.Redis"]

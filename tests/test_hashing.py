@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
+
 from keyq.broker.hashing import bucket_of, murmur3_32
 
 

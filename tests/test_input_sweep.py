@@ -19,6 +19,8 @@ from urllib.parse import quote
 import orjson
 import pika
 import pytest
+
+from keyq import Producer
 from keyq.broker.envelope import (
     HEADER_DEAD_QUEUE,
     HEADER_DEAD_REASON,
@@ -33,8 +35,6 @@ from keyq.broker.settings import load_settings
 from keyq.worker.daemon import Worker
 from keyq.worker.engine import SparkEngine
 from keyq.worker.state_store import StateStore
-
-from keyq import Producer
 from tests.conftest import StreamFixture
 from tests.helpers import drain, queue_depth
 from tests.test_worker_poison import fast_settings, text

@@ -15,6 +15,8 @@ from typing import Any
 import orjson
 import pika
 import pytest
+
+from keyq import Producer
 from keyq.broker.clock import now_ms
 from keyq.broker.locks import FencedLocks
 from keyq.broker.naming import dead_letter_queue_name, key_queue_name
@@ -26,8 +28,6 @@ from keyq.broker.topology import keyed_queue_arguments
 from keyq.janitor.config import JanitorSettings
 from keyq.janitor.janitor import Janitor
 from keyq.worker.state_store import StateStore
-
-from keyq import Producer
 from tests.conftest import StreamFixture
 from tests.helpers import drain, queue_depth
 from tests.workers import WorkerProcess, wait_until

@@ -11,10 +11,9 @@ import time
 import urllib.request
 from typing import Any
 
+from keyq import Producer
 from keyq.broker.naming import key_queue_name
 from keyq.broker.settings import Settings
-
-from keyq import Producer
 from tests.helpers import queue_depth
 from tests.workers import REPO, JanitorProcess, keyq_environment, wait_until
 

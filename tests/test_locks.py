@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 from keyq.broker.locks import FencedLocks
-
 from tests.conftest import StreamFixture
 
 

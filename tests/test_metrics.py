@@ -12,6 +12,8 @@ from typing import Any
 
 import pika
 import pytest
+
+from keyq import Producer
 from keyq.broker.metrics import (
     CONTENT_TYPE,
     Histogram,
@@ -28,8 +30,6 @@ from keyq.janitor.metrics import janitor_metrics
 from keyq.worker.config import WorkerSettings
 from keyq.worker.daemon import Worker
 from keyq.worker.metrics import BatchLatency, worker_metrics
-
-from keyq import Producer
 from tests.conftest import StreamFixture
 from tests.helpers import queue_depth
 from tests.workers import wait_until

@@ -7,6 +7,7 @@ import pika.exceptions
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from keyq.broker.errors import InvalidKey, InvalidStreamName
 from keyq.broker.naming import (
     MAX_KEY_BYTES,
@@ -18,7 +19,6 @@ from keyq.broker.naming import (
     is_stream_queue,
     key_queue_name,
 )
-
 from tests.conftest import StreamFixture
 
 keys = st.text(min_size=1, max_size=300).filter(lambda k: len(k.encode("utf-8")) <= MAX_KEY_BYTES)

@@ -17,13 +17,13 @@ from multiprocessing.synchronize import Event as EventType
 import pika
 import pika.exceptions
 import redis
+from pika.adapters.blocking_connection import BlockingChannel
+
+from keyq import Producer
 from keyq.broker.envelope import HEADER_KEY, HEADER_SEQ
 from keyq.broker.naming import key_queue_name
 from keyq.broker.retirement import RetirementFence
 from keyq.broker.settings import load_settings
-from pika.adapters.blocking_connection import BlockingChannel
-
-from keyq import Producer
 from tests.conftest import StreamFixture
 from tests.helpers import drain
 

@@ -18,6 +18,8 @@ from typing import Any
 import orjson
 import pytest
 import redis
+
+from keyq import Producer
 from keyq.broker.connections import open_redis
 from keyq.broker.errors import ConfigurationError
 from keyq.broker.fd_usage import FdUsage, near_limit, read_fd_usage
@@ -27,8 +29,6 @@ from keyq.janitor.config import JanitorSettings
 from keyq.janitor.fd_watch import FdWatch
 from keyq.janitor.janitor import Janitor
 from keyq.janitor.metrics import janitor_metrics
-
-from keyq import Producer
 from keyq.status import collect_status, render_table
 from tests.conftest import StreamFixture
 from tests.servers import PrivateRabbit, PrivateRedis, free_port, private_servers_available

@@ -25,14 +25,12 @@ import pytest
 from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
+
+from keyq import Producer
 from keyq.broker.locks import FencedLocks
 from keyq.broker.naming import key_queue_name
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings
-from keyq.worker.fold import FoldFailed, make_folder
-from keyq.worker.state_store import StateStore
-
-from keyq import Producer
 from keyq.orders import (
     EVENT_TYPES,
     MAX_INT64,
@@ -43,6 +41,8 @@ from keyq.orders import (
     new_order_state,
     pipeline,
 )
+from keyq.worker.fold import FoldFailed, make_folder
+from keyq.worker.state_store import StateStore
 from tests.conftest import StreamFixture
 from tests.helpers import queue_depth
 from tests.workers import held_by, run_keyq, wait_until

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from keyq.broker.registry import QueueRegistry
 
+from keyq.broker.registry import QueueRegistry
 from tests.helpers import queue_depth
 from tests.workers import run_keyq
 

@@ -7,11 +7,11 @@ import threading
 from collections import defaultdict
 
 import pika
+
+from keyq import Producer
 from keyq.broker.envelope import HEADER_PUBLISHED_AT, HEADER_STREAM
 from keyq.broker.hashing import bucket_of
 from keyq.broker.naming import bucket_queue_name, key_queue_name
-
-from keyq import Producer
 from tests.conftest import StreamFixture
 from tests.helpers import Landed, drain
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pika
+
 from keyq.broker.naming import key_queue_name
 from keyq.broker.topology import keyed_queue_arguments
 

@@ -6,10 +6,10 @@ import threading
 import time
 
 import redis
+
 from keyq.broker.clock import now_ms
 from keyq.broker.membership import Membership, fair_share
 from keyq.broker.registry import QueueRegistry
-
 from tests.conftest import StreamFixture
 
 

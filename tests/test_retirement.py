@@ -6,12 +6,12 @@ import threading
 import time
 
 import pika
+
+from keyq import Producer
 from keyq.broker.naming import key_queue_name
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.retirement import RetirementFence
 from keyq.broker.settings import load_settings
-
-from keyq import Producer
 from tests.conftest import StreamFixture
 from tests.helpers import drain, queue_depth
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from keyq.worker.state_store import StateStore
 
 from keyq import Producer
+from keyq.worker.state_store import StateStore
 from tests.workers import wait_until
 
 pytestmark = pytest.mark.slow

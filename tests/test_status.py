@@ -17,13 +17,13 @@ from typing import Any
 import orjson
 import pika
 import pytest
+
+from keyq import Producer
 from keyq.broker.locks import FencedLocks, Lease
 from keyq.broker.membership import Membership
 from keyq.broker.naming import dead_letter_queue_name, key_queue_name
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings, load_settings
-
-from keyq import Producer
 from keyq.status import TABLE_LIMIT, add_rates, collect_status, render_table
 from tests.helpers import queue_depth
 from tests.workers import REPO, keyq_environment, wait_until

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+
+from keyq import Producer
 from keyq.broker.errors import ConfigurationError, StreamConfigMismatch
 from keyq.broker.naming import Mode
 from keyq.broker.streams import DEFAULT_BUCKETS, ensure_stream_config, load_stream_config
-
-from keyq import Producer
 from tests.conftest import StreamFixture
 
 

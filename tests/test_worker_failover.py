@@ -8,9 +8,9 @@ import time
 from typing import Any
 
 import pytest
-from keyq.worker.state_store import StateStore
 
 from keyq import Producer
+from keyq.worker.state_store import StateStore
 from tests.workers import held_by, wait_until
 
 pytestmark = pytest.mark.slow

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from keyq.broker.naming import key_queue_name
-from keyq.worker.state_store import StateStore
 
 from keyq import Producer
+from keyq.broker.naming import key_queue_name
+from keyq.worker.state_store import StateStore
 from tests.helpers import drain
 from tests.workers import WorkerProcess, wait_until
 

@@ -10,6 +10,8 @@ from typing import Any
 import orjson
 import pika
 import pytest
+
+from keyq import Producer
 from keyq.broker.envelope import (
     HEADER_ATTEMPTS,
     HEADER_DEAD_QUEUE,
@@ -26,8 +28,6 @@ from keyq.worker.config import WorkerSettings
 from keyq.worker.daemon import Worker
 from keyq.worker.engine import SparkEngine
 from keyq.worker.state_store import StateStore
-
-from keyq import Producer
 from tests.conftest import StreamFixture
 from tests.helpers import Landed, drain, queue_depth
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import pika
 import pytest
+
+from keyq import Producer
 from keyq.broker.errors import KeyqError
 from keyq.broker.naming import bucket_queue_name
 from keyq.broker.redis_keys import StreamKeys
@@ -21,8 +23,6 @@ from keyq.worker.config import WorkerSettings
 from keyq.worker.daemon import Worker
 from keyq.worker.engine import SparkEngine
 from keyq.worker.state_store import StateStore
-
-from keyq import Producer
 from tests.conftest import StreamFixture
 from tests.helpers import queue_depth
 from tests.workers import held_by, wait_until

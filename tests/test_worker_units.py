@@ -15,6 +15,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_PUBLISHED_AT, HEADER_SEQ
 from keyq.broker.errors import ConfigurationError
 from keyq.broker.settings import load_settings
@@ -26,7 +27,6 @@ from keyq.worker.deliveries import Delivery, DeliveryBuffer
 from keyq.worker.fold import STATE_COLUMNS, FoldFailed, make_folder
 from keyq.worker.pipeline import load_pipeline
 from keyq.worker.sinks import STAGING, ParquetSink, open_sink
-
 from tests.pipelines import audit, audit_event
 
 # --------------------------------------------------------------------------- helpers

@@ -12,11 +12,11 @@ from typing import Any
 import orjson
 import pytest
 import redis
+
+from keyq import Producer
 from keyq.broker.naming import key_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.worker.state_store import StateStore
-
-from keyq import Producer
 from tests.conftest import StreamFixture
 from tests.workers import held_by, wait_until
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+
 from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
 from keyq.broker.registry import QueueRegistry

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import redis
 import redis.exceptions
+
 from keyq.broker.clock import now_ms
 from keyq.broker.errors import KeyqError
 from keyq.broker.locks import FencedLocks, Lease

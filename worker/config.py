@@ -5,8 +5,9 @@ Every field is also a ``KEYQ_<FIELD>`` environment variable, like the shared set
 
 from __future__ import annotations
 
-from keyq.broker.settings import Settings
 from pydantic import Field, model_validator
+
+from keyq.broker.settings import Settings
 
 
 class WorkerSettings(Settings):

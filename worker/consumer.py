@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 
 import pika
 import pika.exceptions
+from pika.adapters.blocking_connection import BlockingChannel
+
 from keyq.broker.connections import amqp_failure, describe_exception, open_blocking_connection
 from keyq.broker.consumers import close_keeping_consumers
 from keyq.broker.envelope import HEADER_ATTEMPTS, HEADER_DEAD_QUEUE, HEADER_DEAD_REASON
@@ -34,7 +36,6 @@ from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.settings import Settings
 from keyq.broker.topology import dead_letter_queue_arguments
 from keyq.worker.deliveries import Delivery, DeliveryBuffer
-from pika.adapters.blocking_connection import BlockingChannel
 
 log = logging.getLogger("keyq.worker.amqp")
 

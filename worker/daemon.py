@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redis.exceptions
+
 from keyq.broker.clock import now_ms
 from keyq.broker.connections import open_blocking_connection, open_redis, redis_errors
 from keyq.broker.errors import (

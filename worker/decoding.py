@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import orjson
+
 from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_PUBLISHED_AT, HEADER_SEQ
 from keyq.worker.deliveries import Delivery
 

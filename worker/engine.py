@@ -16,13 +16,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
+from pyspark import SparkConf, SparkContext
+from pyspark.java_gateway import launch_gateway
+from pyspark.sql import SparkSession
+
 from keyq.broker.errors import ConfigurationError
 from keyq.worker.config import WorkerSettings
 from keyq.worker.decoding import Event
 from keyq.worker.fold import STATE_SCHEMA_DDL, make_folder
-from pyspark import SparkConf, SparkContext
-from pyspark.java_gateway import launch_gateway
-from pyspark.sql import SparkSession
 
 log = logging.getLogger("keyq.worker.spark")
 
@@ -115,9 +116,6 @@ class SparkEngine:
                 "spark.ui.showConsoleProgress": "false",
                 "spark.sql.execution.arrow.pyspark.enabled": "true",
                 "spark.python.worker.reuse": "true",
-                # -Xrs: the JVM installs no handler for SIGTERM, SIGINT or SIGHUP, so the ones
-                # it is launched with blocked stay blocked (see _launch_jvm_apart).
-                "spark.driver.extraJavaOptions": f"{settings.spark_driver_java_options} -Xrs",
             }
         builder: Any = SparkSession.builder
         builder = builder.config(map=options)
@@ -125,8 +123,17 @@ class SparkEngine:
             builder = builder.remote(remote)
         try:
             if not remote or remote.startswith("local"):
-                # A local master, or a local Spark Connect server: a JVM of this process.
-                _launch_jvm_apart({"spark.master": remote or settings.spark_master, **options})
+                # A local master, or a local Spark Connect server: a JVM of this process. -Xrs:
+                # it installs no handler for SIGTERM, SIGINT or SIGHUP, so the ones it is
+                # launched with blocked stay blocked (see _launch_jvm_apart).
+                jvm = f"{settings.spark_driver_java_options} -Xrs"
+                _launch_jvm_apart(
+                    {
+                        **options,
+                        "spark.master": remote or settings.spark_master,
+                        "spark.driver.extraJavaOptions": jvm,
+                    }
+                )
             self._session = builder.getOrCreate()
         except Exception as exc:  # noqa: BLE001 - Spark fails in many ways; all are config
             where = settings.spark_remote or settings.spark_master

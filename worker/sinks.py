@@ -17,6 +17,7 @@ from typing import Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
 from keyq.broker.errors import ConfigurationError
 
 log = logging.getLogger("keyq.worker.sink")

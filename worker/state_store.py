@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 import redis
+
 from keyq.broker.locks import FencedLocks, Lease
 from keyq.broker.redis_keys import StreamKeys
 from keyq.worker.dedup import KeyMarks

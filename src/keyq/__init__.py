@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         InvalidStreamName,
         KeyqError,
         LockLost,
+        ManagementUnavailable,
         MessageTooLarge,
         PipelineError,
         ProducerClosed,
@@ -55,6 +56,7 @@ _ERRORS = (
     "InvalidStreamName",
     "KeyqError",
     "LockLost",
+    "ManagementUnavailable",
     "MessageTooLarge",
     "PipelineError",
     "ProducerClosed",
@@ -96,6 +98,7 @@ __all__ = [
     "KeyedState",
     "KeyqError",
     "LockLost",
+    "ManagementUnavailable",
     "MessageTooLarge",
     "Mode",
     "PipelineError",
@@ -114,14 +117,15 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'keyq' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value
-    return value
+if not TYPE_CHECKING:  # type checkers see the imports above, so a misspelt name is an error
 
+    def __getattr__(name: str) -> Any:
+        home = _HOMES.get(name)
+        if home is None:
+            raise AttributeError(f"module 'keyq' has no attribute {name!r}")
+        value = getattr(importlib.import_module(home), name)
+        globals()[name] = value
+        return value
 
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_HOMES])
+    def __dir__() -> list[str]:
+        return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})

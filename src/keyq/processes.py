@@ -11,6 +11,8 @@ import time
 import uuid
 from pathlib import Path
 
+import redis
+
 from keyq.broker.membership import Membership
 
 
@@ -32,8 +34,12 @@ class Daemon:
         self.started = time.monotonic()
 
     def serving(self, membership: Membership) -> bool:
-        """A worker that says in Redis that its first claim round is done."""
-        return self.kind == "worker" and membership.serving(self.id)
+        """A worker that says in Redis that its first claim round is done (False while Redis
+        does not answer)."""
+        try:
+            return self.kind == "worker" and membership.serving(self.id)
+        except (redis.RedisError, OSError):
+            return False
 
     @property
     def alive(self) -> bool:
