@@ -29,6 +29,15 @@ class Outcome(enum.Enum):
     # It did not exist, as a broker that answers 404 says; RabbitMQ 3.10 answers delete-ok
     # for a missing queue, which counts as DELETED (either way it is no longer there).
     GONE = "gone"
+    # On a cluster, the node that holds the queue is down: the queue and its messages come
+    # back with the node, so this is "not now", never "gone".
+    UNREACHABLE = "unreachable"
+
+
+def _home_node_down(reply_text: str) -> bool:
+    """RabbitMQ's 404 for a durable queue whose node is away: "home node … is down or
+    inaccessible"."""
+    return "is down or inaccessible" in reply_text or "home node" in reply_text
 
 
 class _Lane:
@@ -60,7 +69,7 @@ class _Lane:
         except pika.exceptions.ChannelClosedByBroker as exc:
             self._channel = None
             if exc.reply_code == 404:
-                return Outcome.GONE
+                return Outcome.UNREACHABLE if _home_node_down(exc.reply_text) else Outcome.GONE
             if exc.reply_code == 406:
                 return Outcome.NOT_EMPTY if "not empty" in exc.reply_text else Outcome.IN_USE
             raise amqp_failure(exc, self._settings.amqp_url) from None

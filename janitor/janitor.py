@@ -221,6 +221,7 @@ class Janitor:
         self.stats["already_gone"] += tally[Outcome.GONE.value]
         self.stats["skipped_not_empty"] += tally[Outcome.NOT_EMPTY.value]
         self.stats["skipped_in_use"] += tally[Outcome.IN_USE.value]
+        self.stats["skipped_unreachable"] += tally[Outcome.UNREACHABLE.value]
         gone = {
             queue: seen[queue]
             for queue, outcome in outcomes.items()

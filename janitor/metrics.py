@@ -51,6 +51,7 @@ SKIP_REASONS: tuple[tuple[str, str], ...] = (
     ("held", "skipped_held"),
     ("not_empty", "skipped_not_empty"),
     ("in_use", "skipped_in_use"),
+    ("unreachable", "skipped_unreachable"),
 )
 
 

@@ -1,0 +1,619 @@
+"""A private 3-node RabbitMQ cluster on loopback, with node faults, for tests.
+
+The nodes run the installed release (``/usr/lib/rabbitmq/bin/rabbitmq-server``, called
+directly), as this user, in a temporary folder of their own: node names unique to the run
+(``kq<random><n>@localhost``), free AMQP and distribution ports on 127.0.0.1, their own
+``HOME`` (and so Erlang cookie), mnesia, log, env and config files, so nothing of
+``/etc/rabbitmq`` -- the machine's own node ``rabbit@localhost`` on 5672 -- ever applies.
+Every ``rabbitmqctl`` call names one of these nodes with ``-n``.
+
+    with RabbitCluster() as cluster:           # ~11-17 s to boot, 5-16 s to join
+        connection = pika.BlockingConnection(pika.URLParameters(cluster.urls[0]))
+        ...
+        leader = cluster.leader_of("q")
+        cluster.kill(leader)                     # kill -9 of the queue leader's VM
+        cluster.await_leader("q", not_on=leader) # the survivors elected one (< 1 s)
+        cluster.restart(leader)                  # same name and data: it rejoins (6-8 s)
+
+In a test module, ``rabbit_cluster = cluster_fixture()`` gives one cluster for the module.
+A node is named by its index (0, 1, 2) or its Erlang name (``cluster.nodes[i]``).
+
+Faults:
+
+- ``stop(node)``: a graceful shutdown of the whole Erlang VM (``rabbitmqctl stop``), as a
+  ``systemctl stop`` or a rolling restart does: the node leaves the cluster's view at once
+  (``nodedown``), its quorum queue replicas go away with it and the others elect a leader.
+  ``stop_app`` was not chosen: it leaves the VM (and its distribution link) up, which is
+  not what "the node that leads a queue is stopped" means in production.
+- ``kill(node)``: ``kill -9`` of the node's ``beam.smp`` (its OS pid is the one in its pid
+  file, checked to be this node's VM): a crash, with no shutdown at all.
+- ``restart(node)``: start a stopped or killed node again, with the same name and data; it
+  returns once the node runs again and every other running node lists it as running.
+- ``cut(node)``: reset every client connection that came through the node's
+  :class:`~tests.faults.FaultProxy` (``proxied_urls``); ``proxy(node)`` gives the proxy for
+  its other faults (``pause``, ``set_delay``, ``refuse``...). Direct ``urls`` are not proxied.
+
+Nothing is left behind: close() stops every node (then kill -9 of each node's process group)
+and removes the folder; a node also stops by itself if the test process dies without
+closing (PR_SET_PDEATHSIG). The CLI's own distribution port is left to the OS, since the
+default range (35672-35682) is shared by every rabbitmqctl on the machine.
+
+Restarting needs the other nodes running: a node stopped while others ran waits for them at
+boot (mnesia), so stopping every node and restarting one alone would hang for minutes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import csv
+import ctypes
+import io
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+import pika
+import pytest
+
+from tests.faults import FaultProxy
+from tests.servers import free_port
+
+_RABBIT_BIN = Path("/usr/lib/rabbitmq/bin")
+
+# Inherited variables that would point a node or the CLI somewhere else.
+_ENV_PREFIXES = ("RABBITMQ_", "ERL_")
+_ENV_NAMES = frozenset({"CONF_ENV_FILE", "NODENAME", "NODE_PORT", "NODE_IP_ADDRESS", "HOME"})
+
+NodeRef = int | str
+_QUEUE_COLUMNS = ("name", "type", "leader", "members", "online", "pid")
+# 3.10 lists a classic queue whose home node is down with its module's name as its type.
+_QUEUE_TYPES = {
+    "rabbit_classic_queue": "classic",
+    "rabbit_quorum_queue": "quorum",
+    "rabbit_stream_queue": "stream",
+}
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+# Erlang distribution (node to node) on loopback only.
+_LOOPBACK_DIST = "-kernel inet_dist_use_interface {127,0,0,1}"
+
+
+def cluster_available() -> str | None:
+    """None if a cluster can be started here, else why not."""
+    if not (_RABBIT_BIN / "rabbitmq-server").exists():
+        return f"rabbitmq-server is not installed under {_RABBIT_BIN}"
+    return None
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class _Node:
+    index: int
+    name: str
+    folder: Path
+    port: int
+    dist_port: int
+    env: dict[str, str]
+    management_port: int | None = None
+    process: subprocess.Popen[bytes] | None = None
+    up: bool = False  # started by us and not stopped or killed since
+    pid_file: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pid_file = self.folder / "pid"
+
+    def log_tail(self, lines: int = 30) -> str:
+        text = []
+        for path in [self.folder / "console.log", *sorted((self.folder / "log").glob("*.log"))]:
+            with contextlib.suppress(OSError):
+                tail = path.read_text(errors="replace").splitlines()[-lines:]
+                text.append(f"--- {path.name}\n" + "\n".join(tail))
+        return "\n".join(text)
+
+
+@dataclass(frozen=True)
+class QueueInfo:
+    name: str
+    type: str  # "classic", "quorum" or "stream"
+    leader: str | None  # quorum: the leader's node; classic: the node the queue lives on
+    members: list[str]  # quorum: the nodes with a replica
+    online: list[str]  # quorum: the members now running
+
+
+class RabbitCluster:
+    """``size`` RabbitMQ nodes clustered on loopback; a context manager (see the module)."""
+
+    def __init__(
+        self,
+        folder: Path | None = None,
+        *,
+        size: int = 3,
+        management: bool = False,
+        boot_timeout: float = 180,
+    ) -> None:
+        reason = cluster_available()
+        if reason is not None:
+            raise ClusterError(reason)
+        if size < 1:
+            raise ValueError("a cluster needs at least one node")
+        # Our own folder inside ``folder`` (or the system temp dir), removed on close.
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+        self.folder = Path(tempfile.mkdtemp(prefix="kq-cluster-", dir=folder))
+        self.boot_timeout = boot_timeout
+        self.timings: dict[str, float] = {}
+        self._closed = False
+        self._proxies: list[FaultProxy] = []
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="kq-cluster-spawner")
+        home = self.folder / "home"
+        home.mkdir()
+        cookie = home / ".erlang.cookie"
+        cookie.write_text(secrets.token_hex(20).upper())
+        cookie.chmod(0o400)
+        base_env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(_ENV_PREFIXES) and k not in _ENV_NAMES
+        }
+        base_env.update(
+            HOME=str(home),
+            ERL_EPMD_ADDRESS="127.0.0.1",
+            # The CLI's own distribution port: any free one. Its default range, 35672-35682,
+            # is shared by every rabbitmqctl on the machine and runs out under parallel calls.
+            RABBITMQ_CTL_DIST_PORT_MIN="0",
+            RABBITMQ_CTL_DIST_PORT_MAX="0",
+        )
+        self._ctl_env = base_env
+        tag = secrets.token_hex(3)
+        self._nodes: list[_Node] = []
+        for index in range(size):
+            name = f"kq{tag}{index + 1}@localhost"
+            node_folder = self.folder / f"n{index + 1}"
+            node_folder.mkdir()
+            port, dist_port = free_port(), free_port()
+            config = f"listeners.tcp.default = 127.0.0.1:{port}\n"
+            plugins = "[]"
+            management_port = None
+            if management:
+                management_port = free_port()
+                plugins = "[rabbitmq_management]"
+                config += (
+                    f"management.tcp.ip = 127.0.0.1\nmanagement.tcp.port = {management_port}\n"
+                    "collect_statistics_interval = 1000\n"
+                )
+            (node_folder / "rabbitmq.conf").write_text(config)
+            (node_folder / "enabled_plugins").write_text(f"{plugins}.\n")
+            (node_folder / "rabbitmq-env.conf").write_text("")
+            env = {
+                **base_env,
+                "RABBITMQ_NODENAME": name,
+                "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+                "RABBITMQ_NODE_PORT": str(port),
+                "RABBITMQ_DIST_PORT": str(dist_port),
+                "RABBITMQ_MNESIA_BASE": str(node_folder / "mnesia"),
+                "RABBITMQ_LOG_BASE": str(node_folder / "log"),
+                "RABBITMQ_CONF_ENV_FILE": str(node_folder / "rabbitmq-env.conf"),
+                "RABBITMQ_CONFIG_FILE": str(node_folder / "rabbitmq.conf"),
+                "RABBITMQ_ENABLED_PLUGINS_FILE": str(node_folder / "enabled_plugins"),
+                "RABBITMQ_PID_FILE": str(node_folder / "pid"),
+                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": _LOOPBACK_DIST,
+            }
+            self._nodes.append(
+                _Node(index, name, node_folder, port, dist_port, env, management_port)
+            )
+        atexit.register(self._kill_all)  # a last resort if close() is never reached
+
+    # -- views -------------------------------------------------------------------------
+
+    @property
+    def nodes(self) -> list[str]:
+        return [node.name for node in self._nodes]
+
+    @property
+    def ports(self) -> list[int]:
+        return [node.port for node in self._nodes]
+
+    @property
+    def urls(self) -> list[str]:
+        """One AMQP URL per node, straight to it (guest/guest: clients are on loopback)."""
+        return [f"amqp://guest:guest@127.0.0.1:{node.port}/%2F" for node in self._nodes]
+
+    @property
+    def proxied_urls(self) -> list[str]:
+        """One AMQP URL per node, through that node's FaultProxy (see :meth:`cut`)."""
+        return [proxy.url_for(url) for proxy, url in zip(self._proxies, self.urls, strict=True)]
+
+    @property
+    def management_urls(self) -> list[str]:
+        """``http://guest:guest@127.0.0.1:<port>`` per node, with ``management=True``."""
+        return [
+            f"http://guest:guest@127.0.0.1:{node.management_port}"
+            for node in self._nodes
+            if node.management_port is not None
+        ]
+
+    def node(self, node: NodeRef) -> str:
+        return self._node(node).name
+
+    def url(self, node: NodeRef) -> str:
+        return self.urls[self._node(node).index]
+
+    def proxy(self, node: NodeRef) -> FaultProxy:
+        return self._proxies[self._node(node).index]
+
+    def is_up(self, node: NodeRef) -> bool:
+        """Started by us and not stopped or killed since (not a health check)."""
+        return self._node(node).up
+
+    def _node(self, node: NodeRef) -> _Node:
+        if isinstance(node, int):
+            return self._nodes[node]
+        for candidate in self._nodes:
+            if candidate.name == node:
+                return candidate
+        raise KeyError(f"{node!r} is not a node of this cluster ({self.nodes})")
+
+    def _any_up(self, exclude: _Node | None = None) -> _Node:
+        for node in self._nodes:
+            if node.up and node is not exclude:
+                return node
+        raise ClusterError("no node of the cluster is running")
+
+    # -- rabbitmqctl ---------------------------------------------------------------------
+
+    def ctl(self, node: NodeRef, *args: str, timeout: float = 60) -> str:
+        """``rabbitmqctl -n <node> args...``; its stdout, or ClusterError with its output."""
+        target = self._node(node)
+        command = [str(_RABBIT_BIN / "rabbitmqctl"), "-n", target.name, *args]
+        try:
+            done = subprocess.run(
+                command, env=self._ctl_env, capture_output=True, text=True, timeout=timeout
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise ClusterError(f"{' '.join(command[1:])}: no answer in {timeout:.0f}s") from exc
+        if done.returncode != 0:
+            raise ClusterError(
+                f"{' '.join(command[1:])} exited {done.returncode}: "
+                f"{(done.stdout + done.stderr).strip()[-2000:]}"
+            )
+        return done.stdout
+
+    def running_nodes(self, via: NodeRef | None = None) -> list[str]:
+        """The nodes ``via`` (default: a node that is up) sees running, per cluster_status."""
+        target = self._node(via) if via is not None else self._any_up()
+        status = json.loads(self.ctl(target.index, "cluster_status", "--formatter", "json"))
+        return sorted(str(name) for name in status.get("running_nodes", []))
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def __enter__(self) -> RabbitCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def start(self) -> RabbitCluster:
+        """Start every node in parallel, join the others to the first, wait for all."""
+        began = time.monotonic()
+        for node in self._nodes:
+            self._spawner.submit(self._spawn, node).result()
+        self._parallel([partial(self._await_boot, n) for n in self._nodes])
+        self.timings["start"] = time.monotonic() - began
+        self._check_guest(self._nodes[0])
+        began = time.monotonic()
+        first = self._nodes[0]
+        for node in self._nodes[1:]:
+            self.ctl(node.index, "stop_app")
+            self.ctl(node.index, "join_cluster", first.name, timeout=120)
+            self.ctl(node.index, "start_app", timeout=self.boot_timeout)
+        self._await_running(set(self.nodes), via=[first])
+        self.timings["join"] = time.monotonic() - began
+        self._proxies = [FaultProxy("127.0.0.1", node.port).start() for node in self._nodes]
+        return self
+
+    def close(self) -> None:
+        """Stop every node (gracefully, then kill -9 what is left) and remove the folder."""
+        if self._closed:
+            return
+        self._closed = True
+        for proxy in self._proxies:
+            with contextlib.suppress(Exception):
+                proxy.stop()
+        began = time.monotonic()
+        self._parallel(
+            [partial(self._stop_node, n) for n in self._nodes if n.process is not None],
+            swallow=True,
+        )
+        self._kill_all()
+        self._spawner.shutdown()
+        self.timings["close"] = time.monotonic() - began
+        atexit.unregister(self._kill_all)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    # -- faults --------------------------------------------------------------------------
+
+    def stop(self, node: NodeRef) -> float:
+        """Stop ``node`` gracefully (its whole VM); returns the seconds it took."""
+        target = self._node(node)
+        began = time.monotonic()
+        self._stop_node(target)
+        return time.monotonic() - began
+
+    def kill(self, node: NodeRef) -> float:
+        """``kill -9`` of ``node``'s beam.smp; returns once it is gone (seconds taken)."""
+        target = self._node(node)
+        pid = self.os_pid(target.index)
+        began = time.monotonic()
+        target.up = False
+        os.kill(pid, signal.SIGKILL)
+        if target.process is not None:
+            target.process.wait(30)  # the script waits on beam.smp, so it ends with it
+            target.process = None
+        _wait(lambda: not _alive(pid), 30, f"pid {pid} of {target.name} to end")
+        return time.monotonic() - began
+
+    def restart(self, node: NodeRef) -> float:
+        """Start a stopped or killed ``node`` again with its name and data; returns once the
+        other running nodes list it as running (seconds taken)."""
+        target = self._node(node)
+        if target.up:
+            self._stop_node(target)
+        began = time.monotonic()
+        self._spawner.submit(self._spawn, target).result()
+        self._await_boot(target)
+        self._await_running(
+            {n.name for n in self._nodes if n.up}, via=[n for n in self._nodes if n.up]
+        )
+        return time.monotonic() - began
+
+    def cut(self, node: NodeRef) -> None:
+        """Reset every client connection made through ``node``'s proxy (``proxied_urls``);
+        new connections are accepted again at once."""
+        self.proxy(node).cut()
+
+    def os_pid(self, node: NodeRef) -> int:
+        """The OS pid of ``node``'s beam.smp (from its pid file, or asked of the node)."""
+        target = self._node(node)
+        pid: int | None = None
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(target.pid_file.read_text().strip())
+        if pid is None or not self._is_vm_of(pid, target):
+            answer = self.ctl(target.index, "eval", "os:getpid().")
+            pid = int(answer.strip().strip('"'))
+        if not self._is_vm_of(pid, target):
+            raise ClusterError(f"pid {pid} is not the VM of {target.name}")
+        return pid
+
+    # -- queues --------------------------------------------------------------------------
+
+    def queue_info(self, queue: str, vhost: str = "/", via: NodeRef | None = None) -> QueueInfo:
+        """What ``via`` (default: a node that is up) now says of ``queue`` (``list_queues``)."""
+        target = self._node(via) if via is not None else self._any_up()
+        out = self.ctl(
+            target.index, "list_queues", "-p", vhost, *_QUEUE_COLUMNS, "--formatter", "csv"
+        )
+        for row in csv.DictReader(io.StringIO(out)):
+            if row.get("name") != queue:
+                continue
+            if row["type"] == "quorum":
+                leader = row["leader"] or None
+            else:  # a classic queue's pid carries its home node: <kq..1@localhost.1.2.0>
+                match = re.fullmatch(r"<(.+@[^.]+)(?:\.\d+)+>", row["pid"])
+                leader = match.group(1) if match else None
+            return QueueInfo(
+                queue,
+                _QUEUE_TYPES.get(row["type"], row["type"]),
+                leader,
+                _node_list(row["members"]),
+                _node_list(row["online"]),
+            )
+        raise KeyError(f"no queue {queue!r} in vhost {vhost!r}")
+
+    def leader_of(self, queue: str, vhost: str = "/", via: NodeRef | None = None) -> str:
+        """The node leading quorum queue ``queue``, or the home node of a classic queue, as
+        a running node now sees it. Just after its leader went down a quorum queue still
+        names it until a new leader is elected: see :meth:`await_leader`."""
+        info = self.queue_info(queue, vhost, via)
+        if info.leader is None:
+            raise ClusterError(f"{queue!r} has no leader now: {info}")
+        return info.leader
+
+    def await_leader(
+        self, queue: str, *, not_on: NodeRef | None = None, vhost: str = "/", timeout: float = 60
+    ) -> str:
+        """Wait until ``queue``'s leader is a running node (other than ``not_on``); return it."""
+        excluded = self._node(not_on).name if not_on is not None else None
+        found: list[str] = []
+
+        def elected() -> bool:
+            info = self.queue_info(queue, vhost)
+            found[:] = [str(info.leader)]
+            return (
+                info.leader is not None
+                and info.leader != excluded
+                and self._node(info.leader).up
+                and (info.type != "quorum" or info.leader in info.online)
+            )
+
+        _wait(elected, timeout, f"a leader of {queue!r} other than {excluded}")
+        return found[0]
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _spawn(self, node: _Node) -> None:
+        """Start ``node``'s VM; on the spawner thread, which outlives it (_die_with_parent)."""
+        node.pid_file.unlink(missing_ok=True)  # a kill -9 leaves it behind
+        console = (node.folder / "console.log").open("ab")
+        try:
+            node.process = subprocess.Popen(
+                [str(_RABBIT_BIN / "rabbitmq-server")],
+                env=node.env,
+                stdin=subprocess.DEVNULL,
+                stdout=console,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: killable as a whole
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl, no locks
+            )
+        finally:
+            console.close()
+        node.up = True
+
+    def _await_boot(self, node: _Node) -> None:
+        process = node.process
+        assert process is not None
+        deadline = time.monotonic() + self.boot_timeout
+        while not node.pid_file.exists():  # fail fast if the VM exits (a port taken...)
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise ClusterError(
+                    f"{node.name} did not boot (exit {process.poll()})\n{node.log_tail()}"
+                )
+            time.sleep(0.1)
+        try:
+            self.ctl(
+                node.index,
+                "wait",
+                str(node.pid_file),
+                "--timeout",
+                str(int(max(1, deadline - time.monotonic()))),
+                timeout=self.boot_timeout + 30,
+            )
+        except ClusterError as exc:
+            raise ClusterError(f"{node.name} did not boot: {exc}\n{node.log_tail()}") from exc
+
+    def _check_guest(self, node: _Node) -> None:
+        def answers() -> bool:
+            pika.BlockingConnection(pika.URLParameters(self.urls[node.index])).close()
+            return True
+
+        _wait(answers, 30, f"an AMQP login as guest on {node.name}")
+
+    def _await_running(self, expected: set[str], via: list[_Node]) -> None:
+        def all_running() -> bool:
+            return all(expected <= set(self.running_nodes(n.index)) for n in via)
+
+        _wait(all_running, self.boot_timeout, f"cluster_status to list {sorted(expected)}")
+
+    def _stop_node(self, node: _Node) -> None:
+        node.up = False
+        process = node.process
+        if process is None:
+            return
+        try:
+            if process.poll() is None:
+                self.ctl(node.index, "stop", str(node.pid_file), timeout=90)
+            process.wait(30)
+        except (ClusterError, subprocess.TimeoutExpired):
+            _kill_group(process)
+        node.process = None
+
+    def _kill_all(self) -> None:
+        for node in self._nodes:
+            node.up = False
+            if node.process is not None:
+                _kill_group(node.process)
+                node.process = None
+
+    @staticmethod
+    def _is_vm_of(pid: int, node: _Node) -> bool:
+        """``pid`` is a live beam.smp started with ``node``'s environment."""
+        try:
+            exe = os.readlink(f"/proc/{pid}/exe")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        return "beam" in Path(exe).name and f"RABBITMQ_NODENAME={node.name}".encode() in environ
+
+    def _parallel(self, jobs: list[Callable[[], object]], *, swallow: bool = False) -> None:
+        if not jobs:
+            return
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            futures = [pool.submit(job) for job in jobs]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors and not swallow:
+            raise errors[0]  # type: ignore[misc]
+
+
+def _node_list(text: str) -> list[str]:
+    """``[kq..1@localhost, kq..2@localhost]`` (a list column in CSV) as a sorted list."""
+    return sorted(name.strip() for name in text.strip("[]").split(",") if name.strip())
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM (a clean stop) when the thread that started it ends, so a test
+    process that dies without cleaning up (kill -9) leaves no node behind. Hence every node
+    is started from the cluster's own spawner thread, which lives until close()."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def _kill_group(process: subprocess.Popen[bytes]) -> None:
+    """kill -9 of the node's whole process group (script, beam.smp, erl_child_setup...)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(10)
+
+
+def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception as exc:  # noqa: BLE001 - retried until the deadline
+            last = exc
+        time.sleep(0.2)
+    raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}: {last}")
+
+
+def cluster_fixture(
+    *, scope: Literal["session", "package", "module", "class"] = "module", **options: Any
+) -> Any:
+    """A pytest fixture giving a started :class:`RabbitCluster` (``options`` go to it), one
+    per ``scope``: ``rabbit_cluster = cluster_fixture(management=True)`` in a test module.
+    Skips when RabbitMQ is not installed."""
+
+    @pytest.fixture(scope=scope)
+    def _fixture() -> Iterator[RabbitCluster]:
+        reason = cluster_available()
+        if reason is not None:
+            pytest.skip(reason)
+        with RabbitCluster(**options) as cluster:
+            yield cluster
+
+    return _fixture

@@ -1,0 +1,223 @@
+"""The private 3-node RabbitMQ cluster (tests/cluster.py) and its node faults, on real nodes.
+
+One cluster serves the whole module (about 20 s to start and join); every test leaves all
+three nodes running, as it found them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import suppress
+
+import pika
+import pika.exceptions
+import pytest
+
+from keyq import Janitor, Producer
+from keyq.broker.naming import key_queue_name
+from keyq.broker.registry import QueueRegistry
+from keyq.broker.settings import load_settings
+from keyq.janitor.config import JanitorSettings
+from tests.cluster import RabbitCluster, cluster_fixture
+from tests.conftest import StreamFixture
+
+pytestmark = [pytest.mark.slow, pytest.mark.services]
+
+rabbit_cluster = cluster_fixture(scope="module")
+
+MESSAGES = 200
+
+
+def _connect(url: str) -> pika.BlockingConnection:
+    return pika.BlockingConnection(pika.URLParameters(url))
+
+
+def _close(connection: pika.BlockingConnection) -> None:
+    with suppress(Exception):
+        connection.close()
+
+
+@pytest.fixture
+def queue_name(rabbit_cluster: RabbitCluster) -> Iterator[str]:
+    name = f"kq-cluster-test-{uuid.uuid4().hex[:8]}"
+    yield name
+    for url in rabbit_cluster.urls:  # through any node that answers
+        with suppress(Exception):
+            connection = _connect(url)
+            try:
+                connection.channel().queue_delete(name)
+            finally:
+                _close(connection)
+            return
+
+
+def test_the_cluster_runs_three_nodes_of_its_own(rabbit_cluster: RabbitCluster) -> None:
+    assert len(set(rabbit_cluster.nodes)) == 3
+    assert all(name.startswith("kq") for name in rabbit_cluster.nodes)
+    assert "rabbit@localhost" not in rabbit_cluster.nodes
+    assert 5672 not in rabbit_cluster.ports
+    for index in range(3):
+        assert rabbit_cluster.running_nodes(index) == sorted(rabbit_cluster.nodes)
+    for url in rabbit_cluster.urls + rabbit_cluster.proxied_urls:  # guest works on loopback
+        _close(_connect(url))
+
+
+def test_a_quorum_queue_keeps_every_message_when_its_leader_is_killed(
+    rabbit_cluster: RabbitCluster, queue_name: str
+) -> None:
+    cluster = rabbit_cluster
+    connection = _connect(cluster.urls[0])
+    try:
+        channel = connection.channel()
+        channel.queue_declare(queue_name, durable=True, arguments={"x-queue-type": "quorum"})
+        channel.confirm_delivery()
+        for n in range(MESSAGES):  # each confirmed, or basic_publish raises
+            channel.basic_publish(
+                "", queue_name, str(n).encode(), pika.BasicProperties(delivery_mode=2)
+            )
+    finally:
+        _close(connection)
+    info = cluster.queue_info(queue_name)
+    assert info.type == "quorum"
+    assert info.members == sorted(cluster.nodes)
+    leader = cluster.leader_of(queue_name)
+
+    killed_in = cluster.kill(leader)
+    began = time.monotonic()
+    new_leader = cluster.await_leader(queue_name, not_on=leader, timeout=60)
+    elected_in = time.monotonic() - began
+    try:
+        assert new_leader != leader
+        assert leader not in cluster.queue_info(queue_name).online
+        other = next(n for n in cluster.nodes if n != leader)
+        connection = _connect(cluster.url(other))
+        try:
+            channel = connection.channel()
+            got: list[bytes] = []
+            for method, _, body in channel.consume(queue_name, inactivity_timeout=5):
+                if method is None:
+                    break
+                got.append(body)
+                channel.basic_ack(method.delivery_tag)
+                if len(got) == MESSAGES:
+                    break
+            channel.cancel()
+        finally:
+            _close(connection)
+        assert got == [str(n).encode() for n in range(MESSAGES)]
+    finally:
+        restarted_in = cluster.restart(leader)
+    for node in cluster.nodes:
+        assert cluster.running_nodes(node) == sorted(cluster.nodes)
+    # Its replica of the queue is back too.
+    deadline = time.monotonic() + 30
+    while leader not in cluster.queue_info(queue_name).online and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert leader in cluster.queue_info(queue_name).online
+    print(
+        f"timings: {cluster.timings} kill {killed_in:.2f}s, new leader seen "
+        f"{elected_in:.2f}s after, restart and rejoin {restarted_in:.2f}s"
+    )
+
+
+def test_a_classic_queue_is_unreachable_while_its_home_node_is_stopped(
+    rabbit_cluster: RabbitCluster, queue_name: str
+) -> None:
+    cluster = rabbit_cluster
+    home = cluster.nodes[2]
+    connection = _connect(cluster.url(home))
+    try:
+        channel = connection.channel()
+        channel.queue_declare(queue_name, durable=True)  # lives where it was declared
+        channel.confirm_delivery()
+        channel.basic_publish("", queue_name, b"kept", pika.BasicProperties(delivery_mode=2))
+    finally:
+        _close(connection)
+    assert cluster.leader_of(queue_name) == home
+
+    stopped_in = cluster.stop(home)
+    try:
+        assert not cluster.is_up(home)
+        assert home not in cluster.running_nodes(0)
+        info = cluster.queue_info(queue_name)  # 3.10 types it rabbit_classic_queue now
+        assert (info.type, info.leader) == ("classic", home)
+        connection = _connect(cluster.urls[0])
+        try:
+            with pytest.raises(pika.exceptions.ChannelClosedByBroker) as refused:
+                connection.channel().queue_declare(queue_name, passive=True)
+            assert refused.value.reply_code == 404
+        finally:
+            _close(connection)
+    finally:
+        restarted_in = cluster.restart(home)
+    connection = _connect(cluster.urls[0])
+    try:
+        method, _, body = connection.channel().basic_get(queue_name, auto_ack=True)
+        assert method is not None
+        assert body == b"kept"
+    finally:
+        _close(connection)
+    print(f"stop {stopped_in:.2f}s, restart and rejoin {restarted_in:.2f}s")
+
+
+def test_cut_drops_one_nodes_proxied_clients_only(rabbit_cluster: RabbitCluster) -> None:
+    cluster = rabbit_cluster
+    cut, spared = _connect(cluster.proxied_urls[0]), _connect(cluster.proxied_urls[1])
+    try:
+        assert cluster.proxy(0).wait_connections(1)
+        cluster.cut(0)
+        with pytest.raises(pika.exceptions.AMQPConnectionError):
+            cut.channel().queue_declare("", exclusive=True)
+        assert not cut.is_open
+        spared.channel().queue_declare("", exclusive=True)  # another node's client: unaffected
+        assert spared.is_open
+        again = _connect(cluster.proxied_urls[0])  # a cut is not a refusal: reconnecting works
+        _close(again)
+    finally:
+        _close(cut)
+        _close(spared)
+
+
+def test_the_janitor_keeps_a_queue_whose_node_is_down(
+    rabbit_cluster: RabbitCluster, stream: StreamFixture
+) -> None:
+    """A 404 "home node … is down or inaccessible" is not "gone": the janitor must not forget
+    the queue, or its confirmed events would sit unclaimed once the node is back."""
+    cluster = rabbit_cluster
+    home = cluster.nodes[2]
+    on_home = load_settings(amqp_url=cluster.url(home), publish_lease_ms=200)
+    with Producer(stream.name, mode="key", settings=on_home) as producer:
+        producer.publish("parked", {"n": 1})
+        producer.flush()
+    queue = key_queue_name(stream.name, "parked")
+    assert cluster.leader_of(queue) == home
+    settings = load_settings(
+        JanitorSettings,
+        amqp_url=cluster.urls[0],
+        idle_ttl_s=0,
+        publish_lease_ms=200,
+        retire_grace_ms=500,
+    )
+    janitor = Janitor([stream.name], settings=settings)
+    cluster.stop(home)
+    try:
+        janitor.run(once=True)
+        assert janitor.stats["skipped_unreachable"] == 1, janitor.stats
+        assert janitor.stats["forgotten"] == 0, janitor.stats
+        assert queue in QueueRegistry(stream.redis, stream.name).queues()
+    finally:
+        cluster.restart(home)
+    connection = _connect(cluster.urls[0])
+    try:
+        method, _, body = connection.channel().basic_get(queue, auto_ack=False)
+        assert method is not None and b'"n":1' in body.replace(b" ", b"")
+    finally:
+        _close(connection)
+    # The stream fixture deletes its queues through the shared broker; this one is ours.
+    connection = _connect(cluster.urls[0])
+    try:
+        connection.channel().queue_delete(queue)
+    finally:
+        _close(connection)
