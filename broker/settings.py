@@ -48,8 +48,12 @@ class Settings(BaseSettings):
     confirm_window: int = Field(default=10_000, ge=1, description="unconfirmed events in flight")
     publish_timeout: float = Field(default=30.0, gt=0, description="backpressure wait, s")
 
-    queue_type: Literal["classic", "quorum"] = Field(
-        default="classic", description="type of keyed queues; quorum for RabbitMQ clusters"
+    queue_type: Literal["classic", "quorum"] | None = Field(
+        default=None,
+        description=(
+            "type of a new stream's queues (classic when unset; quorum for RabbitMQ clusters); "
+            "fixed at the stream's first use, like its mode"
+        ),
     )
 
     publish_lease_ms: int = Field(

@@ -1,4 +1,5 @@
-"""Stream configuration: a stream's mode and bucket count, fixed at first use in Redis.
+"""Stream configuration: a stream's mode, bucket count and queue type, fixed at first use in
+Redis.
 
 Every producer and worker of a stream must agree on how keys map to queues; the first one to
 use the stream records it with ``SET NX`` and every later one is checked against it.
@@ -24,6 +25,7 @@ from keyq.broker.redis_keys import StreamKeys
 
 DEFAULT_BUCKETS = 64
 MAX_BUCKETS = 65_536
+QUEUE_TYPES = ("classic", "quorum")
 
 
 @dataclass(frozen=True)
@@ -33,9 +35,14 @@ class StreamConfig:
     stream: str
     mode: Mode
     buckets: int | None = None
+    queue_type: str = "classic"
 
     def __post_init__(self) -> None:
         check_stream_name(self.stream)
+        if self.queue_type not in QUEUE_TYPES:
+            raise ConfigurationError(
+                f"queue type must be 'classic' or 'quorum', got {self.queue_type!r}"
+            )
         if self.mode is Mode.BUCKET:
             if self.buckets is None or not 1 <= self.buckets <= MAX_BUCKETS:
                 raise ConfigurationError(
@@ -56,12 +63,22 @@ class StreamConfig:
         return dead_letter_queue_name(self.stream)
 
     def to_json(self) -> str:
-        return orjson.dumps({"mode": self.mode.value, "buckets": self.buckets}).decode()
+        data = {"mode": self.mode.value, "buckets": self.buckets, "queue_type": self.queue_type}
+        return orjson.dumps(data).decode()
 
     @classmethod
     def from_json(cls, stream: str, raw: str) -> StreamConfig:
         data = orjson.loads(raw)
-        return cls(stream=stream, mode=Mode(data["mode"]), buckets=data.get("buckets"))
+        return cls(
+            stream=stream,
+            mode=Mode(data["mode"]),
+            buckets=data.get("buckets"),
+            queue_type=data.get("queue_type", "classic"),  # streams recorded before it existed
+        )
+
+    def describe(self) -> str:
+        buckets = f", buckets={self.buckets}" if self.buckets else ""
+        return f"mode={self.mode.value}{buckets}, queue type {self.queue_type}"
 
 
 def requested_config(
@@ -92,30 +109,35 @@ def ensure_stream_config(
     stream: str,
     mode: str | Mode | None = None,
     buckets: int | None = None,
+    queue_type: str | None = None,
 ) -> StreamConfig:
     """The stream's config, recording the requested one if the stream is new.
 
     With neither mode nor buckets given, an existing stream's config is adopted and a new
     stream starts in key mode; bucket mode without a count adopts the recorded count or
-    starts with ``DEFAULT_BUCKETS``. Asking for anything else than what is recorded raises
-    ``StreamConfigMismatch``.
+    starts with ``DEFAULT_BUCKETS``. Likewise without a queue type an existing stream's is
+    adopted and a new stream's queues are classic. Asking for anything else than what is
+    recorded raises ``StreamConfigMismatch``.
     """
     check_stream_name(stream)
     wanted = requested_config(stream, mode, buckets)
     first = wanted or StreamConfig(stream=stream, mode=Mode.KEY)
+    first = StreamConfig(stream, first.mode, first.buckets, queue_type or "classic")
     keys = StreamKeys(stream)
     client.set(keys.config, first.to_json(), nx=True)
     current = load_stream_config(client, stream)
     assert current is not None
     adopts_count = buckets is None and wanted is not None and wanted.mode is current.mode
-    if wanted is not None and wanted != current and not adopts_count:
-        have = f"mode={current.mode.value}" + (
-            f", buckets={current.buckets}" if current.buckets else ""
-        )
-        asked = f"mode={wanted.mode.value}" + (
-            f", buckets={wanted.buckets}" if wanted.buckets else ""
-        )
+    other_layout = wanted is not None and (wanted.mode, wanted.buckets) != (
+        current.mode,
+        current.buckets,
+    )
+    other_type = queue_type is not None and queue_type != current.queue_type
+    if (other_layout and not adopts_count) or other_type:
+        layout = wanted if wanted is not None and not adopts_count else current
+        asked = StreamConfig(stream, layout.mode, layout.buckets, queue_type or current.queue_type)
         raise StreamConfigMismatch(
-            f"stream {stream!r} is fixed at {have}; this client asked for {asked}"
+            f"stream {stream!r} is fixed at {current.describe()}; this client asked for "
+            f"{asked.describe()}"
         )
     return current

@@ -10,6 +10,13 @@ from typing import Any
 
 from keyq.broker.naming import dead_letter_queue_name
 
+# How often a quorum queue may hand a message out before it dead-letters it. RabbitMQ 4 counts
+# every return, a consumer's death included, and defaults to 20, after which it would drop the
+# message; keyq isolates poison events itself (without returning them), so the broker's limit
+# is only a last resort against a message that kills every worker it reaches, and it goes to
+# the stream's dead-letter queue. One fixed value: every declaration must carry the same.
+QUORUM_DELIVERY_LIMIT = 1000
+
 
 def keyed_queue_arguments(stream: str, queue_type: str = "classic") -> dict[str, Any]:
     """Durable keyed queue: rejected messages go to the stream's dead-letter queue."""
@@ -24,6 +31,7 @@ def keyed_queue_arguments(stream: str, queue_type: str = "classic") -> dict[str,
         # a newcomer idle until the previous consumer is gone, as exclusivity does for
         # classic queues, so a key is never consumed by two workers at once.
         args["x-single-active-consumer"] = True
+        args["x-delivery-limit"] = QUORUM_DELIVERY_LIMIT
     return args
 
 

@@ -54,6 +54,7 @@ class PublisherLink:
         settings: Settings,
         stream: str,
         dead_letter_queue: str,
+        queue_type: str,
         *,
         on_new_queues: NewQueues,
         request_lease: Callable[[str], None],
@@ -61,7 +62,8 @@ class PublisherLink:
         self._settings = settings
         self._stream = stream
         self._dlq = dead_letter_queue
-        self._queue_args = keyed_queue_arguments(stream, settings.queue_type)
+        self._queue_type = queue_type
+        self._queue_args = keyed_queue_arguments(stream, queue_type)
         self._on_new_queues = on_new_queues
         self._request_lease = request_lease
         self._lease_s = settings.publish_lease_ms / 1000
@@ -213,7 +215,7 @@ class PublisherLink:
         self._channel.queue_declare(
             self._dlq,
             durable=True,
-            arguments=dead_letter_queue_arguments(self._settings.queue_type),
+            arguments=dead_letter_queue_arguments(self._queue_type),
         )
         self._next_tag = 1
         self._attempt = 0

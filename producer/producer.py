@@ -31,12 +31,23 @@ from keyq.broker.envelope import (
     check_user_headers,
     header_bytes,
 )
-from keyq.broker.errors import ConfigurationError, KeyqError, MessageTooLarge, ProducerClosed
+from keyq.broker.errors import (
+    ConfigurationError,
+    KeyqError,
+    MessageTooLarge,
+    ProducerClosed,
+    StreamConfigMismatch,
+)
 from keyq.broker.naming import Mode, check_stream_name, dead_letter_queue_name, encode_key
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.retirement import RetirementFence
 from keyq.broker.settings import Settings, load_settings
-from keyq.broker.streams import StreamConfig, ensure_stream_config, requested_config
+from keyq.broker.streams import (
+    StreamConfig,
+    ensure_stream_config,
+    load_stream_config,
+    requested_config,
+)
 from keyq.producer.encoding import encode_event
 from keyq.producer.link import PublisherLink
 from keyq.producer.outgoing import Outgoing
@@ -77,6 +88,7 @@ class Producer:
         publish_timeout: float | None = None,
         max_message_bytes: int | None = None,
         producer_id: str | None = None,
+        queue_type: str | None = None,
     ) -> None:
         self.stream = check_stream_name(stream)
         base = settings.model_dump() if settings is not None else {}
@@ -86,6 +98,7 @@ class Producer:
             "confirm_window": confirm_window,
             "publish_timeout": publish_timeout,
             "max_message_bytes": max_message_bytes,
+            "queue_type": queue_type,
         }
         given = {name: value for name, value in overrides.items() if value is not None}
         self.settings = load_settings(**{**base, **given})
@@ -98,6 +111,15 @@ class Producer:
         requested_config(self.stream, mode, buckets)  # bad arguments fail before any I/O
 
         self._redis = open_redis(self.settings)
+        try:
+            # The queues must be declared as the stream's type: a recorded stream's, or the
+            # asked (else classic) one for a new stream, fixed below once both services answer.
+            with redis_errors(self.settings.redis_url):
+                known = load_stream_config(self._redis, self.stream)
+            chosen_type = self._queue_type(known)
+        except BaseException:
+            self._redis.close()
+            raise
         self._registrar = Registrar(
             QueueRegistry(self._redis, self.stream),
             RetirementFence(self._redis, self.stream),
@@ -107,6 +129,7 @@ class Producer:
             self.settings,
             self.stream,
             dead_letter_queue_name(self.stream),
+            chosen_type,
             on_new_queues=self._registrar.add_new,
             request_lease=self._registrar.request_lease,
         )
@@ -120,7 +143,7 @@ class Producer:
             # Only a producer that reached both services fixes the stream's mode.
             with redis_errors(self.settings.redis_url):
                 self.config: StreamConfig = ensure_stream_config(
-                    self._redis, self.stream, mode, buckets
+                    self._redis, self.stream, mode, buckets, chosen_type
                 )
         except BaseException:
             self._link.stop()
@@ -209,6 +232,18 @@ class Producer:
         return self._link.unsettled
 
     # ---------------------------------------------------------------------- closing
+    def _queue_type(self, known: StreamConfig | None) -> str:
+        """The type to declare queues as: a stream's own, checked against what was asked."""
+        asked = self.settings.queue_type
+        if known is None:
+            return asked or "classic"
+        if asked is not None and asked != known.queue_type:
+            raise StreamConfigMismatch(
+                f"stream {self.stream!r} is fixed at {known.describe()}; this client asked "
+                f"for queue type {asked}"
+            )
+        return known.queue_type
+
     def close(self, timeout: float | None = None) -> None:
         """Flush (up to ``timeout``, default ``publish_timeout``), then disconnect.
 

@@ -9,9 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 import pika
+import pytest
 
+from keyq import Producer
 from keyq.broker.naming import key_queue_name
 from keyq.broker.topology import keyed_queue_arguments
+from keyq.worker.state_store import StateStore
+from tests.helpers import queue_depth
 
 
 def test_a_second_consumer_of_a_quorum_keyed_queue_waits_for_the_first(
@@ -49,3 +53,23 @@ def test_a_second_consumer_of_a_quorum_keyed_queue_waits_for_the_first(
         for connection in (first, second):
             if connection.is_open:
                 connection.close()
+
+
+@pytest.mark.slow
+def test_a_worker_serves_a_quorum_stream_that_adopts_its_type(
+    stream: Any, workers: Any, amqp: Any
+) -> None:
+    """The producer fixes quorum; a worker started without any queue type setting adopts it
+    (its dead-letter queue declaration would be refused otherwise) and applies every event."""
+    with Producer(stream.name, mode="key", queue_type="quorum", settings=stream.settings) as p:
+        for n in range(1, 21):
+            for key in ("acct-1", "acct-2"):
+                p.publish(key, {"n": n, "producer": "p"})
+        p.flush()
+    worker = workers(stream.name, until_idle=3)
+    assert worker.wait(180) == 0, worker.log()[-3000:]
+    store = StateStore(stream.redis, stream.name)
+    for key in ("acct-1", "acct-2"):
+        state = store.get(key)
+        assert state == {"applied": 20, "last": {"p": 20}, "violations": []}, (key, state)
+        assert queue_depth(amqp, key_queue_name(stream.name, key)) == 0

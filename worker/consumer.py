@@ -78,8 +78,10 @@ class ConsumerLink:
         prefetch: int,
         on_queue_lost: Callable[[str, int, str], None],
         on_disconnected: Callable[[str], None],
+        queue_type: str = "classic",
     ) -> None:
         self._settings = settings
+        self._queue_type = queue_type  # the stream's, for its dead-letter queue
         self._stream = stream
         self._name = name
         self._buffer = buffer
@@ -187,7 +189,7 @@ class ConsumerLink:
             channel.queue_declare(
                 self._dlq,
                 durable=True,
-                arguments=dead_letter_queue_arguments(self._settings.queue_type),
+                arguments=dead_letter_queue_arguments(self._queue_type),
             )
             channel.confirm_delivery()
         except (pika.exceptions.AMQPError, OSError) as exc:

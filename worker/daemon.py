@@ -28,6 +28,7 @@ from keyq.broker.errors import (
     ConfigurationError,
     ConnectionFailed,
     KeyqError,
+    StreamConfigMismatch,
 )
 from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
@@ -209,6 +210,7 @@ class Worker:
             prefetch=settings.prefetch,
             on_queue_lost=self._queue_lost,
             on_disconnected=lambda reason: log.warning("lost RabbitMQ: %s", reason),
+            queue_type=self.config.queue_type,
         )
         self._link = link
         try:
@@ -365,14 +367,23 @@ class Worker:
     # ---- helpers --------------------------------------------------------------------------
 
     def _stream_config(self, client: redis.Redis) -> StreamConfig:
-        """The stream's config; without a mode given, wait for the first producer to set it."""
+        """The stream's config; without a mode given, wait for the first producer to set it.
+        A queue type asked for (``KEYQ_QUEUE_TYPE``) must be the stream's."""
+        asked_type = self.settings.queue_type
         with redis_errors(self.settings.redis_url):
             if self._mode is not None or self._buckets is not None:
-                return ensure_stream_config(client, self.stream, self._mode, self._buckets)
+                return ensure_stream_config(
+                    client, self.stream, self._mode, self._buckets, asked_type
+                )
             waited = False
             while not self._stop.is_set():
                 config = load_stream_config(client, self.stream)
                 if config is not None:
+                    if asked_type is not None and asked_type != config.queue_type:
+                        raise StreamConfigMismatch(
+                            f"stream {self.stream!r} is fixed at {config.describe()}; this "
+                            f"worker asked for queue type {asked_type}"
+                        )
                     return config
                 if not waited:
                     log.info("stream %s has no producer yet; waiting for one", self.stream)
