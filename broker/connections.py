@@ -6,6 +6,7 @@ of the password too, and the original exception is not chained where it could ca
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import socket
@@ -25,13 +26,20 @@ from keyq.broker.errors import (
     RedisUnavailable,
 )
 from keyq.broker.settings import Settings
-from keyq.broker.urls import redact_url, scrub
+from keyq.broker.urls import redact_url, scrub, split_urls
+
+# Which of several AMQP URLs the next connection takes: each node in turn, process-wide.
+_next_node = itertools.count()
 
 
 def amqp_parameters(settings: Settings, name: str) -> pika.URLParameters:
-    """Connection parameters with keyq's short heartbeats and bounded connect time."""
+    """Connection parameters with keyq's short heartbeats and bounded connect time. With
+    several URLs (a cluster's nodes), each call takes the next: connections spread over the
+    nodes, and every reconnect tries another node than the one just lost."""
+    urls = split_urls(settings.amqp_url)
+    url = urls[next(_next_node) % len(urls)]
     try:
-        params = pika.URLParameters(settings.amqp_url)
+        params = pika.URLParameters(url)
     except (ValueError, TypeError, KeyError, AttributeError) as exc:  # malformed URL parts
         reason = scrub(str(exc), settings.amqp_url)
         raise ConfigurationError(

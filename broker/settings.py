@@ -17,6 +17,7 @@ from keyq.broker.urls import (
     HTTP_SCHEMES,
     REDIS_SCHEMES,
     check_url,
+    check_urls,
     redact_url,
 )
 
@@ -29,6 +30,8 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KEYQ_", extra="ignore", frozen=True)
 
+    # One URL, or a cluster's nodes comma-separated: each connection takes the next in turn,
+    # so a reconnect after a node is lost goes to another node.
     amqp_url: str = Field(default=DEFAULT_AMQP_URL, repr=False)
     redis_url: str = Field(default=DEFAULT_REDIS_URL, repr=False)
     management_url: str | None = Field(
@@ -82,7 +85,7 @@ class Settings(BaseSettings):
     @field_validator("amqp_url")
     @classmethod
     def _amqp(cls, value: str) -> str:
-        return check_url(value, AMQP_SCHEMES, "KEYQ_AMQP_URL")
+        return check_urls(value, AMQP_SCHEMES, "KEYQ_AMQP_URL")
 
     @field_validator("redis_url")
     @classmethod

@@ -11,8 +11,16 @@ REDIS_SCHEMES = ("redis", "rediss", "unix")
 HTTP_SCHEMES = ("http", "https")
 
 
+def split_urls(value: str) -> list[str]:
+    """The URLs of a setting that may list several, comma-separated (a cluster's nodes)."""
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
 def redact_url(url: str) -> str:
-    """The URL with any password replaced by ``***``, safe for logs and errors."""
+    """The URL (or comma-separated URLs) with any password replaced by ``***``, safe for logs
+    and errors."""
+    if "," in url:
+        return ",".join(redact_url(part) for part in split_urls(url))
     try:
         parts = urlsplit(url)
         password = parts.password
@@ -40,7 +48,7 @@ def redact_url(url: str) -> str:
 
 def scrub(text: str, *urls: str) -> str:
     """``text`` with the passwords of ``urls`` removed, for messages a library produced."""
-    for url in urls:
+    for url in (part for listed in urls for part in split_urls(listed)):
         try:
             password = urlsplit(url).password
         except ValueError:
@@ -48,6 +56,16 @@ def scrub(text: str, *urls: str) -> str:
         if password:
             text = text.replace(password, "***")
     return text
+
+
+def check_urls(value: str, schemes: tuple[str, ...], what: str) -> str:
+    """``check_url`` for each of several comma-separated URLs (at least one)."""
+    urls = split_urls(value)
+    if not urls:
+        raise ConfigurationError(f"{what} is empty")
+    for url in urls:
+        check_url(url, schemes, what)
+    return value
 
 
 def check_url(url: str, schemes: tuple[str, ...], what: str) -> str:

@@ -32,6 +32,7 @@ from keyq.broker.registry import QueueRegistry
 from keyq.broker.retirement import RetirementFence
 from keyq.broker.settings import load_settings
 from keyq.broker.streams import load_stream_config
+from keyq.broker.urls import split_urls
 from keyq.janitor.config import JanitorSettings
 from keyq.janitor.deleter import Outcome, QueueDeleter
 from keyq.janitor.fd_watch import FdWatch
@@ -290,5 +291,5 @@ def discover_streams(client: redis.Redis) -> list[str]:
 def _vhost(amqp_url: str) -> str:
     from urllib.parse import unquote, urlsplit  # noqa: PLC0415 - only here
 
-    path = urlsplit(amqp_url).path
+    path = urlsplit(split_urls(amqp_url)[0]).path  # every node of a cluster has the vhost
     return unquote(path[1:]) if len(path) > 1 else "/"

@@ -328,7 +328,12 @@ def test_a_janitor_scrape_counts_its_deletions(
     assert families["keyq_janitor_deletions_total"].value(**labels) == len(deleted)
     assert families["keyq_janitor_passes_total"].value(**labels) == 1
     skipped = families["keyq_janitor_skipped_total"]
-    assert {s[1]["reason"] for s in skipped.samples} == {"held", "not_empty", "in_use"}
+    assert {s[1]["reason"] for s in skipped.samples} == {
+        "held",
+        "not_empty",
+        "in_use",
+        "unreachable",
+    }
     assert all(s[1]["janitor"] == janitor.janitor_id and s[2] == 0 for s in skipped.samples)
     for name in (
         "keyq_janitor_adopted_total",

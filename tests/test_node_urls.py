@@ -1,0 +1,35 @@
+"""Several AMQP URLs, a cluster's nodes: connections take them in turn, and every URL is
+checked and shown without its password."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from keyq.broker.connections import amqp_parameters
+from keyq.broker.errors import ConfigurationError
+from keyq.broker.settings import load_settings
+
+NODES = "amqp://u:pw-one@127.0.0.1:5681/%2F, amqp://u:pw-two@127.0.0.1:5682/%2F"
+
+
+def test_connections_take_the_nodes_in_turn() -> None:
+    settings = load_settings(amqp_url=NODES)
+    ports = [amqp_parameters(settings, "t").port for _ in range(6)]
+    assert set(ports) == {5681, 5682}
+    assert all(a != b for a, b in itertools.pairwise(ports))  # never twice in a row
+
+
+def test_every_node_is_shown_without_its_password() -> None:
+    shown = load_settings(amqp_url=NODES).describe()["amqp_url"]
+    assert "pw-one" not in shown and "pw-two" not in shown
+    assert "127.0.0.1:5681" in shown and "127.0.0.1:5682" in shown
+
+
+def test_a_bad_node_url_is_refused_without_the_password() -> None:
+    with pytest.raises(ConfigurationError, match="KEYQ_AMQP_URL") as refused:
+        load_settings(amqp_url="amqp://u:pw-one@127.0.0.1:5681/%2F,http://u:pw-two@h/")
+    assert "pw-one" not in str(refused.value) and "pw-two" not in str(refused.value)
+    with pytest.raises(ConfigurationError, match="empty"):
+        load_settings(amqp_url=" , ")
