@@ -43,45 +43,6 @@ if TYPE_CHECKING:
     from keyq.worker.daemon import Worker
     from keyq.worker.pipeline import BatchContext, KeyedState
 
-_ERRORS = (
-    "AuthenticationFailed",
-    "BrokerUnavailable",
-    "CommitRefused",
-    "ConfigurationError",
-    "ConnectionFailed",
-    "InvalidEvent",
-    "InvalidHeaders",
-    "InvalidInput",
-    "InvalidKey",
-    "InvalidStreamName",
-    "KeyqError",
-    "LockLost",
-    "ManagementUnavailable",
-    "MessageTooLarge",
-    "PipelineError",
-    "ProducerClosed",
-    "PublishError",
-    "PublishTimeout",
-    "RedisUnavailable",
-    "SparkUnavailable",
-    "StreamConfigMismatch",
-    "TopologyError",
-)
-
-# Where each public name is defined.
-_HOMES: dict[str, str] = {
-    **dict.fromkeys(_ERRORS, "keyq.broker.errors"),
-    "Mode": "keyq.broker.naming",
-    "Settings": "keyq.broker.settings",
-    "load_settings": "keyq.broker.settings",
-    "Producer": "keyq.producer.producer",
-    "Receipt": "keyq.producer.producer",
-    "Worker": "keyq.worker.daemon",
-    "BatchContext": "keyq.worker.pipeline",
-    "KeyedState": "keyq.worker.pipeline",
-    "Janitor": "keyq.janitor.janitor",
-}
-
 __all__ = [
     "AuthenticationFailed",
     "BatchContext",
@@ -115,6 +76,20 @@ __all__ = [
     "Worker",
     "load_settings",
 ]
+
+# Where each public name is defined: the errors in keyq.broker.errors, the rest here.
+_ELSEWHERE: dict[str, str] = {
+    "Mode": "keyq.broker.naming",
+    "Settings": "keyq.broker.settings",
+    "load_settings": "keyq.broker.settings",
+    "Producer": "keyq.producer.producer",
+    "Receipt": "keyq.producer.producer",
+    "Worker": "keyq.worker.daemon",
+    "BatchContext": "keyq.worker.pipeline",
+    "KeyedState": "keyq.worker.pipeline",
+    "Janitor": "keyq.janitor.janitor",
+}
+_HOMES: dict[str, str] = {name: _ELSEWHERE.get(name, "keyq.broker.errors") for name in __all__}
 
 
 if not TYPE_CHECKING:  # type checkers see the imports above, so a misspelt name is an error
