@@ -22,10 +22,11 @@ from keyq.broker.settings import load_settings
 from keyq.worker.batches import describe_failure
 from keyq.worker.config import WorkerSettings
 from keyq.worker.decoding import Event, Undecodable, decode
-from keyq.worker.dedup import MAX_PRODUCERS_PER_KEY, Identified, KeyMarks, split_fresh
+from keyq.worker.dedup import MAX_PRODUCERS_PER_KEY, KeyMarks
 from keyq.worker.deliveries import Delivery, DeliveryBuffer
 from keyq.worker.fold import STATE_COLUMNS, FoldFailed, make_folder
 from keyq.worker.pipeline import load_pipeline
+from keyq.worker.sequencing import Identified, plan_batch
 from keyq.worker.sinks import STAGING, ParquetSink, open_sink
 from tests.pipelines import audit, audit_event
 
@@ -57,6 +58,17 @@ def delivery(
 
 def ident(key: str, producer: str | None, seq: int | None, counts: bool = True) -> Identified:
     return Identified(key, producer, seq, counts=counts)
+
+
+def split_fresh(
+    events: list[Identified], marks: dict[str, KeyMarks]
+) -> tuple[list[bool], dict[str, KeyMarks]]:
+    """Which events a batch applies, when none of them waits for an earlier seq."""
+    plan = plan_batch(events, marks, now=0.0, gap_timeout_s=60.0)
+    assert plan.waiting == [] and plan.late == []
+    applied = set(plan.apply)
+    assert plan.apply == sorted(plan.apply)  # in order already: applied as delivered
+    return [index in applied for index in range(len(events))], plan.marks
 
 
 # --------------------------------------------------------------------------- dedup

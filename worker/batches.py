@@ -25,12 +25,12 @@ from keyq.broker.registry import QueueRegistry
 from keyq.worker.config import WorkerSettings
 from keyq.worker.consumer import ConsumerLink, DeadLetter
 from keyq.worker.decoding import Event, Undecodable, decode
-from keyq.worker.dedup import Identified, split_fresh
 from keyq.worker.deliveries import Delivery
 from keyq.worker.engine import SparkEngine, batch_table
 from keyq.worker.fold import failing_event, without_event_token
 from keyq.worker.holdings import Holdings
 from keyq.worker.pipeline import BatchContext, KeyedState, Pipeline
+from keyq.worker.sequencing import Gap, Identified, Plan, plan_batch
 from keyq.worker.sinks import ParquetSink
 from keyq.worker.state_store import StateStore
 
@@ -43,6 +43,8 @@ class BatchStats:
     events: int = 0  # applied, exactly once
     skipped: int = 0  # already applied (redeliveries, re-sends)
     dead_lettered: int = 0
+    late: int = 0  # arrived after their gap was given up: dead-lettered
+    gaps_skipped: int = 0  # sequence gaps given up after waiting gap_timeout
     commits_refused: int = 0
     pipeline_failures: int = 0
     spark_seconds: float = 0.0
@@ -124,6 +126,10 @@ class BatchProcessor:
         self._batch_numbers = itertools.count(1)
         self._settled: set[tuple[str, int, int]] = set()
         self.lost_leases: list[Lease] = []  # found lost by a refused commit, to stop now
+        # Set aside by the last ``process``: they wait for an earlier seq (to park).
+        self.waiting: list[Delivery] = []
+        # Sequence gaps still open, per (key, producer), with the queue their events wait in.
+        self.open_gaps: dict[tuple[str, str], tuple[Gap, str]] = {}
         self._last_leases: dict[str, Lease] = {}
         self.stats = BatchStats()
 
@@ -134,18 +140,19 @@ class BatchProcessor:
         batch had to stop early (locks lost, a service down, shutting down)."""
         self._settled = set()
         self._last_leases = {}
+        self.waiting = []
         try:
             self._process_with_retries(list(deliveries))
         except CommitRefused as exc:
+            self.waiting = []  # unsettled: handed back with the rest
             self.stats.commits_refused += 1
             log.warning("commit refused: lost %s", ", ".join(sorted(exc.lost)))
             self.lost_leases.extend(
                 lease for queue, lease in self._last_leases.items() if queue in exc.lost
             )
             return self.unsettled(deliveries, exclude=exc.lost)
-        except _Stale:
-            return self.unsettled(deliveries)
-        except _Interrupted:
+        except (_Stale, _Interrupted):
+            self.waiting = []
             return self.unsettled(deliveries)
         return []
 
@@ -272,22 +279,35 @@ class BatchProcessor:
             if item.key is None:
                 continue  # no key: dead-lettered, nothing to mark
             identities.append(
-                Identified(item.key, item.producer, item.seq, counts=isinstance(item, Event))
+                Identified(
+                    item.key,
+                    item.producer,
+                    item.seq,
+                    counts=isinstance(item, Event),
+                    waiting_since=item.delivery.waiting_since,
+                )
             )
             ordered.append(item)
-        keys = [i.key for i in identities]
-        marks = self._store.marks(keys)
-        fresh_flags, new_marks = split_fresh(identities, marks)
-        fresh_events = [
-            item
-            for item, fresh in zip(ordered, fresh_flags, strict=True)
-            if fresh and isinstance(item, Event)
-        ]
-        fresh_ids = {id(item) for item, fresh in zip(ordered, fresh_flags, strict=True) if fresh}
-        fresh_letters = [
-            letter for letter in letters if letter.key is None or id(letter) in fresh_ids
-        ]
-        skipped = len(ordered) - sum(fresh_flags)
+        keys = list(dict.fromkeys(i.key for i in identities))
+        plan = plan_batch(
+            identities,
+            self._store.marks(keys),
+            now=time.monotonic(),
+            gap_timeout_s=self._settings.sequence_gap_timeout_ms / 1000,
+        )
+        in_order = [ordered[index] for index in plan.apply]
+        fresh_events = [item for item in in_order if isinstance(item, Event)]
+        fresh_letters = [letter for letter in letters if letter.key is None]
+        fresh_letters += [item for item in in_order if isinstance(item, Undecodable)]
+        fresh_letters += [_late(ordered[index]) for index in plan.late]
+        waiting = [ordered[index].delivery for index in plan.waiting]
+        waiting_ids = {id(delivery) for delivery in waiting}
+        settling = [d for d in deliveries if id(d) not in waiting_ids]
+        skipped = len(plan.duplicates)
+        if not settling:
+            self._note_gaps(keys, plan, ordered)
+            self.waiting.extend(waiting)
+            return  # everything here waits for an earlier seq: nothing to commit or ack
 
         batch_id = f"{self._worker_id}-{next(self._batch_numbers)}"
         states: dict[str, str] = {}
@@ -308,7 +328,7 @@ class BatchProcessor:
             )
         lost = self._store.commit(
             list(leases.values()),
-            new_marks,
+            plan.marks,
             states,
             None if staged is None else (batch_id, staged),
         )
@@ -319,7 +339,9 @@ class BatchProcessor:
         if staged is not None and self._sink is not None:
             self._sink.publish(batch_id, staged)
             self._store.forget_sink_record(batch_id)
-        self._ack(deliveries)
+        self._ack(settling)
+        self.waiting.extend(waiting)
+        self._note_gaps(keys, plan, ordered)
         try:
             self._registry.touch(leases)
         except Exception:
@@ -330,6 +352,7 @@ class BatchProcessor:
         stats.events += len(fresh_events)
         stats.skipped += skipped
         stats.dead_lettered += len(fresh_letters)
+        stats.late += len(plan.late)
         stats.spark_seconds += spark_seconds
         stats.last_spark_seconds = spark_seconds
         stats.last_batch_events = len(fresh_events)
@@ -337,6 +360,30 @@ class BatchProcessor:
         del stats.batch_seconds[:-1000]
         for letter in fresh_letters:
             log.warning("dead-lettered a message of %s: %s", letter.delivery.queue, letter.reason)
+
+    def _note_gaps(
+        self, keys: Sequence[str], plan: Plan, items: Sequence[Event | Undecodable]
+    ) -> None:
+        """Keep the open gaps of this run's keys current, and report the given-up ones."""
+        done = set(keys)
+        for slot in [slot for slot in self.open_gaps if slot[0] in done]:
+            del self.open_gaps[slot]
+        queue_of = {
+            (items[i].key, items[i].producer): items[i].delivery.queue for i in plan.waiting
+        }
+        for gap in plan.open_gaps:
+            self.open_gaps[(gap.key, gap.producer)] = (gap, queue_of[(gap.key, gap.producer)])
+        for gap in plan.skipped_gaps:
+            self.stats.gaps_skipped += 1
+            log.warning(
+                "gave up waiting for seq %d..%d of producer %s on key %r after %.0f ms: "
+                "applying what follows (a late arrival will be dead-lettered)",
+                gap.first,
+                gap.last,
+                gap.producer,
+                gap.key,
+                self._settings.sequence_gap_timeout_ms,
+            )
 
     def _leases(self, deliveries: Sequence[Delivery]) -> dict[str, Lease]:
         leases: dict[str, Lease] = {}
@@ -403,12 +450,15 @@ class BatchProcessor:
         return states, table
 
     def _ack(self, deliveries: Sequence[Delivery]) -> None:
-        last: dict[tuple[str, int], int] = {}
+        """Settle ``deliveries``; the link acks each channel's contiguous run in one
+        ``ack(multiple)`` and anything past a waiting delivery one by one."""
+        tags: dict[tuple[str, int], list[int]] = {}
         for delivery in deliveries:
-            slot = (delivery.queue, delivery.channel_epoch)
-            last[slot] = max(last.get(slot, 0), delivery.delivery_tag)
+            tags.setdefault((delivery.queue, delivery.channel_epoch), []).append(
+                delivery.delivery_tag
+            )
             self._settled.add((delivery.queue, delivery.channel_epoch, delivery.delivery_tag))
-        self._link.ack([(queue, epoch, tag) for (queue, epoch), tag in last.items()])
+        self._link.ack([(queue, epoch, found) for (queue, epoch), found in tags.items()])
 
 
 class _Stale(Exception):
@@ -418,6 +468,19 @@ class _Stale(Exception):
 
 class _Interrupted(Exception):
     """Shutdown came during a retry's backoff: stop and hand the batch back."""
+
+
+def _late(item: Event | Undecodable) -> Undecodable:
+    """An event that came after the worker gave up waiting for it: applying it now would
+    break its key's order, and it is not a duplicate, so it is dead-lettered."""
+    return Undecodable(
+        item.delivery,
+        f"late: seq {item.seq} of producer {item.producer} arrived after the worker gave up "
+        "waiting for it (its successors were applied)",
+        item.key,
+        item.producer,
+        item.seq,
+    )
 
 
 def _arrival_order(

@@ -42,6 +42,15 @@ class WorkerSettings(Settings):
         default=1000, ge=1, le=2000, description="most queues one worker holds (a channel each)"
     )
 
+    sequence_gap_timeout_ms: int = Field(
+        default=60_000,
+        ge=1,
+        description=(
+            "how long an event waits, unacked, for an earlier seq of its key and producer "
+            "before that gap is given up (reported, and a late arrival dead-lettered)"
+        ),
+    )
+
     max_attempts: int = Field(
         default=3, ge=1, description="tries of a failing event before it is dead-lettered"
     )

@@ -91,6 +91,8 @@ class ConsumerLink:
         self._dlq = dead_letter_queue_name(stream)
         self._connection: pika.BlockingConnection | None = None
         self._channels: dict[str, tuple[int, BlockingChannel]] = {}
+        # Per consumer (queue, epoch): delivery tags not yet acked, oldest first.
+        self._unacked: dict[tuple[str, int], dict[int, None]] = {}
         self._dead_letter_channel: BlockingChannel | None = None
         self._probe_channel: BlockingChannel | None = None
         self._epochs = itertools.count(1)
@@ -226,6 +228,7 @@ class ConsumerLink:
         self._connected.clear()
         lost = list(self._channels.items())
         self._channels.clear()
+        self._unacked.clear()
         self._dead_letter_channel = None
         self._probe_channel = None
         connection, self._connection = self._connection, None
@@ -248,6 +251,7 @@ class ConsumerLink:
         for queue, (epoch, channel) in list(self._channels.items()):
             if channel.is_closed:
                 del self._channels[queue]
+                self._unacked.pop((queue, epoch), None)
                 self._on_queue_lost(queue, epoch, "channel closed by the broker")
 
     # ---- calls from other threads ---------------------------------------------------------
@@ -287,8 +291,9 @@ class ConsumerLink:
         with self._pending_lock:
             return next(self._epochs)
 
-    def consume(self, queue: str, epoch: int) -> Consumed:
-        return self.call(lambda: self._consume(queue, epoch))
+    def consume(self, queue: str, epoch: int, prefetch: int | None = None) -> Consumed:
+        """Consume ``queue`` as consumer ``epoch``, with the settings' prefetch or more."""
+        return self.call(lambda: self._consume(queue, epoch, prefetch or self._prefetch))
 
     def close_queue(self, queue: str, epoch: int | None = None) -> None:
         """Stop consuming ``queue`` (only that consumer incarnation, if ``epoch`` is given);
@@ -298,8 +303,8 @@ class ConsumerLink:
         with contextlib.suppress(BrokerUnavailable, TimeoutError):
             self.call(lambda: self._close_queue(queue, epoch))
 
-    def ack(self, acks: Sequence[tuple[str, int, int]]) -> int:
-        """Ack (queue, epoch, tag) with ``multiple``; returns how many were still ackable."""
+    def ack(self, acks: Sequence[tuple[str, int, Sequence[int]]]) -> int:
+        """Ack (queue, epoch, tags); returns how many consumers were still there to ack."""
         return self.call(lambda: self._ack(acks))
 
     def dead_letter(self, letters: Sequence[DeadLetter]) -> None:
@@ -317,12 +322,13 @@ class ConsumerLink:
 
     # ---- on the I/O thread ----------------------------------------------------------------
 
-    def _consume(self, queue: str, epoch: int) -> Consumed:
+    def _consume(self, queue: str, epoch: int, prefetch: int) -> Consumed:
         assert self._connection is not None
         if queue in self._channels:
             return Consumed(ConsumeOutcome.CONSUMING, self._channels[queue][0])
         channel = self._connection.channel()
         buffer = self._buffer
+        unacked: dict[int, None] = {}
 
         def on_message(
             _channel: BlockingChannel,
@@ -330,6 +336,7 @@ class ConsumerLink:
             properties: pika.BasicProperties,
             body: bytes,
         ) -> None:
+            unacked[method.delivery_tag] = None
             buffer.add(
                 Delivery(
                     queue=queue,
@@ -344,7 +351,7 @@ class ConsumerLink:
             )
 
         try:
-            channel.basic_qos(prefetch_count=self._prefetch)
+            channel.basic_qos(prefetch_count=prefetch)
             channel.basic_consume(queue, on_message, exclusive=True)
         except pika.exceptions.ChannelClosedByBroker as exc:
             if exc.reply_code == 403:
@@ -354,6 +361,7 @@ class ConsumerLink:
             raise
         channel.add_on_cancel_callback(lambda _frame: self._cancelled(queue, epoch))
         self._channels[queue] = (epoch, channel)
+        self._unacked[(queue, epoch)] = unacked
         return Consumed(ConsumeOutcome.CONSUMING, epoch)
 
     def _message_count(self, queue: str) -> int:
@@ -374,6 +382,7 @@ class ConsumerLink:
         held = self._channels.get(queue)
         if held is not None and held[0] == epoch:
             del self._channels[queue]
+            self._unacked.pop((queue, epoch), None)
             with contextlib.suppress(Exception):  # already closing
                 close_keeping_consumers(held[1])
             self._on_queue_lost(queue, epoch, "the broker cancelled the consumer")
@@ -383,18 +392,34 @@ class ConsumerLink:
         if held is None or (epoch is not None and held[0] != epoch):
             return
         del self._channels[queue]
+        self._unacked.pop((queue, held[0]), None)
         # Never cancel first: the queue would look unused while it still holds our unacked
         # deliveries, and a janitor's delete(if_empty, if_unused) would take them with it.
         with contextlib.suppress(pika.exceptions.AMQPError):
             close_keeping_consumers(held[1])
 
-    def _ack(self, acks: Sequence[tuple[str, int, int]]) -> int:
+    def _ack(self, acks: Sequence[tuple[str, int, Sequence[int]]]) -> int:
+        """One ``ack(multiple)`` for the oldest unacked run being settled; the tags past a
+        delivery still waiting (for an earlier seq) are acked one by one."""
         done = 0
-        for queue, epoch, tag in acks:
+        for queue, epoch, tags in acks:
             held = self._channels.get(queue)
             if held is None or held[0] != epoch or not held[1].is_open:
+                self._unacked.pop((queue, epoch), None)
                 continue  # that consumer is gone: the broker has requeued these already
-            held[1].basic_ack(tag, multiple=True)
+            outstanding = self._unacked.get((queue, epoch), {})
+            settling = {tag for tag in tags if tag in outstanding}  # never ack twice
+            upto = 0
+            for tag in outstanding:  # delivery order, oldest first
+                if tag not in settling:
+                    break
+                upto = tag
+            if upto:
+                held[1].basic_ack(upto, multiple=True)
+            for tag in sorted(settling):
+                if tag > upto:
+                    held[1].basic_ack(tag, multiple=False)
+                del outstanding[tag]
             done += 1
         return done
 

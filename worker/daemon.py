@@ -40,10 +40,10 @@ from keyq.broker.streams import StreamConfig, ensure_stream_config, load_stream_
 from keyq.worker.batches import BatchProcessor
 from keyq.worker.claims import ClaimLoop, client_name
 from keyq.worker.config import WorkerSettings
-from keyq.worker.consumer import ConsumerLink
+from keyq.worker.consumer import ConsumeOutcome, ConsumerLink
 from keyq.worker.deliveries import Delivery, DeliveryBuffer
 from keyq.worker.engine import SparkEngine
-from keyq.worker.holdings import Holdings
+from keyq.worker.holdings import Held, Holdings
 from keyq.worker.pipeline import Pipeline, load_pipeline
 from keyq.worker.sinks import ParquetSink, open_sink
 from keyq.worker.state_store import StateStore
@@ -53,6 +53,7 @@ log = logging.getLogger("keyq.worker")
 QueueCallback = Callable[[list[str]], None]
 _SAFE_ID = re.compile(r"[^A-Za-z0-9_.-]")
 _ERROR_BACKOFF_S = 1.0
+_MAX_PREFETCH = 65535
 BATCH_WAIT_SPARK_FACTOR = 2.0
 BATCH_WAIT_MAX_S = 2.0
 
@@ -96,10 +97,11 @@ class Worker:
         self._events: queue_module.SimpleQueue[tuple[str, list[str], str]] = (
             queue_module.SimpleQueue()
         )
-        self._buffer = DeliveryBuffer()
+        self._buffer = DeliveryBuffer(self.settings.sequence_gap_timeout_ms / 1000)
         self._holdings = Holdings()
         self._started_ms = now_ms()
         self._queue_keys: dict[str, str | None] = {}
+        self._prefetch_of: dict[tuple[str, int], int] = {}  # consumers reopened wider
         self._claims: ClaimLoop | None = None
         self._processor: BatchProcessor | None = None
         self._link: ConsumerLink | None = None
@@ -144,6 +146,38 @@ class Worker:
             "released": self.released,
             "peers_reaped": claims.peers_reaped if claims else 0,
             "reconnects": self._link.reconnects if self._link else 0,
+            "late": batch.late if batch else 0,
+            "gaps_skipped": batch.gaps_skipped if batch else 0,
+            "waiting": self._buffer.parked(),
+            **self._gap_report(),
+        }
+
+    def _gap_report(self) -> dict[str, Any]:
+        """The sequence gaps this worker waits on now, the oldest first (at most five)."""
+        if self._processor is None:
+            return {"gaps_open": 0, "oldest_gap_s": 0.0, "gaps": []}
+        now = time.monotonic()
+        gaps = sorted(
+            (
+                gap
+                for gap, queue in list(self._processor.open_gaps.values())
+                if self._buffer.parked(queue)
+            ),
+            key=lambda gap: gap.since,
+        )
+        return {
+            "gaps_open": len(gaps),
+            "oldest_gap_s": round(now - gaps[0].since, 3) if gaps else 0.0,
+            "gaps": [
+                {
+                    "key": gap.key,
+                    "producer": gap.producer,
+                    "first": gap.first,
+                    "last": gap.last,
+                    "waited_s": round(now - gap.since, 3),
+                }
+                for gap in gaps[:5]
+            ],
         }
 
     # ---- the loop -------------------------------------------------------------------------
@@ -274,8 +308,10 @@ class Worker:
             leftover = self._processor.process(batch)
         except (KeyqError, redis.exceptions.RedisError, OSError) as exc:
             log.warning("batch interrupted, will retry: %s", exc)
+            self._processor.waiting = []  # unsettled: put back with the rest
             leftover = self._processor.unsettled(batch)
             self._stop.wait(_ERROR_BACKOFF_S)
+        self._park(self._processor.waiting)
         assert self._claims is not None
         for lease in self._processor.lost_leases:
             self._claims.lose(lease, "commit refused: the lock moved on")
@@ -294,6 +330,42 @@ class Worker:
                 # Never keep a consumer whose deliveries we dropped: close it (if it is still
                 # open) so the broker hands them out again, in order.
                 self._link.close_queue(queue, epoch)
+
+    def _park(self, waiting: list[Delivery]) -> None:
+        """Set aside what waits for an earlier seq. A consumer whose whole prefetch waits
+        would never be sent the events that fill the gap: it is reopened with room for more
+        (closing hands every unacked delivery back, in order)."""
+        if not waiting:
+            return
+        fresh = [d for d in waiting if self._holdings.lease_for(d.queue, d.channel_epoch)]
+        self._buffer.park(fresh)
+        assert self._link is not None
+        for queue in {d.queue for d in fresh}:
+            held = self._holdings.get(queue)
+            if held is None:
+                continue
+            parked = self._buffer.parked(queue)
+            room = self._prefetch_of.pop((queue, held.epoch), self.settings.prefetch)
+            if parked < room or room >= _MAX_PREFETCH:
+                self._prefetch_of[(queue, held.epoch)] = room
+                continue
+            wider = min(_MAX_PREFETCH, parked + self.settings.prefetch)
+            log.info(
+                "queue %s: all %d unacked events wait for an earlier seq; reopening it with a "
+                "prefetch of %d",
+                queue,
+                parked,
+                wider,
+            )
+            self._link.close_queue(queue, held.epoch)
+            self._buffer.drop(queue, held.epoch)
+            again = Held(queue=queue, lease=held.lease, epoch=self._link.new_epoch())
+            self._holdings.add(again)
+            consumed = self._link.consume(queue, again.epoch, prefetch=wider)
+            if consumed.outcome is ConsumeOutcome.CONSUMING:
+                self._prefetch_of[(queue, again.epoch)] = wider
+            else:
+                self._queue_lost(queue, again.epoch, f"reopening it failed: {consumed.outcome}")
 
     def _batch_wait(self) -> float:
         """How long a batch may wait to fill: ``batch_max_ms``, or longer while Spark jobs

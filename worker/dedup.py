@@ -1,20 +1,23 @@
 """Exactly-once by (producer, per-key sequence): a high-water mark per key and producer.
 
-A producer numbers each key's events 1, 2, 3… and re-sends only what it had not seen
-confirmed, in order; the broker keeps each key's order. So an event whose seq is at or below
-its producer's mark for that key has been applied already (a redelivery after a crash, or a
-re-send), and is skipped.
+A producer numbers each key's events 1, 2, 3…; the worker applies them in that order
+(``keyq.worker.sequencing`` holds back an event until the ones before it arrived). So an event
+whose seq is at or below its producer's mark for that key has been applied already (a
+redelivery after a crash, or a re-send) and is skipped, unless it falls in a gap the worker
+gave up waiting for: such a late event is dead-lettered, never silently dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import orjson
 
 # Producers remembered per key; older ones (restarted long ago) are forgotten first.
-MAX_PRODUCERS_PER_KEY = 32
+MAX_PRODUCERS_PER_KEY = 256
+# Given-up gaps remembered per producer and key, so that their events, if they ever come,
+# are dead-lettered as late instead of being taken for duplicates.
+MAX_GAPS_PER_PRODUCER = 8
 
 
 @dataclass
@@ -23,58 +26,52 @@ class KeyMarks:
 
     seqs: dict[str, int] = field(default_factory=dict)
     applied: int = 0
+    # Per producer, ranges [first, last] of seqs skipped after waiting too long for them.
+    gaps: dict[str, list[list[int]]] = field(default_factory=dict)
 
     def seen(self, producer: str, seq: int) -> bool:
         return seq <= self.seqs.get(producer, 0)
+
+    def mark_of(self, producer: str) -> int:
+        return self.seqs.get(producer, 0)
 
     def advance(self, producer: str, seq: int) -> None:
         self.seqs.pop(producer, None)  # re-insert: most recently seen last
         self.seqs[producer] = seq
         while len(self.seqs) > MAX_PRODUCERS_PER_KEY:
-            del self.seqs[next(iter(self.seqs))]
+            forgotten = next(iter(self.seqs))
+            del self.seqs[forgotten]
+            self.gaps.pop(forgotten, None)
+
+    def skip(self, producer: str, first: int, last: int) -> None:
+        """Give up on seqs ``first..last``: the mark moves past them, and they are remembered
+        as skipped (not applied), so a late arrival is recognised."""
+        ranges = self.gaps.setdefault(producer, [])
+        ranges.append([first, last])
+        del ranges[:-MAX_GAPS_PER_PRODUCER]
+        self.advance(producer, last)
+
+    def skipped(self, producer: str, seq: int) -> bool:
+        """Whether ``seq`` is one the worker gave up waiting for (never applied)."""
+        return any(first <= seq <= last for first, last in self.gaps.get(producer, ()))
+
+    def copy(self) -> KeyMarks:
+        return KeyMarks(
+            seqs=dict(self.seqs),
+            applied=self.applied,
+            gaps={producer: [list(r) for r in ranges] for producer, ranges in self.gaps.items()},
+        )
 
     def to_json(self) -> str:
-        return orjson.dumps({"p": self.seqs, "n": self.applied}).decode()
+        data: dict[str, object] = {"p": self.seqs, "n": self.applied}
+        if self.gaps:
+            data["g"] = self.gaps
+        return orjson.dumps(data).decode()
 
     @classmethod
     def from_json(cls, raw: str | bytes | None) -> KeyMarks:
         if raw is None:
             return cls()
         data = orjson.loads(raw)
-        return cls(seqs=dict(data.get("p", {})), applied=int(data.get("n", 0)))
-
-
-@dataclass(slots=True)
-class Identified:
-    """What dedup needs of an event: its key and, if it has one, its identity."""
-
-    key: str
-    producer: str | None
-    seq: int | None
-    counts: bool = True  # False for events dead-lettered rather than applied
-
-
-def split_fresh(
-    events: Iterable[Identified], marks: Mapping[str, KeyMarks]
-) -> tuple[list[bool], dict[str, KeyMarks]]:
-    """Which events are fresh (in order), and the marks after applying the fresh ones.
-
-    Events without an identity are always fresh. ``marks`` is not modified.
-    """
-    updated: dict[str, KeyMarks] = {}
-    fresh: list[bool] = []
-    for event in events:
-        current = updated.get(event.key)
-        if current is None:
-            base = marks.get(event.key) or KeyMarks()
-            current = KeyMarks(seqs=dict(base.seqs), applied=base.applied)
-            updated[event.key] = current
-        if event.producer is not None and event.seq is not None:
-            if current.seen(event.producer, event.seq):
-                fresh.append(False)
-                continue
-            current.advance(event.producer, event.seq)
-        if event.counts:
-            current.applied += 1
-        fresh.append(True)
-    return fresh, updated
+        gaps = {str(p): [[int(a), int(b)] for a, b in r] for p, r in data.get("g", {}).items()}
+        return cls(seqs=dict(data.get("p", {})), applied=int(data.get("n", 0)), gaps=gaps)

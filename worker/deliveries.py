@@ -1,7 +1,9 @@
 """Messages delivered to a worker and not yet settled, per queue, in arrival order.
 
-The AMQP thread appends; the batch loop takes from the front of each queue, so a batch always
-holds a prefix of each queue's unsettled messages and one ``ack(multiple)`` settles it.
+The AMQP thread appends; the batch loop takes from the front of each queue. Events that must
+wait for an earlier seq (``keyq.worker.sequencing``) are *parked* beside the queue's FIFO:
+they do not count as ready, so they never crowd out the events they wait for, and they join
+the next batch taken from their queue, or a batch of their own once their gap is due.
 """
 
 from __future__ import annotations
@@ -27,13 +29,20 @@ class Delivery:
     message_id: str | None
     body: bytes
     received_at: float = field(default_factory=time.monotonic)
+    waiting_since: float | None = None  # first parked (waiting for an earlier seq) at
+
+
+def _delivery_order(delivery: Delivery) -> tuple[int, int]:
+    return delivery.channel_epoch, delivery.delivery_tag
 
 
 class DeliveryBuffer:
     """Thread-safe per-queue FIFOs with a wake-up for the batch loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, gap_timeout_s: float = 60.0) -> None:
+        self._gap_timeout_s = gap_timeout_s
         self._queues: dict[str, deque[Delivery]] = {}
+        self._parked: dict[str, list[Delivery]] = {}
         self._last_arrival: dict[str, float] = {}
         self._count = 0
         self._first_arrival: float | None = None
@@ -60,8 +69,31 @@ class DeliveryBuffer:
             return self._count
 
     def depth(self, queue: str) -> int:
+        """Unsettled deliveries of ``queue`` here, ready or parked."""
         with self._changed:
-            return len(self._queues.get(queue, ()))
+            return len(self._queues.get(queue, ())) + len(self._parked.get(queue, ()))
+
+    def parked(self, queue: str | None = None) -> int:
+        """Deliveries waiting for an earlier seq (of ``queue``, or of every queue)."""
+        with self._changed:
+            if queue is not None:
+                return len(self._parked.get(queue, ()))
+            return sum(len(items) for items in self._parked.values())
+
+    def park(self, deliveries: Iterable[Delivery], now: float | None = None) -> None:
+        """Set aside deliveries that wait for an earlier seq; they come back with the next
+        batch of their queue, or on their own once they have waited ``gap_timeout_s``."""
+        stamp = time.monotonic() if now is None else now
+        with self._changed:
+            touched = set()
+            for delivery in deliveries:
+                if delivery.waiting_since is None:
+                    delivery.waiting_since = stamp
+                self._parked.setdefault(delivery.queue, []).append(delivery)
+                touched.add(delivery.queue)
+            for queue in touched:
+                self._parked[queue].sort(key=_delivery_order)
+            self._changed.notify_all()
 
     def last_arrival(self, queue: str) -> float | None:
         with self._changed:
@@ -73,10 +105,14 @@ class DeliveryBuffer:
         with self._changed:
             deadline = time.monotonic() + idle_wait_s
             while self._count == 0 and not self._woken:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                now = time.monotonic()
+                due = self._parked_due()
+                if due is not None and due <= now:
+                    break  # a gap has waited long enough: its events go on their own
+                wake_at = deadline if due is None else min(deadline, due)
+                if wake_at <= now:
                     return []
-                self._changed.wait(left)
+                self._changed.wait(wake_at - now)
             while self._count < max_events and not self._woken:
                 if self._first_arrival is None:  # all dropped while we waited (queue lost)
                     break
@@ -97,11 +133,26 @@ class DeliveryBuffer:
         taken: list[Delivery] = []
         for queue, quota in quotas.items():
             fifo = self._queues.pop(queue)
+            # What waits in this queue rejoins it: the events taken may fill its gap.
+            taken.extend(self._parked.pop(queue, ()))
             taken.extend(fifo.popleft() for _ in range(quota))
             self._queues[queue] = fifo  # re-inserted last: served most recently
-        self._count -= len(taken)
+            self._count -= quota
+        due_before = time.monotonic() - self._gap_timeout_s
+        for queue in [q for q, items in self._parked.items() if _due(items, due_before)]:
+            taken.extend(self._parked.pop(queue))
         self._reset_first_arrival()
         return taken
+
+    def _parked_due(self) -> float | None:
+        """When the longest-waiting parked delivery's gap is due to be given up."""
+        oldest = [
+            d.waiting_since
+            for items in self._parked.values()
+            for d in items
+            if d.waiting_since is not None
+        ]
+        return min(oldest) + self._gap_timeout_s if oldest else None
 
     def put_back(self, deliveries: Iterable[Delivery]) -> None:
         """Return unsettled deliveries to the front of their queues, in their order."""
@@ -111,7 +162,7 @@ class DeliveryBuffer:
         with self._changed:
             for queue, items in by_queue.items():
                 fifo = self._queues.setdefault(queue, deque())
-                fifo.extendleft(reversed(items))
+                fifo.extendleft(sorted(items, key=_delivery_order, reverse=True))
                 self._count += len(items)
             self._reset_first_arrival()
 
@@ -119,11 +170,21 @@ class DeliveryBuffer:
         """Forget a queue's buffered deliveries (the broker requeues them when the channel
         closes); with an epoch, only those of that consumer incarnation or older."""
         with self._changed:
+            parked = self._parked.pop(queue, [])
+            kept_parked = (
+                []
+                if channel_epoch is None
+                else [d for d in parked if d.channel_epoch > channel_epoch]
+            )
+            if kept_parked:
+                self._parked[queue] = kept_parked
+            parked_dropped = len(parked) - len(kept_parked)
             fifo = self._queues.get(queue)
             if not fifo:
                 self._queues.pop(queue, None)
                 self._last_arrival.pop(queue, None)
-                return 0
+                self._changed.notify_all()
+                return parked_dropped
             if channel_epoch is None:
                 kept: deque[Delivery] = deque()
             else:
@@ -137,11 +198,15 @@ class DeliveryBuffer:
             self._count -= dropped
             self._reset_first_arrival()
             self._changed.notify_all()  # a waiting take must see what is gone
-            return dropped
+            return dropped + parked_dropped
 
     def _reset_first_arrival(self) -> None:
         heads = [fifo[0].received_at for fifo in self._queues.values() if fifo]
         self._first_arrival = min(heads) if heads else None
+
+
+def _due(items: Iterable[Delivery], before: float) -> bool:
+    return any(d.waiting_since is not None and d.waiting_since <= before for d in items)
 
 
 def _fair_quotas(queues: dict[str, deque[Delivery]], max_events: int) -> dict[str, int]:

@@ -79,6 +79,37 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
         "Failed pipeline runs (each retry and each isolation step counts).",
     ),
     ("reconnects", "keyq_worker_reconnects_total", "Reconnections to RabbitMQ."),
+    (
+        "gaps_skipped",
+        "keyq_worker_sequence_gaps_skipped_total",
+        "Sequence gaps given up after waiting sequence_gap_timeout_ms: the events behind "
+        "them were applied without the missing ones.",
+    ),
+    (
+        "late",
+        "keyq_worker_events_late_total",
+        "Events that arrived after their gap was given up, dead-lettered as late.",
+    ),
+)
+
+# (key in Worker.stats(), family name, help): what the worker waits on now.
+GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("held", "keyq_worker_queues_held", "Queues this worker holds now."),
+    (
+        "waiting",
+        "keyq_worker_events_waiting",
+        "Events held back, unacked, until an earlier seq of their key and producer arrives.",
+    ),
+    (
+        "gaps_open",
+        "keyq_worker_sequence_gaps_open",
+        "Sequence gaps this worker waits on now.",
+    ),
+    (
+        "oldest_gap_s",
+        "keyq_worker_sequence_gap_oldest_seconds",
+        "How long the oldest open sequence gap has been waited on.",
+    ),
 )
 
 
@@ -150,14 +181,10 @@ def worker_metrics(worker: Worker) -> list[Metric]:
         Metric(name, "counter", help_text, [(labels, stats.get(key, 0))])
         for key, name, help_text in COUNTERS
     ]
-    metrics.append(
-        Metric(
-            "keyq_worker_queues_held",
-            "gauge",
-            "Queues this worker holds now.",
-            [(labels, stats.get("held", 0))],
-        )
-    )
+    metrics += [
+        Metric(name, "gauge", help_text, [(labels, stats.get(key, 0))])
+        for key, name, help_text in GAUGES
+    ]
     metrics.append(
         Metric(
             "keyq_worker_start_time_seconds",

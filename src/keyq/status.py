@@ -294,12 +294,24 @@ def _worker_row(
         "events": _count(info.get("events")),
         "batches": _count(info.get("batches")),
         "dead_lettered": _count(info.get("dead_lettered")),
+        "waiting": _count(info.get("waiting")),
+        "gaps_open": _count(info.get("gaps_open")),
+        "gaps_skipped": _count(info.get("gaps_skipped")),
+        "late": _count(info.get("late")),
+        "gaps": _gaps(info.get("gaps")),
         "events_per_s": None,
         "host": info.get("host"),
         "pid": info.get("pid"),
         "ready": info.get("ready") is True,
         "started_ms": info.get("started_ms"),
     }
+
+
+def _gaps(value: object) -> list[dict[str, Any]]:
+    """The open sequence gaps a worker reported (key, producer, first, last, waited_s)."""
+    if not isinstance(value, list):
+        return []
+    return [gap for gap in value if isinstance(gap, dict) and {"key", "first"} <= set(gap)]
 
 
 def _count(value: object) -> int | None:
@@ -386,6 +398,7 @@ def render_table(status: dict[str, Any], *, width: int = PIPE_WIDTH) -> str:
                 f"{row['host'] or '-'}:{row['pid'] or '-'}",
             )
         console.print(workers)
+        _print_gaps(console, status["workers"])
     else:
         console.print("no live workers")
     console.print()
@@ -395,6 +408,26 @@ def render_table(status: dict[str, Any], *, width: int = PIPE_WIDTH) -> str:
     )
     text = cast(io.StringIO, console.file).getvalue()
     return "".join(line.rstrip() + "\n" for line in text.splitlines())
+
+
+def _print_gaps(console: Console, workers: list[dict[str, Any]]) -> None:
+    """Events held back for a missing seq, and gaps given up: never silent."""
+    waiting = sum(row["waiting"] or 0 for row in workers)
+    skipped = sum(row["gaps_skipped"] or 0 for row in workers)
+    late = sum(row["late"] or 0 for row in workers)
+    gaps = [dict(gap, worker=row["worker"]) for row in workers for gap in row["gaps"]]
+    if not (waiting or skipped or late or gaps):
+        return
+    console.print(
+        f"sequence gaps: {sum(row['gaps_open'] or 0 for row in workers)} open, {waiting} "
+        f"events waiting; given up {skipped}, late arrivals dead-lettered {late}"
+    )
+    for gap in sorted(gaps, key=lambda gap: -float(gap.get("waited_s") or 0))[:TABLE_LIMIT]:
+        console.print(
+            f"  key {_printable(str(gap['key']))} producer {gap.get('producer')}: waiting for "
+            f"seq {gap['first']}..{gap.get('last')} for {gap.get('waited_s')}s "
+            f"({gap['worker']})"
+        )
 
 
 def _depth(depth: int | None) -> str:

@@ -1,0 +1,199 @@
+"""Per-key order rebuilt from (producer, seq): the worker's sequencing step, fed the orders
+in which brokers and producers really deliver (pure logic, no services)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from keyq.worker.dedup import KeyMarks
+from keyq.worker.deliveries import Delivery, DeliveryBuffer
+from keyq.worker.sequencing import Identified, plan_batch
+
+
+def event(seq: int, key: str = "k", producer: str = "p", since: float | None = None) -> Identified:
+    return Identified(key, producer, seq, waiting_since=since)
+
+
+def seqs_of(items: list[Identified], indices: list[int]) -> list[int | None]:
+    return [items[i].seq for i in indices]
+
+
+def test_quorum_redelivery_order_is_applied_once_and_in_order() -> None:
+    """A quorum queue hands a cancelled consumer's unacked 1..10 back after 11..20. Taken
+    in delivery order, 11..20 would be applied and 1..10 then skipped as already seen."""
+    items = [event(seq) for seq in [*range(11, 21), *range(1, 11)]]
+    plan = plan_batch(items, {}, now=0.0, gap_timeout_s=60.0)
+    assert seqs_of(items, plan.apply) == list(range(1, 21))
+    assert plan.duplicates == [] and plan.waiting == [] and plan.late == []
+    assert plan.marks["k"].seqs == {"p": 20}
+    assert plan.marks["k"].applied == 20
+
+
+def test_events_behind_a_gap_wait_across_batches_then_apply_in_order() -> None:
+    first = [event(seq) for seq in range(11, 21)]
+    plan = plan_batch(first, {}, now=100.0, gap_timeout_s=60.0)
+    assert plan.apply == [] and seqs_of(first, plan.waiting) == list(range(11, 21))
+    [gap] = plan.open_gaps
+    assert (gap.key, gap.producer, gap.first, gap.last, gap.size) == ("k", "p", 1, 10, 10)
+    assert plan.marks["k"].seqs == {}  # nothing applied
+
+    # The parked events come back with the next batch, beside the ones they waited for.
+    parked = [event(seq, since=100.0) for seq in range(11, 21)]
+    second = parked + [event(seq) for seq in range(1, 11)]
+    plan = plan_batch(second, {}, now=101.0, gap_timeout_s=60.0)
+    assert seqs_of(second, plan.apply) == list(range(1, 21))
+    assert plan.waiting == [] and plan.open_gaps == []
+
+
+def test_re_sent_older_events_behind_newer_ones_are_not_lost() -> None:
+    """A producer re-sends events the broker returned (a leader election) behind newer ones
+    that were routed meanwhile: 1..3, 7..9, then the re-sent 4..6, then 7..9 again."""
+    marks = {"k": KeyMarks(seqs={"p": 0})}
+    order = [1, 2, 3, 7, 8, 9, 4, 5, 6, 7, 8, 9, 10]
+    items = [event(seq) for seq in order]
+    plan = plan_batch(items, marks, now=0.0, gap_timeout_s=60.0)
+    assert seqs_of(items, plan.apply) == list(range(1, 11))
+    assert seqs_of(items, plan.duplicates) == [7, 8, 9]
+
+
+def test_a_copy_of_an_event_already_waiting_is_a_duplicate() -> None:
+    items = [event(5), event(5), event(6)]
+    plan = plan_batch(items, {"k": KeyMarks(seqs={"p": 3})}, now=0.0, gap_timeout_s=60.0)
+    assert plan.apply == []
+    assert plan.waiting == [0, 2] and plan.duplicates == [1]
+
+
+def test_producers_and_keys_are_sequenced_apart() -> None:
+    items = [
+        event(2, key="a", producer="p"),  # waits for a/p 1
+        event(1, key="a", producer="q"),
+        event(1, key="b", producer="p"),  # b is another key: p's mark on a does not count
+        event(1, key="a", producer="p"),
+        event(3, key="a", producer="q"),  # waits for a/q 2
+    ]
+    plan = plan_batch(items, {}, now=0.0, gap_timeout_s=60.0)
+    assert plan.apply == [1, 2, 3, 0]
+    assert plan.waiting == [4]
+    assert plan.marks["a"].seqs == {"q": 1, "p": 2}
+    assert plan.marks["b"].seqs == {"p": 1}
+
+
+def test_events_without_identity_are_applied_as_they_come() -> None:
+    items = [Identified("k", None, None), event(3), Identified("k", None, None)]
+    plan = plan_batch(items, {"k": KeyMarks(seqs={"p": 1})}, now=0.0, gap_timeout_s=60.0)
+    assert plan.apply == [0, 2] and plan.waiting == [1]
+    assert plan.marks["k"].applied == 2
+
+
+def test_a_gap_open_past_the_timeout_is_given_up_reported_and_remembered() -> None:
+    waited = [event(seq, since=10.0) for seq in (4, 5, 8)]
+    plan = plan_batch(waited, {"k": KeyMarks(seqs={"p": 2})}, now=70.5, gap_timeout_s=60.0)
+    # 3 is given up: 4, 5 apply; 6..7 is a second gap, as old as the events behind it.
+    assert seqs_of(waited, plan.apply) == [4, 5, 8]
+    assert [(g.first, g.last) for g in plan.skipped_gaps] == [(3, 3), (6, 7)]
+    marks = plan.marks["k"]
+    assert marks.seqs == {"p": 8}
+    assert marks.gaps == {"p": [[3, 3], [6, 7]]}
+
+    # The marks survive a commit; a late 3 or 7 is dead-lettered, a re-sent 4 is skipped.
+    marks = KeyMarks.from_json(marks.to_json())
+    late = [event(3), event(4), event(7), event(9)]
+    plan = plan_batch(late, {"k": marks}, now=71.0, gap_timeout_s=60.0)
+    assert seqs_of(late, plan.late) == [3, 7]
+    assert seqs_of(late, plan.duplicates) == [4]
+    assert seqs_of(late, plan.apply) == [9]
+
+
+def test_a_gap_younger_than_the_timeout_keeps_waiting() -> None:
+    waited = [event(seq, since=10.0) for seq in (4, 5)]
+    plan = plan_batch(waited, {"k": KeyMarks(seqs={"p": 2})}, now=69.0, gap_timeout_s=60.0)
+    assert plan.apply == [] and plan.skipped_gaps == []
+    assert [(g.first, g.last, g.since) for g in plan.open_gaps] == [(3, 3, 10.0)]
+
+
+def test_gap_memory_is_bounded_and_forgotten_with_its_producer() -> None:
+    marks = KeyMarks()
+    for n in range(20):
+        marks.skip("p", 10 * n + 1, 10 * n + 2)
+    assert len(marks.gaps["p"]) == 8
+    assert marks.skipped("p", 192) and not marks.skipped("p", 2)
+    for n in range(300):
+        marks.advance(f"other-{n}", 1)
+    assert "p" not in marks.seqs and "p" not in marks.gaps
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(min_value=1, max_value=40),
+    st.integers(min_value=1, max_value=6),
+    st.randoms(use_true_random=False),
+)
+def test_any_delivery_order_split_in_any_batches_applies_each_event_once_in_order(
+    count: int, batches: int, rng: random.Random
+) -> None:
+    """Deliveries in any order, with duplicates, cut into batches whose waiting events
+    rejoin the next: every seq is applied exactly once, in order, and none is late."""
+    order = [seq for seq in range(1, count + 1) for _ in range(rng.choice([1, 1, 2]))]
+    rng.shuffle(order)
+    cuts = sorted(rng.sample(range(1, len(order)), min(batches - 1, len(order) - 1)))
+    chunks = [order[a:b] for a, b in zip([0, *cuts], [*cuts, len(order)], strict=True)]
+    marks: dict[str, KeyMarks] = {}
+    applied: list[int | None] = []
+    parked: list[Identified] = []
+    for chunk in chunks:
+        items = parked + [event(seq) for seq in chunk]
+        plan = plan_batch(items, marks, now=0.0, gap_timeout_s=60.0)
+        assert plan.late == []
+        applied += seqs_of(items, plan.apply)
+        parked = [items[i] for i in plan.waiting]
+        marks = {key: KeyMarks.from_json(m.to_json()) for key, m in plan.marks.items()}
+    assert applied == list(range(1, count + 1))
+    assert parked == []
+
+
+def delivery(queue: str, tag: int, epoch: int = 1) -> Delivery:
+    return Delivery(queue, epoch, tag, False, {}, None, None, b"{}")
+
+
+def test_parked_deliveries_do_not_crowd_out_the_events_they_wait_for() -> None:
+    buffer = DeliveryBuffer(gap_timeout_s=60.0)
+    for tag in range(1, 4):
+        buffer.add(delivery("q", tag))
+    waiting = buffer.take(3, 0.0, 0.0)
+    parked_at = time.monotonic()
+    buffer.park(waiting, now=parked_at)
+    assert len(buffer) == 0 and buffer.parked() == 3 and buffer.depth("q") == 3
+    assert buffer.take(2, 0.0, 0.0) == []  # nothing ready, and no gap due yet
+
+    buffer.add(delivery("q", 4))
+    buffer.add(delivery("q", 5))
+    again = buffer.take(1, 0.0, 0.0)
+    # The parked three rejoin their queue, beside the one ready event the quota allows.
+    assert [d.delivery_tag for d in again] == [1, 2, 3, 4]
+    assert [d.waiting_since for d in again] == [parked_at] * 3 + [None]
+    assert buffer.parked() == 0 and len(buffer) == 1
+
+
+def test_a_due_gap_brings_its_parked_deliveries_back_on_their_own() -> None:
+    buffer = DeliveryBuffer(gap_timeout_s=0.05)
+    buffer.add(delivery("q", 1))
+    buffer.park(buffer.take(1, 0.0, 0.0))
+    assert buffer.take(5, 0.0, 0.0) == []
+    back = buffer.take(5, 0.0, 1.0)  # waits for the gap to come due, not for the 1 s
+    assert [d.delivery_tag for d in back] == [1]
+
+
+def test_dropping_a_queue_forgets_its_parked_deliveries_of_that_consumer() -> None:
+    buffer = DeliveryBuffer()
+    buffer.add(delivery("q", 1, epoch=1))
+    buffer.park(buffer.take(1, 0.0, 0.0))
+    buffer.add(delivery("q", 1, epoch=2))
+    buffer.park(buffer.take(1, 0.0, 0.0))
+    assert buffer.drop("q", channel_epoch=1) == 1
+    assert buffer.parked("q") == 1
+    assert buffer.drop("q") == 1
+    assert buffer.parked() == 0 and buffer.depth("q") == 0

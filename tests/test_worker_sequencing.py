@@ -1,0 +1,157 @@
+"""A real worker rebuilds each key's order from (producer, seq) whatever order RabbitMQ
+delivers in: events behind a gap wait unacked, a consumer whose whole prefetch waits is
+reopened wider, and a gap given up after its timeout is reported, its late arrival
+dead-lettered. Workers run in the test process against the real RabbitMQ, Redis and Spark."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import orjson
+import pika
+import pytest
+
+from keyq.broker.envelope import HEADER_DEAD_REASON, HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
+from keyq.broker.naming import dead_letter_queue_name, key_queue_name
+from keyq.broker.registry import QueueRegistry
+from keyq.broker.streams import ensure_stream_config
+from keyq.broker.topology import keyed_queue_arguments
+from keyq.worker.daemon import Worker
+from keyq.worker.engine import SparkEngine
+from keyq.worker.state_store import StateStore
+from tests.conftest import StreamFixture
+from tests.helpers import drain, queue_depth
+from tests.test_worker_poison import fast_settings
+
+pytestmark = pytest.mark.slow
+
+
+class RawPublisher:
+    """Publishes SDK-shaped events of one producer in any order, as a broker could deliver
+    them after a quorum queue's returns or a producer's re-sends."""
+
+    def __init__(self, stream: StreamFixture, amqp: pika.BlockingConnection, key: str) -> None:
+        self.key = key
+        self.queue = key_queue_name(stream.name, key)
+        self.channel = amqp.channel()
+        self.channel.queue_declare(
+            self.queue, durable=True, arguments=keyed_queue_arguments(stream.name)
+        )
+        self.channel.confirm_delivery()
+        QueueRegistry(stream.redis, stream.name).register({self.queue: key})
+        ensure_stream_config(stream.redis, stream.name, "key", None, "classic")
+
+    def publish(self, *seqs: int) -> None:
+        for seq in seqs:
+            self.channel.basic_publish(
+                "",
+                self.queue,
+                orjson.dumps({"n": seq, "producer": "ext"}),
+                pika.BasicProperties(
+                    headers={HEADER_KEY: self.key, HEADER_PRODUCER: "ext", HEADER_SEQ: seq},
+                    delivery_mode=pika.DeliveryMode.Persistent,
+                    content_type="application/json",
+                ),
+                mandatory=True,
+            )
+
+
+def run(stream: StreamFixture, engine: SparkEngine, **overrides: Any) -> Worker:
+    worker = Worker(
+        stream.name,
+        "tests.pipelines:audit",
+        mode="key",
+        settings=fast_settings(**overrides),
+        engine=engine,
+    )
+    worker.run(until_idle=3)
+    print(f"stats {worker.stats()}")
+    return worker
+
+
+def test_events_delivered_out_of_order_are_applied_in_seq_order(
+    stream: StreamFixture, amqp: pika.BlockingConnection, spark_engine: SparkEngine
+) -> None:
+    """6..12 reach the queue before 1..5, and the prefetch (3) is smaller than what must
+    wait: the consumer is reopened wider until 1..5 arrive. In delivery order, 1..5 would be
+    skipped as already seen."""
+    raw = RawPublisher(stream, amqp, "out-of-order")
+    raw.publish(*range(6, 13), *range(1, 6))
+
+    worker = run(stream, spark_engine, prefetch=3)
+
+    state = StateStore(stream.redis, stream.name)
+    assert state.get(raw.key) == {"applied": 12, "last": {"ext": 12}, "violations": []}
+    assert state.get_marks(raw.key).seqs == {"ext": 12}
+    stats = worker.stats()
+    assert stats["events"] == 12 and stats["skipped"] == 0
+    assert stats["gaps_skipped"] == 0 and stats["waiting"] == 0
+    assert queue_depth(amqp, raw.queue) == 0
+
+
+def test_a_gap_past_its_timeout_is_reported_and_a_late_event_dead_lettered(
+    stream: StreamFixture, amqp: pika.BlockingConnection, spark_engine: SparkEngine
+) -> None:
+    raw = RawPublisher(stream, amqp, "gap")
+    raw.publish(3, 4)  # 1 and 2 never come (a producer that died before re-sending them)
+    worker = run(stream, spark_engine, sequence_gap_timeout_ms=1500)
+
+    state = StateStore(stream.redis, stream.name)
+    # Applied after the timeout, and visibly so: the audit saw seq 3 follow nothing.
+    assert state.get(raw.key) == {"applied": 2, "last": {"ext": 4}, "violations": [["ext", 0, 3]]}
+    marks = state.get_marks(raw.key)
+    assert marks.seqs == {"ext": 4} and marks.gaps == {"ext": [[1, 2]]}
+    assert worker.stats()["gaps_skipped"] == 1
+
+    raw.publish(2, 5)  # 2 turns up after all; 5 follows 4
+    worker = run(stream, spark_engine, sequence_gap_timeout_ms=1500)
+    assert worker.stats()["late"] == 1
+    assert state.get(raw.key)["applied"] == 3  # type: ignore[index]
+    [letter] = drain(amqp.channel(), dead_letter_queue_name(stream.name))
+    assert letter.seq == 2
+    reason = letter.headers[HEADER_DEAD_REASON]
+    reason = reason.decode() if isinstance(reason, bytes) else reason
+    assert reason.startswith("late: seq 2 of producer ext"), reason
+
+
+def test_a_gap_filled_before_its_timeout_leaves_nothing_behind(
+    stream: StreamFixture, amqp: pika.BlockingConnection, spark_engine: SparkEngine
+) -> None:
+    """The events behind a gap wait unacked while the worker serves; status shows the gap;
+    once the missing event comes, all are applied in order."""
+    raw = RawPublisher(stream, amqp, "late-filler")
+    raw.publish(2, 3)
+    worker = Worker(
+        stream.name,
+        "tests.pipelines:audit",
+        mode="key",
+        settings=fast_settings(sequence_gap_timeout_ms=60_000),
+        engine=spark_engine,
+    )
+    thread = threading.Thread(target=worker.run, kwargs={"until_idle": 30}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while worker.stats()["waiting"] < 2:
+            assert time.monotonic() < deadline, worker.stats()
+            time.sleep(0.1)
+        report = worker.stats()
+        assert report["gaps_open"] == 1
+        [gap] = report["gaps"]
+        assert (gap["key"], gap["producer"], gap["first"], gap["last"]) == (raw.key, "ext", 1, 1)
+        # Unacked while they wait: the broker still counts them as the queue's.
+        assert StateStore(stream.redis, stream.name).get(raw.key) is None
+
+        raw.publish(1)
+        while worker.stats()["events"] < 3:
+            assert time.monotonic() < deadline, worker.stats()
+            time.sleep(0.1)
+    finally:
+        worker.stop()
+        thread.join(60)
+    state = StateStore(stream.redis, stream.name).get(raw.key)
+    assert state == {"applied": 3, "last": {"ext": 3}, "violations": []}
+    assert worker.stats()["gaps_open"] == 0
+    assert queue_depth(amqp, raw.queue) == 0

@@ -1,0 +1,148 @@
+"""Per-key order from sequence numbers, not from the order the broker delivers in.
+
+Every SDK event carries ``(producer, seq)``, seq = 1, 2, 3… per key and producer. The broker
+keeps a queue's order in the common case, but not always: a quorum queue can hand a
+consumer's returned messages back after newer ones, and a producer re-sends an event the
+broker returned (its queue being re-elected or deleted) behind newer events of the same key
+that were routed meanwhile. Applying in delivery order would then apply the newer event and
+skip the older one as "already seen" (its seq is below the mark): a loss.
+
+So the worker sequences each batch against the committed marks before anything runs:
+
+- ``seq <= mark``: already applied (a redelivery or a re-send), skipped; or, if the seq lies
+  in a gap given up earlier, *late*: dead-lettered with that reason, never dropped silently;
+- ``seq == mark + 1``: applied, and so is every waiting event it makes contiguous;
+- ``seq > mark + 1``: it *waits*, unacked, until the missing ones arrive. A gap that stays
+  open past ``gap_timeout_s`` (measured from when its first waiting event was set aside) is
+  given up: reported, remembered in the marks, and the waiting events are applied.
+
+Events without an identity (other clients) are applied as they come. Order between two
+producers of one key stays the order the broker delivered them in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from keyq.worker.dedup import KeyMarks
+
+
+@dataclass(slots=True)
+class Identified:
+    """What sequencing needs of one delivered item."""
+
+    key: str
+    producer: str | None
+    seq: int | None
+    counts: bool = True  # False for items dead-lettered rather than applied
+    waiting_since: float | None = None  # when it was first set aside to wait, if ever
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """Seqs ``first..last`` of one producer on one key, not (yet) delivered."""
+
+    key: str
+    producer: str
+    first: int
+    last: int
+    since: float  # when the first event behind it was set aside
+
+    @property
+    def size(self) -> int:
+        return self.last - self.first + 1
+
+
+@dataclass
+class Plan:
+    """What to do with a batch's items (indices into the input)."""
+
+    apply: list[int] = field(default_factory=list)  # in the order to apply them
+    duplicates: list[int] = field(default_factory=list)
+    late: list[int] = field(default_factory=list)  # inside a given-up gap: dead-letter
+    waiting: list[int] = field(default_factory=list)  # behind an open gap: keep, unacked
+    marks: dict[str, KeyMarks] = field(default_factory=dict)  # after ``apply``
+    open_gaps: list[Gap] = field(default_factory=list)
+    skipped_gaps: list[Gap] = field(default_factory=list)  # given up in this plan
+
+
+def plan_batch(
+    items: Sequence[Identified],
+    marks: Mapping[str, KeyMarks],
+    *,
+    now: float,
+    gap_timeout_s: float,
+) -> Plan:
+    """Sequence ``items`` (in delivery order) against the committed ``marks``, which are
+    not modified."""
+    plan = Plan()
+    # Per (key, producer): seq -> index of a waiting item.
+    pending: dict[tuple[str, str], dict[int, int]] = {}
+
+    def current(key: str) -> KeyMarks:
+        found = plan.marks.get(key)
+        if found is None:
+            found = (marks.get(key) or KeyMarks()).copy()
+            plan.marks[key] = found
+        return found
+
+    def apply(index: int) -> None:
+        item = items[index]
+        key_marks = current(item.key)
+        if item.producer is not None and item.seq is not None:
+            key_marks.advance(item.producer, item.seq)
+        if item.counts:
+            key_marks.applied += 1
+        plan.apply.append(index)
+
+    def release(key: str, producer: str) -> None:
+        """Apply the waiting events that the mark has made contiguous."""
+        waiting = pending.get((key, producer))
+        key_marks = current(key)
+        while waiting:
+            following = waiting.pop(key_marks.mark_of(producer) + 1, None)
+            if following is None:
+                return
+            apply(following)
+
+    for index, item in enumerate(items):
+        if item.producer is None or item.seq is None:
+            apply(index)
+            continue
+        key_marks = current(item.key)
+        mark = key_marks.mark_of(item.producer)
+        slot = (item.key, item.producer)
+        if item.seq <= mark:
+            if key_marks.skipped(item.producer, item.seq):
+                plan.late.append(index)
+            else:
+                plan.duplicates.append(index)
+        elif item.seq == mark + 1:
+            apply(index)
+            release(item.key, item.producer)
+        elif item.seq in pending.get(slot, {}):
+            plan.duplicates.append(index)  # a second copy of one already waiting
+        else:
+            pending.setdefault(slot, {})[item.seq] = index
+
+    for (key, producer), waiting in pending.items():
+        while waiting:
+            key_marks = current(key)
+            first = key_marks.mark_of(producer) + 1
+            next_seq = min(waiting)
+            since = min(_since(items[i], now) for i in waiting.values())
+            gap = Gap(key, producer, first, next_seq - 1, since)
+            if now - since < gap_timeout_s:
+                plan.open_gaps.append(gap)
+                plan.waiting.extend(sorted(waiting.values()))
+                break
+            key_marks.skip(producer, gap.first, gap.last)
+            plan.skipped_gaps.append(gap)
+            release(key, producer)
+    plan.waiting.sort()
+    return plan
+
+
+def _since(item: Identified, now: float) -> float:
+    return now if item.waiting_since is None else item.waiting_since
