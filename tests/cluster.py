@@ -435,6 +435,17 @@ class RabbitCluster:
             )
         raise KeyError(f"no queue {queue!r} in vhost {vhost!r}")
 
+    def leaders(self, prefix: str = "", vhost: str = "/") -> dict[str, str]:
+        """Every quorum queue named ``prefix...`` and its leader now, in one listing."""
+        out = self.ctl(
+            self._any_up().index, "list_queues", "-p", vhost, "name", "leader", "--formatter", "csv"
+        )
+        return {
+            row["name"]: row["leader"]
+            for row in csv.DictReader(io.StringIO(out))
+            if row.get("name", "").startswith(prefix) and row.get("leader")
+        }
+
     def leader_of(self, queue: str, vhost: str = "/", via: NodeRef | None = None) -> str:
         """The node leading quorum queue ``queue``, or the home node of a classic queue, as
         a running node now sees it. Just after its leader went down a quorum queue still
