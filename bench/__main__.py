@@ -1,7 +1,7 @@
 """Every benchmark in one run, one JSON file: ``python -m bench [--out FILE] [--only NAME ...]``.
 
-Runs ``bench.producer``, ``bench.e2e``, ``bench.janitor`` and ``bench.peers`` one after the
-other (each in its own process, as a user would run it), collects their JSON under their names,
+Runs ``bench.producer``, ``bench.e2e``, ``bench.janitor``, ``bench.peers`` and
+``bench.sequencing`` one after the other (each in its own process, as a user would run it), collects their JSON under their names,
 and adds ``table``: the figures of BENCHMARKS.md side by side, keyq against its baselines. The
 table is also printed as Markdown on stderr.
 """
@@ -21,7 +21,7 @@ import orjson
 
 from bench.common import emit, log, machine_info
 
-BENCHMARKS = ("producer", "e2e", "janitor", "peers")
+BENCHMARKS = ("producer", "e2e", "janitor", "peers", "sequencing")
 REPO = Path(__file__).resolve().parent.parent
 
 
