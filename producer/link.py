@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -42,6 +43,9 @@ log = logging.getLogger("keyq.producer")
 DRAIN_BATCH = 500
 FORGET_STATES_ABOVE = 50_000
 RECONNECT_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0)
+# A queue whose node is down is declared again on a channel of its own after these delays.
+PROBE_DELAYS = (0.5, 1.0, 2.0, 4.0)
+_QUEUE_DOWN = re.compile(r"queue '(?P<queue>[^']+)' in vhost '[^']*' is down or inaccessible")
 
 NewQueues = Callable[[dict[str, str | None]], None]
 
@@ -89,6 +93,10 @@ class PublisherLink:
         self._by_number: dict[int, Outgoing] = {}
         self._queues: dict[str, QueueState] = {}
         self._resend: list[Outgoing] = []
+        # Queues whose node is down, kept across reconnects, so that their events wait while
+        # every other queue's flow; and the queues being declared aside until they answer.
+        self._unreachable: set[str] = set()
+        self._probing: set[str] = set()
         self._lost_at: float | None = None
         self._attempt = 0
         self._thread = threading.Thread(target=self._run, name="keyq-producer-io", daemon=True)
@@ -212,11 +220,10 @@ class PublisherLink:
         channel.confirm_delivery(ack_nack_callback=self._on_confirm, callback=self._on_confirm_ok)
 
     def _on_confirm_ok(self, _frame: Any) -> None:
-        self._channel.queue_declare(
-            self._dlq,
-            durable=True,
-            arguments=dead_letter_queue_arguments(self._queue_type),
-        )
+        # Aside: a dead-letter queue whose node is down must not stop publishing.
+        self._declare_aside(self._dlq, dead_letter_queue_arguments(self._queue_type))
+        for queue in self._unreachable:
+            self._declare_aside(queue, self._queue_args)
         self._next_tag = 1
         self._attempt = 0
         if self._lost_at is not None:
@@ -270,7 +277,14 @@ class PublisherLink:
             self._fail(error)
             self._connection.close()
             return
-        # Anything else: start over on a fresh connection, re-sending what is unconfirmed.
+        down = _QUEUE_DOWN.search(text) if code == 404 else None
+        if down is not None and down.group("queue") not in self._unreachable:
+            # A queue on a node that is down (a classic queue on a cluster): its events wait
+            # and it is declared again aside until its node is back; the others go on.
+            queue = down.group("queue")
+            log.warning("queue %s is unavailable (%s); its events wait for it", queue, text)
+            self._unreachable.add(queue)
+        # Start over on a fresh connection, re-sending what is unconfirmed.
         log.warning("channel closed by RabbitMQ (%s %s); reconnecting", code, text)
         self._connection.close()
 
@@ -346,11 +360,21 @@ class PublisherLink:
         state = self._queues.get(message.queue)
         if state is None:
             state = self._queues[message.queue] = QueueState(key=message.key)
+            state.unreachable = message.queue in self._unreachable
         return state
 
     def _send(self, message: Outgoing) -> None:
         state = self._state(message)
-        if state.recovering or state.held:
+        channel = self._channel
+        if (
+            state.recovering
+            or state.held
+            or state.unreachable
+            or channel is None
+            or (not channel.is_open)
+        ):
+            # A closed channel (a lease granted while reconnecting): parked events are
+            # collected and re-sent in order once the connection is back.
             state.parked.append(message)
             return
         now = time.monotonic()
@@ -361,7 +385,6 @@ class PublisherLink:
             return
         if now >= state.lease_until - self._lease_s / 2:
             self._ask_lease(message.queue, state)  # renew ahead, without holding anything
-        channel = self._channel
         if not state.declared:
             # nowait: the broker handles the declare before the publish that follows it on
             # this channel, so no round trip is spent per new key.
@@ -465,6 +488,64 @@ class PublisherLink:
         self._inflight.clear()
         self._by_number.clear()
         self._queues.clear()
+
+    # ------------------------------------------------------------- unreachable queues
+    def _declare_aside(self, queue: str, arguments: dict[str, Any], attempt: int = 0) -> None:
+        """Declare ``queue`` on a channel of its own, so that a 404 (its node is down)
+        closes only that channel; retried with backoff, across reconnects, until it works."""
+        connection = self._connection
+        if self._stopping or (attempt == 0 and queue in self._probing):
+            return
+        self._probing.add(queue)
+        delay = PROBE_DELAYS[min(attempt, len(PROBE_DELAYS) - 1)]
+
+        def again() -> None:
+            self._ioloop.call_later(
+                delay, lambda: self._declare_aside(queue, arguments, attempt + 1)
+            )
+
+        if connection is None or not connection.is_open:
+            again()
+            return
+        declared: list[bool] = []
+
+        def on_declared(channel: Any) -> None:
+            declared.append(True)
+            self._probing.discard(queue)
+            with contextlib.suppress(Exception):
+                channel.close()
+            self._reachable(queue)
+
+        def on_closed(_channel: Any, reason: BaseException) -> None:
+            if declared or self._stopping:
+                return
+            if attempt == 0:
+                log.warning("%s is unavailable, retrying: %s", queue, reason)
+            again()
+
+        def on_open(channel: Any) -> None:
+            channel.add_on_close_callback(on_closed)
+            channel.queue_declare(
+                queue, durable=True, arguments=arguments, callback=lambda _f: on_declared(channel)
+            )
+
+        connection.channel(on_open_callback=on_open)
+
+    def _reachable(self, queue: str) -> None:
+        """``queue`` was declared: its waiting events go, in order."""
+        if queue not in self._unreachable:
+            return
+        self._unreachable.discard(queue)
+        log.info("queue %s is available again", queue)
+        state = self._queues.get(queue)
+        if state is None:
+            return
+        state.unreachable = False
+        state.declared = True
+        if not (state.recovering or state.held):
+            parked, state.parked = state.parked, deque()
+            for message in parked:
+                self._send(message)
 
     # ------------------------------------------------------------------------ leases
     def _ask_lease(self, queue: str, state: QueueState) -> None:

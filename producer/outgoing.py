@@ -30,7 +30,8 @@ class QueueState:
     newer events for the queue wait in ``parked`` until everything sent before has settled,
     the queue is declared again and the returned events are re-sent in their original order,
     so a deletion never reorders a key. ``held`` parks events the same way until the queue
-    has a fresh publish lease (see ``broker.retirement``).
+    has a fresh publish lease (see ``broker.retirement``), and ``unreachable`` while the
+    queue's node is down (on a cluster), so one such queue never stalls the others.
     """
 
     key: str | None
@@ -41,6 +42,7 @@ class QueueState:
     lease_until: float = 0.0  # monotonic time until which events may be sent
     leasing: bool = False  # a lease request is on its way
     held: bool = False  # events wait in ``parked`` for a lease
+    unreachable: bool = False  # its node is down (404): events wait in ``parked`` for it
     returned: list[Outgoing] = field(default_factory=list)
     parked: deque[Outgoing] = field(default_factory=deque)
 

@@ -24,6 +24,7 @@ from keyq import Janitor, Producer
 from keyq.broker.naming import dead_letter_queue_name, key_queue_name
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import load_settings
+from keyq.broker.topology import keyed_queue_arguments
 from keyq.janitor.config import JanitorSettings
 from keyq.worker.state_store import StateStore
 from tests.cluster import RabbitCluster, cluster_fixture
@@ -331,6 +332,72 @@ def test_a_quorum_stream_loses_nothing_when_a_leader_node_and_a_worker_are_kille
             connection.close()
         assert {(letter.key, letter.json()["n"]) for letter in letters} == poison
         assert len(letters) == len(poison)
+    finally:
+        producer.close(timeout=30)
+        stream.cleanup()
+
+
+def test_a_classic_stream_serves_live_nodes_keys_while_another_node_is_down(
+    rabbit_cluster: RabbitCluster, redis_client: redis.Redis, workers: Any
+) -> None:
+    """Classic queues (and the dead-letter queue) on a node that is stopped: the producer
+    and a worker started meanwhile keep serving every key whose queue is on a live node;
+    the others' events wait, and all of them are applied once the node is back."""
+    cluster = rabbit_cluster
+    name = f"{TEST_STREAM_PREFIX}classic-down-{uuid.uuid4().hex[:8]}"
+    stream = StreamFixture(name, load_settings(amqp_url=cluster.urls[0]), redis_client)
+    live_nodes = f"{cluster.urls[0]},{cluster.urls[2]}"  # clients never connect to node 1
+    down_keys, live_keys = ["down-a", "down-b"], ["live-a", "live-b", "live-c"]
+    # The down keys' queues and the dead-letter queue live on node 1.
+    connection = _connect(cluster.urls[1])
+    try:
+        channel = connection.channel()
+        for queue in [key_queue_name(name, key) for key in down_keys]:
+            channel.queue_declare(queue, durable=True, arguments=keyed_queue_arguments(name))
+        channel.queue_declare(dead_letter_queue_name(name), durable=True)
+    finally:
+        _close(connection)
+    producer = Producer(name, mode="key", settings=load_settings(amqp_url=live_nodes))
+    ledger = "tests.pipelines:ledger"
+    try:
+        sent = collections.Counter[str]()
+
+        def publish(keys: list[str], rounds: int) -> None:
+            for _ in range(rounds):
+                for key in keys:
+                    sent[key] += 1
+                    producer.publish(key, {"producer": "p", "n": sent[key]})
+
+        publish(down_keys + live_keys, 5)
+        producer.flush(timeout=30)
+        cluster.stop(1)
+        try:
+            publish(down_keys + live_keys, 5)
+            worker = workers(name, env={"KEYQ_AMQP_URL": live_nodes}, pipeline=ledger)
+            store = StateStore(redis_client, name)
+
+            def applied(key: str) -> list[int]:
+                state = store.get(key) or {"seen": {}}
+                return list(state["seen"].get("p", []))
+
+            wait_until(
+                lambda: all(applied(key) == list(range(1, 11)) for key in live_keys),
+                120,
+                "the live keys' events applied while node 1 is down",
+            )
+            assert all(applied(key) == [] for key in down_keys)
+        finally:
+            cluster.restart(1)
+        producer.flush(timeout=60)
+        wait_until(
+            lambda: all(applied(key) == list(range(1, 11)) for key in down_keys),
+            120,
+            "the down keys' events applied once node 1 is back",
+        )
+        for key in down_keys + live_keys:
+            assert applied(key) == list(range(1, 11)), key
+        assert worker.terminate() == 0, worker.log()[-3000:]
+        assert "dead-letter queue" in worker.log()  # it said why dead letters would wait
     finally:
         producer.close(timeout=30)
         stream.cleanup()

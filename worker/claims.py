@@ -41,6 +41,7 @@ CLIENT_NAME_PREFIX = "keyq-w:"
 BUSY_BACKOFF_S = 1.0
 # A registered queue that does not exist (deleted; the janitor forgets it) is left alone longer.
 MISSING_BACKOFF_S = 30.0
+UNREACHABLE_BACKOFF_S = 2.0
 # After handing a queue over, do not take it back at once: let a peer have it.
 RELEASE_COOLDOWN_S = 3.0
 # Idle unheld queues looked into per scan (a passive declare each, ~1 ms), so a backlog left
@@ -350,6 +351,8 @@ class ClaimLoop:
             if consumed.outcome is ConsumeOutcome.MISSING:
                 self._view.activity.pop(queue, None)
                 backoff = MISSING_BACKOFF_S
+            elif consumed.outcome is ConsumeOutcome.UNREACHABLE:
+                backoff = UNREACHABLE_BACKOFF_S  # tried again soon: its node may be back
             self._busy_until[queue] = time.monotonic() + backoff
             return False
         self.stats.claims += 1

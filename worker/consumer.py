@@ -48,6 +48,7 @@ class ConsumeOutcome(enum.Enum):
     CONSUMING = "consuming"
     BUSY = "busy"  # another consumer holds it exclusively
     MISSING = "missing"  # the queue does not exist (deleted by the janitor)
+    UNREACHABLE = "unreachable"  # its node is down (a classic queue on a cluster)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class ConsumerLink:
         # Per consumer (queue, epoch): delivery tags not yet acked, oldest first.
         self._unacked: dict[tuple[str, int], dict[int, None]] = {}
         self._dead_letter_channel: BlockingChannel | None = None
+        self._dead_letter_ready = False  # the dead-letter queue was declared on this connection
         self._probe_channel: BlockingChannel | None = None
         self._epochs = itertools.count(1)
         self._pending: set[Future[Any]] = set()
@@ -188,19 +190,39 @@ class ConsumerLink:
         connection = open_blocking_connection(self._settings, self._name)
         try:
             channel = connection.channel()
-            channel.queue_declare(
-                self._dlq,
-                durable=True,
-                arguments=dead_letter_queue_arguments(self._queue_type),
-            )
             channel.confirm_delivery()
+            self._connection = connection
+            self._dead_letter_ready = self._declare_dead_letter_queue()
         except (pika.exceptions.AMQPError, OSError) as exc:
+            self._connection = None
             with contextlib.suppress(Exception):  # a half-open connection: drop it
                 connection.close()
             raise amqp_failure(exc, self._settings.amqp_url) from None
-        self._connection = connection
         self._dead_letter_channel = channel
         self._connected.set()
+
+    def _declare_dead_letter_queue(self) -> bool:
+        """Declare the stream's dead-letter queue on a channel of its own. On a cluster, a
+        classic dead-letter queue whose node is down answers 404: the worker serves on (keys
+        on live nodes must not stop for it) and dead letters wait until it is back."""
+        assert self._connection is not None
+        channel = self._connection.channel()
+        try:
+            channel.queue_declare(
+                self._dlq, durable=True, arguments=dead_letter_queue_arguments(self._queue_type)
+            )
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code != 404:
+                raise
+            log.warning(
+                "dead-letter queue %s is unavailable (%s); serving on, dead letters wait for it",
+                self._dlq,
+                exc.reply_text,
+            )
+            return False
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            channel.close()
+        return True
 
     def _serve(self) -> str | None:
         """Pump the connection until it fails (returns why) or we stop (returns None)."""
@@ -308,9 +330,16 @@ class ConsumerLink:
         return self.call(lambda: self._ack(acks))
 
     def dead_letter(self, letters: Sequence[DeadLetter]) -> None:
-        """Publish copies with the reason to the dead-letter queue, confirmed."""
-        if letters:
+        """Publish copies with the reason to the dead-letter queue, confirmed. Raises
+        ``BrokerUnavailable`` when they are not (the batch then waits and retries)."""
+        if not letters:
+            return
+        try:
             self.call(lambda: self._dead_letter(letters))
+        except pika.exceptions.AMQPError as exc:
+            raise BrokerUnavailable(
+                f"dead letters not confirmed: {describe_exception(exc)}"
+            ) from None
 
     def message_count(self, queue: str) -> int:
         """Messages ready in ``queue`` (0 if it does not exist)."""
@@ -356,6 +385,8 @@ class ConsumerLink:
         except pika.exceptions.ChannelClosedByBroker as exc:
             if exc.reply_code == 403:
                 return Consumed(ConsumeOutcome.BUSY)
+            if exc.reply_code == 404 and "is down or inaccessible" in str(exc.reply_text):
+                return Consumed(ConsumeOutcome.UNREACHABLE)
             if exc.reply_code == 404:
                 return Consumed(ConsumeOutcome.MISSING)
             raise
@@ -427,6 +458,10 @@ class ConsumerLink:
         channel = self._dead_letter_channel
         if channel is None:
             raise BrokerUnavailable("not connected to RabbitMQ")
+        if not self._dead_letter_ready:
+            self._dead_letter_ready = self._declare_dead_letter_queue()
+            if not self._dead_letter_ready:
+                raise BrokerUnavailable(f"dead-letter queue {self._dlq} is unavailable")
         for letter in letters:
             delivery = letter.delivery
             headers = dict(delivery.headers)
