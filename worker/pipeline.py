@@ -1,7 +1,8 @@
 """The pipeline contract: ``function(df, ctx) -> DataFrame | None``.
 
-``df`` holds one micro-batch with the columns of ``BATCH_COLUMNS``, each queue's events in
-arrival order; events already applied are not in it. ``ctx`` carries the batch id, the worker
+``df`` holds one micro-batch with the columns of ``BATCH_COLUMNS``, each key's events in
+order (by seq per producer, see ``keyq.worker.sequencing``); events already applied are not
+in it. ``ctx`` carries the batch id, the worker
 id, the SparkSession and ``ctx.state``, the exactly-once keyed state.
 """
 
