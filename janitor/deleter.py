@@ -4,6 +4,12 @@
 a message or has a consumer, which for the janitor means "not now", never an error. A refusal
 closes the channel, so each connection keeps opening a fresh one; a sequential channel does
 ~500 deletes/s here, hence several connections.
+
+Quorum queues refuse those flags (540 NOT_IMPLEMENTED, which closes the whole connection), so
+they are *checked* instead: a passive declare reads ready messages and consumers, and only an
+empty queue without consumers is deleted. That is safe only because nothing can change in
+between: the caller holds the queue's retirement mark (no producer publishes) and its lock (no
+worker starts consuming).
 """
 
 from __future__ import annotations
@@ -63,9 +69,18 @@ class _Lane:
             self._channel = self._connection.channel()
         return self._channel
 
-    def delete(self, queue: str) -> Outcome:
+    def delete(self, queue: str, checked: bool = False) -> Outcome:
         try:
-            self._open_channel().queue_delete(queue, if_unused=True, if_empty=True)
+            channel = self._open_channel()
+            if checked:
+                declared = channel.queue_declare(queue, passive=True).method
+                if declared.message_count:
+                    return Outcome.NOT_EMPTY
+                if declared.consumer_count:
+                    return Outcome.IN_USE
+                channel.queue_delete(queue)
+            else:
+                channel.queue_delete(queue, if_unused=True, if_empty=True)
         except pika.exceptions.ChannelClosedByBroker as exc:
             self._channel = None
             if exc.reply_code == 404:
@@ -95,14 +110,15 @@ class QueueDeleter:
         self._pool = ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="keyq-delete")
         self._lock = threading.Lock()
 
-    def delete(self, queues: Sequence[str]) -> dict[str, Outcome]:
-        """Each queue's outcome; raises ``BrokerUnavailable`` if RabbitMQ is gone."""
+    def delete(self, queues: Sequence[str], checked: bool = False) -> dict[str, Outcome]:
+        """Each queue's outcome; raises ``BrokerUnavailable`` if RabbitMQ is gone. With
+        ``checked`` (quorum queues), see the module's docstring for what the caller holds."""
         if not queues:
             return {}
         shares = [list(queues[i :: len(self._lanes)]) for i in range(len(self._lanes))]
         with self._lock:
             results = self._pool.map(
-                lambda pair: {q: pair[0].delete(q) for q in pair[1]},
+                lambda pair: {q: pair[0].delete(q, checked) for q in pair[1]},
                 [(lane, share) for lane, share in zip(self._lanes, shares, strict=True) if share],
             )
             outcomes: dict[str, Outcome] = {}

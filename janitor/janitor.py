@@ -167,6 +167,7 @@ class Janitor:
             registry=registry,
             seen=idle,
             waiting=waiting,
+            quorum=config.queue_type == "quorum",
         )
 
     def _retire(
@@ -180,6 +181,7 @@ class Janitor:
         registry: QueueRegistry,
         seen: dict[str, int],
         waiting: deque[list[str]],
+        quorum: bool = False,
     ) -> None:
         """Mark chunks ahead and delete each once its grace has passed, so the grace of the
         next chunks overlaps the deletes of this one; a queue stays marked only about
@@ -201,13 +203,32 @@ class Janitor:
                     return
                 if not leader.hold():
                     return
-                outcomes = deleter.delete(marked)
+                if quorum:
+                    outcomes = self._delete_locked(client, stream, deleter, marked)
+                else:
+                    outcomes = deleter.delete(marked)
                 self._settle(client, stream, registry, seen, outcomes)
                 in_flight.popleft()
                 fence.unmark(marked)
         finally:
             for marked, _at in in_flight:
                 fence.unmark(marked)
+
+    def _delete_locked(
+        self, client: redis.Redis, stream: str, deleter: QueueDeleter, queues: list[str]
+    ) -> dict[str, Outcome]:
+        """Quorum queues refuse conditional deletes: take each queue's lock, as a worker
+        would, so no worker can start consuming, then check and delete (``QueueDeleter``)."""
+        locks = FencedLocks(client, stream)
+        ttl_ms = self.settings.retire_grace_ms + MARK_MARGIN_MS
+        taken = {queue: locks.acquire(queue, self.janitor_id, ttl_ms) for queue in queues}
+        held = [lease for lease in taken.values() if lease is not None]
+        outcomes = {queue: Outcome.IN_USE for queue, lease in taken.items() if lease is None}
+        try:
+            outcomes.update(deleter.delete([lease.queue for lease in held], checked=True))
+        finally:
+            locks.release(held)
+        return outcomes
 
     def _settle(
         self,
