@@ -446,6 +446,50 @@ class RabbitCluster:
             if row.get("name", "").startswith(prefix) and row.get("leader")
         }
 
+    def offline_replicas(self, prefix: str = "", vhost: str = "/") -> dict[str, list[str]]:
+        """Every quorum queue named ``prefix...`` with a member that is not online now, and
+        those members, in one listing (empty when every replica of every such queue runs)."""
+        out = self.ctl(
+            self._any_up().index,
+            "list_queues",
+            "-p",
+            vhost,
+            "name",
+            "type",
+            "members",
+            "online",
+            "--formatter",
+            "csv",
+        )
+        missing: dict[str, list[str]] = {}
+        for row in csv.DictReader(io.StringIO(out)):
+            name, kind = row.get("name", ""), row.get("type", "")
+            if not name.startswith(prefix) or _QUEUE_TYPES.get(kind, kind) != "quorum":
+                continue
+            offline = sorted(set(_node_list(row["members"])) - set(_node_list(row["online"])))
+            if offline:
+                missing[name] = offline
+        return missing
+
+    def await_replicas(self, prefix: str = "", vhost: str = "/", timeout: float = 120) -> None:
+        """Wait until every replica of every quorum queue named ``prefix...`` is online.
+
+        A replica that could not start when its queue was declared (its node down) starts
+        only when that node next boots, so a queue declared while the node was booting stays a
+        replica short: the error names the queues still short at the deadline."""
+        offline: dict[str, list[str]] = {}
+
+        def all_online() -> bool:
+            offline.clear()
+            offline.update(self.offline_replicas(prefix, vhost))
+            return not offline
+
+        try:
+            _wait(all_online, timeout, f"every replica of the quorum queues {prefix}* online")
+        except ClusterError as exc:
+            short = ", ".join(f"{queue} on {nodes}" for queue, nodes in sorted(offline.items()))
+            raise ClusterError(f"{exc}; {len(offline)} still short: {short[:2000]}") from None
+
     def leader_of(self, queue: str, vhost: str = "/", via: NodeRef | None = None) -> str:
         """The node leading quorum queue ``queue``, or the home node of a classic queue, as
         a running node now sees it. Just after its leader went down a quorum queue still

@@ -9,16 +9,34 @@ and undecodable payloads are planted. Afterwards an independent checker compares
 what each worker fold recorded as applied with what the producers had accepted, and reads the
 dead-letter queues.
 
-Run longer by hand: ``KEYQ_SOAK_SECONDS=600 KEYQ_SOAK_SEED=7 .venv/bin/pytest -m soak -s``.
+With ``cluster=True`` the broker is a private 3-node RabbitMQ cluster (``tests/cluster.py``)
+and both streams use quorum queues. Every client connects through the nodes' fault proxies,
+comma-separated in ``KEYQ_AMQP_URL`` (each connection takes the next node). Where the
+single-broker soak restarts RabbitMQ, the cluster soak has node faults instead: the node that
+leads the most of the streams' queues is stopped and restarted, a node is killed (-9) and
+restarted, a node is restarted, and one node's client connections are cut. Node faults run one
+after another, so at most one node is ever down (a 3-node quorum needs two), and the next one
+waits until every replica is back online (up to a minute: a queue declared while a node was
+booting can stay a replica short until that node's next boot). Everything is restored before
+the final check.
+
+Run longer by hand: ``KEYQ_SOAK_SECONDS=600 KEYQ_SOAK_SEED=7 .venv/bin/pytest -m soak -s``, or
+``.venv/bin/python -m tests.soak --seconds 600 --seed 7`` (add ``--cluster`` for the cluster
+soak): it prints the seed, the schedule, every fault as it is applied and the final verdict,
+and exits 0 only if the run was clean.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import itertools
 import json
 import random
 import re
+import shutil
+import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -34,13 +52,17 @@ from keyq import Producer
 from keyq.broker.envelope import HEADER_DEAD_REASON
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.redis_keys import StreamKeys
-from keyq.broker.settings import load_settings
+from keyq.broker.settings import Settings, load_settings
+from tests.cluster import ClusterError, RabbitCluster
 from tests.faults import FaultProxy
 from tests.helpers import drain
-from tests.servers import PrivateRabbit, PrivateRedis
+from tests.servers import PrivateRabbit, PrivateRedis, private_servers_available
 from tests.workers import JanitorProcess, WorkerProcess
 
 ROUTINE_FAULTS = ("kill", "pause", "add", "remove", "cut_amqp", "cut_redis", "delay")
+# The cluster soak's node faults; each kind comes at least once in every run.
+NODE_FAULTS = ("stop_leader", "kill_node", "restart_node", "cut_node")
+NODE_FAULT_EVERY_S = 30.0  # a long cluster soak has a node fault about this often
 MAX_WORKERS_PER_STREAM = 3
 BUCKETS = 8
 # Lock and membership ttls of the soak's workers: a pause longer than this makes a zombie.
@@ -49,6 +71,7 @@ WORKER_ENV = {"KEYQ_LOCK_TTL_MS": "2000", "KEYQ_MEMBER_TTL_MS": "2000"}
 POISON_AT = frozenset({200, 1200})
 UNDECODABLE = (b"\xff\xfe\x00 not utf-8", b"{not json", b'{"valid": "json", "but": "no key"}')
 JANITOR_CATCH_UP_S = 90.0  # at most this long after draining for a first janitor delete
+REPLICAS_TIMEOUT_S = 60.0  # after a node fault, for every quorum replica to be online again
 
 
 @dataclass(frozen=True)
@@ -63,13 +86,20 @@ class Fault:
         return f"t={self.at:6.1f}s {self.kind:<16} {self.stream:<6} {self.seconds:.1f}s"
 
 
-def fault_schedule(seed: int, seconds: float, mean_gap: float = 4.0) -> list[Fault]:
-    """The faults of one run; the same seed and length always give the same schedule."""
+def fault_schedule(
+    seed: int, seconds: float, mean_gap: float = 4.0, *, cluster: bool = False
+) -> list[Fault]:
+    """The faults of one run; the same seed, length and broker always give the same schedule.
+
+    On a cluster, node faults (:data:`NODE_FAULTS`) take the place of the RabbitMQ restart."""
     rng = random.Random(seed)
-    faults = [
-        Fault(round(rng.uniform(0.25, 0.45) * seconds, 1), "restart_redis", "", 0.0, 0.0),
-        Fault(round(rng.uniform(0.55, 0.75) * seconds, 1), "restart_rabbitmq", "", 0.0, 0.0),
-    ]
+    faults = [Fault(round(rng.uniform(0.25, 0.45) * seconds, 1), "restart_redis", "", 0.0, 0.0)]
+    if cluster:
+        faults += node_fault_schedule(rng, seconds)
+    else:
+        faults.append(
+            Fault(round(rng.uniform(0.55, 0.75) * seconds, 1), "restart_rabbitmq", "", 0.0, 0.0)
+        )
     at = rng.uniform(1.0, mean_gap)
     while at < seconds:
         faults.append(
@@ -83,6 +113,31 @@ def fault_schedule(seed: int, seconds: float, mean_gap: float = 4.0) -> list[Fau
         )
         at += rng.expovariate(1.0 / mean_gap)
     return sorted(faults, key=lambda fault: fault.at)
+
+
+def node_fault_schedule(rng: random.Random, seconds: float) -> list[Fault]:
+    """One node fault per :data:`NODE_FAULT_EVERY_S` (every kind at least once, in a shuffled
+    order per round of kinds), spread over the first 80% of the run. A stopped or killed node
+    stays down ``seconds`` (1 to 8, less in a short run) before it is restarted; ``pick``
+    chooses the node (except for stop_leader, which takes the node leading the most queues
+    when it happens)."""
+    count = max(len(NODE_FAULTS), round(seconds / NODE_FAULT_EVERY_S))
+    longest_down = min(8.0, max(2.0, seconds / 20))
+    kinds: list[str] = []
+    while len(kinds) < count:
+        round_of_kinds = list(NODE_FAULTS)
+        rng.shuffle(round_of_kinds)
+        kinds += round_of_kinds
+    begin, end = 0.1 * seconds, 0.8 * seconds
+    slot = (end - begin) / count
+    faults = []
+    for index, kind in enumerate(kinds[:count]):
+        at = begin + slot * (index + rng.uniform(0.0, 0.5))
+        down = 0.0
+        if kind in ("stop_leader", "kill_node"):
+            down = round(rng.uniform(1.0, longest_down), 1)
+        faults.append(Fault(round(at, 1), kind, "", down, rng.random()))
+    return faults
 
 
 class Publisher(threading.Thread):
@@ -183,6 +238,7 @@ class SoakReport:
     janitor_deleted: int = 0
     janitor_alive: bool = True
     workers_crashed: list[str] = field(default_factory=list)
+    faults_applied: dict[str, int] = field(default_factory=dict)
 
     @property
     def clean(self) -> bool:
@@ -199,6 +255,26 @@ class SoakReport:
 
     def text(self) -> str:
         return json.dumps(asdict(self), indent=2, ensure_ascii=False)
+
+    def verdict(self) -> str:
+        """The outcome in a few lines, for a person reading the end of a run."""
+        return "\n".join(
+            [
+                f"verdict: {'CLEAN' if self.clean else 'NOT CLEAN'} (seed {self.seed}, "
+                f"{self.seconds:g}s of faults)",
+                f"  events: {self.events_accepted} accepted, {self.events_applied} applied, "
+                f"{self.keys} keys",
+                f"  lost {self.lost}, reordered {self.reordered}, "
+                f"applied twice {self.applied_twice}, unexpected {self.unexpected}",
+                f"  dead letters: {self.dead_letters_planted} planted, "
+                f"{self.dead_letters_found} found, {self.dead_letters_missing} missing, "
+                f"{self.dead_letters_unplanted} unplanted, {self.dead_letter_copies} extra copies",
+                f"  faults applied: {json.dumps(self.faults_applied, sort_keys=True)}",
+                f"  drained in {self.drain_seconds}s; janitor deleted {self.janitor_deleted} "
+                f"queues, {'alive' if self.janitor_alive else 'DEAD'}; "
+                f"workers crashed: {len(self.workers_crashed)}",
+            ]
+        )
 
 
 def judge_key(stream: str, key: str, accepted: list[int], seen: list[int]) -> KeyVerdict:
@@ -246,20 +322,41 @@ def read_dead_letters(amqp_url: str, stream: str) -> list[tuple[str, str, bytes]
 
 
 class Soak:
-    """One soak run: its servers, proxies, processes, producers and fault schedule."""
+    """One soak run: its servers, proxies, processes, producers and fault schedule.
 
-    def __init__(self, folder: Path, seed: int, seconds: float, rate: float = 60.0) -> None:
+    ``cluster``: a private 3-node RabbitMQ cluster and quorum queues instead of one broker."""
+
+    def __init__(
+        self,
+        folder: Path,
+        seed: int,
+        seconds: float,
+        rate: float = 60.0,
+        *,
+        cluster: bool = False,
+        janitor_catch_up: float = JANITOR_CATCH_UP_S,
+        progress_every: float | None = None,
+    ) -> None:
         self.folder = folder
         self.seed = seed
         self.seconds = seconds
         self.rate = rate
-        self.schedule = fault_schedule(seed, seconds)
+        self.janitor_catch_up = janitor_catch_up
+        self.progress_every = progress_every  # seconds between progress notes, or none
+        self.schedule = fault_schedule(seed, seconds, cluster=cluster)
         self.report = SoakReport(seed, seconds, [fault.describe() for fault in self.schedule])
         self.rng = random.Random(seed + 1)
         tag = f"{seed % 100000:05d}"
         self.streams = {"key": f"soak-key-{tag}", "bucket": f"soak-bucket-{tag}"}
         self.redis_server = PrivateRedis(folder / "redis")
-        self.rabbit = PrivateRabbit(folder / "rabbitmq")
+        # One broker, or a cluster (created here, started in start()).
+        self.rabbit: PrivateRabbit | None = None
+        self.cluster: RabbitCluster | None = None
+        if cluster:
+            self.cluster = RabbitCluster(folder / "cluster")
+        else:
+            self.rabbit = PrivateRabbit(folder / "rabbitmq")
+        self.worker_env = {**WORKER_ENV, **({"KEYQ_QUEUE_TYPE": "quorum"} if cluster else {})}
         self.log_dir = folder / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.workers: dict[str, list[WorkerProcess]] = {"key": [], "bucket": []}
@@ -275,6 +372,10 @@ class Soak:
         self.started = 0.0
         self.restarts: list[threading.Thread] = []
         self.restart_errors: list[str] = []
+        self.node_faults: list[Fault] = []  # due, waiting for the node fault before to end
+        self.node_thread: threading.Thread | None = None
+        self.node_in_fault: str | None = None  # the node a node fault is taking down
+        self.applied: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ set-up
     def note(self, line: str) -> None:
@@ -288,17 +389,35 @@ class Soak:
         for line in self.report.schedule:
             print(f"  planned {line}", flush=True)
         self.redis_server.start()
-        self.rabbit.start()
-        self.amqp_proxy = FaultProxy("127.0.0.1", self.rabbit.port).start()
         self.redis_proxy = FaultProxy("127.0.0.1", self.redis_server.port).start()
-        self.client_settings = load_settings(
-            amqp_url=self.amqp_proxy.url_for(self.rabbit.url),
+        if self.cluster is not None:
+            began = time.monotonic()
+            self.cluster.start()
+            print(
+                f"cluster of {len(self.cluster.nodes)} nodes up in "
+                f"{time.monotonic() - began:.1f}s: {', '.join(self.cluster.nodes)}",
+                flush=True,
+            )
+            # Comma-separated: each connection a client opens takes the next node.
+            amqp_url = ",".join(self.cluster.proxied_urls)
+            direct_amqp_url = self.cluster.urls[0]
+            queue_type: str | None = "quorum"
+        else:
+            assert self.rabbit is not None
+            self.rabbit.start()
+            self.amqp_proxy = FaultProxy("127.0.0.1", self.rabbit.port).start()
+            amqp_url = self.amqp_proxy.url_for(self.rabbit.url)
+            direct_amqp_url = self.rabbit.url
+            queue_type = None
+        self.client_settings: Settings = load_settings(
+            amqp_url=amqp_url,
             redis_url=self.redis_proxy.url_for(self.redis_server.url),
             reconnect_timeout=600,
             publish_timeout=600,
+            queue_type=queue_type,
         )
-        self.direct_settings = load_settings(
-            amqp_url=self.rabbit.url, redis_url=self.redis_server.url
+        self.direct_settings: Settings = load_settings(
+            amqp_url=direct_amqp_url, redis_url=self.redis_server.url
         )
         for index, (mode, stream) in enumerate(self.streams.items()):
             producer = Producer(
@@ -336,7 +455,7 @@ class Soak:
             producer.publish(f"planted-{index}", {"producer": "planter", "n": 1})
         producer.flush(60)
         config = producer.config
-        connection = pika.BlockingConnection(pika.URLParameters(self.rabbit.url))
+        connection = pika.BlockingConnection(pika.URLParameters(self.direct_settings.amqp_url))
         try:
             channel = connection.channel()
             channel.confirm_delivery()
@@ -364,7 +483,7 @@ class Soak:
             self.streams[mode],
             self.log_dir,
             pipeline="tests.pipelines:ledger",
-            env=WORKER_ENV,
+            env=self.worker_env,
         )
         self.workers[mode].append(process)
         return process
@@ -382,50 +501,74 @@ class Soak:
         return candidates[min(int(fault.pick * len(candidates)), len(candidates) - 1)]
 
     # ------------------------------------------------------------------- faults
+    def amqp_proxies(self) -> list[FaultProxy]:
+        """The proxies every AMQP client connection goes through: the broker's, or one per
+        cluster node."""
+        if self.cluster is not None:
+            return [self.cluster.proxy(node) for node in self.cluster.nodes]
+        assert self.amqp_proxy is not None
+        return [self.amqp_proxy]
+
     def apply(self, fault: Fault) -> None:
-        assert self.amqp_proxy is not None and self.redis_proxy is not None
+        assert self.redis_proxy is not None
+        amqp_proxies = self.amqp_proxies()
         kind = fault.kind
         if kind == "restart_redis":
             self.note("Redis: kill -9 and start again (AOF, fsync always)")
             self.in_background(self.redis_server.restart, "Redis: back")
         elif kind == "restart_rabbitmq":
+            assert self.rabbit is not None
             self.note("RabbitMQ: stop and start again (durable queues, persistent messages)")
             self.in_background(self.rabbit.restart, "RabbitMQ: back")
+        elif kind == "cut_node":
+            self.cut_node(fault)
+        elif kind in NODE_FAULTS:
+            self.node_faults.append(fault)  # started in turn by start_node_fault
+            return
         elif kind == "cut_amqp":
-            self.note(f"cut all AMQP connections ({self.amqp_proxy.connections} open)")
-            self.amqp_proxy.cut()
+            open_now = sum(proxy.connections for proxy in amqp_proxies)
+            self.note(f"cut all AMQP connections ({open_now} open)")
+            for proxy in amqp_proxies:
+                proxy.cut()
         elif kind == "cut_redis":
             self.note(f"cut all Redis connections ({self.redis_proxy.connections} open)")
             self.redis_proxy.cut()
         elif kind == "delay":
             delay = round(0.05 + fault.pick * 0.25, 3)
             self.note(f"delay every byte by {delay * 1000:.0f} ms for {fault.seconds}s")
-            self.amqp_proxy.set_delay(delay)
+            for proxy in amqp_proxies:
+                proxy.set_delay(delay)
             self.redis_proxy.set_delay(delay)
             self.pending.append((time.monotonic() + fault.seconds, "undelay", None))
         elif kind == "add":
-            if len(self.alive(fault.stream)) < MAX_WORKERS_PER_STREAM:
-                process = self.add_worker(fault.stream)
-                self.note(f"add worker {process.worker_id} to {fault.stream}")
+            if len(self.alive(fault.stream)) >= MAX_WORKERS_PER_STREAM:
+                return
+            process = self.add_worker(fault.stream)
+            self.note(f"add worker {process.worker_id} to {fault.stream}")
         elif kind == "kill":
             target = self.pick(fault)
-            if target is not None:
-                target.kill()
-                self.killed.append(target)
-                self.note(f"kill -9 {target.worker_id} ({fault.stream}); supervisor restarts it")
-                self.add_worker(fault.stream)
+            if target is None:
+                return
+            target.kill()
+            self.killed.append(target)
+            self.note(f"kill -9 {target.worker_id} ({fault.stream}); supervisor restarts it")
+            self.add_worker(fault.stream)
         elif kind == "pause":
             target = self.pick(fault)
-            if target is not None:
-                target.pause()
-                self.note(f"SIGSTOP {target.worker_id} ({fault.stream}) for {fault.seconds}s")
-                self.pending.append((time.monotonic() + fault.seconds, "resume", target))
+            if target is None:
+                return
+            target.pause()
+            self.note(f"SIGSTOP {target.worker_id} ({fault.stream}) for {fault.seconds}s")
+            self.pending.append((time.monotonic() + fault.seconds, "resume", target))
         elif kind == "remove":
             target = self.pick(fault)
-            if target is not None and len(self.alive(fault.stream)) > 1:
-                self.note(f"SIGTERM {target.worker_id} ({fault.stream})")
-                target.process.send_signal(15)
-                self.retired.append(target)
+            if target is None or len(self.alive(fault.stream)) <= 1:
+                return
+            self.note(f"SIGTERM {target.worker_id} ({fault.stream})")
+            target.process.send_signal(15)
+            self.retired.append(target)
+        self.applied[kind] += 1
+        self.report.faults_applied = dict(sorted(self.applied.items()))
 
     def in_background(self, action: Any, done: str) -> None:
         """Restart a server while the other faults go on (a restart takes many seconds)."""
@@ -441,8 +584,113 @@ class Soak:
         thread.start()
         self.restarts.append(thread)
 
+    # -------------------------------------------------------------- node faults
+    def cut_node(self, fault: Fault) -> None:
+        """Reset one running node's client connections (a cut takes no node down)."""
+        assert self.cluster is not None
+        busy = self.node_in_fault
+        up = [n for n in self.cluster.nodes if self.cluster.is_up(n) and n != busy]
+        node = up[min(int(fault.pick * len(up)), len(up) - 1)]
+        open_now = self.cluster.proxy(node).connections
+        self.note(f"node {node}: cut its {open_now} client connections")
+        self.cluster.cut(node)
+
+    def start_node_fault(self) -> None:
+        """Start the next due node fault in the background, unless the one before is still
+        going on: node faults take turns, so at most one node is ever down."""
+        if not self.node_faults or (self.node_thread is not None and self.node_thread.is_alive()):
+            return
+        fault = self.node_faults.pop(0)
+        late = time.monotonic() - self.started - fault.at
+        self.node_thread = threading.Thread(
+            target=self.run_node_fault, args=(fault, late), name=f"soak-{fault.kind}", daemon=True
+        )
+        self.node_thread.start()
+
+    def pick_node(self, fault: Fault) -> str:
+        assert self.cluster is not None
+        nodes = self.cluster.nodes
+        return nodes[min(int(fault.pick * len(nodes)), len(nodes) - 1)]
+
+    def busiest_node(self, fault: Fault) -> tuple[str, str]:
+        """The node leading the most of the streams' queues now, and how many it leads."""
+        assert self.cluster is not None
+        prefixes = tuple(f"keyq.{stream}." for stream in self.streams.values())
+        leaders = Counter(
+            leader
+            for queue, leader in self.cluster.leaders("keyq.").items()
+            if queue.startswith(prefixes)
+        )
+        if not leaders:
+            return self.pick_node(fault), "no queue yet"
+        node, count = leaders.most_common(1)[0]
+        return node, f"leads {count} of the streams' {sum(leaders.values())} queues"
+
+    def run_node_fault(self, fault: Fault, late: float) -> None:
+        """One node fault from start to end: the node is back and every replica online."""
+        cluster = self.cluster
+        assert cluster is not None
+        kind = fault.kind
+        waited = f" ({late:.1f}s late: the node fault before it was not over)" if late > 1 else ""
+        try:
+            if kind == "stop_leader":
+                node, leads = self.busiest_node(fault)
+                self.node_in_fault = node
+                self.note(f"node {node}: stop, gracefully ({leads}){waited}")
+                taken = cluster.stop(node)
+            else:
+                node = self.node_in_fault = self.pick_node(fault)
+                if kind == "kill_node":
+                    self.note(f"node {node}: kill -9{waited}")
+                    taken = cluster.kill(node)
+                else:
+                    self.note(f"node {node}: restart (stop and start){waited}")
+                    taken = 0.0
+            self.applied[kind] += 1
+            self.report.faults_applied = dict(sorted(self.applied.items()))
+            if kind == "restart_node":
+                back = cluster.restart(node)
+                self.note(f"node {node}: back, restarted in {back:.1f}s")
+            else:
+                self.note(f"node {node}: down in {taken:.1f}s, stays down {fault.seconds}s")
+                time.sleep(fault.seconds)
+                back = cluster.restart(node)
+                self.note(f"node {node}: back, started again in {back:.1f}s")
+            self.await_replicas()
+        except BaseException as exc:  # noqa: BLE001 - reported by the soak
+            self.restart_errors.append(f"{kind}: {exc!r}")
+            self.note(f"node fault {kind} failed: {exc!r}")
+        finally:
+            self.node_in_fault = None
+
+    def await_replicas(self) -> None:
+        """Before the next node fault, every replica online again. RabbitMQ starts a replica
+        that could not start when its queue was declared (its node down) only when that node
+        next boots, so a queue declared while the node was booting stays a replica short: past
+        the timeout the soak says which queues are short and goes on (while the next node is
+        down, those queues have no quorum and their keys wait)."""
+        assert self.cluster is not None
+        began = time.monotonic()
+        try:
+            self.cluster.await_replicas("keyq.", timeout=REPLICAS_TIMEOUT_S)
+        except ClusterError as exc:
+            self.note(f"going on with quorum queues short of a replica: {exc}")
+            return
+        self.note(f"every quorum replica online ({time.monotonic() - began:.1f}s)")
+
+    def restore_nodes(self) -> None:
+        """Every node running and every replica online, whatever a node fault left (each node
+        fault ends with its node back and every replica online, so normally nothing)."""
+        assert self.cluster is not None
+        down = [node for node in self.cluster.nodes if not self.cluster.is_up(node)]
+        for node in down:
+            self.note(f"node {node}: down after the faults, start it again")
+            self.cluster.restart(node)
+        if down:
+            self.await_replicas()
+
     def undo_due(self, now: float, *, everything: bool = False) -> None:
-        assert self.amqp_proxy is not None and self.redis_proxy is not None
+        assert self.redis_proxy is not None
         keep = []
         for due, what, target in self.pending:
             if due > now and not everything:
@@ -451,26 +699,48 @@ class Soak:
                 target.resume()
                 self.note(f"SIGCONT {target.worker_id}")
             else:
-                self.amqp_proxy.set_delay(0)
+                for proxy in self.amqp_proxies():
+                    proxy.set_delay(0)
                 self.redis_proxy.set_delay(0)
                 self.note("delay off")
         self.pending = keep
 
+    def progress(self) -> None:
+        """A note of what the producers have done so far (with ``progress_every``)."""
+        self.note(
+            "progress: "
+            + "; ".join(
+                f"{mode} {publisher.total} accepted, {self.producers[mode].stats}"
+                for mode, publisher in self.publishers.items()
+            )
+        )
+
     def run_faults(self) -> None:
         self.started = time.monotonic()
         upcoming = list(self.schedule)
-        while time.monotonic() - self.started < self.seconds or upcoming:
+        next_progress = self.started + (self.progress_every or 0.0)
+        while time.monotonic() - self.started < self.seconds or upcoming or self.node_faults:
             now = time.monotonic()
+            if self.progress_every and now >= next_progress:
+                self.progress()
+                next_progress = now + self.progress_every
             self.undo_due(now)
             if upcoming and now - self.started >= upcoming[0].at:
                 self.apply(upcoming.pop(0))
                 continue
+            self.start_node_fault()
             for mode, publisher in self.publishers.items():
                 if publisher.error is not None:
                     raise AssertionError(f"publisher {mode} failed: {publisher.error!r}")
             time.sleep(0.05)
+        if self.node_thread is not None:
+            self.node_thread.join(600)
         for thread in self.restarts:
             thread.join(300)
+        if self.progress_every:
+            self.progress()
+        if self.cluster is not None and not self.restart_errors:
+            self.restore_nodes()
         if self.restart_errors:
             raise AssertionError(f"a server did not restart: {self.restart_errors}")
         self.undo_due(time.monotonic(), everything=True)
@@ -507,7 +777,7 @@ class Soak:
             # The janitor backs off up to 30 s while RabbitMQ is away; once every key-mode
             # queue is drained and idle it must delete some, and a delete that took events
             # with it would show in the check below.
-            deadline = time.monotonic() + JANITOR_CATCH_UP_S
+            deadline = time.monotonic() + self.janitor_catch_up
             while self.janitor_deletions() == 0 and time.monotonic() < deadline:
                 time.sleep(1.0)
             time.sleep(2.0)  # a late duplicate would show now
@@ -571,7 +841,7 @@ class Soak:
         reasons: Counter[str] = Counter()
         unplanted = 0
         for stream in self.streams.values():
-            for key, reason, body in read_dead_letters(self.rabbit.url, stream):
+            for key, reason, body in read_dead_letters(self.direct_settings.amqp_url, stream):
                 reasons[reason.split(":")[0][:60]] += 1
                 try:
                     event = json.loads(body)
@@ -608,15 +878,113 @@ class Soak:
         for proxy in (self.amqp_proxy, self.redis_proxy):
             if proxy is not None:
                 proxy.stop()
-        self.rabbit.stop()
+        if self.rabbit is not None:
+            self.rabbit.stop()
+        if self.cluster is not None:
+            self.keep_node_logs()
+            self.cluster.close()
         self.redis_server.stop()
+
+    def keep_node_logs(self) -> None:
+        """Copy the nodes' logs beside the workers' (closing the cluster removes its folder)."""
+        assert self.cluster is not None
+        for index in range(len(self.cluster.nodes)):
+            source = self.cluster.folder / f"n{index + 1}"
+            target = self.log_dir / f"rabbit-n{index + 1}"
+            for path in [source / "console.log", *sorted((source / "log").glob("*.log"))]:
+                with contextlib.suppress(OSError):
+                    target.mkdir(exist_ok=True)
+                    shutil.copyfile(path, target / path.name)
 
 
 @contextlib.contextmanager
-def soak_run(folder: Path, seed: int, seconds: float, rate: float = 60.0) -> Iterator[Soak]:
-    soak = Soak(folder, seed, seconds, rate)
+def soak_run(
+    folder: Path,
+    seed: int,
+    seconds: float,
+    rate: float = 60.0,
+    *,
+    cluster: bool = False,
+    janitor_catch_up: float = JANITOR_CATCH_UP_S,
+    progress_every: float | None = None,
+) -> Iterator[Soak]:
+    soak = Soak(
+        folder,
+        seed,
+        seconds,
+        rate,
+        cluster=cluster,
+        janitor_catch_up=janitor_catch_up,
+        progress_every=progress_every,
+    )
     try:
         soak.start()
         yield soak
     finally:
         soak.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.soak [--cluster] [--seconds S] [--seed N]``: one soak, by hand."""
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.soak",
+        description="The combined-fault soak: every fault at once, every event checked. "
+        "Prints the seed, the schedule, each fault as applied and the verdict; exits 0 only "
+        "if the run was clean.",
+    )
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="a private 3-node RabbitMQ cluster and quorum queues, with node faults",
+    )
+    parser.add_argument("--seconds", type=float, default=600.0, help="of faults (default 600)")
+    parser.add_argument("--seed", type=int, default=None, help="replay a run (default: random)")
+    parser.add_argument("--rate", type=float, default=60.0, help="events/s per producer")
+    parser.add_argument(
+        "--drain-timeout", type=float, default=300.0, help="s to wait for every event"
+    )
+    parser.add_argument(
+        "--janitor-catch-up",
+        type=float,
+        default=JANITOR_CATCH_UP_S,
+        help="s to wait after draining for a first janitor delete",
+    )
+    parser.add_argument(
+        "--progress", type=float, default=15.0, help="s between progress notes (0: none)"
+    )
+    parser.add_argument(
+        "--folder", type=Path, default=None, help="for data and logs (default: a new temp dir)"
+    )
+    args = parser.parse_args(argv)
+    missing = private_servers_available()
+    if missing:
+        print(f"cannot soak here: {missing}", file=sys.stderr)
+        return 2
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
+    folder = args.folder or Path(tempfile.mkdtemp(prefix="keyq-soak-"))
+    print(f"soak folder (logs under logs/): {folder}", flush=True)
+    try:
+        with soak_run(
+            folder,
+            seed,
+            args.seconds,
+            args.rate,
+            cluster=args.cluster,
+            janitor_catch_up=args.janitor_catch_up,
+            progress_every=args.progress or None,
+        ) as soak:
+            soak.run_faults()
+            report = soak.finish(drain_timeout=args.drain_timeout)
+    except Exception as exc:  # noqa: BLE001 - the run failed before a verdict: say so
+        print(f"verdict: FAILED (seed {seed}): {exc!r}", flush=True)
+        print(f"logs: {folder / 'logs'}", flush=True)
+        return 1
+    (folder / "soak-report.json").write_text(report.text())
+    print(report.text())
+    print(f"report: {folder / 'soak-report.json'}, logs: {folder / 'logs'}")
+    print(report.verdict(), flush=True)
+    return 0 if report.clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
