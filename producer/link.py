@@ -45,6 +45,9 @@ FORGET_STATES_ABOVE = 50_000
 RECONNECT_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0)
 # A queue whose node is down is declared again on a channel of its own after these delays.
 PROBE_DELAYS = (0.5, 1.0, 2.0, 4.0)
+# Before re-sending to a queue that returned events again right after its last recovery (a
+# quorum queue electing a leader keeps returning them): no tight loop of returns.
+RECOVERY_DELAYS = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0)
 _QUEUE_DOWN = re.compile(r"queue '(?P<queue>[^']+)' in vhost '[^']*' is down or inaccessible")
 
 NewQueues = Callable[[dict[str, str | None]], None]
@@ -438,7 +441,14 @@ class PublisherLink:
         for queue in to_recover:
             state = self._queues.get(queue)
             if state is not None and state.recovering and state.inflight == 0:
-                self._recover(queue, state)
+                delay = RECOVERY_DELAYS[min(state.recoveries, len(RECOVERY_DELAYS) - 1)]
+                state.recoveries += 1
+                if delay:
+                    self._ioloop.call_later(
+                        delay, lambda q=queue, s=state: self._recover_later(q, s)
+                    )
+                else:
+                    self._recover(queue, state)
 
     def _settle(self, message: Outgoing, nacked: bool, to_recover: list[str]) -> int:
         """Mark one event settled; 1 if it is now published, 0 if it must go again."""
@@ -448,6 +458,7 @@ class PublisherLink:
         state.inflight -= 1
         published = not (message.returned or nacked)
         if published:
+            state.recoveries = 0
             if not state.registered:
                 state.registered = True
                 self._on_new_queues({message.queue: state.key})
@@ -458,6 +469,11 @@ class PublisherLink:
         if state.recovering and state.inflight == 0:
             to_recover.append(message.queue)
         return 1 if published else 0
+
+    def _recover_later(self, queue: str, state: QueueState) -> None:
+        """A delayed recovery, unless a reconnect collected the queue's events meanwhile."""
+        if self._queues.get(queue) is state and state.recovering and state.inflight == 0:
+            self._recover(queue, state)
 
     def _recover(self, queue: str, state: QueueState) -> None:
         """Re-declare a deleted queue and re-send its returned events, then the parked ones."""

@@ -43,6 +43,7 @@ class QueueState:
     leasing: bool = False  # a lease request is on its way
     held: bool = False  # events wait in ``parked`` for a lease
     unreachable: bool = False  # its node is down (404): events wait in ``parked`` for it
+    recoveries: int = 0  # recoveries in a row without an event published in between
     returned: list[Outgoing] = field(default_factory=list)
     parked: deque[Outgoing] = field(default_factory=deque)
 
