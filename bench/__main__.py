@@ -1,9 +1,9 @@
 """Every benchmark in one run, one JSON file: ``python -m bench [--out FILE] [--only NAME ...]``.
 
 Runs ``bench.producer``, ``bench.e2e``, ``bench.janitor``, ``bench.peers`` and
-``bench.sequencing`` one after the other (each in its own process, as a user would run it), collects their JSON under their names,
-and adds ``table``: the figures of BENCHMARKS.md side by side, keyq against its baselines. The
-table is also printed as Markdown on stderr.
+``bench.sequencing`` one after the other (each in its own process, as a user would run it),
+collects their JSON under their names, and adds ``table``: the figures of BENCHMARKS.md side
+by side, keyq against its baselines. The table is also printed as Markdown on stderr.
 """
 
 from __future__ import annotations
