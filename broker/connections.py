@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import re
 import socket
 from collections.abc import Iterator
@@ -28,14 +29,16 @@ from keyq.broker.errors import (
 from keyq.broker.settings import Settings
 from keyq.broker.urls import redact_url, scrub, split_urls
 
-# Which of several AMQP URLs the next connection takes: each node in turn, process-wide.
-_next_node = itertools.count()
+# Which of several AMQP URLs the next connection takes: each node in turn, process-wide,
+# starting at a node of the process's own, so that processes spread over the nodes too.
+_next_node = itertools.count(random.randrange(1 << 16))
 
 
 def amqp_parameters(settings: Settings, name: str) -> pika.URLParameters:
     """Connection parameters with keyq's short heartbeats and bounded connect time. With
-    several URLs (a cluster's nodes), each call takes the next: connections spread over the
-    nodes, and every reconnect tries another node than the one just lost."""
+    several URLs (a cluster's nodes), each call takes the next, from a random first one:
+    connections spread over the nodes, and every reconnect tries another node than the one
+    just lost."""
     urls = split_urls(settings.amqp_url)
     url = urls[next(_next_node) % len(urls)]
     try:

@@ -48,6 +48,10 @@ PROBE_DELAYS = (0.5, 1.0, 2.0, 4.0)
 # Before re-sending to a queue that returned events again right after its last recovery (a
 # quorum queue electing a leader keeps returning them): no tight loop of returns.
 RECOVERY_DELAYS = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0)
+# A queue refused this many times in a row is given a fresh connection, to the next node: a
+# channel on which a quorum queue nacks every publish after a node's loss can stay so until
+# that node is back, while a channel opened afresh is served.
+RECONNECT_AFTER_RECOVERIES = 6
 _QUEUE_DOWN = re.compile(r"queue '(?P<queue>[^']+)' in vhost '[^']*' is down or inaccessible")
 
 NewQueues = Callable[[dict[str, str | None]], None]
@@ -441,6 +445,9 @@ class PublisherLink:
         for queue in to_recover:
             state = self._queues.get(queue)
             if state is not None and state.recovering and state.inflight == 0:
+                if state.recoveries >= RECONNECT_AFTER_RECOVERIES:
+                    self._reconnect_refused(queue)
+                    return
                 delay = RECOVERY_DELAYS[min(state.recoveries, len(RECOVERY_DELAYS) - 1)]
                 state.recoveries += 1
                 if delay:
@@ -469,6 +476,15 @@ class PublisherLink:
         if state.recovering and state.inflight == 0:
             to_recover.append(message.queue)
         return 1 if published else 0
+
+    def _reconnect_refused(self, queue: str) -> None:
+        """Start over on a fresh connection (the next node): every unconfirmed event is
+        collected and re-sent in order, the refused ones included."""
+        connection = self._connection
+        if connection is None or not connection.is_open:
+            return
+        log.warning("RabbitMQ keeps refusing events for %s on this connection; reconnecting", queue)
+        connection.close()
 
     def _recover_later(self, queue: str, state: QueueState) -> None:
         """A delayed recovery, unless a reconnect collected the queue's events meanwhile."""

@@ -4,6 +4,8 @@ checked and shown without its password."""
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import pytest
 
@@ -33,3 +35,22 @@ def test_a_bad_node_url_is_refused_without_the_password() -> None:
     assert "pw-one" not in str(refused.value) and "pw-two" not in str(refused.value)
     with pytest.raises(ConfigurationError, match="empty"):
         load_settings(amqp_url=" , ")
+
+
+def test_processes_start_at_different_nodes() -> None:
+    """Each process starts at a node of its own, so that a cluster's clients (every worker
+    and producer) do not all connect to the first URL. Ten processes over three nodes all
+    starting at one node would happen once in about 20,000 runs."""
+    three = ",".join(f"amqp://u:p@127.0.0.1:{port}/%2F" for port in (5681, 5682, 5683))
+    script = (
+        "from keyq.broker.connections import amqp_parameters\n"
+        "from keyq.broker.settings import load_settings\n"
+        f"print(amqp_parameters(load_settings(amqp_url={three!r}), 't').port)\n"
+    )
+    firsts = {
+        subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for _ in range(10)
+    }
+    assert len(firsts) > 1, firsts
