@@ -73,6 +73,10 @@ class Producer:
 
     Thread-safe: several threads may publish at once; each key's events keep the order in
     which ``publish`` accepted them.
+
+    ``producer_id`` names the producer in message ids, headers and dead letters; each
+    instance appends a unique suffix (``producer.producer_id`` is the full id), so that a
+    restarted producer using the same name is never taken for a duplicate of the old one.
     """
 
     def __init__(
@@ -102,12 +106,17 @@ class Producer:
         }
         given = {name: value for name, value in overrides.items() if value is not None}
         self.settings = load_settings(**{**base, **given})
-        self.producer_id = uuid.uuid4().hex if producer_id is None else producer_id
-        if not isinstance(self.producer_id, str) or not _PRODUCER_ID.fullmatch(self.producer_id):
+        if producer_id is not None and (
+            not isinstance(producer_id, str) or not _PRODUCER_ID.fullmatch(producer_id)
+        ):
             raise ConfigurationError(
-                "producer_id must be 1-128 characters of A-Z a-z 0-9 _ . -, "
-                f"got {self.producer_id!r}"
+                f"producer_id must be 1-128 characters of A-Z a-z 0-9 _ . -, got {producer_id!r}"
             )
+        # Sequence numbers start at 1 in every instance: a name reused by a restarted
+        # producer would make workers take its new events for duplicates of the old ones, so
+        # each instance adds a suffix of its own to the name it is given.
+        instance = uuid.uuid4().hex
+        self.producer_id = instance if producer_id is None else f"{producer_id}.{instance[:12]}"
         requested_config(self.stream, mode, buckets)  # bad arguments fail before any I/O
 
         self._redis = open_redis(self.settings)

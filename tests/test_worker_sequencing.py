@@ -13,6 +13,7 @@ import orjson
 import pika
 import pytest
 
+from keyq import Producer
 from keyq.broker.envelope import HEADER_DEAD_REASON, HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
 from keyq.broker.naming import dead_letter_queue_name, key_queue_name
 from keyq.broker.registry import QueueRegistry
@@ -155,3 +156,22 @@ def test_a_gap_filled_before_its_timeout_leaves_nothing_behind(
     assert state == {"applied": 3, "last": {"ext": 3}, "violations": []}
     assert worker.stats()["gaps_open"] == 0
     assert queue_depth(amqp, raw.queue) == 0
+
+
+def test_a_restarted_producer_reusing_its_name_is_not_taken_for_a_duplicate(
+    stream: StreamFixture, spark_engine: SparkEngine
+) -> None:
+    """Sequence numbers start at 1 in every producer instance; a second instance given the
+    same producer_id must not have its events skipped as already applied."""
+    ids = []
+    for instance in range(2):
+        with Producer(
+            stream.name, mode="key", settings=stream.settings, producer_id="billing"
+        ) as producer:
+            ids.append(producer.producer_id)
+            for n in range(1, 4):
+                producer.publish("acct", {"n": n, "producer": f"instance-{instance}"})
+    assert all(found.startswith("billing.") for found in ids) and ids[0] != ids[1]
+    run(stream, spark_engine)
+    state = StateStore(stream.redis, stream.name).get("acct")
+    assert state is not None and state["applied"] == 6, state
