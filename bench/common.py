@@ -6,6 +6,7 @@ creates only queues and Redis keys of its own streams, and removes them again.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import platform
@@ -45,6 +46,22 @@ def emit(result: dict[str, Any], out: Path | None) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
     print(text)
+
+
+def positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative(text: str) -> int:
+    """An argparse type: a whole number of at least 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
 
 
 def log(message: str) -> None:

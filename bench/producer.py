@@ -49,8 +49,10 @@ from bench.common import (
     mean_size,
     median,
     message_counts,
+    non_negative,
     pad_for,
     padded_event,
+    positive,
     ratio,
     wait_for_total,
 )
@@ -387,20 +389,6 @@ def report(run: Run, machine: dict[str, Any]) -> dict[str, Any]:
         "targets": targets,
         "meets_targets": all(target["meets_target"] for target in targets.values()),
     }
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
 
 
 def variant_list(text: str) -> tuple[str, ...]:

@@ -66,6 +66,8 @@ from bench.common import (
     machine_info,
     median,
     message_counts,
+    non_negative,
+    positive,
     ratio,
     registered_queues,
     wait_for_total,
@@ -925,20 +927,6 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
             "meets_target": bool(node.get("meets_target")),
         },
     }
-
-
-def non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
