@@ -239,8 +239,8 @@ def test_the_janitor_keeps_a_queue_whose_node_is_down(
 # lost, reordered or applied twice, and exactly the planted poison events dead-lettered.
 
 KEYS = 24
-PER_KEY = 50
-ROUND_PAUSE_S = 0.35  # a round publishes one event of every key: ~18 s in all
+PER_KEY = 40
+ROUND_PAUSE_S = 0.3  # a round publishes one event of every key: ~12 s in all
 
 
 @pytest.mark.parametrize("mode", ["key", "bucket"])

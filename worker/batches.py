@@ -300,6 +300,8 @@ class BatchProcessor:
         fresh_letters = [letter for letter in letters if letter.key is None]
         fresh_letters += [item for item in in_order if isinstance(item, Undecodable)]
         fresh_letters += [_late(ordered[index]) for index in plan.late]
+        position = {id(delivery): index for index, delivery in enumerate(deliveries)}
+        fresh_letters.sort(key=lambda letter: position[id(letter.delivery)])  # as delivered
         waiting = [ordered[index].delivery for index in plan.waiting]
         waiting_ids = {id(delivery) for delivery in waiting}
         settling = [d for d in deliveries if id(d) not in waiting_ids]
