@@ -26,6 +26,7 @@ import pika
 import pika.exceptions
 import redis
 
+from keyq import Producer
 from keyq.broker.connections import open_blocking_connection, open_redis
 from keyq.broker.errors import KeyqError
 from keyq.broker.naming import dead_letter_queue_name
@@ -62,6 +63,19 @@ def non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
+
+
+def publish_all(
+    producer: Producer, events: Iterable[tuple[str, dict[str, Any]]], flush_timeout: float
+) -> float:
+    """Publish every (key, event) and flush: the seconds from the first publish until every
+    event is confirmed."""
+    publish = producer.publish
+    started = time.perf_counter()
+    for key, event in events:
+        publish(key, event)
+    producer.flush(timeout=flush_timeout)
+    return time.perf_counter() - started
 
 
 def log(message: str) -> None:

@@ -53,6 +53,7 @@ from bench.common import (
     pad_for,
     padded_event,
     positive,
+    publish_all,
     ratio,
     wait_for_total,
 )
@@ -209,12 +210,7 @@ def run_keyq(
     queues = sorted({key_queue_name(stream, key) for key, _ in events})
     cleanup.add_queues(queues)
     with Producer(stream, mode="key", settings=settings, confirm_window=CONFIRM_WINDOW) as p:
-        publish = p.publish
-        started = time.perf_counter()
-        for key, event in events:
-            publish(key, event)
-        p.flush(timeout=FLUSH_TIMEOUT_S)
-        elapsed = time.perf_counter() - started
+        elapsed = publish_all(p, events, FLUSH_TIMEOUT_S)
         stats = p.stats
     if stats["returned"] or stats["resent"]:
         log(f"  note: keyq returned={stats['returned']} resent={stats['resent']}")

@@ -68,6 +68,7 @@ from bench.common import (
     message_counts,
     non_negative,
     positive,
+    publish_all,
     ratio,
     registered_queues,
     wait_for_total,
@@ -490,12 +491,7 @@ class QuorumBench:
                         settings=self.settings,
                         queue_type=queue_type,
                     ) as producer:
-                        publish = producer.publish
-                        started = time.perf_counter()
-                        for key, event in events:
-                            publish(key, event)
-                        producer.flush(timeout=SETTLE_TIMEOUT_S)
-                        elapsed = time.perf_counter() - started
+                        elapsed = publish_all(producer, events, SETTLE_TIMEOUT_S)
                         stats = producer.stats
                     rate = events_n / elapsed
                     rates[mode][queue_type].append(round(rate, 1))
@@ -555,12 +551,8 @@ class QuorumBench:
         store = StateStore(self.client, lane.stream)
         target = total_applied(store, keys) + count
         with lane.producer(self.settings) as producer:
-            publish = producer.publish
             started = time.perf_counter()
-            for key, event in events:
-                publish(key, event)
-            producer.flush(timeout=SETTLE_TIMEOUT_S)
-            published_s = time.perf_counter() - started
+            published_s = publish_all(producer, events, SETTLE_TIMEOUT_S)
         lane.published.update(key for key, _ in events)
         deadline = time.monotonic() + 300
         while total_applied(store, keys) < target:
