@@ -101,7 +101,8 @@ class Worker:
         self._holdings = Holdings()
         self._started_ms = now_ms()
         self._queue_keys: dict[str, str | None] = {}
-        self._prefetch_of: dict[tuple[str, int], int] = {}  # consumers reopened wider
+        # Consumers reopened with a wider prefetch (only those: the rest have the setting's).
+        self._prefetch_of: dict[tuple[str, int], int] = {}
         self._claims: ClaimLoop | None = None
         self._processor: BatchProcessor | None = None
         self._link: ConsumerLink | None = None
@@ -345,9 +346,8 @@ class Worker:
             if held is None:
                 continue
             parked = self._buffer.parked(queue)
-            room = self._prefetch_of.pop((queue, held.epoch), self.settings.prefetch)
+            room = self._prefetch_of.get((queue, held.epoch), self.settings.prefetch)
             if parked < room or room >= _MAX_PREFETCH:
-                self._prefetch_of[(queue, held.epoch)] = room
                 continue
             wider = min(_MAX_PREFETCH, parked + self.settings.prefetch)
             log.info(
@@ -359,7 +359,10 @@ class Worker:
             )
             self._link.close_queue(queue, held.epoch)
             self._buffer.drop(queue, held.epoch)
-            again = Held(queue=queue, lease=held.lease, epoch=self._link.new_epoch())
+            self._prefetch_of.pop((queue, held.epoch), None)
+            again = Held(
+                queue=queue, lease=held.lease, epoch=self._link.new_epoch(), since=held.since
+            )
             self._holdings.add(again)
             consumed = self._link.consume(queue, again.epoch, prefetch=wider)
             if consumed.outcome is ConsumeOutcome.CONSUMING:
