@@ -10,9 +10,7 @@ import argparse
 import math
 import os
 import platform
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -33,7 +31,6 @@ from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.settings import Settings
 
-RABBITMQCTL_TIMEOUT_S = 30
 DELETE_CHUNK = 500
 DELETE_CONNECTIONS = 4
 
@@ -95,22 +92,23 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 # ------------------------------------------------------------------------- machine facts
 def rabbitmq_version() -> str | None:
-    """The broker's version from ``rabbitmqctl eval``, or None when that is not possible."""
-    if shutil.which("rabbitmqctl") is None:
+    """The version the broker at ``KEYQ_AMQP_URL`` announces when a client connects, or None
+    when it cannot be reached. (Asked over AMQP: ``rabbitmqctl`` is only ever pointed at
+    nodes a benchmark started itself.)"""
+    from keyq.broker.settings import load_settings
+
+    try:
+        connection = open_blocking_connection(load_settings(), "bench-version")
+    except (KeyqError, pika.exceptions.AMQPError, OSError):
         return None
     try:
-        done = subprocess.run(
-            ["rabbitmqctl", "eval", "rabbit_misc:version()."],
-            capture_output=True,
-            text=True,
-            timeout=RABBITMQCTL_TIMEOUT_S,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    text = done.stdout.strip().strip('"')
-    if done.returncode != 0 or not text or "\n" in text:
-        return None
-    return text
+        version = connection._impl.server_properties.get("version")
+    finally:
+        with suppress(Exception):
+            connection.close()
+    if isinstance(version, bytes):
+        version = version.decode()
+    return str(version) if version else None
 
 
 def machine_info(

@@ -5,7 +5,8 @@ One run:
 
 * creates ``--queues`` key-mode queues the way producers leave them (declared with keyq's
   arguments, registered in Redis with their keys, one event published and then drained);
-* measures the broker's memory (``rabbitmqctl status``) before, with every queue there, and
+* measures the broker's memory (the management API's ``mem_used``, when
+  ``KEYQ_MANAGEMENT_URL`` is set) before, with every queue there, and
   after the janitor reclaimed them all;
 * times the janitor (production settings: 5 s retirement grace, batches of 5,000, 4
   connections) from its first pass until the registry is empty, and reports deletes/s;
@@ -20,9 +21,6 @@ Usage: ``python -m bench.janitor [--queues N] [--baseline-queues M] [--out FILE]
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
-import subprocess
 import sys
 import time
 import uuid
@@ -36,7 +34,8 @@ import pika
 
 from bench.common import Cleanup, amqp, declare_queues, emit, log, machine_info
 from keyq.broker.connections import open_redis
-from keyq.broker.errors import KeyqError
+from keyq.broker.errors import KeyqError, ManagementUnavailable
+from keyq.broker.management import get_json
 from keyq.broker.naming import key_queue_name
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings, load_settings
@@ -48,22 +47,17 @@ from keyq.janitor.janitor import Janitor
 CREATE_CONNECTIONS = 8
 
 
-def broker_memory() -> int | None:
-    """The broker's total memory (bytes, as RabbitMQ counts it), or None without rabbitmqctl."""
-    if shutil.which("rabbitmqctl") is None:
+def broker_memory(settings: Settings) -> int | None:
+    """The broker's memory in bytes (every node's ``mem_used`` from the management API), or
+    None when ``KEYQ_MANAGEMENT_URL`` is not set or the API does not answer."""
+    if not settings.management_url:
         return None
-    done = subprocess.run(
-        ["rabbitmqctl", "status", "--formatter", "json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    if done.returncode != 0:
+    try:
+        nodes = get_json(settings.management_url, "/api/nodes", timeout=30)
+    except ManagementUnavailable:
         return None
-    total = json.loads(done.stdout).get("memory", {}).get("total", {})
-    value = total.get("allocated") or total.get("erlang")
-    return int(value) if value else None
+    used = [node.get("mem_used") for node in nodes if isinstance(node, dict)]
+    return sum(int(value) for value in used if value) or None
 
 
 def create_queues(settings: Settings, stream: str, count: int) -> list[str]:
@@ -123,12 +117,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         client = open_redis(settings)
         ensure_stream_config(client, stream, "key")
-        memory_before = broker_memory()
+        memory_before = broker_memory(settings)
         started = time.perf_counter()
         names = create_queues(settings, stream, args.queues)
         created_s = time.perf_counter() - started
         log(f"created, drained and registered {len(names):,} queues in {created_s:.1f} s")
-        memory_peak = broker_memory()
+        memory_peak = broker_memory(settings)
         janitor = Janitor(
             [stream], settings=load_settings(JanitorSettings, idle_ttl_s=0), janitor_id="bench"
         )
@@ -141,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log(f"pass {passes}: {registry.count():,} queues left, stats {dict(janitor.stats)}")
         reclaim_s = time.perf_counter() - started
         time.sleep(2)  # let the broker hand memory back before reading it
-        memory_after = broker_memory()
+        memory_after = broker_memory(settings)
         deleted = janitor.stats["deleted"]
         grace_s = passes * janitor.settings.retire_grace_ms / 1000
         result.update(

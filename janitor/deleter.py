@@ -25,6 +25,7 @@ import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
 from keyq.broker.connections import amqp_failure, open_blocking_connection
+from keyq.broker.errors import BrokerUnavailable
 from keyq.broker.settings import Settings
 
 
@@ -70,6 +71,16 @@ class _Lane:
         return self._channel
 
     def delete(self, queue: str, checked: bool = False) -> Outcome:
+        """One queue's outcome. A connection lost mid-call is retried once on a fresh one: a
+        cut connection (a node restarting, a proxy) is not a broker that is down, and failing
+        the whole pass for it left every other queue waiting for the next one. Deleting twice
+        is harmless: the second call finds the queue gone."""
+        try:
+            return self._delete_once(queue, checked)
+        except BrokerUnavailable:
+            return self._delete_once(queue, checked)
+
+    def _delete_once(self, queue: str, checked: bool) -> Outcome:
         try:
             channel = self._open_channel()
             if checked:

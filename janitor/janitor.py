@@ -80,6 +80,7 @@ class Janitor:
         deleter: QueueDeleter | None = None
         try:
             while not self._stop.is_set():
+                deleted_before = self.stats["deleted"]
                 try:
                     if client is None:
                         client = open_redis(self.settings)
@@ -109,6 +110,10 @@ class Janitor:
                     if not expected and deleter is not None:
                         deleter.close()
                         deleter = None
+                    if self.stats["deleted"] > deleted_before:
+                        # It got somewhere before failing (a cut connection, a node going
+                        # away): the broker is there, so the next pass starts soon again.
+                        backoff = 1.0
                     if self._stop.wait(backoff):
                         break
                     backoff = min(backoff * 2, MAX_BACKOFF_S)

@@ -27,7 +27,7 @@ import redis
 from keyq import Producer
 from keyq.broker.errors import KeyqError
 from keyq.broker.naming import dead_letter_queue_name
-from keyq.broker.redis_keys import StreamKeys
+from keyq.broker.redis_keys import KEY_PREFIX, StreamKeys
 from keyq.broker.settings import Settings, load_settings
 
 TEST_STREAM_PREFIX = "t-"
@@ -105,35 +105,29 @@ def services() -> Iterator[Settings]:
     _sweep_leftover_queues(settings)
 
 
+def _live_marker(stream: str) -> str:
+    """A Redis key that says a running test owns ``stream`` (it expires if the test dies)."""
+    return f"keyq-tests:live:{stream}"
+
+
+LIVE_MARKER_TTL_S = 3600
+
+
 def _sweep_leftover_queues(settings: Settings) -> None:
-    """Delete test queues a crashed test left behind (local broker only)."""
-    if shutil.which("rabbitmqctl") is None:
-        return
-    try:
-        out = subprocess.run(
-            ["rabbitmqctl", "list_queues", "name", "-q", "--no-table-headers"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return
-    leftovers = [
-        n.strip() for n in out.splitlines() if n.strip().startswith(f"keyq.{TEST_STREAM_PREFIX}")
-    ]
-    # A stream whose config is still in Redis belongs to a test that is running (in another
-    # session on the same services); its fixture cleans it up. Leave its queues alone.
+    """Clean up after tests a killed session never finished: a test stream still registered
+    in Redis whose owner's marker is gone. Found through Redis, never by listing the broker
+    (``rabbitmqctl`` is for nodes the tests started)."""
     client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     try:
-        orphans = [
-            queue
-            for queue in leftovers
-            if not client.exists(StreamKeys(queue.split(".")[1]).config)
-        ]
+        pattern = f"{KEY_PREFIX}:{{{TEST_STREAM_PREFIX}*}}:*"
+        names = {key.split("{", 1)[1].split("}", 1)[0] for key in client.scan_iter(pattern, 1000)}
+        for name in sorted(names):
+            if not client.exists(_live_marker(name)):
+                StreamFixture(name=name, settings=settings, redis=client).cleanup()
+    except (redis.exceptions.RedisError, pika.exceptions.AMQPError, OSError):
+        pass  # a best effort: the services may be gone at the end of the session
     finally:
         client.close()
-    if orphans:
-        delete_queues(settings, orphans)
 
 
 def delete_queues(settings: Settings, queues: list[str]) -> None:
@@ -192,8 +186,11 @@ def stream(settings: Settings, redis_client: redis.Redis) -> Iterator[StreamFixt
     fixture = StreamFixture(
         name=f"{TEST_STREAM_PREFIX}{uuid.uuid4().hex[:12]}", settings=settings, redis=redis_client
     )
+    marker = _live_marker(fixture.name)
+    redis_client.set(marker, os.getpid(), ex=LIVE_MARKER_TTL_S)
     yield fixture
     fixture.cleanup()
+    redis_client.delete(marker)
 
 
 @pytest.fixture
@@ -245,3 +242,25 @@ def spark_engine(services: Settings) -> Iterator[Any]:
     engine.start()
     yield engine
     engine.stop()
+
+
+PRIVATE_RABBIT_NOFILE = 512
+
+
+@pytest.fixture(scope="session")
+def private_rabbit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A RabbitMQ node of the tests' own (management API, ``nofile`` 512; ~10 s to start),
+    for what must not be done to a shared node: alarms, vhosts, filling it with queues."""
+    from tests.servers import PrivateRabbit, private_servers_available
+
+    missing = private_servers_available()
+    if missing:
+        pytest.skip(missing)
+    rabbit = PrivateRabbit(
+        tmp_path_factory.mktemp("private-rabbit"), management=True, nofile=PRIVATE_RABBIT_NOFILE
+    )
+    rabbit.start()
+    try:
+        yield rabbit
+    finally:
+        rabbit.stop()

@@ -149,14 +149,17 @@ class PrivateRabbit:
             "RABBITMQ_PID_FILE": str(self.folder / "pid"),
         }
 
-    def _ctl(self, *args: str, timeout: float = 90) -> None:
-        subprocess.run(
+    def ctl(self, *args: str, timeout: float = 90) -> str:
+        """``rabbitmqctl -n`` this node; its output."""
+        done = subprocess.run(
             [str(_RABBIT_BIN / "rabbitmqctl"), "-n", self.node, *args],
             env=self._env,
             check=True,
             capture_output=True,
+            text=True,
             timeout=timeout,
         )
+        return done.stdout
 
     def start(self) -> PrivateRabbit:
         command = [str(_RABBIT_BIN / "rabbitmq-server"), "-detached"]
@@ -169,7 +172,7 @@ class PrivateRabbit:
             capture_output=True,
             timeout=30,
         )
-        self._ctl("wait", str(self.folder / "pid"), "--timeout", "90", timeout=120)
+        self.ctl("wait", str(self.folder / "pid"), "--timeout", "90", timeout=120)
 
         def answers() -> bool:
             pika.BlockingConnection(pika.URLParameters(self.url)).close()
@@ -181,7 +184,7 @@ class PrivateRabbit:
     def stop(self) -> None:
         """A clean stop: durable queues and persistent messages are kept for the next start."""
         with contextlib.suppress(subprocess.SubprocessError, OSError):
-            self._ctl("stop", str(self.folder / "pid"), timeout=60)
+            self.ctl("stop", str(self.folder / "pid"), timeout=60)
         with contextlib.suppress(OSError, ValueError):  # it would not stop: end it
             os.kill(int((self.folder / "pid").read_text().strip()), signal.SIGKILL)
         (self.folder / "pid").unlink(missing_ok=True)

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import socket
-import subprocess
 import threading
 import time
 import traceback
@@ -33,11 +31,12 @@ from keyq.broker.errors import (
     PublishTimeout,
     RedisUnavailable,
 )
-from keyq.broker.naming import key_queue_name
+from keyq.broker.naming import dead_letter_queue_name, key_queue_name
 from keyq.broker.settings import Settings, load_settings
 from tests.conftest import StreamFixture
 from tests.faults import FaultProxy
 from tests.helpers import Landed, drain
+from tests.servers import PrivateRabbit
 
 PASSWORD = "s3cret-pw"
 
@@ -447,41 +446,34 @@ def test_close_while_reconnecting_stops_cleanly(
 
 
 # --------------------------------------------------------------------- flow control
-def _rabbitmqctl(*args: str) -> str:
-    done = subprocess.run(
-        ["rabbitmqctl", *args], capture_output=True, text=True, timeout=30, check=True
-    )
-    return done.stdout
+def _memory_alarm_active(rabbit: PrivateRabbit) -> bool:
+    return "memory" in rabbit.ctl("eval", "rabbit_alarm:get_alarms().")
 
 
-def _memory_alarm_active() -> bool:
-    return "memory" in _rabbitmqctl("eval", "rabbit_alarm:get_alarms().")
-
-
-def _wait_memory_alarm(active: bool, timeout: float) -> None:
+def _wait_memory_alarm(rabbit: PrivateRabbit, active: bool, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while _memory_alarm_active() != active:
+    while _memory_alarm_active(rabbit) != active:
         if time.monotonic() > deadline:
             raise AssertionError(f"memory alarm still {'off' if active else 'on'}")
         time.sleep(0.2)
 
 
 def test_broker_flow_control_times_out_publish_then_recovers(
-    stream: StreamFixture, amqp: pika.BlockingConnection
+    stream: StreamFixture, private_rabbit: PrivateRabbit
 ) -> None:
-    if shutil.which("rabbitmqctl") is None:
-        pytest.skip("rabbitmqctl is not on PATH, so the memory alarm cannot be raised")
+    """On the tests' own node: a memory alarm blocks every publisher of the node it is on."""
     key = "blocked"
     accepted: list[int] = []
-    with Producer(stream.name, mode="key", settings=stream.settings, publish_timeout=2) as p:
+    settings = _with(stream.settings, amqp_url=private_rabbit.url)
+    with Producer(stream.name, mode="key", settings=settings, publish_timeout=2) as p:
         p.publish(key, {"n": 0})
         p.flush(10)  # the connection has published, so the broker will block it
         accepted.append(0)
         error: PublishTimeout | None = None
         waited = 0.0
         try:
-            _rabbitmqctl("set_vm_memory_high_watermark", "0.000001")
-            _wait_memory_alarm(True, timeout=15)
+            private_rabbit.ctl("set_vm_memory_high_watermark", "0.000001")
+            _wait_memory_alarm(private_rabbit, True, timeout=15)
             # The first events may still be accepted: the broker blocks a connection when
             # it publishes, and tells the client a moment later. From then on a publish
             # must wait, then give up.
@@ -496,16 +488,23 @@ def test_broker_flow_control_times_out_publish_then_recovers(
                 accepted.append(n)
                 time.sleep(0.1)
         finally:
-            _rabbitmqctl("set_vm_memory_high_watermark", "0.4")
+            private_rabbit.ctl("set_vm_memory_high_watermark", "0.4")
         assert error is not None, "publish never waited for the blocked broker"
         assert 1.8 <= waited <= 6, waited
         text = str(error).lower()
         assert "flow control" in text or "block" in text, text
-        _wait_memory_alarm(False, timeout=15)
+        _wait_memory_alarm(private_rabbit, False, timeout=15)
         p.flush(15)
         p.publish(key, {"n": 100})
         accepted.append(100)
         p.flush(10)
         assert p.stats["unconfirmed"] == 0
-    landed = drain(amqp.channel(), key_queue_name(stream.name, key))
+    connection = pika.BlockingConnection(pika.URLParameters(private_rabbit.url))
+    try:
+        channel = connection.channel()
+        landed = drain(channel, key_queue_name(stream.name, key))
+        channel.queue_delete(key_queue_name(stream.name, key))
+        channel.queue_delete(dead_letter_queue_name(stream.name))
+    finally:
+        connection.close()
     assert [m.json()["n"] for m in landed] == accepted

@@ -8,7 +8,6 @@ else is disturbed.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -37,6 +36,7 @@ from keyq.worker.engine import SparkEngine
 from keyq.worker.state_store import StateStore
 from tests.conftest import StreamFixture
 from tests.helpers import drain, queue_depth
+from tests.servers import PrivateRabbit
 from tests.test_worker_poison import fast_settings, text
 from tests.workers import run_keyq
 
@@ -197,32 +197,31 @@ def test_bad_payloads_are_dead_lettered_with_reasons_and_the_key_goes_on(
 
 
 @pytest.fixture
-def locked_vhost(settings: Any) -> Iterator[str]:
-    """A vhost that exists but that the test user has no permission on."""
-    ctl = shutil.which("rabbitmqctl")
-    if ctl is None:
-        pytest.skip("rabbitmqctl is needed to make a vhost without permissions")
+def locked_vhost(private_rabbit: PrivateRabbit) -> Iterator[str]:
+    """A vhost on the tests' own node that exists but the test user has no permission on."""
     vhost = f"keyq-locked-{uuid.uuid4().hex[:8]}"
-    subprocess.run([ctl, "add_vhost", vhost], check=True, capture_output=True, timeout=60)
+    private_rabbit.ctl("add_vhost", vhost)
     try:
         yield vhost
     finally:
-        subprocess.run([ctl, "delete_vhost", vhost], capture_output=True, timeout=60)
+        with suppress(subprocess.SubprocessError):
+            private_rabbit.ctl("delete_vhost", vhost)
 
 
 def test_a_vhost_without_permission_is_refused_in_one_clear_line(
-    settings: Any, locked_vhost: str, stream: StreamFixture
+    settings: Any, private_rabbit: PrivateRabbit, locked_vhost: str, stream: StreamFixture
 ) -> None:
-    base = settings.amqp_url.rsplit("/", 1)[0]
+    node = load_settings(amqp_url=private_rabbit.url, redis_url=settings.redis_url)
+    base = node.amqp_url.rsplit("/", 1)[0]
     url = f"{base}/{quote(locked_vhost, safe='')}"
-    password = pika.URLParameters(settings.amqp_url).credentials.password
+    password = pika.URLParameters(node.amqp_url).credentials.password
     with pytest.raises(AuthenticationFailed) as refused:
-        Producer(stream.name, mode="key", amqp_url=url, settings=settings)
+        Producer(stream.name, mode="key", amqp_url=url, settings=node)
     message = str(refused.value)
     assert "virtual host" in message or "access" in message, message
     assert f":{password}@" not in message
 
-    locked = load_settings(amqp_url=url)
+    locked = load_settings(amqp_url=url, redis_url=settings.redis_url)
     for command in (
         ("worker", "--stream", stream.name, "--pipeline", "tests.pipelines:audit"),
         ("janitor", "--stream", stream.name, "--once"),
@@ -234,6 +233,6 @@ def test_a_vhost_without_permission_is_refused_in_one_clear_line(
         assert f":{password}@" not in done.stdout + done.stderr
 
     # The refused clients disturbed nothing: the same stream works on the right vhost.
-    with Producer(stream.name, mode="key", settings=settings) as producer:
+    with Producer(stream.name, mode="key", settings=node) as producer:
         producer.publish("after", {"n": 1, "producer": "p"})
         producer.flush(30)

@@ -416,3 +416,40 @@ def test_no_event_lost_while_janitor_deletes_under_load(
     assert queue_depth(amqp, dead_letter_queue_name(stream.name)) in (0, None)
     for worker in started:
         assert worker.process.poll() is None, worker.log()[-3000:]
+
+
+# ------------------------------------------------------------- a connection lost mid-pass
+
+
+def test_a_cut_connection_does_not_fail_the_deletes(
+    stream: StreamFixture, amqp: pika.BlockingConnection
+) -> None:
+    """A lane whose connection was cut retries on a fresh one (a node restarting or a proxy
+    is not a broker that is down); a broker that refuses connections still fails the pass."""
+    from keyq.broker.errors import BrokerUnavailable
+    from keyq.janitor.deleter import Outcome, QueueDeleter
+    from tests.faults import FaultProxy
+
+    queues = [key_queue_name(stream.name, f"cut-{n}") for n in range(3)]
+    stream.track(*queues)
+    channel = amqp.channel()
+    for queue in queues:
+        channel.queue_declare(queue, durable=True, arguments=keyed_queue_arguments(stream.name))
+    channel.close()
+    parts = pika.URLParameters(stream.settings.amqp_url)
+    with FaultProxy(parts.host, parts.port) as proxy:
+        settings = load_settings(amqp_url=proxy.url_for(stream.settings.amqp_url))
+        deleter = QueueDeleter(settings, 1, "cut-test")
+        try:
+            deleter.check()
+            assert proxy.wait_connections(1)
+            proxy.cut()
+            assert deleter.delete(queues[:2]) == {q: Outcome.DELETED for q in queues[:2]}
+            proxy.cut()
+            proxy.refuse()
+            with pytest.raises(BrokerUnavailable):
+                deleter.delete(queues[2:])
+        finally:
+            deleter.close()
+    assert not exists(amqp, queues[0]) and not exists(amqp, queues[1])
+    assert exists(amqp, queues[2])

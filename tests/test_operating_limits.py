@@ -30,11 +30,11 @@ from keyq.janitor.fd_watch import FdWatch
 from keyq.janitor.janitor import Janitor
 from keyq.janitor.metrics import janitor_metrics
 from keyq.status import collect_status, render_table
-from tests.conftest import StreamFixture
+from tests.conftest import PRIVATE_RABBIT_NOFILE, StreamFixture
 from tests.servers import PrivateRabbit, PrivateRedis, free_port, private_servers_available
 from tests.workers import REPO, WorkerProcess, keyq_environment, wait_until
 
-NOFILE = 512
+NOFILE = PRIVATE_RABBIT_NOFILE
 WARN_RATIO = 0.5  # of 512: 256 fds; the node opens about 40 at rest, one per queue with messages
 KEYS = 300  # 340 fds or so: above the warning, below what RabbitMQ's handle cache allows
 RUN_STATUS = "from keyq.status import status_command; status_command()"
@@ -145,18 +145,10 @@ def test_status_says_unknown_without_the_api(stream: StreamFixture, producer: Pr
 # ---- a real node near its limit --------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def managed_rabbit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateRabbit]:
-    """A private node with the management API and ``nofile`` 512 (about 10 s to start)."""
-    missing = private_servers_available()
-    if missing:
-        pytest.skip(missing)
-    rabbit = PrivateRabbit(tmp_path_factory.mktemp("fd-rabbit"), management=True, nofile=NOFILE)
-    rabbit.start()
-    try:
-        yield rabbit
-    finally:
-        rabbit.stop()
+@pytest.fixture
+def managed_rabbit(private_rabbit: PrivateRabbit) -> PrivateRabbit:
+    """The session's private node: management API and ``nofile`` 512."""
+    return private_rabbit
 
 
 def _node_settings(rabbit: PrivateRabbit, kind: type[Settings] = Settings, **extra: Any) -> Any:
