@@ -20,10 +20,11 @@ baseline of each figure:
 4. ``worker_failover``: with a trickle of events on every bucket, kill -9 the worker holding
    the most queues; seconds until every queue it held is held by another worker, and until an
    event published after the kill is applied on each of them. A replacement joins after each.
-5. ``node_failover`` (quorum): kill -9 the RabbitMQ node leading the most of the stream's
-   queues while events flow; seconds until an event published after the kill is applied on
-   each of the queues it led. The node stays down for up to 30 s; it is then restarted (and
-   queues that had not flowed yet are watched on), and its replicas are back before the next.
+5. ``node_failover`` (quorum): kill -9 a RabbitMQ node while events flow, in turn the one
+   leading the most of the stream's queues and the one the producer is connected to; seconds
+   until an event published after the kill is applied on each of the queues it led. The node
+   stays down for up to 30 s; it is then restarted (and queues that had not flowed yet are
+   watched on), and its replicas are back before the next.
 6. ``verdict``: per stream, every key's applied count and order against what was published.
 
 Progress goes to stderr; one JSON object to stdout (and ``--out``).
@@ -95,6 +96,8 @@ MAX_MEMORY_QUEUES = 300  # the nodes' open-files limit (1024) must stay far away
 READY_TIMEOUT_S = 300
 RECOVERY_TIMEOUT_S = 60
 NODE_DOWN_WATCH_S = 30
+# Node kills take these nodes in turn (see QuorumBench.kill_node).
+KILL_TARGETS = ("leaders", "producer")
 SETTLE_TIMEOUT_S = 120
 TRICKLE_PAUSE_S = 0.05
 # One CLI call per node: GC every process, then the memory breakdown.
@@ -718,22 +721,33 @@ class QuorumBench:
                 found[home].append(match.group(1))
         return {name: sorted(clients) for name, clients in found.items()}
 
-    def kill_node(self, lane: Lane) -> dict[str, Any]:
-        """Kill -9 the node leading the most of ``lane``'s queues; watch its queues for
-        ``NODE_DOWN_WATCH_S``; restart it; if some never flowed, keep watching after."""
+    def kill_node(self, lane: Lane, target: str = "leaders") -> dict[str, Any]:
+        """Kill -9 a node: with ``target`` "leaders" the one leading the most of ``lane``'s
+        queues, with "producer" the one the trickle's producer is connected to (its queues
+        must flow again through a producer that has lost its node). Watch the queues it led
+        for ``NODE_DOWN_WATCH_S``; restart it; if some never flowed, keep watching after."""
         leaders = {
             queue: node
             for queue, node in self.cluster.leaders(stream_prefix(lane.stream)).items()
             if queue in lane.trickle_key_of
         }
         spread = collections.Counter(leaders.values())
-        node, _ = spread.most_common(1)[0]
-        keys = {queue: lane.trickle_key_of[queue] for queue, n in leaders.items() if n == node}
-        store = StateStore(self.client, lane.stream)
         try:
             clients: dict[str, list[str]] | str = self.clients_by_node()
         except ClusterError as exc:
             clients = f"not known: {exc}"
+        producer_name = f"producer-{lane.stream}"
+        producer_nodes = (
+            [name for name, found in clients.items() if producer_name in found]
+            if isinstance(clients, dict)
+            else []
+        )
+        if target == "producer" and producer_nodes:
+            node = producer_nodes[0]
+        else:
+            node, _ = spread.most_common(1)[0]
+        keys = {queue: lane.trickle_key_of[queue] for queue, n in leaders.items() if n == node}
+        store = StateStore(self.client, lane.stream)
         refused_before = lane.trickle.refused() if lane.trickle is not None else 0
         took = self.cluster.kill(node)
         killed_at = time.perf_counter() - took
@@ -760,6 +774,8 @@ class QuorumBench:
             )
         result["node_back_s"] = round(restarted_at, 2)
         result["node"] = node
+        result["target"] = target
+        result["producer_on_killed_node"] = node in producer_nodes
         result["leaders_before"] = dict(spread)
         result["keyq_connections_by_node_before"] = clients
         result["restart_s"] = round(restart_s, 2)
@@ -775,15 +791,16 @@ class QuorumBench:
     def node_failover(self) -> dict[str, Any]:
         lane = self.lanes["quorum"]
         runs = []
-        for _ in range(self.args.node_kills):
-            runs.append(self.kill_node(lane))
+        for number in range(self.args.node_kills):
+            runs.append(self.kill_node(lane, KILL_TARGETS[number % len(KILL_TARGETS)]))
             time.sleep(2)
         flowing = summary([run["all_queues_flowing_s"] for run in runs])
         worst = flowing["max"]
         return {
             "queue_type": "quorum",
-            "measured": "seconds from the kill -9 of the node leading the most of the stream's "
-            "queues until each of those queues has applied an event published after the kill "
+            "measured": "seconds from the kill -9 of a node (in turn: the one leading the most "
+            "of the stream's queues, then the one the producer is connected to) until each "
+            "queue it led has applied an event published after the kill "
             "(producer and workers reconnect to the other nodes by themselves); watched for "
             f"{NODE_DOWN_WATCH_S:.0f} s while the node is down, then the node is restarted and "
             "queues that had not flowed yet are watched on (flowed_while_node_down: false)",

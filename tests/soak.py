@@ -62,6 +62,9 @@ from tests.workers import JanitorProcess, WorkerProcess
 ROUTINE_FAULTS = ("kill", "pause", "add", "remove", "cut_amqp", "cut_redis", "delay")
 # The cluster soak's node faults; each kind comes at least once in every run.
 NODE_FAULTS = ("stop_leader", "kill_node", "restart_node", "cut_node")
+# Quorum queues are heavy: each restart of a node recovers every one of them (40-170 s with
+# 2,000), so the cluster soak's keys stop growing here; idle ones still come and go.
+CLUSTER_MAX_KEYS = 300
 NODE_FAULT_EVERY_S = 30.0  # a long cluster soak has a node fault about this often
 MAX_WORKERS_PER_STREAM = 3
 BUCKETS = 8
@@ -151,8 +154,10 @@ class Publisher(threading.Thread):
         rate: float,
         poison_at: frozenset[int],
         stop: threading.Event,
+        max_keys: int | None = None,
     ) -> None:
         super().__init__(name=f"publisher-{producer.stream}", daemon=True)
+        self.max_keys = max_keys  # no new keys past this many (None: no bound)
         self.producer = producer
         self.rng = random.Random(seed)
         self.rate = rate
@@ -164,7 +169,8 @@ class Publisher(threading.Thread):
         self.error: BaseException | None = None
 
     def _next_key(self) -> str:
-        if not self.keys or self.rng.random() < 0.05:
+        room = self.max_keys is None or len(self.keys) < self.max_keys
+        if not self.keys or (room and self.rng.random() < 0.05):
             index = len(self.keys)
             # Keys of several kinds: plain, Unicode, with spaces and dots.
             name = self.rng.choice(("order-{}", "ключ-{}", "dev ice.{}", "账户/{}"))
@@ -429,7 +435,12 @@ class Soak:
             )
             self.producers[mode] = producer
             self.publishers[mode] = Publisher(
-                producer, self.seed * 10 + index, self.rate, POISON_AT, self.stop_publishing
+                producer,
+                self.seed * 10 + index,
+                self.rate,
+                POISON_AT,
+                self.stop_publishing,
+                max_keys=CLUSTER_MAX_KEYS if self.cluster is not None else None,
             )
         self.janitor = JanitorProcess(
             self.client_settings,

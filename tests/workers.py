@@ -146,6 +146,8 @@ class WorkerProcess:
 
         try:
             wait_until(ready, timeout, f"worker {self.worker_id} to start")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; its log ends:\n{self.log()[-3000:]}") from None
         finally:
             client.close()
         return self

@@ -174,11 +174,35 @@ class BatchProcessor:
         if len(deliveries) == 1:
             self._run(deliveries, self._settings.max_attempts, dead=describe_failure(failure))
             return
+        self._isolate_queues(deliveries, failure)
+
+    def _isolate_queues(self, deliveries: list[Delivery], failure: PipelineError) -> None:
+        """After a batch failed: the queue of the event the failure names is isolated on its
+        own, and every other queue's deliveries run again together, in one job. (One job per
+        queue cost a key-mode batch, which spans hundreds of queues, tens of seconds per
+        poison event.) A failure that names no event here falls back to a job per queue."""
         by_queue: dict[str, list[Delivery]] = {}
         for delivery in deliveries:
             by_queue.setdefault(delivery.queue, []).append(delivery)
-        for group in by_queue.values():
-            self._isolate(group, failure)
+        named = next(
+            (
+                queue
+                for queue, group in by_queue.items()
+                if self._named_event(failure, group) is not None
+            ),
+            None,
+        )
+        if named is None or len(by_queue) == 1:
+            for group in by_queue.values():
+                self._isolate(group, failure)
+            return
+        self._isolate(by_queue[named], failure)
+        rest = [delivery for delivery in deliveries if delivery.queue != named]
+        try:
+            self._run(rest, 1)
+        except PipelineError as exc:
+            self.stats.pipeline_failures += 1
+            self._isolate_queues(rest, exc)
 
     def _isolate(self, group: list[Delivery], known: PipelineError | None = None) -> None:
         """Process one queue's deliveries, in order, dead-lettering only what fails: around
