@@ -118,18 +118,26 @@ def describe_exception(exc: BaseException) -> str:
 
 
 def open_blocking_connection(settings: Settings, name: str) -> pika.BlockingConnection:
-    """A blocking connection for control work (worker, janitor, tools)."""
-    params = amqp_parameters(settings, name)
-    try:
-        return pika.BlockingConnection(params)
-    except (pika.exceptions.AMQPError, OSError) as exc:
-        raise amqp_failure(exc, settings.amqp_url) from None
-    except ValueError as exc:
-        # pika raises ValueError when the socket is reset between connect() and its
-        # getpeername() check: the broker went away mid-connect, not bad input.
-        raise amqp_failure(
-            OSError(f"connection reset while connecting: {exc}"), settings.amqp_url
-        ) from None
+    """A blocking connection for control work (worker, janitor, tools). With several nodes,
+    each is tried once, from the next in turn, before the broker counts as unavailable: one
+    node down must not fail the call. Refused credentials fail at once."""
+    failure: KeyqError | None = None
+    for _ in split_urls(settings.amqp_url):
+        params = amqp_parameters(settings, name)
+        try:
+            return pika.BlockingConnection(params)
+        except (pika.exceptions.AMQPError, OSError) as exc:
+            failure = amqp_failure(exc, settings.amqp_url)
+        except ValueError as exc:
+            # pika raises ValueError when the socket is reset between connect() and its
+            # getpeername() check: the broker went away mid-connect, not bad input.
+            failure = amqp_failure(
+                OSError(f"connection reset while connecting: {exc}"), settings.amqp_url
+            )
+        if isinstance(failure, AuthenticationFailed):
+            break
+    assert failure is not None  # split_urls of a validated setting is never empty
+    raise failure
 
 
 def open_redis(

@@ -33,6 +33,7 @@ from keyq.broker.retirement import RetirementFence
 from keyq.broker.settings import load_settings
 from keyq.broker.streams import load_stream_config
 from keyq.broker.urls import split_urls
+from keyq.janitor.cluster_probe import unreachable_nodes
 from keyq.janitor.config import JanitorSettings
 from keyq.janitor.deleter import Outcome, QueueDeleter
 from keyq.janitor.fd_watch import FdWatch
@@ -160,6 +161,20 @@ class Janitor:
         holders = FencedLocks(client, stream).holders(list(idle))
         free = [queue for queue, lease in holders.items() if lease is None]
         self.stats["skipped_held"] += len(idle) - len(free)
+        quorum = config.queue_type == "quorum"
+        if quorum and free:
+            down = unreachable_nodes(self.settings.amqp_url)
+            if down:
+                # See janitor/cluster_probe.py: deleting now invites a re-declare short of
+                # a replica for good. Counted as unreachable: "not now", never gone.
+                self.stats["skipped_unreachable"] += len(free)
+                log.info(
+                    "stream %s: %d idle quorum queues kept while %s do not answer",
+                    stream,
+                    len(free),
+                    ", ".join(down),
+                )
+                return
         fence = RetirementFence(client, stream)
         chunk = self.settings.janitor_chunk
         waiting = deque(free[i : i + chunk] for i in range(0, len(free), chunk))
@@ -172,7 +187,7 @@ class Janitor:
             registry=registry,
             seen=idle,
             waiting=waiting,
-            quorum=config.queue_type == "quorum",
+            quorum=quorum,
         )
 
     def _retire(

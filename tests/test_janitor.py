@@ -453,3 +453,30 @@ def test_a_cut_connection_does_not_fail_the_deletes(
             deleter.close()
     assert not exists(amqp, queues[0]) and not exists(amqp, queues[1])
     assert exists(amqp, queues[2])
+
+
+def test_quorum_queues_are_kept_while_a_listed_node_does_not_answer(
+    stream: StreamFixture, amqp: pika.BlockingConnection
+) -> None:
+    """While a node of ``KEYQ_AMQP_URL`` is down, an idle quorum queue is not deleted (a
+    producer would declare it again at once, short of that node's replica for good on
+    RabbitMQ 3.10); once every node answers, it is. Classic queues are not held back."""
+    from tests.servers import free_port
+
+    quorum_stream = stream
+    [queue] = publish_one_each(quorum_stream, ["idle"], queue_type="quorum")
+    assert drain_all(amqp, [queue], consume=True) == 1
+    down = f"amqp://guest:guest@127.0.0.1:{free_port()}/%2F"  # nothing listens there
+    degraded = janitor_settings(amqp_url=f"{stream.settings.amqp_url},{down}")
+
+    janitor = Janitor([stream.name], settings=degraded, janitor_id="janitor-degraded")
+    janitor.run(once=True)
+    assert janitor.stats["skipped_unreachable"] == 1, janitor.stats
+    assert janitor.stats["deleted"] == 0, janitor.stats
+    assert exists(amqp, queue)
+    assert RetirementFence(stream.redis, stream.name).marked([queue]) == []
+
+    janitor = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-whole")
+    janitor.run(once=True)
+    assert janitor.stats["deleted"] == 1, janitor.stats
+    assert not exists(amqp, queue)

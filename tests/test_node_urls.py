@@ -54,3 +54,21 @@ def test_processes_start_at_different_nodes() -> None:
         for _ in range(10)
     }
     assert len(firsts) > 1, firsts
+
+
+@pytest.mark.services
+def test_a_node_that_is_down_is_passed_over_not_reported() -> None:
+    """A control connection tries every node once before the broker counts as unavailable,
+    and only then fails, naming every node without its password."""
+    from keyq.broker.connections import open_blocking_connection
+    from keyq.broker.errors import BrokerUnavailable
+    from tests.servers import free_port
+
+    live = load_settings().amqp_url
+    down = f"amqp://guest:pw-down@127.0.0.1:{free_port()}/%2F"
+    settings = load_settings(amqp_url=f"{down},{live}")
+    for _ in range(4):  # whichever node each call starts at
+        open_blocking_connection(settings, "node-urls-test").close()
+    with pytest.raises(BrokerUnavailable) as failed:
+        open_blocking_connection(load_settings(amqp_url=f"{down},{down}"), "node-urls-test")
+    assert "pw-down" not in str(failed.value)
