@@ -42,12 +42,8 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-# Two test processes (each test file runs whole in one of them): most tests wait on brokers,
-# locks and worker processes rather than compute. TEST_PROCESSES=0 runs them in this process.
-TEST_PROCESSES ?= 2
-
 test: install services lint typecheck
-	$(BIN)/pytest -n $(TEST_PROCESSES) --dist loadfile
+	$(BIN)/pytest
 
 # Unit tests only (tests/conftest.py marks every test that uses no service fixture). The
 # service URLs point at a closed port, so a test that reaches a service unmarked fails here.
