@@ -5,36 +5,37 @@ replica back (the member is not started when the node returns; later releases st
 rabbitmq-server#8630). A janitor that deletes an idle quorum queue during an outage invites a
 producer to declare it again at once, short of a replica for good, and one more node fault
 then leaves it without a quorum: its keys stop until an operator repairs it. So while any
-node of ``KEYQ_AMQP_URL`` does not accept a TCP connection, quorum queues are kept.
+node of ``KEYQ_AMQP_URL`` does not complete an AMQP handshake, quorum queues are kept.
 
-Only the nodes listed are probed: a single URL (a load balancer) says nothing of the others.
+A handshake, not a TCP connect: a proxy or load balancer in front of a node that is down
+still accepts TCP. Only the nodes listed are probed: a single URL (a load balancer) says
+nothing of the others.
 """
 
 from __future__ import annotations
 
-import socket
-from urllib.parse import urlsplit
+from keyq.broker.connections import open_blocking_connection
+from keyq.broker.errors import AuthenticationFailed, ConnectionFailed
+from keyq.broker.settings import Settings
+from keyq.broker.urls import redact_url, split_urls
 
-from keyq.broker.urls import split_urls
-
-PROBE_TIMEOUT_S = 1.0
-AMQP_PORT = 5672
-AMQPS_PORT = 5671
+PROBE_TIMEOUT_S = 2.0
 
 
-def unreachable_nodes(amqp_url: str, timeout: float = PROBE_TIMEOUT_S) -> list[str]:
-    """``host:port`` of each listed node that refuses or does not answer a TCP connection."""
+def unreachable_nodes(settings: Settings, timeout: float = PROBE_TIMEOUT_S) -> list[str]:
+    """Each listed node (its URL without the password) that does not accept a connection."""
+    urls = split_urls(settings.amqp_url)
+    if len(urls) < 2:
+        return []  # one URL: its own outage fails the pass anyway
     down = []
-    for url in split_urls(amqp_url):
+    for url in urls:
+        node = settings.model_copy(
+            update={"amqp_url": url, "connect_timeout": min(settings.connect_timeout, timeout)}
+        )
         try:
-            parts = urlsplit(url)
-            default = AMQPS_PORT if parts.scheme == "amqps" else AMQP_PORT
-            host, port = parts.hostname or "localhost", parts.port or default
-        except ValueError:
-            continue  # the settings reject such a URL long before this
-        try:
-            with socket.create_connection((host, port), timeout):
-                pass
-        except OSError:
-            down.append(f"{host}:{port}")
+            open_blocking_connection(node, "janitor-probe").close()
+        except AuthenticationFailed:
+            raise
+        except ConnectionFailed:
+            down.append(redact_url(url))
     return down

@@ -163,7 +163,7 @@ class Janitor:
         self.stats["skipped_held"] += len(idle) - len(free)
         quorum = config.queue_type == "quorum"
         if quorum and free:
-            down = unreachable_nodes(self.settings.amqp_url)
+            down = unreachable_nodes(self.settings)
             if down:
                 # See janitor/cluster_probe.py: deleting now invites a re-declare short of
                 # a replica for good. Counted as unreachable: "not now", never gone.

@@ -455,22 +455,25 @@ def test_a_cut_connection_does_not_fail_the_deletes(
     assert exists(amqp, queues[2])
 
 
+@pytest.mark.parametrize("down_as", ["closed port", "proxy to a dead node"])
 def test_quorum_queues_are_kept_while_a_listed_node_does_not_answer(
-    stream: StreamFixture, amqp: pika.BlockingConnection
+    stream: StreamFixture, amqp: pika.BlockingConnection, down_as: str
 ) -> None:
     """While a node of ``KEYQ_AMQP_URL`` is down, an idle quorum queue is not deleted (a
     producer would declare it again at once, short of that node's replica for good on
-    RabbitMQ 3.10); once every node answers, it is. Classic queues are not held back."""
+    RabbitMQ 3.10); once every node answers, it is. A proxy in front of a dead node accepts
+    TCP, so only a handshake tells."""
+    from tests.faults import FaultProxy
     from tests.servers import free_port
 
-    quorum_stream = stream
-    [queue] = publish_one_each(quorum_stream, ["idle"], queue_type="quorum")
+    [queue] = publish_one_each(stream, ["idle"], queue_type="quorum")
     assert drain_all(amqp, [queue], consume=True) == 1
-    down = f"amqp://guest:guest@127.0.0.1:{free_port()}/%2F"  # nothing listens there
-    degraded = janitor_settings(amqp_url=f"{stream.settings.amqp_url},{down}")
-
-    janitor = Janitor([stream.name], settings=degraded, janitor_id="janitor-degraded")
-    janitor.run(once=True)
+    with FaultProxy("127.0.0.1", free_port()) as proxy:
+        port = proxy.port if down_as == "proxy to a dead node" else free_port()
+        down = f"amqp://guest:guest@127.0.0.1:{port}/%2F"
+        degraded = janitor_settings(amqp_url=f"{stream.settings.amqp_url},{down}")
+        janitor = Janitor([stream.name], settings=degraded, janitor_id="janitor-degraded")
+        janitor.run(once=True)
     assert janitor.stats["skipped_unreachable"] == 1, janitor.stats
     assert janitor.stats["deleted"] == 0, janitor.stats
     assert exists(amqp, queue)
