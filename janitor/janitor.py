@@ -67,6 +67,9 @@ class Janitor:
         self._adopted_at = 0.0
         self._inventory_warned = False
         self.fd_watch = FdWatch(self.settings, self.settings.fd_warn_every_s)
+        # Nodes of KEYQ_AMQP_URL that did not answer, probed once per pass when a quorum
+        # stream has queues to delete (None: not probed yet in this pass).
+        self._nodes_down: list[str] | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -130,6 +133,7 @@ class Janitor:
 
     def run_pass(self, client: redis.Redis, deleter: QueueDeleter) -> None:
         self.stats["passes"] += 1
+        self._nodes_down = None
         self.fd_watch.poll()  # the broker's fd use, at most once a minute; never raises
         try:
             deleter.check()
@@ -163,7 +167,9 @@ class Janitor:
         self.stats["skipped_held"] += len(idle) - len(free)
         quorum = config.queue_type == "quorum"
         if quorum and free:
-            down = unreachable_nodes(self.settings)
+            if self._nodes_down is None:
+                self._nodes_down = unreachable_nodes(self.settings)
+            down = self._nodes_down
             if down:
                 # See janitor/cluster_probe.py: deleting now invites a re-declare short of
                 # a replica for good. Counted as unreachable: "not now", never gone.
