@@ -103,6 +103,10 @@ class Janitor:
                     # on fresh connections rather than the daemon dying.
                     expected = isinstance(exc, (KeyqError, redis.exceptions.RedisError, OSError))
                     self.stats["errors"] += 1
+                    if self.stats["deleted"] > deleted_before:
+                        # It got somewhere before failing (a cut connection, a node going
+                        # away): the broker is there, so the next pass starts soon again.
+                        backoff = 1.0
                     log.warning(
                         "janitor pass failed, retrying in %.0fs: %s",
                         backoff,
@@ -114,10 +118,6 @@ class Janitor:
                     if not expected and deleter is not None:
                         deleter.close()
                         deleter = None
-                    if self.stats["deleted"] > deleted_before:
-                        # It got somewhere before failing (a cut connection, a node going
-                        # away): the broker is there, so the next pass starts soon again.
-                        backoff = 1.0
                     if self._stop.wait(backoff):
                         break
                     backoff = min(backoff * 2, MAX_BACKOFF_S)
