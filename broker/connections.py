@@ -26,6 +26,7 @@ from keyq.broker.errors import (
     KeyqError,
     RedisUnavailable,
 )
+from keyq.broker.redis_topology import connect, parse_redis_url
 from keyq.broker.settings import Settings
 from keyq.broker.urls import redact_url, scrub, split_urls
 
@@ -149,15 +150,17 @@ def open_redis(
     peers see whether this process still has a connection open.
     """
     url = settings.redis_url
+    target = parse_redis_url(url)
     try:
-        client: redis.Redis = redis.Redis.from_url(
-            url,
-            decode_responses=True,
-            socket_timeout=max(settings.connect_timeout, 1.0),
-            socket_connect_timeout=settings.connect_timeout,
-            health_check_interval=15,
-            client_name=client_name,
-        )
+        with redis_errors(url):  # a cluster client asks its nodes for the slots at once
+            client = connect(
+                target,
+                decode_responses=True,
+                socket_timeout=max(settings.connect_timeout, 1.0),
+                socket_connect_timeout=settings.connect_timeout,
+                health_check_interval=15,
+                client_name=client_name,
+            )
     except (ValueError, redis.exceptions.RedisError) as exc:
         reason = scrub(str(exc), url)
         raise ConfigurationError(
@@ -167,6 +170,25 @@ def open_redis(
         with redis_errors(url):
             client.ping()
     return client
+
+
+# What a Cluster or Sentinel client raises while a primary fails over (a slot uncovered or
+# moved, a former primary that is a replica now): the service is away for a moment.
+FAILING_OVER: tuple[type[Exception], ...] = (
+    redis.exceptions.ClusterError,
+    redis.exceptions.RedisClusterException,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.AskError,
+    redis.exceptions.TryAgainError,
+)
+
+_REDIS_AWAY: tuple[type[Exception], ...] = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.AuthenticationError,
+    OSError,
+    *FAILING_OVER,
+)
 
 
 def redis_failure(exc: BaseException, url: str) -> KeyqError:
@@ -186,12 +208,7 @@ def redis_errors(url: str) -> Iterator[None]:
     """Translate connection-level redis errors raised inside the block."""
     try:
         yield
-    except (
-        redis.exceptions.ConnectionError,
-        redis.exceptions.TimeoutError,
-        redis.exceptions.AuthenticationError,
-        OSError,
-    ) as exc:
+    except _REDIS_AWAY as exc:
         raise redis_failure(exc, url) from None
     except redis.exceptions.ResponseError as exc:
         if any(word in str(exc) for word in ("NOAUTH", "WRONGPASS", "NOPERM")):

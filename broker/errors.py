@@ -55,6 +55,12 @@ class RedisUnavailable(ConnectionFailed):
     """Redis could not be reached or answered with a connection-level error."""
 
 
+class CommitNotReplicated(RedisUnavailable):
+    """Fewer Redis replicas than required confirmed a commit in time. Its events are not
+    acked: the batch runs again, finds them applied (or, after a failover that lost the
+    commit, applies them again), and acks once a commit is confirmed."""
+
+
 class ManagementUnavailable(ConnectionFailed):
     """RabbitMQ's management API is not configured, not reachable, or refused us: what only it
     reports (file descriptors, the queue list) is unknown, and keyq carries on without it."""

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import redis
 
+from keyq.broker.errors import CommitNotReplicated
 from keyq.broker.redis_keys import StreamKeys
+from keyq.broker.redis_topology import node_client
 
 _ACQUIRE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
@@ -148,7 +150,12 @@ class FencedLocks:
         }
 
     def commit(
-        self, leases: Sequence[Lease], writes: Mapping[str, Mapping[str, str]]
+        self,
+        leases: Sequence[Lease],
+        writes: Mapping[str, Mapping[str, str]],
+        *,
+        replicas: int = 0,
+        replica_timeout_ms: int = 1000,
     ) -> frozenset[str]:
         """Write hash fields (hash key -> field -> value) only if every lease is current.
 
@@ -156,6 +163,12 @@ class FencedLocks:
         owner can slip in between, and a batch is committed whole or not at all. Returns the
         queues whose lease is no longer current (then nothing was written). Every key must
         share the stream's hash tag, as ``StreamKeys`` does, for Redis Cluster.
+
+        With ``replicas``, the commit is followed by ``WAIT`` on the same connection (Redis
+        replicates asynchronously: a primary that fails right after a commit can take it
+        with it) and raises ``CommitNotReplicated`` when fewer replicas confirm it in time.
+        The commit bumps a counter too, so a commit that writes nothing new (a batch run
+        again) still proves that everything before it reached the replicas.
         """
         args: list[str | int] = [len(leases), *(lease.value for lease in leases)]
         keys = [self._keys.lock(lease.queue) for lease in leases]
@@ -164,5 +177,18 @@ class FencedLocks:
             args.append(len(fields))
             for field, value in fields.items():
                 args.extend((field, value))
-        lost = self._commit(keys=keys, args=args)
-        return frozenset(leases[int(index) - 1].queue for index in lost)
+        if replicas <= 0:
+            lost = self._commit(keys=keys, args=args)
+            return frozenset(leases[int(index) - 1].queue for index in lost)
+        pipe = node_client(self._client, self._keys.commits).pipeline(transaction=False)
+        self._commit(keys=keys, args=args, client=pipe)
+        pipe.incr(self._keys.commits)
+        pipe.execute_command("WAIT", replicas, replica_timeout_ms)  # type: ignore[no-untyped-call]
+        lost, _, confirmed = pipe.execute()
+        refused = frozenset(leases[int(index) - 1].queue for index in lost)
+        if not refused and int(confirmed) < replicas:
+            raise CommitNotReplicated(
+                f"a commit reached {confirmed} of the {replicas} Redis replicas required "
+                f"within {replica_timeout_ms} ms: its events are not acked yet"
+            )
+        return refused

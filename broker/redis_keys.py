@@ -84,6 +84,11 @@ class StreamKeys:
         return f"{self._base}:sink-pending"
 
     @property
+    def commits(self) -> str:
+        """Counter every commit that waits for replicas bumps (a write for ``WAIT``)."""
+        return f"{self._base}:commits"
+
+    @property
     def janitor_lease(self) -> str:
         return f"{self._base}:janitor"
 

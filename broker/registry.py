@@ -14,6 +14,7 @@ import redis
 
 from keyq.broker.clock import now_ms
 from keyq.broker.redis_keys import StreamKeys
+from keyq.broker.redis_topology import is_cluster
 
 # Remove a registry entry only if its activity time is still the one the janitor read.
 _FORGET_IF_UNCHANGED = """
@@ -51,10 +52,13 @@ class QueueRegistry:
         named: dict[Any, Any] = {queue: key for queue, key in queues.items() if key is not None}
         if named:
             pipe.hset(self._keys.queue_keys, mapping=named)
-        if announce:
-            for queue in queues:
-                pipe.publish(self._keys.announcements, queue)
+        news = "\n".join(queues) if announce else None  # one message, a queue per line
+        if news is not None and not is_cluster(self._client):
+            pipe.publish(self._keys.announcements, news)
+            news = None
         pipe.execute()
+        if news is not None:
+            self._client.publish(self._keys.announcements, news)  # a cluster refuses it piped
 
     def touch(self, queues: Iterable[str], at_ms: int | None = None) -> None:
         """Move queues' last activity forward (never back, never creating an entry)."""

@@ -12,6 +12,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from keyq.broker.errors import ConfigurationError
+from keyq.broker.redis_topology import parse_redis_url
 from keyq.broker.urls import (
     AMQP_SCHEMES,
     HTTP_SCHEMES,
@@ -33,7 +34,21 @@ class Settings(BaseSettings):
     # One URL, or a cluster's nodes comma-separated: each connection takes the next in turn,
     # so a reconnect after a node is lost goes to another node.
     amqp_url: str = Field(default=DEFAULT_AMQP_URL, repr=False)
+    # One server (redis://), a Cluster (redis+cluster://host:7000,host:7001) or a primary
+    # under Sentinel (redis+sentinel://host:26379,host:26380/service): broker/redis_topology.
     redis_url: str = Field(default=DEFAULT_REDIS_URL, repr=False)
+    redis_min_replicas: int | None = Field(
+        default=None,
+        ge=0,
+        le=16,
+        description="replicas that must have a commit before its events are acked (WAIT); "
+        "unset: 1 if the stream's Redis primary has a replica when the worker starts, else 0",
+    )
+    redis_replica_timeout_ms: int = Field(
+        default=2000,
+        ge=1,
+        description="how long a commit waits for its replicas before its batch is retried",
+    )
     management_url: str | None = Field(
         default=None,
         repr=False,
@@ -90,7 +105,9 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis(cls, value: str) -> str:
-        return check_url(value, REDIS_SCHEMES, "KEYQ_REDIS_URL")
+        if parse_redis_url(value).kind == "server":
+            check_url(value, REDIS_SCHEMES, "KEYQ_REDIS_URL")
+        return value
 
     @field_validator("management_url")
     @classmethod

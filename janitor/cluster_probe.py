@@ -5,7 +5,10 @@ replica back (the member is not started when the node returns; later releases st
 rabbitmq-server#8630). A janitor that deletes an idle quorum queue during an outage invites a
 producer to declare it again at once, short of a replica for good, and one more node fault
 then leaves it without a quorum: its keys stop until an operator repairs it. So while any
-node of ``KEYQ_AMQP_URL`` does not complete an AMQP handshake, quorum queues are kept.
+node of ``KEYQ_AMQP_URL`` does not complete an AMQP handshake, quorum queues are kept. The
+nodes are probed at the start of a pass and again right before each few deletes: a quorum
+queue deleted while one of its nodes was restarting was seen left behind broken on 3.10 (the
+node kept its record of the queue, with no replica running anywhere), refusing every event.
 
 A handshake, not a TCP connect: a proxy or load balancer in front of a node that is down
 still accepts TCP. Only the nodes listed are probed: a single URL (a load balancer) says

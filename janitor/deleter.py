@@ -6,10 +6,11 @@ closes the channel, so each connection keeps opening a fresh one; a sequential c
 ~500 deletes/s here, hence several connections.
 
 Quorum queues refuse those flags (540 NOT_IMPLEMENTED, which closes the whole connection), so
-they are *checked* instead: a passive declare reads ready messages and consumers, and only an
-empty queue without consumers is deleted. That is safe only because nothing can change in
-between: the caller holds the queue's retirement mark (no producer publishes) and its lock (no
-worker starts consuming).
+they are *checked* instead: a passive declare reads ready messages and consumers, a short
+exclusive consume confirms that nothing is there (the declare's counts can lag, see
+``_finds_a_message``), and only an empty queue without consumers is deleted. That is safe
+only because nothing can change in between: the caller holds the queue's retirement mark (no
+producer publishes) and its lock (no worker starts consuming).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import enum
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pika
 import pika.exceptions
@@ -27,6 +30,10 @@ from pika.adapters.blocking_connection import BlockingChannel
 from keyq.broker.connections import amqp_failure, open_blocking_connection
 from keyq.broker.errors import BrokerUnavailable
 from keyq.broker.settings import Settings
+
+# How long a consumer registered on a quorum queue waits for a message before the queue counts
+# as empty (a delivery follows the consume's registration within milliseconds).
+EMPTY_CHECK_WAIT_S = 0.25
 
 
 class Outcome(enum.Enum):
@@ -89,6 +96,8 @@ class _Lane:
                     return Outcome.NOT_EMPTY
                 if declared.consumer_count:
                     return Outcome.IN_USE
+                if self._finds_a_message(channel, queue):
+                    return Outcome.NOT_EMPTY
                 channel.queue_delete(queue)
             else:
                 channel.queue_delete(queue, if_unused=True, if_empty=True)
@@ -98,11 +107,38 @@ class _Lane:
                 return Outcome.UNREACHABLE if _home_node_down(exc.reply_text) else Outcome.GONE
             if exc.reply_code == 406:
                 return Outcome.NOT_EMPTY if "not empty" in exc.reply_text else Outcome.IN_USE
+            if exc.reply_code == 403 and checked:
+                return Outcome.IN_USE  # the exclusive consume met a consumer
             raise amqp_failure(exc, self._settings.amqp_url) from None
         except (pika.exceptions.AMQPError, OSError) as exc:
             self.close()
             raise amqp_failure(exc, self._settings.amqp_url) from None
         return Outcome.DELETED
+
+    def _finds_a_message(self, channel: BlockingChannel, queue: str) -> bool:
+        """Consume the queue exclusively for a moment and hand back whatever comes.
+
+        A quorum queue's passive declare answered 0 ready messages for a queue holding 31
+        events, right after its leader changed (the cluster soak; the janitor deleted them).
+        A consume is a command through the queue's leader: once it is registered, every
+        message the queue holds at that point of its log is on its way to this consumer. It
+        is exclusive, so a consumer the declare did not count makes it fail (403, in use).
+        Quorum queues refuse ``basic.get`` with single-active-consumer, hence a consume."""
+        found: list[int] = []
+
+        def on_message(_ch: Any, method: Any, _properties: Any, _body: bytes) -> None:
+            found.append(method.delivery_tag)
+
+        channel.basic_qos(prefetch_count=1)
+        tag = channel.basic_consume(queue, on_message, auto_ack=False, exclusive=True)
+        assert self._connection is not None
+        deadline = time.monotonic() + EMPTY_CHECK_WAIT_S
+        while not found and time.monotonic() < deadline:
+            self._connection.process_data_events(time_limit=0.02)
+        for delivery_tag in found:
+            channel.basic_nack(delivery_tag, requeue=True)
+        channel.basic_cancel(tag)  # pika nacks anything delivered but not yet dispatched
+        return bool(found)
 
     def close(self) -> None:
         connection, self._connection, self._channel = self._connection, None, None

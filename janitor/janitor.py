@@ -47,6 +47,10 @@ ADOPT_EVERY_S = 60.0
 # A mark outlives the grace period by this much, in case the janitor dies mid-pass.
 MARK_MARGIN_MS = 60_000
 CHUNKS_IN_FLIGHT = 3
+# Quorum queues are deleted this many at a time, each slice right after a fresh probe of the
+# cluster's nodes, so a node that goes down during the grace or the deletes stops them within
+# one slice (see janitor/cluster_probe.py).
+QUORUM_DELETES_PER_PROBE = 8
 
 
 class Janitor:
@@ -244,16 +248,38 @@ class Janitor:
         self, client: redis.Redis, stream: str, deleter: QueueDeleter, queues: list[str]
     ) -> dict[str, Outcome]:
         """Quorum queues refuse conditional deletes: take each queue's lock, as a worker
-        would, so no worker can start consuming, then check and delete (``QueueDeleter``)."""
+        would, so no worker can start consuming, then check and delete (``QueueDeleter``).
+
+        The nodes are probed again right before each slice of deletes: the probe at the
+        start of the pass is a grace period old by now, and a quorum queue deleted while one
+        of its nodes is down can be left behind broken on RabbitMQ 3.10 (the node's copy of
+        the queue record survives, with no replica running). Queues not deleted because a
+        node stopped answering are counted as unreachable."""
         locks = FencedLocks(client, stream)
         ttl_ms = self.settings.retire_grace_ms + MARK_MARGIN_MS
-        taken = {queue: locks.acquire(queue, self.janitor_id, ttl_ms) for queue in queues}
-        held = [lease for lease in taken.values() if lease is not None]
-        outcomes = {queue: Outcome.IN_USE for queue, lease in taken.items() if lease is None}
-        try:
-            outcomes.update(deleter.delete([lease.queue for lease in held], checked=True))
-        finally:
-            locks.release(held)
+        outcomes: dict[str, Outcome] = {}
+        for start in range(0, len(queues), QUORUM_DELETES_PER_PROBE):
+            part = queues[start : start + QUORUM_DELETES_PER_PROBE]
+            down = unreachable_nodes(self.settings)
+            if down:
+                log.info(
+                    "stream %s: %d quorum queues kept: %s stopped answering before the delete",
+                    stream,
+                    len(queues) - start,
+                    ", ".join(down),
+                )
+                outcomes.update(dict.fromkeys(queues[start:], Outcome.UNREACHABLE))
+                self._nodes_down = down  # the rest of this pass keeps its queues too
+                break
+            taken = {queue: locks.acquire(queue, self.janitor_id, ttl_ms) for queue in part}
+            held = [lease for lease in taken.values() if lease is not None]
+            outcomes.update(
+                {queue: Outcome.IN_USE for queue, lease in taken.items() if lease is None}
+            )
+            try:
+                outcomes.update(deleter.delete([lease.queue for lease in held], checked=True))
+            finally:
+                locks.release(held)
         return outcomes
 
     def _settle(

@@ -52,6 +52,9 @@ RECOVERY_DELAYS = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0)
 # channel on which a quorum queue nacks every publish after a node's loss can stay so until
 # that node is back, while a channel opened afresh is served.
 RECONNECT_AFTER_RECOVERIES = 6
+# Unconfirmed events a queue that RabbitMQ keeps refusing may hold: past that, publishing to
+# it waits (and times out), so one broken queue cannot fill the window every key shares.
+REFUSING_QUEUE_ROOM = 100
 _QUEUE_DOWN = re.compile(r"queue '(?P<queue>[^']+)' in vhost '[^']*' is down or inaccessible")
 
 NewQueues = Callable[[dict[str, str | None]], None]
@@ -80,11 +83,14 @@ class PublisherLink:
         self._lease_s = settings.publish_lease_ms / 1000
         self.returned_events = 0  # events the broker returned and that were sent again
         self.resent_events = 0  # events sent again after a lost connection
+        self.late_confirms = 0  # events confirmed after their queue's lease ran out: sent again
 
         # Shared with application threads, guarded by ``cond``.
         self.cond = threading.Condition()
         self._outbox: deque[Outgoing] = deque()
         self._unsettled = 0
+        self._unsettled_by_queue: dict[str, int] = {}
+        self._refusing: set[str] = set()  # queues refused over and over, until one confirm
         self._wake_scheduled = False
         self._blocked = False
         self._failure: KeyqError | None = None
@@ -128,21 +134,33 @@ class PublisherLink:
         while True:
             if self._failure is not None:
                 raise ProducerClosed(f"producer failed: {self._failure}") from self._failure
-            if self._unsettled < self._settings.confirm_window and not self._blocked:
+            queue = message.queue
+            waiting_here = self._unsettled_by_queue.get(queue, 0)
+            crowded = queue in self._refusing and waiting_here >= REFUSING_QUEUE_ROOM
+            if (
+                self._unsettled < self._settings.confirm_window
+                and not self._blocked
+                and not crowded
+            ):
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                why = (
-                    "RabbitMQ is blocking publishers (flow control)"
-                    if self._blocked
-                    else (
+                if self._blocked:
+                    why = "RabbitMQ is blocking publishers (flow control)"
+                elif crowded:
+                    why = (
+                        f"RabbitMQ keeps refusing events for {queue}: {waiting_here} of its "
+                        f"events await confirmation (other keys are not held up)"
+                    )
+                else:
+                    why = (
                         f"{self._unsettled} events await confirmation "
                         f"(window {self._settings.confirm_window})"
                     )
-                )
                 raise PublishTimeout(f"publish timed out: {why}")
             self.cond.wait(remaining)
         self._unsettled += 1
+        self._unsettled_by_queue[message.queue] = self._unsettled_by_queue.get(message.queue, 0) + 1
         self._outbox.append(message)
         if not self._wake_scheduled:
             self._wake_scheduled = True
@@ -423,24 +441,31 @@ class PublisherLink:
         if not inflight:
             return
         to_recover: list[str] = []
-        settled = 0
+        published: list[str] = []  # the queue of each event now published
         if method.multiple:
             for message in inflight:
                 if message.tag > tag:
                     break
-                if not message.settled:
-                    settled += self._settle(message, nacked, to_recover)
+                if not message.settled and self._settle(message, nacked, to_recover):
+                    published.append(message.queue)
         else:
             index = tag - inflight[0].tag
             if 0 <= index < len(inflight):
                 message = inflight[index]
-                if not message.settled:
-                    settled += self._settle(message, nacked, to_recover)
+                if not message.settled and self._settle(message, nacked, to_recover):
+                    published.append(message.queue)
         while inflight and inflight[0].settled:
             inflight.popleft()
-        if settled:
+        if published:
             with self.cond:
-                self._unsettled -= settled
+                self._unsettled -= len(published)
+                for queue in published:
+                    left = self._unsettled_by_queue[queue] - 1
+                    if left:
+                        self._unsettled_by_queue[queue] = left
+                    else:
+                        del self._unsettled_by_queue[queue]
+                    self._refusing.discard(queue)
                 self.cond.notify_all()
         for queue in to_recover:
             state = self._queues.get(queue)
@@ -457,13 +482,20 @@ class PublisherLink:
                 else:
                     self._recover(queue, state)
 
-    def _settle(self, message: Outgoing, nacked: bool, to_recover: list[str]) -> int:
-        """Mark one event settled; 1 if it is now published, 0 if it must go again."""
+    def _settle(self, message: Outgoing, nacked: bool, to_recover: list[str]) -> bool:
+        """Mark one event settled; True if it is now published, False if it must go again."""
         message.settled = True
         self._by_number.pop(message.number, None)
         state = self._queues[message.queue]
         state.inflight -= 1
         published = not (message.returned or nacked)
+        if published and time.monotonic() >= state.lease_until:
+            # RabbitMQ confirms an event whose queue was deleted after routing it: a confirm
+            # proves the event reached the queue only while a lease held its deleter off
+            # (the grace outlasts every lease granted before a mark). Later, send it again;
+            # a copy of an event already applied is dropped by its seq.
+            published = False
+            self.late_confirms += 1
         if published:
             state.recoveries = 0
             if not state.registered:
@@ -472,10 +504,10 @@ class PublisherLink:
         else:
             state.recovering = True
             state.returned.append(message)
-            self.returned_events += 1
+            self.returned_events += message.returned or nacked
         if state.recovering and state.inflight == 0:
             to_recover.append(message.queue)
-        return 1 if published else 0
+        return published
 
     def _reconnect_refused(self, queue: str) -> None:
         """Start over on a fresh connection (the next node): every unconfirmed event is
@@ -484,6 +516,8 @@ class PublisherLink:
         if connection is None or not connection.is_open:
             return
         log.warning("RabbitMQ keeps refusing events for %s on this connection; reconnecting", queue)
+        with self.cond:
+            self._refusing.add(queue)  # publishing to it waits once it holds its room
         connection.close()
 
     def _recover_later(self, queue: str, state: QueueState) -> None:
@@ -599,6 +633,9 @@ class PublisherLink:
             state.leasing = False
             if ok:
                 state.lease_until = issued_at + self._lease_s
+                self._ioloop.call_later(
+                    self._lease_s / 2, lambda q=queue, s=state: self._renew_in_flight(q, s)
+                )
                 if state.held:
                     state.held = False
                     if not state.recovering:
@@ -612,6 +649,17 @@ class PublisherLink:
                 state.declared = False
                 state.registered = False
                 self._ioloop.call_later(self._lease_s / 4, lambda q=queue: self._retry_lease(q))
+
+    def _renew_in_flight(self, queue: str, state: QueueState) -> None:
+        """Keep a queue leased while its events await their confirms, so a slow confirm is
+        not mistaken for one that came after its queue was deleted (see ``_settle``)."""
+        if (
+            self._queues.get(queue) is state
+            and state.inflight > 0
+            and not state.held
+            and time.monotonic() >= state.lease_until - self._lease_s / 2
+        ):
+            self._ask_lease(queue, state)
 
     def _retry_lease(self, queue: str) -> None:
         state = self._queues.get(queue)

@@ -227,11 +227,14 @@ class Producer:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counters: events returned by the broker (their queue was deleted) and sent again,
-        events re-sent after a lost connection, and events not yet confirmed."""
+        """Counters: events returned or refused by the broker and sent again, events re-sent
+        after a lost connection, events sent again because their confirm came after the
+        queue's publish lease ran out (the queue may have been deleted meanwhile), and events
+        not yet confirmed."""
         return {
             "returned": self._link.returned_events,
             "resent": self._link.resent_events,
+            "late_confirms": self._link.late_confirms,
             "unconfirmed": self._link.unsettled,
         }
 

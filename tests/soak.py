@@ -48,7 +48,7 @@ from typing import Any
 import pika
 import redis
 
-from keyq import Producer
+from keyq import Producer, PublishTimeout
 from keyq.broker.envelope import HEADER_DEAD_REASON
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.redis_keys import StreamKeys
@@ -143,6 +143,11 @@ def node_fault_schedule(rng: random.Random, seconds: float) -> list[Fault]:
     return faults
 
 
+# A publish that waits longer than this is given up (the event is not accepted) and the
+# publisher goes on with another key.
+PUBLISH_TIMEOUT_S = 5.0
+
+
 class Publisher(threading.Thread):
     """Publishes numbered events to Zipf-skewed keys, new keys appearing as it goes, and
     records every event the producer accepted (an accepted event must be applied once)."""
@@ -167,6 +172,7 @@ class Publisher(threading.Thread):
         self.accepted: dict[str, list[int]] = {}
         self.poisoned: set[tuple[str, int]] = set()
         self.error: BaseException | None = None
+        self.timed_out = 0  # publishes that timed out: those events were not accepted
 
     def _next_key(self) -> str:
         room = self.max_keys is None or len(self.keys) < self.max_keys
@@ -190,7 +196,12 @@ class Publisher(threading.Thread):
                     n += 1
                 poison = sent in self.poison_at
                 event = {"producer": self.producer.producer_id, "n": n, "poison": poison}
-                self.producer.publish(key, event)
+                try:
+                    self.producer.publish(key, event, timeout=PUBLISH_TIMEOUT_S)
+                except PublishTimeout:
+                    # Not accepted (a queue the broker keeps refusing, say): nothing to check.
+                    self.timed_out += 1
+                    continue
                 if poison:
                     self.poisoned.add((key, n))
                 else:
@@ -217,6 +228,7 @@ class KeyVerdict:
     reordered: int
     applied_twice: int
     unexpected: int
+    unapplied_tail: int = 0  # the last events of the key, none applied (stalled, or lost)
 
 
 @dataclass
@@ -245,9 +257,15 @@ class SoakReport:
     janitor_alive: bool = True
     workers_crashed: list[str] = field(default_factory=list)
     faults_applied: dict[str, int] = field(default_factory=dict)
+    # Events still unconfirmed when the final flush gave up (a queue RabbitMQ cannot serve),
+    # per mode, and the unapplied last events of keys of those modes: at most that many of
+    # them can be the unconfirmed ones; any more are counted as lost.
+    unconfirmed: dict[str, int] = field(default_factory=dict)
+    stalled: int = 0
 
     @property
-    def clean(self) -> bool:
+    def safe(self) -> bool:
+        """Nothing lost, reordered or applied twice; every dead letter as planted."""
         return (
             self.janitor_alive
             and not self.workers_crashed
@@ -259,19 +277,32 @@ class SoakReport:
             and self.dead_letters_unplanted == 0
         )
 
+    @property
+    def clean(self) -> bool:
+        """Safe, and every accepted event confirmed and applied."""
+        return self.safe and self.stalled == 0 and not any(self.unconfirmed.values())
+
     def text(self) -> str:
         return json.dumps(asdict(self), indent=2, ensure_ascii=False)
+
+    def outcome(self) -> str:
+        if self.clean:
+            return "CLEAN"
+        if self.safe:
+            return "SAFE BUT STALLED (nothing lost, reordered or repeated; some never confirmed)"
+        return "NOT CLEAN"
 
     def verdict(self) -> str:
         """The outcome in a few lines, for a person reading the end of a run."""
         return "\n".join(
             [
-                f"verdict: {'CLEAN' if self.clean else 'NOT CLEAN'} (seed {self.seed}, "
-                f"{self.seconds:g}s of faults)",
+                f"verdict: {self.outcome()} (seed {self.seed}, {self.seconds:g}s of faults)",
                 f"  events: {self.events_accepted} accepted, {self.events_applied} applied, "
                 f"{self.keys} keys",
                 f"  lost {self.lost}, reordered {self.reordered}, "
                 f"applied twice {self.applied_twice}, unexpected {self.unexpected}",
+                f"  never confirmed: {json.dumps(self.unconfirmed, sort_keys=True)}, "
+                f"{self.stalled} events stalled at the end of their keys",
                 f"  dead letters: {self.dead_letters_planted} planted, "
                 f"{self.dead_letters_found} found, {self.dead_letters_missing} missing, "
                 f"{self.dead_letters_unplanted} unplanted, {self.dead_letter_copies} extra copies",
@@ -289,6 +320,11 @@ def judge_key(stream: str, key: str, accepted: list[int], seen: list[int]) -> Ke
     firsts = list(dict.fromkeys(seen))
     reordered = sum(1 for before, after in itertools.pairwise(firsts) if after < before)
     expected = set(accepted)
+    tail = 0
+    for n in reversed(accepted):
+        if n in copies:
+            break
+        tail += 1
     return KeyVerdict(
         stream=stream,
         key=key,
@@ -298,6 +334,7 @@ def judge_key(stream: str, key: str, accepted: list[int], seen: list[int]) -> Ke
         reordered=reordered,
         applied_twice=sum(count - 1 for count in copies.values()),
         unexpected=len(copies.keys() - expected),
+        unapplied_tail=tail,
     )
 
 
@@ -764,8 +801,16 @@ class Soak:
             if publisher.error is not None:
                 raise AssertionError(f"publisher {mode} failed: {publisher.error!r}")
         for mode, producer in self.producers.items():
-            producer.flush(300)
-            self.report.producer_stats[mode] = dict(producer.stats)
+            try:
+                producer.flush(300)
+            except PublishTimeout as exc:
+                # Checked all the same: the events that were confirmed must all be there.
+                self.report.unconfirmed[mode] = producer.unconfirmed
+                self.note(f"{mode}: {exc}; checking the rest")
+            self.report.producer_stats[mode] = {
+                **producer.stats,
+                "publish_timeouts": self.publishers[mode].timed_out,
+            }
         for mode in self.streams:
             if not self.alive(mode):
                 self.add_worker(mode)
@@ -779,9 +824,10 @@ class Soak:
             deadline = begun + drain_timeout
             while True:
                 self.check(client)
-                if (self.report.lost == 0 and self.report.dead_letters_missing == 0) or (
-                    time.monotonic() > deadline
-                ):
+                settled = self.report.stalled == sum(self.report.unconfirmed.values())
+                if (
+                    self.report.lost == 0 and settled and self.report.dead_letters_missing == 0
+                ) or (time.monotonic() > deadline):
                     break
                 time.sleep(1.0)
             self.report.drain_seconds = round(time.monotonic() - begun, 1)
@@ -820,17 +866,27 @@ class Soak:
     def check(self, client: redis.Redis) -> None:
         report = self.report
         verdicts: list[KeyVerdict] = []
+        report.stalled = 0
         for mode, publisher in self.publishers.items():
             stream = self.streams[mode]
             applied = applied_by_key(client, stream, publisher.producer.producer_id)
-            for key, accepted in publisher.accepted.items():
-                verdicts.append(judge_key(stream, key, accepted, applied.get(key, [])))
-            for key in applied.keys() - publisher.accepted.keys():
-                verdicts.append(judge_key(stream, key, [], applied[key]))
+            judged = [
+                judge_key(stream, key, accepted, applied.get(key, []))
+                for key, accepted in publisher.accepted.items()
+            ]
+            judged += [
+                judge_key(stream, key, [], applied[key])
+                for key in applied.keys() - publisher.accepted.keys()
+            ]
+            # Unconfirmed events are the last of their keys (a key's events are confirmed
+            # in order): unapplied tails up to their number are stalled, not lost.
+            tails = sum(v.unapplied_tail for v in judged)
+            report.stalled += min(tails, report.unconfirmed.get(mode, 0))
+            verdicts += judged
         report.keys = len(verdicts)
         report.events_accepted = sum(v.accepted for v in verdicts)
         report.events_applied = sum(v.applied for v in verdicts)
-        report.lost = sum(v.lost for v in verdicts)
+        report.lost = sum(v.lost for v in verdicts) - report.stalled
         report.reordered = sum(v.reordered for v in verdicts)
         report.applied_twice = sum(v.applied_twice for v in verdicts)
         report.unexpected = sum(v.unexpected for v in verdicts)

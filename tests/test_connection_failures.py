@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import socket
 import threading
 import time
@@ -35,7 +36,7 @@ from keyq.broker.naming import dead_letter_queue_name, key_queue_name
 from keyq.broker.settings import Settings, load_settings
 from tests.conftest import StreamFixture
 from tests.faults import FaultProxy
-from tests.helpers import Landed, drain
+from tests.helpers import Landed, drain, queue_depth
 from tests.servers import PrivateRabbit
 
 PASSWORD = "s3cret-pw"
@@ -508,3 +509,101 @@ def test_broker_flow_control_times_out_publish_then_recovers(
     finally:
         connection.close()
     assert [m.json()["n"] for m in landed] == accepted
+
+
+def test_a_confirm_that_comes_after_the_queue_was_retired_sends_the_event_again(
+    stream: StreamFixture, amqp: pika.BlockingConnection, proxy: FaultProxy
+) -> None:
+    """RabbitMQ confirms an event whose queue is deleted after routing it, and a quorum
+    queue's delete is checked then done, so an event can reach the queue after the janitor
+    found it empty. Modelled here: the event is in the queue, the queue is marked retiring
+    and deleted with it, and the confirm (held up by a slow link) arrives afterwards. It must
+    not count: the event goes out again, to the queue declared anew."""
+    from keyq.broker.retirement import RetirementFence
+
+    settings = _with(
+        stream.settings,
+        amqp_url=proxy.url_for(stream.settings.amqp_url),
+        publish_lease_ms=300,
+        retire_grace_ms=600,
+    )
+    fence = RetirementFence(stream.redis, stream.name)
+    with Producer(stream.name, mode="key", settings=settings) as producer:
+        producer.publish("k", {"n": 1})
+        producer.flush(10)
+        queue = producer.config.queue_for("k")
+        stream.track(queue)
+        assert [m.seq for m in drain(amqp.channel(), queue)] == [1]
+        proxy.set_delay(1.0)  # each way: the confirm comes about 2 s after the publish
+        producer.publish("k", {"n": 2})
+        deadline = time.monotonic() + 5
+        while amqp.channel().queue_declare(queue, passive=True).method.message_count < 1:
+            assert time.monotonic() < deadline, "the second event never reached its queue"
+            time.sleep(0.05)
+        marked = fence.mark([queue], "test-deleter", 30_000)
+        assert marked == [queue]
+        time.sleep(0.6)  # the grace: every lease from before the mark has run out
+        amqp.channel().queue_delete(queue)  # with the event in it, its confirm still on its way
+        time.sleep(2.0)  # the confirm arrives now, after the delete
+        proxy.set_delay(0.0)
+        fence.unmark(marked)
+        producer.flush(20)
+        assert producer.stats["late_confirms"] >= 1, producer.stats
+    again = drain(amqp.channel(), queue)
+    assert [(m.key, m.seq) for m in again] == [("k", 2)]
+
+
+def test_a_queue_the_broker_keeps_refusing_does_not_hold_up_other_keys(
+    stream: StreamFixture, private_rabbit: PrivateRabbit
+) -> None:
+    """RabbitMQ can refuse (nack) every event for one queue for a long time (a quorum queue
+    left without its replicas). Its events are kept and re-sent, but only up to a room of
+    their own: then publishing to that key times out with the reason, and every other key
+    still has the whole window."""
+    from keyq.producer.link import REFUSING_QUEUE_ROOM
+
+    settings = _with(stream.settings, amqp_url=private_rabbit.url, publish_timeout=2.0)
+    stuck = key_queue_name(stream.name, "stuck")
+    other = key_queue_name(stream.name, "other")
+    connection = pika.BlockingConnection(pika.URLParameters(private_rabbit.url))
+    # A full queue that rejects publishes: the broker nacks every event sent to it.
+    private_rabbit.ctl(
+        "set_policy",
+        "kq-reject",
+        f"^{re.escape(stuck)}$",
+        '{"max-length": 1, "overflow": "reject-publish"}',
+        "--apply-to",
+        "queues",
+    )
+    producer = Producer(stream.name, mode="key", settings=settings, confirm_window=1000)
+    try:
+        for n in range(5):
+            producer.publish("stuck", {"n": n})
+        time.sleep(5)  # refused over and over: the producer reconnects and names the queue
+        accepted = 5
+        with pytest.raises(PublishTimeout) as refused:
+            for n in range(5, 2000):
+                producer.publish("stuck", {"n": n}, timeout=3.0)
+                accepted += 1
+        assert "keeps refusing events for" in str(refused.value)
+        assert accepted <= REFUSING_QUEUE_ROOM + 1, accepted  # the first got in; not 1,000
+        for n in range(600):  # more than the window's room left with the old rule
+            producer.publish("other", {"n": n}, timeout=5.0)
+        deadline = time.monotonic() + 30
+        # The producer declares the other key's queue on its own thread, and may be
+        # reconnecting from the stuck queue's refusals: the queue can still be missing.
+        while (queue_depth(connection, other) or 0) < 600:
+            assert time.monotonic() < deadline, "the other key's events did not all land"
+            time.sleep(0.2)
+        private_rabbit.ctl("clear_policy", "kq-reject")
+        producer.flush(30)  # the refused events go in now, in order
+        assert [m.json()["n"] for m in drain(connection.channel(), stuck)] == list(range(accepted))
+    finally:
+        with contextlib.suppress(Exception):
+            private_rabbit.ctl("clear_policy", "kq-reject")
+        with contextlib.suppress(KeyqError):
+            producer.close(timeout=15)
+        channel = connection.channel()
+        for queue in (stuck, other):
+            channel.queue_delete(queue)
+        connection.close()

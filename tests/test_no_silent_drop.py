@@ -1,10 +1,13 @@
-"""No silent drop: queues deleted under a publishing producer lose and duplicate nothing.
+"""No silent drop: queues deleted under a publishing producer lose nothing.
 
 One process publishes 10,000 events to a few keys while another keeps draining their queues
 and deleting them as the janitor does (retirement mark, grace period, ``if_empty``). Afterwards
-every confirmed event was seen exactly once, in per-key order: drained by the deleter or still
-in a queue. A second test deletes queues behind the producer's back (no mark), so the broker
-returns events, which the producer must declare again and re-send in order.
+every confirmed event was seen, in per-key order: drained by the deleter or still in a queue.
+An event may be seen twice only because the producer sent it again (its confirm came after
+its queue's lease ran out, or its connection was lost); the worker drops such a copy by its
+seq, as the check here does. A second test deletes queues behind the producer's back (no
+mark), so the broker returns events, which the producer must declare again and re-send in
+order.
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ def test_deleting_queues_under_a_producer_loses_nothing(stream: StreamFixture) -
                 if n % 100 == 99:
                     time.sleep(0.03)  # bursts, so the deleter empties and deletes queues
             producer.flush(60)
+            stats = dict(producer.stats)
     finally:
         stop.set()
     seen, deletions, refused = results.get(timeout=60)  # type: ignore[misc]
@@ -112,11 +116,19 @@ def test_deleting_queues_under_a_producer_loses_nothing(stream: StreamFixture) -
     by_key: dict[str, list[int]] = defaultdict(list)
     for key, seq in seen:
         by_key[key].append(seq)
+    sent_again = stats["late_confirms"] + stats["returned"] + stats["resent"]
+    copies = 0
     for key in KEYS:
-        got = sorted(by_key[key])
-        assert len(got) == len(published[key]), f"{key}: {len(published[key]) - len(got)} lost"
-        assert got == published[key], f"{key}: duplicated or foreign events"
-        assert by_key[key] == published[key], f"{key}: reordered"
+        applied: list[int] = []  # what a worker applies: each seq past the last one applied
+        for seq in by_key[key]:
+            if applied and seq <= applied[-1]:
+                copies += 1
+            else:
+                applied.append(seq)
+        missing = sorted(set(published[key]) - set(applied))
+        assert not missing, f"{key}: {len(missing)} lost or out of order, first {missing[:5]}"
+        assert applied == published[key], f"{key}: foreign events"
+    assert copies <= sent_again, f"{copies} copies of events, only {stats} sent again"
     assert deletions >= 20, f"the race was not exercised ({deletions} deletions, {refused} refused)"
 
 

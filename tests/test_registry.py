@@ -52,7 +52,7 @@ def test_register_announces(stream: StreamFixture, redis_client: redis.Redis) ->
         while len(got) < 2 and time.monotonic() < deadline:
             message = pubsub.get_message(timeout=0.5)
             if message and message["type"] == "message":
-                got.append(message["data"])
+                got.extend(message["data"].split("\n"))  # one message, a queue per line
         done.set()
 
     thread = threading.Thread(target=listen)

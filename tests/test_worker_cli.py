@@ -117,22 +117,46 @@ def test_a_key_mode_worker_hands_back_an_idle_queue(
 
 
 @pytest.mark.slow
-def test_a_worker_started_while_the_broker_is_down_waits_for_it(stream: Any, workers: Any) -> None:
+def test_a_worker_waits_for_a_broker_that_is_down_and_for_redis_gone_while_spark_starts(
+    stream: Any, workers: Any
+) -> None:
     """A daemon started beside a broker that is still starting (or restarting) waits for it
-    instead of exiting, then serves as usual."""
+    instead of exiting. Then Redis, which answered the start-up check, goes away while Spark
+    starts (the cluster soak cut it then): the worker waits for it too, then serves."""
     from tests.faults import FaultProxy
 
+    with Producer(stream.name, mode="key", settings=stream.settings) as producer:
+        producer.publish("waited", {"n": 1, "producer": "p"})
+        producer.flush(30)
     broker = urlsplit(stream.settings.amqp_url)
-    with FaultProxy(broker.hostname or "127.0.0.1", broker.port or 5672) as proxy:
-        proxy.refuse(True)
-        down = load_settings(amqp_url=proxy.url_for(stream.settings.amqp_url))
-        with Producer(stream.name, mode="key", settings=stream.settings) as producer:
-            producer.publish("waited", {"n": 1, "producer": "p"})
-            producer.flush(30)
-        worker = workers(stream.name, env={"KEYQ_AMQP_URL": down.amqp_url})
+    redis_at = urlsplit(stream.settings.redis_url)
+    with (
+        FaultProxy(broker.hostname or "127.0.0.1", broker.port or 5672) as amqp_proxy,
+        FaultProxy(redis_at.hostname or "127.0.0.1", redis_at.port or 6379) as redis_proxy,
+    ):
+        amqp_proxy.refuse(True)
+        env = {
+            "KEYQ_AMQP_URL": amqp_proxy.url_for(stream.settings.amqp_url),
+            "KEYQ_REDIS_URL": redis_proxy.url_for(stream.settings.redis_url),
+        }
+        worker = workers(stream.name, env=env)
         wait_until(lambda: "waiting for the services" in worker.log(), 30, "a waiting worker")
         assert worker.process.poll() is None
-        proxy.refuse(False)
+        amqp_proxy.refuse(False)
+        # The line on how Redis persists comes after the services check, before Spark.
+        wait_until(lambda: "Redis " in worker.log(), 60, "the services check")
+        redis_proxy.refuse(True)
+        redis_proxy.cut()
+        wait_until(
+            lambda: (
+                "retrying in" in worker.log().split("Redis ", 1)[1]
+                or worker.process.poll() is not None
+            ),
+            180,
+            "the worker to meet the Redis outage after Spark started",
+        )
+        assert worker.process.poll() is None, worker.log()[-2000:]
+        redis_proxy.refuse(False)
         worker.wait_ready(120)
         store = StateStore(stream.redis, stream.name)
         wait_until(lambda: store.get("waited") is not None, 60, "the event applied")

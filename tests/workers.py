@@ -16,6 +16,7 @@ import redis
 
 from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
+from keyq.broker.redis_topology import connect, parse_redis_url
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings
 
@@ -133,7 +134,7 @@ class WorkerProcess:
 
     def wait_ready(self, timeout: float = 90) -> WorkerProcess:
         """Until the worker says in Redis that its first claim round is done."""
-        client = redis.Redis.from_url(self._redis_url, socket_timeout=5)
+        client = connect(parse_redis_url(self._redis_url), socket_timeout=5)
         membership = Membership(client, self.stream, ttl_ms=1)
 
         def ready() -> bool:

@@ -18,7 +18,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from keyq.broker.errors import CommitRefused, KeyqError, PipelineError, SparkUnavailable
+from keyq.broker.errors import (
+    CommitNotReplicated,
+    CommitRefused,
+    KeyqError,
+    PipelineError,
+    SparkUnavailable,
+)
 from keyq.broker.locks import Lease
 from keyq.broker.log_context import about_queues
 from keyq.broker.registry import QueueRegistry
@@ -46,6 +52,7 @@ class BatchStats:
     late: int = 0  # arrived after their gap was given up: dead-lettered
     gaps_skipped: int = 0  # sequence gaps given up after waiting gap_timeout
     commits_refused: int = 0
+    commits_unreplicated: int = 0  # not confirmed by the replicas in time: run again
     pipeline_failures: int = 0
     spark_seconds: float = 0.0
     last_spark_seconds: float = 0.0
@@ -131,6 +138,8 @@ class BatchProcessor:
         # Sequence gaps still open, per (key, producer), with the queue their events wait in.
         self.open_gaps: dict[tuple[str, str], tuple[Gap, str]] = {}
         self._last_leases: dict[str, Lease] = {}
+        # Staged output of commits not yet confirmed by the Redis replicas, by batch id.
+        self._unreplicated_output: dict[str, str] = {}
         self.stats = BatchStats()
 
     # ---- public ---------------------------------------------------------------------------
@@ -352,12 +361,20 @@ class BatchProcessor:
             self._link.dead_letter(
                 [DeadLetter(letter.delivery, letter.reason, attempt) for letter in fresh_letters]
             )
-        lost = self._store.commit(
-            list(leases.values()),
-            plan.marks,
-            states,
-            None if staged is None else (batch_id, staged),
-        )
+        try:
+            lost = self._store.commit(
+                list(leases.values()),
+                plan.marks,
+                states,
+                None if staged is None else (batch_id, staged),
+            )
+        except CommitNotReplicated:
+            if staged is not None:
+                # Committed on the primary only: visible once a later commit proves it
+                # replicated, or dropped if a failover took its record (the batch is redone).
+                self._unreplicated_output[batch_id] = staged
+            self.stats.commits_unreplicated += 1
+            raise
         if lost:
             if staged is not None and self._sink is not None:
                 self._sink.discard(staged)
@@ -365,6 +382,7 @@ class BatchProcessor:
         if staged is not None and self._sink is not None:
             self._sink.publish(batch_id, staged)
             self._store.forget_sink_record(batch_id)
+        self._publish_replicated_output()
         self._ack(settling)
         self.waiting.extend(waiting)
         self._note_gaps(keys, plan, ordered)
@@ -386,6 +404,21 @@ class BatchProcessor:
         del stats.batch_seconds[:-1000]
         for letter in fresh_letters:
             log.warning("dead-lettered a message of %s: %s", letter.delivery.queue, letter.reason)
+
+    def _publish_replicated_output(self) -> None:
+        """Output of batches whose commit was not confirmed by the replicas: a replicated
+        commit since proves their record reached them too, if it survived on the primary."""
+        if not self._unreplicated_output or self._sink is None:
+            self._unreplicated_output.clear()
+            return
+        pending = self._store.pending_sink_records()
+        for batch_id, staged in self._unreplicated_output.items():
+            if pending.get(batch_id) == staged:
+                self._sink.publish(batch_id, staged)
+                self._store.forget_sink_record(batch_id)
+            else:
+                self._sink.discard(staged)  # the commit was lost with a primary: redone
+        self._unreplicated_output.clear()
 
     def _note_gaps(
         self, keys: Sequence[str], plan: Plan, items: Sequence[Event | Undecodable]
@@ -465,6 +498,11 @@ class BatchProcessor:
         except Exception as exc:
             if spark_unavailable(exc):
                 raise SparkUnavailable(f"Spark is unavailable: {describe_failure(exc)}") from exc
+            if "No module named" in str(exc):
+                # Code missing where Spark runs Python: the deployment's fault, not the events'.
+                raise SparkUnavailable(
+                    f"Spark cannot import the pipeline's code: {describe_failure(exc)}"
+                ) from exc
             named = failing_event(str(exc))
             if named is not None:
                 raise _EventFailed(describe_failure(exc), named) from exc

@@ -22,12 +22,14 @@ import redis
 import redis.exceptions
 
 from keyq.broker.clock import now_ms
+from keyq.broker.connections import FAILING_OVER
 from keyq.broker.errors import KeyqError
 from keyq.broker.locks import FencedLocks, Lease
 from keyq.broker.log_context import about_queues
 from keyq.broker.membership import Membership, fair_share
 from keyq.broker.naming import Mode
 from keyq.broker.redis_keys import StreamKeys
+from keyq.broker.redis_topology import node_client
 from keyq.broker.registry import QueueRegistry
 from keyq.worker.config import WorkerSettings
 from keyq.worker.consumer import ConsumeOutcome, ConsumerLink
@@ -198,7 +200,9 @@ class ClaimLoop:
                 self._pubsub = None
                 return
             if message is not None and message.get("type") == "message":
-                self._view.activity[str(message["data"])] = now_ms()
+                now = now_ms()
+                for queue in str(message["data"]).split("\n"):  # a queue per line
+                    self._view.activity[queue] = now
                 self._announced = True
                 return
 
@@ -260,6 +264,11 @@ class ClaimLoop:
             log.warning("lost %s (%s): stopping it", held.queue, reason)
         self._link.close_queue(held.queue, held.epoch)
         self._buffer.drop(held.queue, held.epoch)
+        # A lock is lost with the queue's registration when Redis fails over to a replica
+        # that had neither: register it again, or its messages, back in the queue now, would
+        # wait for a producer to use the key again before any worker claimed them.
+        with contextlib.suppress(redis.exceptions.RedisError, OSError, *FAILING_OVER):
+            self._registry.register({held.queue: None})
         self._notify("revoked", [held.queue], reason)
 
     def lose(self, lease: Lease, reason: str) -> None:
@@ -411,7 +420,11 @@ class ClaimLoop:
         if not self._client_list_ok:
             return False
         try:
-            names = {str(c.get("name", "")) for c in self._client.client_list()}
+            # The server holding the stream's keys: every live worker has a connection there.
+            server = node_client(self._client, self._keys.members)
+            names = {str(c.get("name", "")) for c in server.client_list()}
+        except FAILING_OVER:
+            return False  # the stream's primary is failing over: look again next tick
         except redis.exceptions.ResponseError:
             self._client_list_ok = False  # no CLIENT permission: fall back to lock ttls
             log.info("CLIENT LIST not permitted; dead workers are detected by ttl only")

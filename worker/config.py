@@ -5,9 +5,24 @@ Every field is also a ``KEYQ_<FIELD>`` environment variable, like the shared set
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from keyq.broker.settings import Settings
+
+
+def spark_options(value: str | None) -> dict[str, str]:
+    """``KEYQ_SPARK_CONF`` as a dict: ``key=value`` entries separated by commas."""
+    options: dict[str, str] = {}
+    for entry in (value or "").split(","):
+        if not entry.strip():
+            continue
+        name, sep, setting = entry.partition("=")
+        if not sep or not name.strip().startswith("spark."):
+            raise ValueError(
+                f"KEYQ_SPARK_CONF entry {entry.strip()!r} must be spark.<name>=<value>"
+            )
+        options[name.strip()] = setting.strip()
+    return options
 
 
 class WorkerSettings(Settings):
@@ -18,6 +33,17 @@ class WorkerSettings(Settings):
     )
     spark_remote: str | None = Field(
         default=None, description="Spark Connect URL (sc://host:15002); wins over spark_master"
+    )
+    spark_conf: str | None = Field(
+        default=None,
+        description="more Spark settings, comma-separated key=value "
+        "(spark.driver.host=10.0.0.5,spark.executor.memory=2g), given to the session as is",
+    )
+    spark_start_timeout_s: float = Field(
+        default=180.0,
+        gt=0,
+        description="how long the first job may wait for executors (a cluster with no free "
+        "cores would otherwise hang the worker's start)",
     )
     spark_shuffle_partitions: int = Field(
         default=1,
@@ -32,6 +58,12 @@ class WorkerSettings(Settings):
             "GC suit many small jobs and leave CPU to the broker and producers"
         ),
     )
+
+    @field_validator("spark_conf")
+    @classmethod
+    def _spark_conf(cls, value: str | None) -> str | None:
+        spark_options(value)  # a malformed entry fails at start, not at the first batch
+        return value or None
 
     batch_max_events: int = Field(default=5000, ge=1, description="events per micro-batch")
     batch_max_ms: int = Field(

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.exceptions
 
@@ -28,12 +28,15 @@ from keyq.broker.errors import (
     ConfigurationError,
     ConnectionFailed,
     KeyqError,
+    RedisUnavailable,
     StreamConfigMismatch,
 )
 from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
 from keyq.broker.naming import Mode, check_stream_name
+from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.redis_persistence import log_redis_persistence
+from keyq.broker.redis_topology import connected_replicas
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import load_settings
 from keyq.broker.streams import StreamConfig, ensure_stream_config, load_stream_config
@@ -47,6 +50,8 @@ from keyq.worker.holdings import Held, Holdings
 from keyq.worker.pipeline import Pipeline, load_pipeline
 from keyq.worker.sinks import ParquetSink, open_sink
 from keyq.worker.state_store import StateStore
+
+_T = TypeVar("_T")
 
 log = logging.getLogger("keyq.worker")
 
@@ -139,6 +144,7 @@ class Worker:
             "skipped": batch.skipped if batch else 0,
             "dead_lettered": batch.dead_lettered if batch else 0,
             "commits_refused": batch.commits_refused if batch else 0,
+            "commits_unreplicated": batch.commits_unreplicated if batch else 0,
             "pipeline_failures": batch.pipeline_failures if batch else 0,
             "spark_seconds": round(batch.spark_seconds, 3) if batch else 0.0,
             "last_spark_seconds": round(batch.last_spark_seconds, 3) if batch else 0.0,
@@ -195,14 +201,37 @@ class Worker:
             if self._engine is None:
                 self._engine = SparkEngine(settings, f"keyq-worker-{self.worker_id}")
                 self._engine.start(stopping=self._stop)
+                if not self._stop.is_set():
+                    # On a cluster: the executors must import the pipeline and keyq's fold.
+                    module = getattr(self._pipeline, "__module__", None) or "__main__"
+                    self._engine.ship([module, "keyq.worker.fold"])
             if self._stop.is_set():
                 log.info("worker %s stopped while starting", self.worker_id)
                 return  # nothing is held yet
-            self.config = self._stream_config(client)
-            if self._stop.is_set():
+            config = self._while_redis_is_away(
+                "reading the stream's config", lambda: self._stream_config(client)
+            )
+            if config is None or self._stop.is_set():
                 return
-            store = StateStore(client, self.stream)
-            self._recover_sink(store)
+            self.config = config
+            replicas = self._while_redis_is_away(
+                "counting Redis replicas", lambda: self._replicas_required(client)
+            )
+            if replicas is None:
+                return
+            store = StateStore(
+                client,
+                self.stream,
+                replicas=replicas,
+                replica_timeout_ms=self.settings.redis_replica_timeout_ms,
+            )
+
+            def recover_sink() -> bool:
+                self._recover_sink(store)
+                return True
+
+            if not self._while_redis_is_away("finishing committed output", recover_sink):
+                return
             self._serve(client, store, until_idle)
         finally:
             if self._owns_engine and self._engine is not None:
@@ -232,6 +261,40 @@ class Worker:
                 if self._stop.wait(backoff):
                     return None
                 backoff = min(backoff * 2, 5.0)
+
+    def _replicas_required(self, client: redis.Redis) -> int:
+        """How many Redis replicas must confirm each commit before its events are acked:
+        ``KEYQ_REDIS_MIN_REPLICAS``, or 1 when the stream's primary has a replica now."""
+        wanted = self.settings.redis_min_replicas
+        if wanted is None:
+            try:
+                found = connected_replicas(client, StreamKeys(self.stream).commits)
+            except redis.exceptions.ResponseError as exc:  # INFO not permitted
+                log.warning("cannot count Redis replicas (%s): commits do not wait for any", exc)
+                found = 0
+            wanted = 1 if found else 0
+        if wanted:
+            log.info(
+                "each commit waits for %d Redis replica(s) before its events are acked", wanted
+            )
+        else:
+            log.info("commits do not wait for Redis replicas (none required or none found)")
+        return wanted
+
+    def _while_redis_is_away(self, what: str, step: Callable[[], _T]) -> _T | None:
+        """Run a start-up step, waiting with backoff while Redis is away (cut or restarting
+        after the services check passed): a daemon outlives an outage at any point. None if
+        stopped while waiting."""
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                with redis_errors(self.settings.redis_url):
+                    return step()
+            except RedisUnavailable as exc:
+                log.warning("%s: retrying in %.1fs: %s", what, backoff, exc)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+        return None
 
     def _serve(self, client: redis.Redis, store: StateStore, until_idle: float | None) -> None:
         settings = self.settings
@@ -407,8 +470,12 @@ class Worker:
             self._claims.note_released(queue)
             released.append(held)
         if released:
-            with redis_errors(self.settings.redis_url):
-                FencedLocks(client, self.stream).release([h.lease for h in released])
+            try:
+                with redis_errors(self.settings.redis_url):
+                    FencedLocks(client, self.stream).release([h.lease for h in released])
+            except RedisUnavailable as exc:
+                # The consumers are closed already: the locks just run out their ttl.
+                log.warning("handing back %d queues: locks left to expire: %s", len(released), exc)
             self.released += len(released)
             log.info("handed back %d queues", len(released))
             self._events.put(("revoked", [h.queue for h in released], "released"))

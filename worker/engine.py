@@ -6,13 +6,18 @@ deployment that outgrows one machine points its workers at a cluster without cod
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import re
 import signal
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Sequence
+import zipfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -21,7 +26,7 @@ from pyspark.java_gateway import launch_gateway
 from pyspark.sql import SparkSession
 
 from keyq.broker.errors import ConfigurationError
-from keyq.worker.config import WorkerSettings
+from keyq.worker.config import WorkerSettings, spark_options
 from keyq.worker.decoding import Event
 from keyq.worker.fold import STATE_SCHEMA_DDL, make_folder
 
@@ -109,6 +114,7 @@ class SparkEngine:
             "spark.sql.shuffle.partitions": str(settings.spark_shuffle_partitions),
             "spark.sql.session.timeZone": "UTC",
         }
+        options |= spark_options(settings.spark_conf)
         if not remote:
             options |= {
                 "spark.master": settings.spark_master,
@@ -141,13 +147,96 @@ class SparkEngine:
         if not remote:
             self._session.sparkContext.setLogLevel("ERROR")
         if stopping is None or not stopping.is_set():
-            self._warm_up()
+            self._within_start_timeout("the first job", self._warm_up)
         elapsed = time.monotonic() - started
         log.info("spark ready in %.1fs (%s)", elapsed, self.describe())
         return elapsed
 
     def describe(self) -> str:
         return self._settings.spark_remote or self._settings.spark_master
+
+    @property
+    def local(self) -> bool:
+        """Whether Spark runs in this process (a local master or local Connect server)."""
+        where = self._settings.spark_remote or self._settings.spark_master
+        return where.startswith("local")
+
+    def ship(self, modules: Sequence[str]) -> None:
+        """Make the pipeline's code importable where Spark runs Python, and prove it.
+
+        A local Spark imports from this process's environment. A cluster's executors (or a
+        Connect server) may not have the pipeline's module: each top-level module or package
+        named is sent along (``addPyFile``, or ``addArtifacts`` on Connect), then a job
+        imports every one of them there. A module that cannot be imported fails the start
+        with a clear error, instead of every batch failing later (and never as the events'
+        fault). keyq itself (with pyarrow and orjson) must be installed there."""
+        if self.local:
+            return
+        # keyq itself is not sent: a copy could shadow the executors' own, of another version.
+        tops = [t for t in dict.fromkeys(name.split(".", 1)[0] for name in modules) if t != "keyq"]
+        with tempfile.TemporaryDirectory(prefix="keyq-ship-") as folder:
+            for top in tops:
+                path = _shippable(top, Path(folder))
+                if path is None:
+                    continue  # installed, not a file of ours: expected there too
+                if self._settings.spark_remote:
+                    self.session.addArtifacts(str(path), pyfile=True)
+                else:
+                    self.session.sparkContext.addPyFile(str(path))
+                log.info("sent %s to Spark's executors", path.name)
+            self._within_start_timeout(
+                "the check that the executors can import " + ", ".join(modules),
+                lambda: self._check_imports(modules),
+            )
+
+    def _check_imports(self, modules: Sequence[str]) -> None:
+        frame = self.session.createDataFrame(pa.table({"n": [0]}), schema="n long")
+        try:
+            frame.mapInArrow(_importer(list(modules)), "n long").toArrow()
+        except Exception as exc:  # noqa: BLE001 - Spark wraps the executor's ImportError
+            text = str(exc)
+            missing = re.search(r"No module named '?([\w.]+)'?", text)
+            what = f"module {missing.group(1)!r}" if missing else "the pipeline's modules"
+            raise ConfigurationError(
+                f"Spark's executors cannot import {what}: install keyq and the pipeline's "
+                f"dependencies in the executors' Python (PYSPARK_PYTHON), or ship them "
+                f"with spark.submit.pyFiles in KEYQ_SPARK_CONF ({describe_spark_error(text)})"
+            ) from None
+
+    def _within_start_timeout(self, what: str, job: Callable[[], None]) -> None:
+        """Run a start-up job, cancelling it past ``spark_start_timeout_s``: a cluster with
+        no free cores queues it forever, silently."""
+        limit = self._settings.spark_start_timeout_s
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                job()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                failure.append(exc)
+
+        runner = threading.Thread(target=run, name="keyq-spark-start", daemon=True)
+        runner.start()
+        runner.join(limit)
+        if runner.is_alive():
+            self._cancel_jobs()
+            runner.join(30)
+            raise ConfigurationError(
+                f"Spark ({self.describe()}) did not run {what} within {limit:.0f} s: does the "
+                f"cluster have a worker with free cores and memory for this application? "
+                f"(KEYQ_SPARK_START_TIMEOUT_S)"
+            )
+        if failure:
+            raise failure[0]
+
+    def _cancel_jobs(self) -> None:
+        try:
+            if self._settings.spark_remote:
+                self.session.interruptAll()
+            else:
+                self.session.sparkContext.cancelAllJobs()
+        except Exception:  # best effort: the start fails either way
+            log.debug("cancelling Spark's start-up job failed", exc_info=True)
 
     def _warm_up(self) -> None:
         """Run the same shape of job a batch runs (shuffle by key, Arrow fold), so the first
@@ -208,6 +297,46 @@ def _launch_jvm_apart(options: dict[str, str]) -> None:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
         SparkContext._ensure_initialized(gateway=gateway)
+
+
+def _importer(modules: list[str]) -> Callable[[Iterator[pa.RecordBatch]], Iterator[Any]]:
+    """A mapInArrow function that imports ``modules`` where Spark runs it."""
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[Any]:
+        for module in modules:
+            importlib.import_module(module)
+        yield from batches
+
+    return run
+
+
+def _shippable(top: str, folder: Path) -> Path | None:
+    """A file to send for the top-level module ``top``: the module's file, or its package
+    zipped; None for what lives in site-packages (installed there as here, or not at all)."""
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None  # __main__ and the like: nothing to send
+    if spec is None or spec.origin in (None, "built-in", "frozen"):
+        return None
+    origin = Path(spec.origin)
+    if "site-packages" in origin.parts or "dist-packages" in origin.parts:
+        return None
+    if spec.submodule_search_locations:
+        package = Path(next(iter(spec.submodule_search_locations)))
+        archive = folder / f"{top}.zip"
+        with zipfile.ZipFile(archive, "w", zipfile.ZIP_DEFLATED) as bundle:
+            for path in sorted(package.rglob("*.py")):
+                bundle.write(path, Path(top) / path.relative_to(package))
+        return archive
+    return origin
+
+
+def describe_spark_error(text: str) -> str:
+    """The last line of a Spark error that says something (its traces are long)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    said = [line for line in lines if "Error" in line and not line.startswith(("at ", "File "))]
+    return (said[-1] if said else lines[-1] if lines else "no detail")[:300]
 
 
 def _keep_state(state: Any, event: Any) -> Any:

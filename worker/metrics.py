@@ -69,6 +69,11 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
         "Batch commits refused because a queue's lock had moved on.",
     ),
     (
+        "commits_unreplicated",
+        "keyq_worker_commits_unreplicated_total",
+        "Batch commits not confirmed by the required Redis replicas in time (run again).",
+    ),
+    (
         "peers_reaped",
         "keyq_worker_peers_reaped_total",
         "Dead peer workers whose locks and membership this worker released.",

@@ -23,10 +23,19 @@ from keyq.worker.dedup import KeyMarks
 class StateStore:
     """One stream's keyed state (user JSON per key) and dedup marks."""
 
-    def __init__(self, client: redis.Redis, stream: str) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        stream: str,
+        *,
+        replicas: int = 0,
+        replica_timeout_ms: int = 2000,
+    ) -> None:
         self._client = client
         self._keys = StreamKeys(stream)
         self._locks = FencedLocks(client, stream)
+        self.replicas = replicas  # each commit waits for this many replicas (``WAIT``)
+        self._replica_timeout_ms = replica_timeout_ms
 
     def marks(self, keys: Iterable[str]) -> dict[str, KeyMarks]:
         names = list(dict.fromkeys(keys))
@@ -59,7 +68,8 @@ class StateStore:
         sink_record: tuple[str, str] | None = None,
     ) -> frozenset[str]:
         """Write everything if every lease is current (``FencedLocks.commit``); returns the
-        queues whose lease is not (and then nothing was written)."""
+        queues whose lease is not (and then nothing was written). Raises
+        ``CommitNotReplicated`` when the replicas required did not confirm it in time."""
         writes: dict[str, dict[str, str]] = {
             self._keys.marks: {key: mark.to_json() for key, mark in marks.items()},
             self._keys.state: dict(states),
@@ -67,7 +77,9 @@ class StateStore:
         if sink_record is not None:
             token, record = sink_record
             writes[self._keys.sink_pending] = {token: record}
-        return self._locks.commit(leases, writes)
+        return self._locks.commit(
+            leases, writes, replicas=self.replicas, replica_timeout_ms=self._replica_timeout_ms
+        )
 
     def pending_sink_records(self) -> dict[str, str]:
         return {str(k): str(v) for k, v in self._client.hgetall(self._keys.sink_pending).items()}

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from keyq.broker.errors import (
         AuthenticationFailed,
         BrokerUnavailable,
+        CommitNotReplicated,
         CommitRefused,
         ConfigurationError,
         ConnectionFailed,
@@ -47,6 +48,7 @@ __all__ = [
     "AuthenticationFailed",
     "BatchContext",
     "BrokerUnavailable",
+    "CommitNotReplicated",
     "CommitRefused",
     "ConfigurationError",
     "ConnectionFailed",

@@ -1,0 +1,370 @@
+"""Redis Cluster and Redis under Sentinel on loopback, started from the installed
+``redis-server`` on free ports with their own data folders, for tests that kill primaries.
+
+Every server keeps its writes on disk (AOF, fsync always) so a restarted node comes back
+with what it had; the replicas are what a failover promotes. Nothing here touches the
+machine's own Redis. Processes get SIGTERM if the test process dies (PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+import redis.cluster
+
+from tests.cluster import _die_with_parent
+from tests.servers import free_port
+
+SERVICE = "kq-primary"
+
+
+def redis_topologies_available() -> str | None:
+    """None if Redis Cluster and Sentinel can be started here, else why not."""
+    for program in ("redis-server", "redis-cli"):
+        if shutil.which(program) is None:
+            return f"{program} is not installed"
+    return None
+
+
+def _free_cluster_port() -> int:
+    """A free port whose cluster bus port (10,000 higher) is free too, below 55,536."""
+    for _ in range(200):
+        port = random.randint(20_000, 55_000)
+        with contextlib.ExitStack() as probes:
+            try:
+                for candidate in (port, port + 10_000):
+                    probe = probes.enter_context(socket.socket())
+                    probe.bind(("127.0.0.1", candidate))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
+def _wait(check: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception as exc:  # noqa: BLE001 - retried until the deadline
+            last = exc
+        time.sleep(0.1)
+    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}: {last}")
+
+
+class _Server:
+    """One redis-server process (data node or sentinel) on a fixed port and folder."""
+
+    def __init__(self, folder: Path, port: int, args: list[str], config: str = "") -> None:
+        self.folder = folder
+        self.port = port
+        self._args = args
+        self._config = config
+        self.process: subprocess.Popen[bytes] | None = None
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> None:
+        command = ["redis-server"]
+        if self._config:
+            conf = self.folder / "server.conf"
+            if not conf.exists():  # a sentinel rewrites its own file: keep it across restarts
+                conf.write_text(self._config)
+            command.append(str(conf))
+        command += ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder)]
+        command += self._args
+        with (self.folder / "server.log").open("ab") as log:
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl, no locks
+            )
+        _wait(lambda: self.client().ping(), 20, f"redis-server on {self.port}")
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, decode_responses=True, socket_timeout=2
+        )
+
+    def kill(self) -> None:
+        """kill -9: a crash, not a shutdown."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+        self.process = None
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(
+                (self.folder / "server.log").read_text(errors="replace").splitlines()[-lines:]
+            )
+        return ""
+
+
+_DURABLE = ["--appendonly", "yes", "--appendfsync", "always", "--save", ""]
+
+
+class RedisClusterServers:
+    """3 primaries and 3 replicas, cluster-enabled, failover after 2 s of silence."""
+
+    def __init__(self, folder: Path, node_timeout_ms: int = 2000) -> None:
+        self.servers = [
+            _Server(
+                folder / f"node-{index}",
+                port,
+                [
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    str(node_timeout_ms),
+                    *_DURABLE,
+                ],
+            )
+            for index, port in enumerate(_free_cluster_port() for _ in range(6))
+        ]
+
+    @property
+    def url(self) -> str:
+        nodes = ",".join(f"127.0.0.1:{server.port}" for server in self.servers[:3])
+        return f"redis+cluster://{nodes}"
+
+    def __enter__(self) -> RedisClusterServers:
+        try:
+            for server in self.servers:
+                server.start()
+            subprocess.run(
+                [
+                    "redis-cli",
+                    "--cluster",
+                    "create",
+                    *(f"127.0.0.1:{server.port}" for server in self.servers),
+                    "--cluster-replicas",
+                    "1",
+                    "--cluster-yes",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
+            self.await_healthy()
+            self.await_replicas()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.kill()
+
+    def await_replicas(self, timeout: float = 60) -> None:
+        """Every live primary has a replica in sync (so a commit can be confirmed)."""
+
+        def linked() -> bool:
+            for server in self.servers:
+                if not server.alive:
+                    continue
+                info = server.client().info("replication")
+                if info["role"] == "master" and _online_replicas(info) < 1:
+                    return False
+            return True
+
+        _wait(linked, timeout, "every primary's replica in sync")
+
+    def client(self) -> redis.cluster.RedisCluster:
+        return redis.cluster.RedisCluster(
+            startup_nodes=[
+                redis.cluster.ClusterNode("127.0.0.1", s.port)  # type: ignore[no-untyped-call]
+                for s in self.servers
+                if s.alive
+            ],
+            decode_responses=True,
+            socket_timeout=2,
+        )
+
+    def _by_port(self, port: int) -> _Server:
+        return next(server for server in self.servers if server.port == port)
+
+    def primary_for(self, key: str) -> _Server:
+        """The server that serves ``key``'s slot now, as a live node sees it."""
+        slot = redis.cluster.key_slot(key.encode())
+        for server in self.servers:
+            if not server.alive:
+                continue
+            with contextlib.suppress(redis.exceptions.RedisError):
+                for start, end, primary, *_ in server.client().execute_command("CLUSTER SLOTS"):
+                    if int(start) <= slot <= int(end):
+                        return self._by_port(int(primary[1]))
+        raise RuntimeError(f"no live node knows who serves slot {slot}")
+
+    def await_healthy(self, timeout: float = 60) -> None:
+        """Every live node says the cluster is ok (every slot served)."""
+
+        def ok() -> bool:
+            return all(
+                _cluster_state(server.client()) == "ok" for server in self.servers if server.alive
+            )
+
+        _wait(ok, timeout, "cluster_state:ok")
+
+    def kill_primary_of(self, key: str, timeout: float = 60) -> tuple[_Server, float]:
+        """kill -9 the primary serving ``key``; returns it and the seconds until a replica
+        serves the slot."""
+        old = self.primary_for(key)
+        old.kill()
+        started = time.monotonic()
+
+        def promoted() -> bool:
+            return self.primary_for(key) is not old
+
+        _wait(promoted, timeout, f"a replica to take over from {old.port}")
+        self.await_healthy(timeout)
+        return old, time.monotonic() - started
+
+    def restart(self, server: _Server) -> None:
+        """Start a killed node again: it rejoins (as a replica of its successor)."""
+        server.kill()
+        server.start()
+        self.await_healthy()
+
+
+def _online_replicas(info: dict[str, Any]) -> int:
+    """Replicas in sync, from INFO replication."""
+    return sum(
+        1
+        for name, value in info.items()
+        if name.startswith("slave") and isinstance(value, dict) and value.get("state") == "online"
+    )
+
+
+def _cluster_state(client: redis.Redis) -> str:
+    info = client.execute_command("CLUSTER INFO")
+    if isinstance(info, dict):
+        return str(info.get("cluster_state"))
+    return "ok" if "cluster_state:ok" in str(info) else "not ok"
+
+
+class RedisSentinelServers:
+    """A primary, 2 replicas and 3 sentinels (quorum 2), failover after 2 s of silence."""
+
+    def __init__(self, folder: Path, down_after_ms: int = 2000) -> None:
+        ports = [free_port() for _ in range(3)]
+        primary = ports[0]
+        self.data = [
+            _Server(
+                folder / f"data-{index}",
+                port,
+                _DURABLE + ([] if port == primary else ["--replicaof", "127.0.0.1", str(primary)]),
+            )
+            for index, port in enumerate(ports)
+        ]
+        config = (
+            f"sentinel monitor {SERVICE} 127.0.0.1 {primary} 2\n"
+            f"sentinel down-after-milliseconds {SERVICE} {down_after_ms}\n"
+            f"sentinel failover-timeout {SERVICE} 10000\n"
+            f"sentinel parallel-syncs {SERVICE} 1\n"
+        )
+        self.sentinels = [
+            _Server(folder / f"sentinel-{index}", free_port(), ["--sentinel"], config)
+            for index in range(3)
+        ]
+
+    @property
+    def url(self) -> str:
+        nodes = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{nodes}/{SERVICE}"
+
+    def __enter__(self) -> RedisSentinelServers:
+        try:
+            for server in self.data:
+                server.start()
+            for sentinel in self.sentinels:
+                sentinel.start()
+            _wait(lambda: self._replicas_seen() == 2, 30, "both replicas linked")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.thaw_replicas()
+        for server in self.sentinels + self.data:
+            server.kill()
+
+    def _replicas_seen(self) -> int:
+        return _online_replicas(self.primary().client().info("replication"))
+
+    def primary(self) -> _Server:
+        """The data server the sentinels name as primary now."""
+        for sentinel in self.sentinels:
+            if not sentinel.alive:
+                continue
+            with contextlib.suppress(redis.exceptions.RedisError):
+                _host, port = sentinel.client().execute_command(
+                    "SENTINEL GET-MASTER-ADDR-BY-NAME", SERVICE
+                )
+                return next(server for server in self.data if server.port == int(port))
+        raise RuntimeError("no sentinel answers")
+
+    def cut_off_replicas(self) -> None:
+        """Freeze every replica (SIGSTOP) and close its link to the primary: no write from
+        now on reaches them, not even into a socket buffer, until they are thawed."""
+        primary = self.primary()
+        for server in self.data:
+            if server is not primary and server.process is not None:
+                server.process.send_signal(signal.SIGSTOP)
+        primary.client().execute_command("CLIENT", "KILL", "TYPE", "replica")
+        _wait(lambda: _online_replicas(primary.client().info("replication")) == 0, 10, "cut")
+
+    def thaw_replicas(self) -> None:
+        for server in self.data:
+            if server.process is not None and server.process.poll() is None:
+                server.process.send_signal(signal.SIGCONT)
+
+    def kill_primary(
+        self, timeout: float = 60, *, thaw_replicas: bool = False
+    ) -> tuple[_Server, float]:
+        """kill -9 the primary (then let frozen replicas run again); returns it and the
+        seconds until the sentinels name another (and it accepts writes)."""
+        old = self.primary()
+        old.kill()
+        if thaw_replicas:
+            self.thaw_replicas()
+        started = time.monotonic()
+
+        def promoted() -> bool:
+            new = self.primary()
+            return new is not old and new.client().info("replication")["role"] == "master"
+
+        _wait(promoted, timeout, f"the sentinels to replace {old.port}")
+        return old, time.monotonic() - started
+
+    def restart(self, server: _Server) -> None:
+        """Start a killed data server again: the sentinels make it a replica of the new
+        primary."""
+        server.kill()
+        server.start()

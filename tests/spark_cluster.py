@@ -1,0 +1,198 @@
+"""Spark beyond the worker's process, on loopback, from the pyspark installation: a standalone
+master with one worker, and a Spark Connect server. Ports are free ones, folders the test's
+own; every process dies with the test (PDEATHSIG) and is stopped afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pyspark
+
+from tests.cluster import _die_with_parent
+from tests.servers import free_port
+
+SPARK_HOME = Path(pyspark.__file__).resolve().parent
+
+
+def spark_cluster_available() -> str | None:
+    """None if a standalone cluster and a Connect server can be started here, else why."""
+    if not (SPARK_HOME / "bin" / "spark-class").exists():
+        return f"no spark-class under {SPARK_HOME}"
+    if not (SPARK_HOME / "sbin" / "start-connect-server.sh").exists():
+        return "no start-connect-server.sh in the pyspark installation"
+    return None
+
+
+def _environment(folder: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "SPARK_HOME": str(SPARK_HOME),
+        "SPARK_LOCAL_IP": "127.0.0.1",  # else the daemons advertise a non-loopback address
+        "SPARK_LOG_DIR": str(folder / "logs"),
+        "SPARK_PID_DIR": str(folder / "pids"),
+        "SPARK_NO_DAEMONIZE": "1",
+        "PYSPARK_PYTHON": sys.executable,
+    }
+
+
+def _wait(check: Callable[[], bool], timeout: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if check():
+                return
+        time.sleep(0.5)
+    tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}; log:\n{tail}")
+
+
+class _Daemon:
+    def __init__(self, folder: Path, name: str, command: list[str]) -> None:
+        self.log = folder / f"{name}.log"
+        folder.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=_environment(folder),
+                start_new_session=True,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl, no locks
+            )
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+
+
+class SparkStandalone:
+    """A master and one worker (``cores`` cores, 1 GB) on 127.0.0.1."""
+
+    def __init__(self, folder: Path, cores: int = 1) -> None:
+        self.folder = folder
+        self.cores = cores
+        self.port = free_port()
+        self.ui_port = free_port()
+        self.url = f"spark://127.0.0.1:{self.port}"
+        self._daemons: list[_Daemon] = []
+
+    def __enter__(self) -> SparkStandalone:
+        spark_class = str(SPARK_HOME / "bin" / "spark-class")
+        try:
+            master = _Daemon(
+                self.folder,
+                "master",
+                [
+                    spark_class,
+                    "org.apache.spark.deploy.master.Master",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--webui-port",
+                    str(self.ui_port),
+                ],
+            )
+            self._daemons.append(master)
+            _wait(lambda: _answers(self.port), 90, "the Spark master", master.log)
+            worker = _Daemon(
+                self.folder,
+                "worker",
+                [
+                    spark_class,
+                    "org.apache.spark.deploy.worker.Worker",
+                    "--host",
+                    "127.0.0.1",
+                    "--webui-port",
+                    str(free_port()),
+                    "--cores",
+                    str(self.cores),
+                    "--memory",
+                    "1g",
+                    "--work-dir",
+                    str(self.folder / "work"),
+                    self.url,
+                ],
+            )
+            self._daemons.append(worker)
+            _wait(lambda: self.alive_workers() >= 1, 90, "a Spark worker registered", worker.log)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for daemon in reversed(self._daemons):
+            daemon.stop()
+
+    def alive_workers(self) -> int:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.ui_port}/json", timeout=2) as page:
+            return int(json.load(page).get("aliveworkers", 0))
+
+
+class SparkConnectServer:
+    """A Spark Connect server on 127.0.0.1 (its own Spark: ``master``)."""
+
+    def __init__(self, folder: Path, master: str = "local[1]") -> None:
+        self.folder = folder
+        self.port = free_port()
+        self.url = f"sc://127.0.0.1:{self.port}"
+        self._master = master
+        self._daemon: _Daemon | None = None
+
+    def __enter__(self) -> SparkConnectServer:
+        try:
+            self._daemon = _Daemon(
+                self.folder,
+                "connect",
+                [
+                    str(SPARK_HOME / "sbin" / "start-connect-server.sh"),
+                    "--wait",
+                    "--master",
+                    self._master,
+                    "--conf",
+                    "spark.connect.grpc.binding.address=127.0.0.1",
+                    "--conf",
+                    f"spark.connect.grpc.binding.port={self.port}",
+                    "--conf",
+                    "spark.ui.enabled=false",
+                ],
+            )
+            _wait(lambda: _answers(self.port), 150, "the Spark Connect server", self._daemon.log)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._daemon is not None:
+            self._daemon.stop()
+
+
+def _answers(port: int) -> bool:
+    with socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True

@@ -1,0 +1,345 @@
+"""keyq on Redis Cluster and under Sentinel, with the primary holding a stream killed -9.
+
+The clusters run on loopback (tests/redis_topologies.py). Every key's state is checked
+against what was published: the audit pipeline counts each applied event and records any
+seq that came out of order or twice. The WAIT test shows the loss that waiting for replicas
+prevents: a primary killed after a commit its replicas never saw.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import redis.cluster
+
+from keyq import Producer
+from keyq.broker.connections import open_redis
+from keyq.broker.errors import ConfigurationError
+from keyq.broker.naming import key_queue_name
+from keyq.broker.redis_keys import StreamKeys
+from keyq.broker.redis_topology import parse_redis_url
+from keyq.broker.settings import Settings, load_settings
+from keyq.worker.config import WorkerSettings
+from keyq.worker.daemon import Worker
+from keyq.worker.engine import SparkEngine
+from keyq.worker.state_store import StateStore
+from tests.conftest import TEST_STREAM_PREFIX, StreamFixture
+from tests.redis_topologies import (
+    RedisClusterServers,
+    RedisSentinelServers,
+    redis_topologies_available,
+)
+from tests.workers import wait_until
+
+KEYS = [f"dev-{i}" for i in range(12)]
+PER_KEY = 120
+BUCKETS: dict[str, int | None] = {"key": None, "bucket": 4}
+
+
+# ---- URLs and slots (pure logic) ---------------------------------------------------------
+
+
+def test_cluster_and_sentinel_urls_are_read_and_bad_ones_refused_without_the_password() -> None:
+    cluster = parse_redis_url("redis+cluster://u:s3cret@10.0.0.1:7000,10.0.0.2,[::1]:7002")
+    assert cluster.kind == "cluster" and cluster.password == "s3cret"
+    assert cluster.nodes == (("10.0.0.1", 7000), ("10.0.0.2", 6379), ("::1", 7002))
+    sentinel = parse_redis_url("rediss+sentinel://h1:26380,h2/primary-a/2")
+    assert (sentinel.kind, sentinel.service, sentinel.db, sentinel.tls) == (
+        "sentinel",
+        "primary-a",
+        2,
+        True,
+    )
+    assert sentinel.nodes == (("h1", 26380), ("h2", 26379))
+    for bad in (
+        "redis+sentinel://:s3cret@h1:26379",  # no service
+        "redis+cluster://:s3cret@h1:7000/3",  # a cluster has db 0 only
+        "redis+cluster://:s3cret@h1:notaport",
+        "redis+cluster://:s3cret@",
+        "memcached://:s3cret@h1",
+    ):
+        with pytest.raises(ConfigurationError) as caught:
+            load_settings(redis_url=bad)
+        assert "s3cret" not in str(caught.value), bad
+
+
+def test_every_key_of_a_stream_is_in_one_cluster_slot() -> None:
+    """Scripts and pipelines touch several keys of a stream at once: a cluster runs them only
+    when all are in one slot (else CROSSSLOT)."""
+    for stream in ("orders", "a", "x-y_z", "0" * 64):
+        keys = StreamKeys(stream)
+        names = [
+            getattr(keys, name)
+            for name in dir(StreamKeys)
+            if isinstance(getattr(StreamKeys, name), property)
+        ]
+        names += [keys.lock("keyq.q.k.a"), keys.retiring("keyq.q.k.b"), keys.lock_prefix + "c"]
+        assert len(names) > 10
+        assert {redis.cluster.key_slot(name.encode()) for name in names} == {
+            redis.cluster.key_slot(keys.config.encode())
+        }, stream
+
+
+# ---- the topologies, live ----------------------------------------------------------------
+
+needs_servers = pytest.mark.skipif(
+    redis_topologies_available() is not None, reason=str(redis_topologies_available())
+)
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[RedisClusterServers]:
+    with RedisClusterServers(tmp_path / "redis-cluster") as servers:
+        yield servers
+
+
+@pytest.fixture
+def redis_sentinel(tmp_path: Path) -> Iterator[RedisSentinelServers]:
+    with RedisSentinelServers(tmp_path / "redis-sentinel") as servers:
+        yield servers
+
+
+def _stream_on(settings: Settings, name: str | None = None) -> StreamFixture:
+    return StreamFixture(
+        name=name or f"{TEST_STREAM_PREFIX}{uuid.uuid4().hex[:12]}",
+        settings=settings,
+        redis=open_redis(settings),
+    )
+
+
+def _publish_paced(producers: dict[str, Producer], seconds: float) -> threading.Thread:
+    """Every key's events 1..PER_KEY on every stream, spread over ``seconds``."""
+
+    def publish() -> None:
+        pause = seconds / PER_KEY
+        for n in range(1, PER_KEY + 1):
+            for producer in producers.values():
+                for key in KEYS:
+                    producer.publish(key, {"n": n, "producer": "p"})
+            time.sleep(pause)
+        for producer in producers.values():
+            producer.flush(120)
+
+    thread = threading.Thread(target=publish, name="paced-publisher")
+    thread.start()
+    return thread
+
+
+def _check_every_key(streams: dict[str, StreamFixture], timeout: float = 180) -> None:
+    """Wait for every event to be applied, then: none lost, none twice, none reordered."""
+    stores = {mode: StateStore(s.redis, s.name) for mode, s in streams.items()}
+
+    def applied() -> int:
+        try:
+            return sum(
+                (store.get(key) or {"applied": 0})["applied"]
+                for store in stores.values()
+                for key in KEYS
+            )
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException):
+            return 0
+
+    wanted = len(stores) * len(KEYS) * PER_KEY
+    try:
+        wait_until(lambda: applied() >= wanted, timeout, "every event applied", every=0.5)
+    finally:
+        for mode, store in stores.items():
+            for key in KEYS:
+                assert store.get(key) == {
+                    "applied": PER_KEY,
+                    "last": {"p": PER_KEY},
+                    "violations": [],
+                }, f"{mode} {key}: {store.get(key)}"
+
+
+def _run_with_a_primary_killed(
+    url: str,
+    workers: Any,
+    kill_primary: Callable[[list[StreamFixture]], float],
+    bucket_name: Callable[[StreamFixture], str] = lambda _key_stream: "",
+) -> float:
+    """Both modes, a worker process each; the primary holding the streams is killed -9 once
+    a third of the events are applied. Returns the seconds the failover took."""
+    settings = load_settings(redis_url=url)
+    key_stream = _stream_on(settings)
+    streams = {"key": key_stream, "bucket": _stream_on(settings, bucket_name(key_stream) or None)}
+    try:
+        running = [
+            workers(s.name, mode=mode, buckets=BUCKETS[mode], env={"KEYQ_REDIS_URL": url})
+            for mode, s in streams.items()
+        ]
+        for worker in running:
+            worker.wait_ready(150)
+        producers = {
+            mode: Producer(s.name, mode=mode, buckets=BUCKETS[mode], settings=settings)
+            for mode, s in streams.items()
+        }
+        publisher = _publish_paced(producers, seconds=12)
+        stores = [StateStore(s.redis, s.name) for s in streams.values()]
+        wait_until(
+            lambda: (
+                sum((st.get(k) or {"applied": 0})["applied"] for st in stores for k in KEYS)
+                >= len(stores) * len(KEYS) * PER_KEY // 3
+            ),
+            90,
+            "a third of the events applied",
+            every=0.2,
+        )
+        took = kill_primary(list(streams.values()))
+        publisher.join(180)
+        assert not publisher.is_alive(), "publishing did not finish"
+        for producer in producers.values():
+            producer.close()
+        _check_every_key(streams)
+        for worker in running:
+            assert worker.process.poll() is None, worker.log()[-3000:]
+        return took
+    finally:
+        for s in streams.values():
+            s.track(*(key_queue_name(s.name, key) for key in KEYS))
+            s.cleanup()
+
+
+@pytest.mark.slow
+@needs_servers
+def test_both_modes_keep_every_event_when_the_cluster_primary_of_their_slot_is_killed(
+    redis_cluster: RedisClusterServers, workers: Any
+) -> None:
+    def same_primary(key_stream: StreamFixture) -> str:
+        """A bucket stream whose slot the same primary serves, so one kill hits both."""
+        wanted = redis_cluster.primary_for(key_stream.keys.config)
+        while True:
+            name = f"{TEST_STREAM_PREFIX}{uuid.uuid4().hex[:12]}"
+            if redis_cluster.primary_for(StreamKeys(name).config) is wanted:
+                return name
+
+    def kill(streams: list[StreamFixture]) -> float:
+        old, took = redis_cluster.kill_primary_of(streams[0].keys.config)
+        # The promoted replica has no replica of its own: commits wait (nothing acked)
+        # until the old primary is back, as its replica.
+        time.sleep(3)
+        redis_cluster.restart(old)
+        return took
+
+    took = _run_with_a_primary_killed(redis_cluster.url, workers, kill, same_primary)
+    print(f"cluster failover took {took:.1f}s")
+
+
+@pytest.mark.slow
+@needs_servers
+def test_both_modes_keep_every_event_when_the_sentinel_primary_is_killed(
+    redis_sentinel: RedisSentinelServers, workers: Any
+) -> None:
+    def kill(_streams: list[StreamFixture]) -> float:
+        _old, took = redis_sentinel.kill_primary()
+        return took
+
+    took = _run_with_a_primary_killed(redis_sentinel.url, workers, kill)
+    print(f"sentinel failover took {took:.1f}s")
+
+
+def _worker_settings(url: str, **overrides: Any) -> WorkerSettings:
+    return load_settings(
+        WorkerSettings,
+        redis_url=url,
+        lock_ttl_ms=2000,
+        member_ttl_ms=2000,
+        tick_ms=200,
+        scan_interval_ms=500,
+        batch_max_ms=200,
+        redis_replica_timeout_ms=500,
+        **overrides,
+    )
+
+
+@pytest.mark.slow
+@needs_servers
+@pytest.mark.parametrize("min_replicas", [0, None], ids=["WAIT off", "WAIT by default"])
+def test_a_primary_killed_before_its_replicas_have_a_commit(
+    min_replicas: int | None,
+    redis_sentinel: RedisSentinelServers,
+    spark_engine: SparkEngine,
+) -> None:
+    """The replicas are cut off (frozen, their links closed), the worker commits a key's 40
+    events, the primary is killed -9 and a replica that never saw the commit is promoted.
+    Without WAIT the events were acked: the state went back and they are gone. With WAIT
+    (the default, as the primary had replicas when the worker started) they were never
+    acked, so they are applied again on the new primary."""
+    settings = load_settings(redis_url=redis_sentinel.url)
+    stream = _stream_on(settings)
+    key = "acct"
+    queue = key_queue_name(stream.name, key)
+    stream.track(queue)
+    worker = Worker(
+        stream.name,
+        "tests.pipelines:audit",
+        mode="key",
+        settings=_worker_settings(redis_sentinel.url, redis_min_replicas=min_replicas),
+        engine=spark_engine,
+    )
+    serving = threading.Thread(target=worker.run, name="worker")
+    serving.start()
+    try:
+        assert worker.ready.wait(60), "the worker did not start"
+        redis_sentinel.cut_off_replicas()
+        with Producer(stream.name, mode="key", settings=settings) as producer:
+            for n in range(1, 41):
+                producer.publish(key, {"n": n, "producer": "p"})
+            producer.flush(30)
+        store = StateStore(stream.redis, stream.name)
+        wait_until(lambda: (store.get(key) or {}).get("applied") == 40, 60, "the commit")
+        if min_replicas == 0:
+            wait_until(lambda: worker.stats()["events"] == 40, 30, "the acks")
+        else:
+            wait_until(lambda: worker.stats()["commits_unreplicated"] >= 1, 30, "a WAIT")
+        redis_sentinel.kill_primary(thaw_replicas=True)
+        if min_replicas == 0:
+            time.sleep(5)  # time for anything that could come back to come back
+        else:
+            wait_until(
+                lambda: (_state_of(stream, key) or {}).get("applied") == 40,
+                120,
+                "the events applied again on the new primary",
+                every=0.5,
+            )
+            wait_until(lambda: worker.stats()["events"] == 40, 60, "the acks")
+        state = _state_of(stream, key)
+    finally:
+        worker.stop()
+        serving.join(60)
+    try:
+        assert _depth(stream, queue) == 0  # every event acked before the worker stopped
+        if min_replicas == 0:
+            # The failure WAIT prevents: acked, then lost with the primary.
+            assert state is None, state
+        else:
+            assert state == {"applied": 40, "last": {"p": 40}, "violations": []}, state
+    finally:
+        stream.cleanup()
+
+
+def _state_of(stream: StreamFixture, key: str) -> Any:
+    for _ in range(50):
+        try:
+            return StateStore(stream.redis, stream.name).get(key)
+        except redis.exceptions.RedisError:
+            time.sleep(0.2)
+    raise AssertionError("Redis did not answer after the failover")
+
+
+def _depth(stream: StreamFixture, queue: str) -> int:
+    """Messages ready in ``queue`` (after the worker stopped: what it did not ack)."""
+    import pika
+
+    connection = pika.BlockingConnection(pika.URLParameters(stream.settings.amqp_url))
+    try:
+        return int(connection.channel().queue_declare(queue, passive=True).method.message_count)
+    finally:
+        connection.close()
