@@ -64,6 +64,10 @@ class StreamKeys:
         """String with a ttl: ``queue`` is being deleted; producers must not publish to it."""
         return f"{self._base}:retiring:{queue}"
 
+    def producer(self, producer_id: str) -> str:
+        """String with a ttl: a producer instance that is still running (``producer_presence``)."""
+        return f"{self._base}:producer:{producer_id}"
+
     @property
     def lock_prefix(self) -> str:
         return f"{self._base}:lock:"

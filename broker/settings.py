@@ -94,6 +94,13 @@ class Settings(BaseSettings):
         "limit (key mode needs about one per queue holding messages)",
     )
 
+    producer_ttl_ms: int = Field(
+        default=10_000,
+        ge=100,
+        description="a producer that has not renewed its presence for this long is taken for "
+        "gone: a sequence gap its events left is given up once their queue is drained",
+    )
+
     lock_ttl_ms: int = Field(default=4000, ge=100, description="queue lock ttl")
     member_ttl_ms: int = Field(default=4000, ge=100, description="worker membership ttl")
 

@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any
 
 import pika
+import redis
 
 from keyq.broker.clock import now_ms
 from keyq.broker.connections import open_redis, redis_errors
@@ -39,6 +40,7 @@ from keyq.broker.errors import (
     StreamConfigMismatch,
 )
 from keyq.broker.naming import Mode, check_stream_name, dead_letter_queue_name, encode_key
+from keyq.broker.producer_presence import ProducerPresence
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.retirement import RetirementFence
 from keyq.broker.settings import Settings, load_settings
@@ -120,11 +122,15 @@ class Producer:
         requested_config(self.stream, mode, buckets)  # bad arguments fail before any I/O
 
         self._redis = open_redis(self.settings)
+        self._presence = ProducerPresence(self._redis, self.stream)
         try:
             # The queues must be declared as the stream's type: a recorded stream's, or the
             # asked (else classic) one for a new stream, fixed below once both services answer.
             with redis_errors(self.settings.redis_url):
                 known = load_stream_config(self._redis, self.stream)
+                # Present before its first event can be sent: a worker gives up a sequence
+                # gap of a producer it cannot see once the gap's queue is drained.
+                self._presence.announce(self.producer_id, self.settings.producer_ttl_ms)
             chosen_type = self._queue_type(known)
         except BaseException:
             self._redis.close()
@@ -133,6 +139,7 @@ class Producer:
             QueueRegistry(self._redis, self.stream),
             RetirementFence(self._redis, self.stream),
             self.settings.redis_url,
+            (self._presence, self.producer_id, self.settings.producer_ttl_ms),
         )
         self._link = PublisherLink(
             self.settings,
@@ -157,6 +164,8 @@ class Producer:
         except BaseException:
             self._link.stop()
             self._registrar.stop()
+            with contextlib.suppress(redis.exceptions.RedisError):
+                self._presence.withdraw(self.producer_id)
             self._redis.close()
             raise
 
@@ -276,6 +285,10 @@ class Producer:
                 failure = self._link.failure
                 self._link.stop()
                 self._registrar.stop()
+                # Gone: what it did not have confirmed will never be sent, so workers may give
+                # up the gaps it left (if Redis is unreachable now, the presence expires).
+                with contextlib.suppress(redis.exceptions.RedisError):
+                    self._presence.withdraw(self.producer_id)
                 self._redis.close()
             if failure is not None and abandoned:
                 raise ProducerClosed(

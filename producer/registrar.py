@@ -3,8 +3,9 @@
 Leases (see ``broker.retirement``) are asked for by the I/O thread before a queue's lease runs
 out and granted here in batches, one script call per batch; the same call touches the queues'
 activity, so the janitor sees them as active. A queue is registered (and announced to workers)
-once the broker confirmed its first event, which proves the declaration happened. Redis outages
-are retried with backoff, never dropped: events wait for their lease meanwhile.
+once the broker confirmed its first event, which proves the declaration happened. The same
+thread keeps the producer's presence alive (``broker.producer_presence``). Redis outages are
+retried with backoff, never dropped: events wait for their lease meanwhile.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 
 from keyq.broker.connections import redis_errors
 from keyq.broker.errors import KeyqError, PublishTimeout
+from keyq.broker.producer_presence import ProducerPresence
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.retirement import RetirementFence
 
@@ -28,10 +30,18 @@ LeaseResults = Callable[[dict[str, bool], float], None]
 class Registrar:
     """Background thread granting leases and writing registrations."""
 
-    def __init__(self, registry: QueueRegistry, fence: RetirementFence, redis_url: str) -> None:
+    def __init__(
+        self,
+        registry: QueueRegistry,
+        fence: RetirementFence,
+        redis_url: str,
+        presence: tuple[ProducerPresence, str, int],
+    ) -> None:
         self._registry = registry
         self._fence = fence
         self._redis_url = redis_url
+        self._presence, self._producer_id, self._presence_ttl_ms = presence
+        self._presence_due = 0.0  # renewed every third of its ttl
         self._lock = threading.Condition()
         self._new: dict[str, str | None] = {}
         self._leases: set[str] = set()
@@ -78,7 +88,10 @@ class Registrar:
         while True:
             with self._lock:
                 while not (self._new or self._leases or self._stop):
-                    self._lock.wait()
+                    wait = self._presence_due - time.monotonic()
+                    if wait <= 0:
+                        break
+                    self._lock.wait(wait)
                 if self._stop and not self._new:
                     return
                 new, self._new = self._new, {}
@@ -86,6 +99,8 @@ class Registrar:
                 self._in_progress = len(new)
             try:
                 with redis_errors(self._redis_url):
+                    if time.monotonic() >= self._presence_due:
+                        self._renew_presence()
                     self._grant(sorted(leases))
                     self._registry.register(new)
                 failures = 0
@@ -109,6 +124,11 @@ class Registrar:
                 with self._lock:
                     self._in_progress = 0
                     self._lock.notify_all()
+
+    def _renew_presence(self) -> None:
+        started = time.monotonic()
+        self._presence.announce(self._producer_id, self._presence_ttl_ms)
+        self._presence_due = started + self._presence_ttl_ms / 3000
 
     def _grant(self, queues: list[str]) -> None:
         assert self._on_leases is not None

@@ -5,8 +5,10 @@ dead-lettered. Workers run in the test process against the real RabbitMQ, Redis 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import orjson
@@ -16,9 +18,11 @@ import pytest
 from keyq import Producer
 from keyq.broker.envelope import HEADER_DEAD_REASON, HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
 from keyq.broker.naming import dead_letter_queue_name, key_queue_name
+from keyq.broker.producer_presence import ProducerPresence
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.streams import ensure_stream_config
 from keyq.broker.topology import keyed_queue_arguments
+from keyq.worker.abandoned_gaps import CHECK_EVERY_S, QUIET_S
 from keyq.worker.daemon import Worker
 from keyq.worker.engine import SparkEngine
 from keyq.worker.state_store import StateStore
@@ -33,7 +37,16 @@ class RawPublisher:
     """Publishes SDK-shaped events of one producer in any order, as a broker could deliver
     them after a quorum queue's returns or a producer's re-sends."""
 
-    def __init__(self, stream: StreamFixture, amqp: pika.BlockingConnection, key: str) -> None:
+    def __init__(
+        self,
+        stream: StreamFixture,
+        amqp: pika.BlockingConnection,
+        key: str,
+        *,
+        running: bool = False,
+    ) -> None:
+        """``running``: the producer announces itself as a live one would, so a gap in its
+        seqs may still fill; otherwise it is a producer that is gone."""
         self.key = key
         self.queue = key_queue_name(stream.name, key)
         self.channel = amqp.channel()
@@ -43,6 +56,8 @@ class RawPublisher:
         self.channel.confirm_delivery()
         QueueRegistry(stream.redis, stream.name).register({self.queue: key})
         ensure_stream_config(stream.redis, stream.name, "key", None, "classic")
+        if running:
+            ProducerPresence(stream.redis, stream.name).announce("ext", 600_000)
 
     def publish(self, *seqs: int) -> None:
         for seq in seqs:
@@ -70,6 +85,31 @@ def run(stream: StreamFixture, engine: SparkEngine, **overrides: Any) -> Worker:
     worker.run(until_idle=3)
     print(f"stats {worker.stats()}")
     return worker
+
+
+@contextlib.contextmanager
+def serving(stream: StreamFixture, engine: SparkEngine) -> Iterator[Worker]:
+    """A worker serving the stream in a thread (a gap waits up to 60 s), stopped after."""
+    worker = Worker(
+        stream.name,
+        "tests.pipelines:audit",
+        mode="key",
+        settings=fast_settings(sequence_gap_timeout_ms=60_000),
+        engine=engine,
+    )
+    thread = threading.Thread(target=worker.run, kwargs={"until_idle": 30}, daemon=True)
+    thread.start()
+    try:
+        yield worker
+    finally:
+        worker.stop()
+        thread.join(60)
+
+
+def wait_for(done: Callable[[], bool], deadline: float, worker: Worker) -> None:
+    while not done():
+        assert time.monotonic() < deadline, worker.stats()
+        time.sleep(0.1)
 
 
 def test_events_delivered_out_of_order_are_applied_in_seq_order(
@@ -122,39 +162,48 @@ def test_a_gap_filled_before_its_timeout_leaves_nothing_behind(
 ) -> None:
     """The events behind a gap wait unacked while the worker serves; status shows the gap;
     once the missing event comes, all are applied in order."""
-    raw = RawPublisher(stream, amqp, "late-filler")
+    raw = RawPublisher(stream, amqp, "late-filler", running=True)
     raw.publish(2, 3)
-    worker = Worker(
-        stream.name,
-        "tests.pipelines:audit",
-        mode="key",
-        settings=fast_settings(sequence_gap_timeout_ms=60_000),
-        engine=spark_engine,
-    )
-    thread = threading.Thread(target=worker.run, kwargs={"until_idle": 30}, daemon=True)
-    thread.start()
-    try:
+    with serving(stream, spark_engine) as worker:
         deadline = time.monotonic() + 60
-        while worker.stats()["waiting"] < 2:
-            assert time.monotonic() < deadline, worker.stats()
-            time.sleep(0.1)
+        wait_for(lambda: worker.stats()["waiting"] >= 2, deadline, worker)
         report = worker.stats()
         assert report["gaps_open"] == 1
         [gap] = report["gaps"]
         assert (gap["key"], gap["producer"], gap["first"], gap["last"]) == (raw.key, "ext", 1, 1)
-        # Unacked while they wait: the broker still counts them as the queue's.
+        # Unacked while they wait: the broker still counts them as the queue's. Its producer
+        # still runs, so the gap is kept open past the quiet time after which a gone
+        # producer's gap is given up.
+        time.sleep(QUIET_S + 2 * CHECK_EVERY_S + 1)
+        assert worker.stats()["gaps_skipped"] == 0
         assert StateStore(stream.redis, stream.name).get(raw.key) is None
 
         raw.publish(1)
-        while worker.stats()["events"] < 3:
-            assert time.monotonic() < deadline, worker.stats()
-            time.sleep(0.1)
-    finally:
-        worker.stop()
-        thread.join(60)
+        wait_for(lambda: worker.stats()["events"] >= 3, deadline, worker)
     state = StateStore(stream.redis, stream.name).get(raw.key)
     assert state == {"applied": 3, "last": {"ext": 3}, "violations": []}
     assert worker.stats()["gaps_open"] == 0
+    assert queue_depth(amqp, raw.queue) == 0
+
+
+def test_a_gone_producers_gap_is_given_up_once_its_queue_is_drained(
+    stream: StreamFixture, amqp: pika.BlockingConnection, spark_engine: SparkEngine
+) -> None:
+    """A producer killed between taking seq 1 and its confirm leaves 2 and 3 behind a gap
+    that never fills. With nothing more in the queue and the producer gone, the worker gives
+    the gap up within seconds, not after the 60-s gap timeout, and reports it."""
+    raw = RawPublisher(stream, amqp, "orphaned")  # no presence: the producer is gone
+    raw.publish(2, 3)
+    state = StateStore(stream.redis, stream.name)
+    with serving(stream, spark_engine) as worker:
+        wait_for(lambda: worker.stats()["waiting"] >= 2, time.monotonic() + 60, worker)
+        parked_at = time.monotonic()
+        wait_for(lambda: worker.stats()["events"] >= 2, parked_at + 20, worker)
+        waited = time.monotonic() - parked_at
+    assert waited + 0.5 >= QUIET_S, waited  # not before the queue had been quiet a while
+    assert state.get(raw.key) == {"applied": 2, "last": {"ext": 3}, "violations": [["ext", 0, 2]]}
+    assert state.get_marks(raw.key).gaps == {"ext": [[1, 1]]}
+    assert worker.stats()["gaps_skipped"] == 1
     assert queue_depth(amqp, raw.queue) == 0
 
 

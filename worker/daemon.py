@@ -34,12 +34,14 @@ from keyq.broker.errors import (
 from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
 from keyq.broker.naming import Mode, check_stream_name
+from keyq.broker.producer_presence import ProducerPresence
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.redis_persistence import log_redis_persistence
 from keyq.broker.redis_topology import connected_replicas
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import load_settings
 from keyq.broker.streams import StreamConfig, ensure_stream_config, load_stream_config
+from keyq.worker.abandoned_gaps import AbandonedGaps
 from keyq.worker.batches import BatchProcessor
 from keyq.worker.claims import ClaimLoop, client_name
 from keyq.worker.config import WorkerSettings
@@ -344,6 +346,13 @@ class Worker:
             key_of_queue=lambda queue: self._key_of(registry, queue),
             stopping=self._stop,
         )
+        abandoned = AbandonedGaps(
+            self._buffer,
+            alive=ProducerPresence(client, self.stream).alive,
+            ready_count=link.message_count,
+            room_of=self._room_of,
+            confirm_gone_s=settings.producer_ttl_ms / 2000,
+        )
         claims.start()
         if not claims.wait_first_round(10):
             log.warning("the first claim round has not completed yet; serving once it does")
@@ -357,6 +366,7 @@ class Worker:
                     log.info("worker %s serving stream %s", self.worker_id, self.stream)
                 self._fire_events()
                 self._apply_releases(claims.take_release_requests(), client)
+                self._give_up_abandoned_gaps(abandoned)
                 batch = self._buffer.take(settings.batch_max_events, self._batch_wait(), 0.1)
                 if batch:
                     self._process(batch)
@@ -394,6 +404,24 @@ class Worker:
                 # Never keep a consumer whose deliveries we dropped: close it (if it is still
                 # open) so the broker hands them out again, in order.
                 self._link.close_queue(queue, epoch)
+
+    def _room_of(self, queue: str) -> int | None:
+        """The prefetch of ``queue``'s current consumer; None if it is not held."""
+        held = self._holdings.get(queue)
+        if held is None:
+            return None
+        return self._prefetch_of.get((queue, held.epoch), self.settings.prefetch)
+
+    def _give_up_abandoned_gaps(self, abandoned: AbandonedGaps) -> None:
+        """Gaps whose producer is gone need not wait out their timeout once nothing more is
+        in their queue (``keyq.worker.abandoned_gaps``); a service error only postpones it."""
+        if not self._buffer.parked():
+            return
+        try:
+            with redis_errors(self.settings.redis_url):
+                abandoned.check()
+        except KeyqError as exc:
+            log.debug("checking for abandoned sequence gaps failed (retried): %s", exc)
 
     def _park(self, waiting: list[Delivery]) -> None:
         """Set aside what waits for an earlier seq. A consumer whose whole prefetch waits

@@ -50,11 +50,16 @@ def _integer(value: object) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def producer_of(delivery: Delivery) -> str | None:
+    """The SDK producer instance that published ``delivery``, if it says."""
+    return _text(delivery.headers.get(HEADER_PRODUCER))
+
+
 def decode(delivery: Delivery, fallback_key: str | None = None) -> Event | Undecodable:
     """Decode one delivery; ``fallback_key`` is the registry's key for a key-mode queue."""
     headers = delivery.headers
     key = _text(headers.get(HEADER_KEY)) or fallback_key
-    producer = _text(headers.get(HEADER_PRODUCER))
+    producer = producer_of(delivery)
     seq = _integer(headers.get(HEADER_SEQ))
     if producer is None or seq is None:
         producer, seq = None, None  # not from keyq's SDK: no dedup identity

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +94,27 @@ class DeliveryBuffer:
             for queue in touched:
                 self._parked[queue].sort(key=_delivery_order)
             self._changed.notify_all()
+
+    def parked_items(self) -> dict[str, list[Delivery]]:
+        """A copy of what is parked, per queue."""
+        with self._changed:
+            return {queue: list(items) for queue, items in self._parked.items() if items}
+
+    def expire_parked(
+        self, queue: str, which: Callable[[Delivery], bool], now: float | None = None
+    ) -> int:
+        """Make the parked deliveries of ``queue`` that ``which`` picks due at once, as if
+        they had waited ``gap_timeout_s``: their gap is given up at the next take."""
+        stamp = (time.monotonic() if now is None else now) - self._gap_timeout_s
+        expired = 0
+        with self._changed:
+            for delivery in self._parked.get(queue, ()):
+                if which(delivery):
+                    delivery.waiting_since = min(delivery.waiting_since or stamp, stamp)
+                    expired += 1
+            if expired:
+                self._changed.notify_all()
+        return expired
 
     def last_arrival(self, queue: str) -> float | None:
         with self._changed:

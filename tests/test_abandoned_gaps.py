@@ -1,0 +1,126 @@
+"""When a worker gives up a sequence gap early: only for a gone producer, on a queue that has
+been quiet, with room in its consumer's prefetch and no ready message (pure logic: the
+presence and the broker's count are given as functions; real services in
+test_worker_sequencing and test_producer_presence)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from keyq.broker.envelope import HEADER_PRODUCER, HEADER_SEQ
+from keyq.worker.abandoned_gaps import QUIET_S, AbandonedGaps
+from keyq.worker.deliveries import Delivery, DeliveryBuffer
+
+QUEUE = "keyq.s.k.acct"
+
+
+def parked(
+    buffer: DeliveryBuffer, producer: str, seqs: Iterable[int], ago: float = QUIET_S
+) -> None:
+    """Deliveries of ``producer`` that arrived, and were parked, ``ago`` seconds ago (the
+    buffer keeps time with the monotonic clock)."""
+    at = time.monotonic() - ago
+    deliveries = [
+        Delivery(
+            QUEUE,
+            1,
+            tag,
+            False,
+            {HEADER_PRODUCER: producer, HEADER_SEQ: seq},
+            None,
+            None,
+            b"{}",
+            received_at=at,
+        )
+        for tag, seq in enumerate(seqs, start=1)
+    ]
+    for delivery in deliveries:
+        buffer.add(delivery)
+    buffer.park(buffer.take(100, 0.0, 0.0), now=at)  # what was parked before comes along
+
+
+class Broker:
+    def __init__(self, ready: int = 0, room: int | None = 100, running: Iterable[str] = ()) -> None:
+        self.ready, self.room, self.running = ready, room, set(running)
+        self.asked: list[str] = []
+
+    def alive(self, ids: Iterable[str]) -> set[str]:
+        return set(ids) & self.running
+
+    def ready_count(self, queue: str) -> int:
+        self.asked.append(queue)
+        return self.ready
+
+    def room_of(self, _queue: str) -> int | None:
+        return self.room
+
+
+def closer(buffer: DeliveryBuffer, broker: Broker, confirm_gone_s: float = 0.0) -> AbandonedGaps:
+    return AbandonedGaps(buffer, broker.alive, broker.ready_count, broker.room_of, confirm_gone_s)
+
+
+def test_a_gone_producers_parked_events_are_made_due_once_the_queue_is_drained() -> None:
+    buffer = DeliveryBuffer(gap_timeout_s=60)
+    parked(buffer, "gone", [3, 4])
+    assert closer(buffer, Broker()).check() == 2
+    # Due now: a take hands them back at once, as after the gap timeout.
+    assert len(buffer.take(100, 0.0, 0.0)) == 2
+
+
+def test_nothing_is_given_up_while_it_might_still_come() -> None:
+    cases = {
+        "producer still running": (Broker(running=["p"]), QUIET_S),
+        "ready messages in the queue": (Broker(ready=1), QUIET_S),
+        "the consumer's prefetch is full": (Broker(room=2), QUIET_S),
+        "the queue is no longer held": (Broker(room=None), QUIET_S),
+        "not quiet long enough": (Broker(), QUIET_S / 2),
+    }
+    for why, (broker, ago) in cases.items():
+        buffer = DeliveryBuffer(gap_timeout_s=60)
+        parked(buffer, "p", [3, 4], ago=ago)
+        assert closer(buffer, broker).check() == 0, why
+        assert buffer.take(100, 0.0, 0.0) == [], why
+
+
+def test_only_the_gone_producers_events_are_made_due() -> None:
+    buffer = DeliveryBuffer(gap_timeout_s=60)
+    parked(buffer, "gone", [3])
+    parked(buffer, "running", [7])
+    assert closer(buffer, Broker(running=["running"])).check() == 1
+    # The queue's parked deliveries come back together; only the gone producer's are due
+    # (sequencing gives up a gap by its oldest waiting event).
+    taken = buffer.take(100, 0.0, 0.0)
+    overdue = time.monotonic() - 60
+    assert {d.headers[HEADER_PRODUCER]: (d.waiting_since or 0) <= overdue for d in taken} == {
+        "gone": True,
+        "running": False,
+    }
+
+
+def test_checks_are_spaced_out() -> None:
+    buffer = DeliveryBuffer(gap_timeout_s=60)
+    parked(buffer, "p", [3])
+    broker = Broker(ready=1)
+    gaps = closer(buffer, broker)
+    start = time.monotonic()
+    for step in range(10):
+        gaps.check(now=start + step * 0.05)
+    assert len(broker.asked) == 1
+
+
+def test_a_producer_must_stay_gone_a_while_before_it_counts() -> None:
+    """A Redis that restarted without its data forgets a running producer until its next
+    renewal: one look is not enough."""
+    buffer = DeliveryBuffer(gap_timeout_s=60)
+    parked(buffer, "p", [3])
+    broker = Broker()
+    gaps = closer(buffer, broker, confirm_gone_s=5.0)
+    start = time.monotonic()
+    assert gaps.check(now=start) == 0
+    broker.running = {"p"}  # back: it was alive after all
+    assert gaps.check(now=start + 3) == 0
+    broker.running = set()
+    assert gaps.check(now=start + 6) == 0  # gone again, but only since start + 6
+    assert gaps.check(now=start + 10) == 0
+    assert gaps.check(now=start + 11) == 1

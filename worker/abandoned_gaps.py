@@ -1,0 +1,115 @@
+"""Giving up a sequence gap at once when its producer is gone and its queue is drained.
+
+While a producer runs, a gap in its seqs fills: it re-sends every event the broker refused
+until it is confirmed. Once it is gone (``keyq.broker.producer_presence``: killed between
+taking a seq and its confirm, or closed with events unconfirmed), a missing event is either
+in the queue already or never coming, so waiting out ``sequence_gap_timeout_ms`` would only
+hold back the events behind the gap. "Nothing more in the queue" is judged three ways, since
+each alone can mislead: the broker counts no ready message (a quorum queue's count can lag
+right after a leader change), nothing has arrived on the queue for ``QUIET_S``, and its
+consumer has room for more (so the broker had nothing more to send). The producer must also
+have been seen gone for ``confirm_gone_s`` (half its ttl by default): a Redis that restarted
+without its data forgets a running producer until its next renewal. The gap is then given up
+through the usual path: reported, remembered in the marks, a late arrival dead-lettered.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from keyq.worker.decoding import producer_of
+from keyq.worker.deliveries import Delivery, DeliveryBuffer
+
+log = logging.getLogger("keyq.worker")
+
+# How long a queue must have been quiet, and a delivery parked, before its gap can be given
+# up early: longer than a broker takes to hand a consumer with room what its queue holds.
+QUIET_S = 2.0
+CHECK_EVERY_S = 1.0
+
+
+class AbandonedGaps:
+    """Finds parked deliveries whose producer is gone and whose queue holds nothing more."""
+
+    def __init__(
+        self,
+        buffer: DeliveryBuffer,
+        alive: Callable[[Iterable[str]], set[str]],
+        ready_count: Callable[[str], int],
+        room_of: Callable[[str], int | None],
+        confirm_gone_s: float,
+    ) -> None:
+        """``alive(ids)``: those producers still running (``ProducerPresence.alive``);
+        ``ready_count(queue)`` asks the broker for the queue's ready messages;
+        ``room_of(queue)`` is the prefetch of the queue's consumer, None if not held;
+        ``confirm_gone_s``: how long a producer must be seen gone before it counts."""
+        self._buffer = buffer
+        self._alive = alive
+        self._ready_count = ready_count
+        self._room_of = room_of
+        self._confirm_gone_s = confirm_gone_s
+        self._gone_since: dict[str, float] = {}  # producer -> first seen gone
+        self._next_check = 0.0
+        self.given_up = 0  # deliveries made due early, all time
+
+    def check(self, now: float | None = None) -> int:
+        """At most every ``CHECK_EVERY_S``: make due the parked deliveries of gone
+        producers on drained queues; how many."""
+        now = time.monotonic() if now is None else now
+        if now < self._next_check:
+            return 0
+        self._next_check = now + CHECK_EVERY_S
+        candidates: dict[str, set[str]] = {}
+        for queue, parked in self._buffer.parked_items().items():
+            last = self._buffer.last_arrival(queue)
+            if last is not None and now - last < QUIET_S:
+                continue
+            producers = {
+                producer
+                for delivery in parked
+                if delivery.waiting_since is not None
+                and now - delivery.waiting_since >= QUIET_S
+                and (producer := producer_of(delivery)) is not None
+            }
+            if producers:
+                candidates[queue] = producers
+        if not candidates:
+            return 0
+        asked = set().union(*candidates.values())
+        alive = self._alive(asked)
+        self._gone_since = {
+            producer: self._gone_since.get(producer, now) for producer in asked - alive
+        }
+        expired = 0
+        for queue, producers in sorted(candidates.items()):
+            gone = {
+                producer
+                for producer in producers
+                if producer in self._gone_since
+                and now - self._gone_since[producer] >= self._confirm_gone_s
+            }
+            if not gone:
+                continue
+            room = self._room_of(queue)
+            if room is None or self._buffer.depth(queue) >= room:
+                continue  # the broker may hold more that it could not send us
+            if self._ready_count(queue) != 0:
+                continue
+            count = self._buffer.expire_parked(queue, _from_any_of(gone), now)
+            if count:
+                log.info(
+                    "queue %s: producer %s is gone and the queue holds nothing more: giving up "
+                    "the sequence gap behind %d waiting events now",
+                    queue,
+                    ", ".join(sorted(gone)),
+                    count,
+                )
+                expired += count
+        self.given_up += expired
+        return expired
+
+
+def _from_any_of(producers: set[str]) -> Callable[[Delivery], bool]:
+    return lambda delivery: producer_of(delivery) in producers
