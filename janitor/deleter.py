@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -30,6 +31,8 @@ from pika.adapters.blocking_connection import BlockingChannel
 from keyq.broker.connections import amqp_failure, open_blocking_connection
 from keyq.broker.errors import BrokerUnavailable
 from keyq.broker.settings import Settings
+
+log = logging.getLogger("keyq.janitor")
 
 # How long a consumer registered on a quorum queue waits for a message before the queue counts
 # as empty (a delivery follows the consume's registration within milliseconds).
@@ -98,7 +101,18 @@ class _Lane:
                     return Outcome.IN_USE
                 if self._finds_a_message(channel, queue):
                     return Outcome.NOT_EMPTY
-                channel.queue_delete(queue)
+                deleted = channel.queue_delete(queue).method.message_count
+                if deleted:
+                    # Nothing was ready and no consumer was attached, yet the broker counts
+                    # messages: held unacked by a consumer it no longer lists (seen after a
+                    # quorum leader change). Said loudly: they are gone with the queue.
+                    log.error(
+                        "queue %s: the broker counted %d messages when deleting it, with none "
+                        "ready and no consumer",
+                        queue,
+                        deleted,
+                    )
+                log.debug("queue %s: checked and deleted", queue)
             else:
                 channel.queue_delete(queue, if_unused=True, if_empty=True)
         except pika.exceptions.ChannelClosedByBroker as exc:

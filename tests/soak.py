@@ -254,6 +254,9 @@ class SoakReport:
     producer_stats: dict[str, dict[str, int]] = field(default_factory=dict)
     drain_seconds: float = 0.0
     janitor_deleted: int = 0
+    # Queues the broker said held messages when the janitor deleted them (none ready, no
+    # consumer): where a confirmed event can vanish, so each is named in the report.
+    janitor_deleted_holding: list[str] = field(default_factory=list)
     janitor_alive: bool = True
     workers_crashed: list[str] = field(default_factory=list)
     faults_applied: dict[str, int] = field(default_factory=dict)
@@ -308,7 +311,8 @@ class SoakReport:
                 f"{self.dead_letters_unplanted} unplanted, {self.dead_letter_copies} extra copies",
                 f"  faults applied: {json.dumps(self.faults_applied, sort_keys=True)}",
                 f"  drained in {self.drain_seconds}s; janitor deleted {self.janitor_deleted} "
-                f"queues, {'alive' if self.janitor_alive else 'DEAD'}; "
+                f"queues ({len(self.janitor_deleted_holding)} holding messages), "
+                f"{'alive' if self.janitor_alive else 'DEAD'}; "
                 f"workers crashed: {len(self.workers_crashed)}",
             ]
         )
@@ -484,6 +488,8 @@ class Soak:
             self.log_dir,
             "--idle-ttl",
             "1",
+            "--log-level",
+            "DEBUG",  # a line per quorum queue deleted, to follow a lost event to its queue
             env={"KEYQ_RECONNECT_TIMEOUT": "600"},
         )
         for mode in self.streams:
@@ -857,6 +863,9 @@ class Soak:
         assert self.janitor is not None
         self.report.janitor_alive = self.janitor.process.poll() is None
         self.report.janitor_deleted = self.janitor_deletions()
+        self.report.janitor_deleted_holding = re.findall(
+            r"queue (\S+): the broker counted \d+ messages when deleting it", self.janitor.log()
+        )
 
     def janitor_deletions(self) -> int:
         """Queues the janitor has deleted so far, from the tallies it logs per pass."""
