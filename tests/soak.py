@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
+import io
 import itertools
 import json
 import random
@@ -50,7 +52,7 @@ import redis
 
 from keyq import Producer, PublishTimeout
 from keyq.broker.envelope import HEADER_DEAD_REASON
-from keyq.broker.naming import dead_letter_queue_name
+from keyq.broker.naming import dead_letter_queue_name, key_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.settings import Settings, load_settings
 from tests.cluster import ClusterError, RabbitCluster
@@ -902,7 +904,40 @@ class Soak:
         report.bad_keys = [
             asdict(v) for v in verdicts if v.lost or v.reordered or v.applied_twice or v.unexpected
         ][:20]
+        self.describe_bad_queues(verdicts)
         self.check_dead_letters()
+
+    def describe_bad_queues(self, verdicts: list[KeyVerdict]) -> None:
+        """On a cluster, print what the broker holds in each key-mode queue of a key judged
+        bad, before the cluster is torn down: stuck in a queue, or gone."""
+        if self.cluster is None:
+            return
+        wanted = {
+            key_queue_name(v.stream, v.key): v.key
+            for v in verdicts
+            if (v.lost or v.unapplied_tail) and v.stream == self.streams.get("key")
+        }
+        if not wanted:
+            return
+        try:
+            listing = self.cluster.ctl(
+                0 if self.cluster.is_up(0) else 1,
+                "list_queues",
+                "name",
+                "messages_ready",
+                "messages_unacknowledged",
+                "consumers",
+                "online",
+                "members",
+                "--formatter",
+                "csv",
+            )
+        except Exception as exc:  # noqa: BLE001 - a diagnostic must not cost the verdict
+            print(f"could not list the bad keys' queues: {exc!r}", flush=True)
+            return
+        found = {row["name"]: row for row in csv.DictReader(io.StringIO(listing))}
+        for queue, key in sorted(wanted.items()):
+            print(f"queue of bad key {key!r}: {found.get(queue, 'no such queue')}", flush=True)
 
     def check_dead_letters(self) -> None:
         report = self.report
