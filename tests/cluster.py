@@ -70,6 +70,7 @@ import pika
 import pytest
 
 from tests.faults import FaultProxy
+from tests.helpers import poll_until
 from tests.servers import free_port
 
 _RABBIT_BIN = Path("/usr/lib/rabbitmq/bin")
@@ -644,16 +645,12 @@ def _kill_group(process: subprocess.Popen[bytes]) -> None:
 
 
 def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except Exception as exc:  # noqa: BLE001 - retried until the deadline
-            last = exc
-        time.sleep(0.2)
-    raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}: {last}")
+    poll_until(
+        check,
+        timeout,
+        0.2,
+        lambda last: ClusterError(f"timed out after {timeout:.0f}s waiting for {what}: {last}"),
+    )
 
 
 def cluster_fixture(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,3 +70,23 @@ def queue_depth(connection: BlockingConnection, queue: str) -> int | None:
     finally:
         if channel.is_open:
             channel.close()
+
+
+def poll_until(
+    check: Callable[[], object],
+    timeout: float,
+    every: float,
+    failure: Callable[[Exception | None], Exception],
+) -> None:
+    """Call ``check`` every ``every`` seconds until it returns something true. An exception
+    from it is retried; after ``timeout``, raise ``failure(the last one)``."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception as exc:  # noqa: BLE001 - retried until the deadline
+            last = exc
+        time.sleep(every)
+    raise failure(last)

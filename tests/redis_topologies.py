@@ -23,6 +23,7 @@ import redis
 import redis.cluster
 
 from tests.cluster import _die_with_parent
+from tests.helpers import poll_until
 from tests.servers import free_port
 
 SERVICE = "kq-primary"
@@ -52,16 +53,12 @@ def _free_cluster_port() -> int:
 
 
 def _wait(check: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except Exception as exc:  # noqa: BLE001 - retried until the deadline
-            last = exc
-        time.sleep(0.1)
-    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}: {last}")
+    poll_until(
+        check,
+        timeout,
+        0.1,
+        lambda last: RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}: {last}"),
+    )
 
 
 class _Server:

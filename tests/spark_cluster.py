@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import pyspark
 
 from tests.cluster import _die_with_parent
+from tests.helpers import poll_until
 from tests.servers import free_port
 
 SPARK_HOME = Path(pyspark.__file__).resolve().parent
@@ -47,14 +47,11 @@ def _environment(folder: Path) -> dict[str, str]:
 
 
 def _wait(check: Callable[[], bool], timeout: float, what: str, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(Exception):
-            if check():
-                return
-        time.sleep(0.5)
-    tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
-    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}; log:\n{tail}")
+    def failure(_last: Exception | None) -> Exception:
+        tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+        return RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}; log:\n{tail}")
+
+    poll_until(check, timeout, 0.5, failure)
 
 
 class _Daemon:
