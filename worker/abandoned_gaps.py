@@ -52,7 +52,6 @@ class AbandonedGaps:
         self._confirm_gone_s = confirm_gone_s
         self._gone_since: dict[str, float] = {}  # producer -> first seen gone
         self._next_check = 0.0
-        self.given_up = 0  # deliveries made due early, all time
 
     def check(self, now: float | None = None) -> int:
         """At most every ``CHECK_EVERY_S``: make due the parked deliveries of gone
@@ -107,7 +106,6 @@ class AbandonedGaps:
                     count,
                 )
                 expired += count
-        self.given_up += expired
         return expired
 
 

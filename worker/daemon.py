@@ -434,10 +434,10 @@ class Worker:
         assert self._link is not None
         for queue in {d.queue for d in fresh}:
             held = self._holdings.get(queue)
-            if held is None:
+            room = self._room_of(queue)
+            if held is None or room is None:
                 continue
             parked = self._buffer.parked(queue)
-            room = self._prefetch_of.get((queue, held.epoch), self.settings.prefetch)
             if parked < room or room >= _MAX_PREFETCH:
                 continue
             wider = min(_MAX_PREFETCH, parked + self.settings.prefetch)
