@@ -65,6 +65,14 @@ class Settings(BaseSettings):
     max_message_bytes: int = Field(default=1_048_576, ge=1024, le=134_217_728)
     confirm_window: int = Field(default=10_000, ge=1, description="unconfirmed events in flight")
     publish_timeout: float = Field(default=30.0, gt=0, description="backpressure wait, s")
+    confirm_timeout: float = Field(
+        default=15.0,
+        gt=0,
+        description=(
+            "an event unconfirmed this long makes the producer reconnect (to the next node) "
+            "and send again everything unconfirmed, s"
+        ),
+    )
 
     queue_type: Literal["classic", "quorum"] | None = Field(
         default=None,

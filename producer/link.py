@@ -55,6 +55,8 @@ RECONNECT_AFTER_RECOVERIES = 6
 # Unconfirmed events a queue that RabbitMQ keeps refusing may hold: past that, publishing to
 # it waits (and times out), so one broken queue cannot fill the window every key shares.
 REFUSING_QUEUE_ROOM = 100
+# How often the I/O thread looks for an event whose confirm is overdue (``confirm_timeout``).
+CONFIRM_CHECK_S = 1.0
 _QUEUE_DOWN = re.compile(r"queue '(?P<queue>[^']+)' in vhost '[^']*' is down or inaccessible")
 
 NewQueues = Callable[[dict[str, str | None]], None]
@@ -84,6 +86,7 @@ class PublisherLink:
         self.returned_events = 0  # events the broker returned and that were sent again
         self.resent_events = 0  # events sent again after a lost connection
         self.late_confirms = 0  # events confirmed after their queue's lease ran out: sent again
+        self.overdue_reconnects = 0  # reconnects because a confirm did not come in time
 
         # Shared with application threads, guarded by ``cond``.
         self.cond = threading.Condition()
@@ -112,6 +115,8 @@ class PublisherLink:
         self._probing: set[str] = set()
         self._lost_at: float | None = None
         self._attempt = 0
+        self._last_settled_at = time.monotonic()
+        self._stuck_reported_at = 0.0
         self._thread = threading.Thread(target=self._run, name="keyq-producer-io", daemon=True)
 
     # ----------------------------------------------------------- application threads
@@ -198,6 +203,7 @@ class PublisherLink:
     def _run(self) -> None:
         try:
             self._connect()
+            self._ioloop.call_later(CONFIRM_CHECK_S, self._watch_confirms)
             while True:
                 try:
                     self._ioloop.start()
@@ -419,6 +425,7 @@ class PublisherLink:
         self._next_tag += 1
         message.returned = False
         message.settled = False
+        message.sent_at = now
         channel.basic_publish("", message.queue, message.body, message.properties, mandatory=True)
         self._inflight.append(message)
         self._by_number[message.number] = message
@@ -456,6 +463,7 @@ class PublisherLink:
                     published.append(message.queue)
         while inflight and inflight[0].settled:
             inflight.popleft()
+        self._last_settled_at = time.monotonic()
         if published:
             with self.cond:
                 self._unsettled -= len(published)
@@ -554,6 +562,73 @@ class PublisherLink:
         self._inflight.clear()
         self._by_number.clear()
         self._queues.clear()
+
+    # ------------------------------------------------------------------ overdue confirms
+    def _watch_confirms(self) -> None:
+        """Reconnect when the oldest event sent on this connection has waited past
+        ``confirm_timeout`` for its confirm. A quorum queue that lost its leader can leave a
+        channel's publishes unanswered for good; a fresh connection, to the next node, sends
+        them again (a copy of an event that did arrive is dropped by its seq)."""
+        if self._stopping or self._failure is not None:
+            return
+        self._ioloop.call_later(CONFIRM_CHECK_S, self._watch_confirms)
+        now = time.monotonic()
+        self._report_if_stuck(now)
+        connection = self._connection
+        if (
+            connection is None
+            or not connection.is_open
+            or self._blocked  # flow control delays confirms on purpose
+            or self._lost_at is not None
+        ):
+            return
+        oldest = next((message for message in self._inflight if not message.settled), None)
+        if oldest is None:
+            return
+        waited = now - oldest.sent_at
+        if waited < self._settings.confirm_timeout:
+            return
+        unconfirmed = sum(not message.settled for message in self._inflight)
+        self.overdue_reconnects += 1
+        log.warning(
+            "%d events await their confirms on this connection, the oldest (for %s) for %.0f s; "
+            "reconnecting to send them again",
+            unconfirmed,
+            oldest.queue,
+            waited,
+        )
+        connection.close()
+
+    def _report_if_stuck(self, now: float) -> None:
+        """Say where unconfirmed events wait when nothing has settled for a long time, so a
+        stall can be told apart: leases, a deleted queue, a node that is down, the broker."""
+        if not self._unsettled:
+            self._last_settled_at = now  # nothing owed: the wait starts with the next event
+            return
+        quiet_for = now - self._last_settled_at
+        if (
+            quiet_for < 2 * self._settings.confirm_timeout
+            or now - self._stuck_reported_at < self._settings.confirm_timeout
+        ):
+            return
+        self._stuck_reported_at = now
+        states = self._queues.values()
+        log.warning(
+            "no confirm for %.0f s with %d events unconfirmed: %d in flight, %d waiting to be "
+            "sent, %d to re-send after a reconnect; parked: %d for a lease (%d queues), %d behind "
+            "a deleted queue (%d queues), %d for a node that is down (%d queues)",
+            quiet_for,
+            self._unsettled,
+            sum(not message.settled for message in self._inflight),
+            len(self._outbox),
+            len(self._resend),
+            sum(len(state.parked) for state in states if state.held),
+            sum(1 for state in states if state.held),
+            sum(len(state.parked) + len(state.returned) for state in states if state.recovering),
+            sum(1 for state in states if state.recovering),
+            sum(len(state.parked) for state in states if state.unreachable),
+            sum(1 for state in states if state.unreachable),
+        )
 
     # ------------------------------------------------------------- unreachable queues
     def _declare_aside(self, queue: str, arguments: dict[str, Any], attempt: int = 0) -> None:

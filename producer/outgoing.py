@@ -18,6 +18,7 @@ class Outgoing:
     body: bytes
     properties: pika.BasicProperties
     tag: int = 0  # delivery tag on the current channel
+    sent_at: float = 0.0  # monotonic time of the latest send
     returned: bool = False
     settled: bool = False
 

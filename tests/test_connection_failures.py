@@ -607,3 +607,63 @@ def test_a_queue_the_broker_keeps_refusing_does_not_hold_up_other_keys(
         for queue in (stuck, other):
             channel.queue_delete(queue)
         connection.close()
+
+
+def _hold_queue(rabbit: PrivateRabbit, queue: str, action: str) -> None:
+    """Suspend or resume a classic queue's process on the tests' own node: while suspended
+    it takes events but confirms none, over a connection that stays healthy."""
+    rabbit.ctl(
+        "eval",
+        f'{{ok, Q}} = rabbit_amqqueue:lookup(rabbit_misc:r(<<"/">>, queue, <<"{queue}">>)),'
+        f" sys:{action}(amqqueue:get_pid(Q)).",
+    )
+
+
+def test_a_confirm_that_never_comes_makes_the_producer_send_again(
+    stream: StreamFixture, private_rabbit: PrivateRabbit
+) -> None:
+    """A broker can leave a channel's publishes unanswered while the connection is healthy
+    (a quorum queue that lost its leader). Past ``confirm_timeout`` the producer reconnects
+    and sends everything unconfirmed again, instead of waiting with a full window; once the
+    queue answers, every event is there, in order, repeats only as copies of earlier ones."""
+    settings = _with(stream.settings, amqp_url=private_rabbit.url, confirm_timeout=1.5)
+    queue = key_queue_name(stream.name, "silent")
+    connection = pika.BlockingConnection(pika.URLParameters(private_rabbit.url))
+    producer = Producer(stream.name, mode="key", settings=settings)
+    held = False
+    try:
+        producer.publish("silent", {"n": 0})
+        producer.flush(10)
+        _hold_queue(private_rabbit, queue, "suspend")
+        held = True
+        for n in range(1, 21):
+            producer.publish("silent", {"n": n})
+        deadline = time.monotonic() + 15
+        while producer.stats["overdue_reconnects"] < 2:
+            assert time.monotonic() < deadline, (
+                "no reconnect for overdue confirms",
+                producer.stats,
+            )
+            time.sleep(0.1)
+        assert producer.stats["unconfirmed"] == 20
+        _hold_queue(private_rabbit, queue, "resume")
+        held = False
+        producer.flush(20)
+        producer_id = producer.producer_id
+    finally:
+        if held:
+            _hold_queue(private_rabbit, queue, "resume")
+        with contextlib.suppress(KeyqError):
+            producer.close(timeout=15)
+    try:
+        channel = connection.channel()
+        landed = drain(channel, queue)
+        channel.queue_delete(queue)
+        channel.queue_delete(dead_letter_queue_name(stream.name))
+    finally:
+        connection.close()
+    unique, copies = _dedup(landed)
+    assert {m.producer for m in landed} == {producer_id}
+    assert [m.json()["n"] for m in unique] == list(range(21))
+    assert [m.seq for m in unique] == list(range(1, 22))
+    assert copies >= 20, copies  # sent at least twice while the queue was silent
