@@ -189,6 +189,10 @@ class PublisherLink:
     def unsettled(self) -> int:
         return self._unsettled
 
+    def unsettled_by_queue(self) -> dict[str, int]:
+        with self.cond:
+            return dict(self._unsettled_by_queue)
+
     @property
     def failure(self) -> KeyqError | None:
         return self._failure

@@ -253,6 +253,13 @@ class Producer:
         """Events accepted but not yet confirmed by the broker."""
         return self._link.unsettled
 
+    @property
+    def unconfirmed_by_queue(self) -> dict[str, int]:
+        """The unconfirmed events of each queue that has some: which keys a flush that
+        timed out is waiting for (a key's events are confirmed in order, so a queue's
+        unconfirmed events are the last ones of its keys)."""
+        return self._link.unsettled_by_queue()
+
     # ---------------------------------------------------------------------- closing
     def _queue_type(self, known: StreamConfig | None) -> str:
         """The type to declare queues as: a stream's own, checked against what was asked."""

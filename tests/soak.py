@@ -42,7 +42,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -233,6 +233,21 @@ class KeyVerdict:
     unapplied_tail: int = 0  # the last events of the key, none applied (stalled, or lost)
 
 
+def stalled_events(
+    verdicts: list[KeyVerdict],
+    queue_of: Callable[[str], str],
+    unconfirmed_by_queue: dict[str, int],
+) -> int:
+    """Unapplied events that are unconfirmed, not lost. A queue's unconfirmed events are the
+    last of its keys (a key's events are confirmed in order), so in each queue the unapplied
+    tails of its keys count as stalled up to that queue's unconfirmed count, and no further."""
+    tails: dict[str, int] = {}
+    for verdict in verdicts:
+        queue = queue_of(verdict.key)
+        tails[queue] = tails.get(queue, 0) + verdict.unapplied_tail
+    return sum(min(tail, unconfirmed_by_queue.get(queue, 0)) for queue, tail in tails.items())
+
+
 @dataclass
 class SoakReport:
     seed: int
@@ -266,6 +281,7 @@ class SoakReport:
     # per mode, and the unapplied last events of keys of those modes: at most that many of
     # them can be the unconfirmed ones; any more are counted as lost.
     unconfirmed: dict[str, int] = field(default_factory=dict)
+    unconfirmed_by_queue: dict[str, dict[str, int]] = field(default_factory=dict)
     stalled: int = 0
 
     @property
@@ -814,6 +830,7 @@ class Soak:
             except PublishTimeout as exc:
                 # Checked all the same: the events that were confirmed must all be there.
                 self.report.unconfirmed[mode] = producer.unconfirmed
+                self.report.unconfirmed_by_queue[mode] = producer.unconfirmed_by_queue
                 self.note(f"{mode}: {exc}; checking the rest")
             self.report.producer_stats[mode] = {
                 **producer.stats,
@@ -889,10 +906,11 @@ class Soak:
                 judge_key(stream, key, [], applied[key])
                 for key in applied.keys() - publisher.accepted.keys()
             ]
-            # Unconfirmed events are the last of their keys (a key's events are confirmed
-            # in order): unapplied tails up to their number are stalled, not lost.
-            tails = sum(v.unapplied_tail for v in judged)
-            report.stalled += min(tails, report.unconfirmed.get(mode, 0))
+            report.stalled += stalled_events(
+                judged,
+                publisher.producer.config.queue_for,
+                report.unconfirmed_by_queue.get(mode, {}),
+            )
             verdicts += judged
         report.keys = len(verdicts)
         report.events_accepted = sum(v.accepted for v in verdicts)

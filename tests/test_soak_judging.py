@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.soak import SoakReport, judge_key
+from tests.soak import SoakReport, judge_key, stalled_events
 
 
 def test_a_key_is_judged_by_what_its_producer_accepted() -> None:
@@ -27,3 +27,17 @@ def test_a_run_with_unconfirmed_events_is_safe_at_best_never_clean() -> None:
     assert report.outcome().startswith("SAFE BUT STALLED")
     report.lost = 1
     assert not report.safe and report.outcome() == "NOT CLEAN"
+
+
+def test_unapplied_tails_are_stalled_only_up_to_their_own_queues_unconfirmed_count() -> None:
+    verdicts = [
+        judge_key("s", "a", [1, 2, 3], [1]),  # 2 unapplied at the end
+        judge_key("s", "b", [1, 2, 3], [1, 2]),  # 1 unapplied at the end
+        judge_key("s", "c", [1, 2], [1]),  # 1 unapplied at the end, in a queue with all confirmed
+    ]
+    queues = {"a": "q1", "b": "q1", "c": "q2"}
+    # q1 still owes 2 confirms: 2 of its 3 unapplied tail events are stalled, one is lost;
+    # q2 owes none, so c's missing event is lost even though the stream as a whole owes some.
+    assert stalled_events(verdicts, queues.__getitem__, {"q1": 2}) == 2
+    assert stalled_events(verdicts, queues.__getitem__, {"q1": 5, "q2": 1}) == 4
+    assert stalled_events(verdicts, queues.__getitem__, {}) == 0
