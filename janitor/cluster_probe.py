@@ -6,9 +6,12 @@ rabbitmq-server#8630). A janitor that deletes an idle quorum queue during an out
 producer to declare it again at once, short of a replica for good, and one more node fault
 then leaves it without a quorum: its keys stop until an operator repairs it. So while any
 node of ``KEYQ_AMQP_URL`` does not complete an AMQP handshake, quorum queues are kept. The
-nodes are probed at the start of a pass and again right before each few deletes: a quorum
+nodes are probed at the start of a pass, again before each delete and after the last: a quorum
 queue deleted while one of its nodes was restarting was seen left behind broken on 3.10 (the
-node kept its record of the queue, with no replica running anywhere), refusing every event.
+node kept its record of the queue, with no replica running anywhere), refusing every event;
+and one deleted while a node was down left that node's replica behind, which at the node's
+next restart replaced the log of the queue declared again under its name, confirmed events
+and all (docs/operations.md, "Deleting quorum queues").
 
 A handshake, not a TCP connect: a proxy or load balancer in front of a node that is down
 still accepts TCP. Only the nodes listed are probed: a single URL (a load balancer) says

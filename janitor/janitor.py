@@ -49,8 +49,9 @@ MARK_MARGIN_MS = 60_000
 CHUNKS_IN_FLIGHT = 3
 # Quorum queues are deleted this many at a time, each slice right after a fresh probe of the
 # cluster's nodes, so a node that goes down during the grace or the deletes stops them within
-# one slice (see janitor/cluster_probe.py).
-QUORUM_DELETES_PER_PROBE = 8
+# one slice (see janitor/cluster_probe.py). One: a node lost during a delete can leave the
+# queue's replica behind, and the fewer deletes a node can be lost in, the fewer such queues.
+QUORUM_DELETES_PER_PROBE = 1
 
 
 class Janitor:
@@ -250,17 +251,22 @@ class Janitor:
         """Quorum queues refuse conditional deletes: take each queue's lock, as a worker
         would, so no worker can start consuming, then check and delete (``QueueDeleter``).
 
-        The nodes are probed again right before each slice of deletes: the probe at the
-        start of the pass is a grace period old by now, and a quorum queue deleted while one
-        of its nodes is down can be left behind broken on RabbitMQ 3.10 (the node's copy of
-        the queue record survives, with no replica running). Queues not deleted because a
-        node stopped answering are counted as unreachable."""
+        Every node is probed between deletes: before each one (the probe at the start of the
+        pass is a grace period old by now) and after the last. A quorum queue deleted while
+        one of its nodes is down can leave that node's replica behind (see
+        janitor/cluster_probe.py); a node found down right after a delete is reported with
+        the queue, loudly. Queues not deleted because a node stopped answering are counted
+        as unreachable."""
         locks = FencedLocks(client, stream)
         ttl_ms = self.settings.retire_grace_ms + MARK_MARGIN_MS
         outcomes: dict[str, Outcome] = {}
-        for start in range(0, len(queues), QUORUM_DELETES_PER_PROBE):
-            part = queues[start : start + QUORUM_DELETES_PER_PROBE]
+        just_deleted: list[str] = []
+        for start in range(0, len(queues) + 1, QUORUM_DELETES_PER_PROBE):
             down = unreachable_nodes(self.settings)
+            if down and just_deleted:
+                self._report_deleted_during_outage(just_deleted, down)
+            if start >= len(queues):
+                break
             if down:
                 log.info(
                     "stream %s: %d quorum queues kept: %s stopped answering before the delete",
@@ -271,16 +277,35 @@ class Janitor:
                 outcomes.update(dict.fromkeys(queues[start:], Outcome.UNREACHABLE))
                 self._nodes_down = down  # the rest of this pass keeps its queues too
                 break
+            part = queues[start : start + QUORUM_DELETES_PER_PROBE]
             taken = {queue: locks.acquire(queue, self.janitor_id, ttl_ms) for queue in part}
             held = [lease for lease in taken.values() if lease is not None]
             outcomes.update(
                 {queue: Outcome.IN_USE for queue, lease in taken.items() if lease is None}
             )
             try:
-                outcomes.update(deleter.delete([lease.queue for lease in held], checked=True))
+                done = deleter.delete([lease.queue for lease in held], checked=True)
             finally:
                 locks.release(held)
+            outcomes.update(done)
+            just_deleted = [q for q, outcome in done.items() if outcome is Outcome.DELETED]
         return outcomes
+
+    def _report_deleted_during_outage(self, queues: list[str], down: list[str]) -> None:
+        """A node stopped answering while these quorum queues were being deleted: RabbitMQ
+        may have left that node's replica of each behind, which can come back over a queue
+        declared later under the same name. Said at ERROR, with what to check."""
+        self.stats["deleted_during_outage"] += len(queues)
+        for queue in queues:
+            log.error(
+                "quorum queue %s was deleted while %s stopped answering: RabbitMQ can leave "
+                "that node's replica of it behind and, once the queue is declared again, bring "
+                "the old replica back at the node's next restart, over newer events. Look for "
+                "'Force delete of' in that node's log (docs/operations.md, deleting quorum "
+                "queues)",
+                queue,
+                ", ".join(down),
+            )
 
     def _settle(
         self,

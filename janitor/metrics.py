@@ -40,6 +40,11 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
         "Queues refused as not empty and marked active again, for workers to drain.",
     ),
     (
+        "deleted_during_outage",
+        "keyq_janitor_deleted_during_outage_total",
+        "Quorum queues deleted while a node stopped answering (its replica may be left behind).",
+    ),
+    (
         "not_leader",
         "keyq_janitor_not_leader_total",
         "Stream passes skipped because another janitor leads the stream.",

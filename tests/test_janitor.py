@@ -4,6 +4,7 @@ a confirmed event while producers and workers race its deletes."""
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -26,6 +27,7 @@ from keyq.broker.settings import Settings, load_settings
 from keyq.broker.streams import ensure_stream_config
 from keyq.broker.topology import keyed_queue_arguments
 from keyq.janitor.config import JanitorSettings
+from keyq.janitor.deleter import Outcome
 from keyq.janitor.janitor import Janitor
 from keyq.worker.state_store import StateStore
 from tests.conftest import StreamFixture
@@ -515,6 +517,51 @@ def test_a_node_that_stops_answering_during_the_grace_keeps_the_quorum_queues(
     assert janitor.stats["skipped_unreachable"] == 2, janitor.stats
     assert all(exists(amqp, queue) for queue in queues)
     assert fence.marked(queues) == []
+
+
+def test_a_node_lost_during_a_quorum_delete_is_reported_and_stops_the_deletes(
+    stream: StreamFixture,
+    amqp: pika.BlockingConnection,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every node is probed between quorum deletes, and after the last: a node that stops
+    answering while a queue is deleted (its replica may be left behind by RabbitMQ) is named
+    with that queue at ERROR and counted, and the queues after it are kept."""
+    from keyq.janitor.deleter import QueueDeleter
+    from tests.faults import FaultProxy
+
+    queues = publish_one_each(stream, ["first", "second", "third"], queue_type="quorum")
+    assert drain_all(amqp, queues, consume=True) == 3
+    parts = pika.URLParameters(stream.settings.amqp_url)
+    real_delete = QueueDeleter.delete
+    deleted: list[str] = []
+    with FaultProxy(parts.host, parts.port) as proxy:
+
+        def delete_then_lose_a_node(
+            self: QueueDeleter, batch: list[str], checked: bool = False
+        ) -> dict[str, Outcome]:
+            outcomes = real_delete(self, batch, checked)
+            deleted.extend(batch)
+            proxy.refuse()  # the second node is lost right after the first delete
+            return outcomes
+
+        monkeypatch.setattr(QueueDeleter, "delete", delete_then_lose_a_node)
+        settings = janitor_settings(
+            amqp_url=f"{stream.settings.amqp_url},{proxy.url_for(stream.settings.amqp_url)}"
+        )
+        janitor = Janitor([stream.name], settings=settings, janitor_id="janitor-lost-node")
+        with caplog.at_level(logging.ERROR, logger="keyq.janitor"):
+            janitor.run(once=True)
+    assert len(deleted) == 1, deleted  # one delete per probe: the node was lost after it
+    assert janitor.stats["deleted"] == 1, janitor.stats
+    assert janitor.stats["deleted_during_outage"] == 1, janitor.stats
+    assert janitor.stats["skipped_unreachable"] == 2, janitor.stats
+    assert not exists(amqp, deleted[0])
+    assert all(exists(amqp, queue) for queue in queues if queue != deleted[0])
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any(deleted[0] in text and "stopped answering" in text for text in errors), errors
+    assert "guest:guest" not in " ".join(errors)
 
 
 def test_the_emptiness_check_of_a_quorum_queue_hands_back_what_it_finds(
