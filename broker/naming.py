@@ -17,6 +17,10 @@ from keyq.broker.errors import InvalidKey, InvalidStreamName
 MAX_QUEUE_NAME_BYTES = 255
 MAX_KEY_BYTES = 4096
 QUEUE_PREFIX = "keyq"
+# A key-mode quorum queue deleted by the janitor comes back under a new name, its base name
+# followed by "~" and its incarnation (see ``incarnation_name``). "~" appears in no base name.
+INCARNATION_MARK = "~"
+INCARNATION_ROOM = 11  # "~" and up to ten digits, kept free in quorum base names
 
 _STREAM_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 _PLAIN_KEY_RE = re.compile(r"[A-Za-z0-9_.:-]+")
@@ -58,12 +62,37 @@ def stream_prefix(stream: str) -> str:
     return f"{QUEUE_PREFIX}.{stream}."
 
 
-def key_queue_name(stream: str, key: str) -> str:
-    """The key-mode queue of ``key``: readable when the key is plain, a digest otherwise."""
+def key_queue_name(stream: str, key: str, *, incarnations: bool = False) -> str:
+    """The key-mode queue of ``key``: readable when the key is plain, a digest otherwise.
+    With ``incarnations`` (quorum streams) the name leaves room for an incarnation suffix."""
     prefix = stream_prefix(stream)
-    if _PLAIN_KEY_RE.fullmatch(key) and len(prefix) + 2 + len(key) <= MAX_QUEUE_NAME_BYTES:
+    room = MAX_QUEUE_NAME_BYTES - (INCARNATION_ROOM if incarnations else 0)
+    if _PLAIN_KEY_RE.fullmatch(key) and len(prefix) + 2 + len(key) <= room:
         return f"{prefix}k.{key}"
     return f"{prefix}h.{hashlib.sha256(encode_key(key)).hexdigest()}"
+
+
+def incarnation_name(base: str, incarnation: int) -> str:
+    """The name of a queue's ``incarnation``: the base name itself for the first (0).
+
+    RabbitMQ can leave a replica of a deleted quorum queue behind on a node that was down
+    during the delete, and bring it back over a queue declared later under the same name
+    (docs/operations.md, "Deleting quorum queues"). So a deleted key-mode quorum queue is
+    never declared again under its name: the next one is ``<base>~1``, then ``<base>~2``.
+    """
+    return base if incarnation == 0 else f"{base}{INCARNATION_MARK}{incarnation}"
+
+
+def base_queue_name(queue: str) -> str:
+    """The base name of any incarnation of a queue (``incarnation_name``'s inverse)."""
+    base, mark, number = queue.rpartition(INCARNATION_MARK)
+    return base if mark and number.isdigit() else queue
+
+
+def incarnation_of(queue: str) -> int:
+    """Which incarnation of its base name ``queue`` is (0: the base name itself)."""
+    _base, mark, number = queue.rpartition(INCARNATION_MARK)
+    return int(number) if mark and number.isdigit() else 0
 
 
 def bucket_queue_name(stream: str, bucket: int) -> str:

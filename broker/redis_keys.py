@@ -56,6 +56,11 @@ class StreamKeys:
         """Hash: queue name -> last fencing token issued."""
         return f"{self._base}:fences"
 
+    @property
+    def incarnations(self) -> str:
+        """Hash: base queue name -> its current incarnation (absent: 0, the base name)."""
+        return f"{self._base}:incarnations"
+
     def lock(self, queue: str) -> str:
         """String: ``owner|token`` of the worker holding ``queue``, with a ttl."""
         return f"{self._base}:lock:{queue}"

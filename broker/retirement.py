@@ -8,6 +8,10 @@ that no mark existed (the same script touches the queue's activity). A producer 
 mark holds that queue's events until the mark is gone, then declares the queue again. Since the
 grace period is longer than the lease, by the time the deleter deletes, no producer can still
 be publishing on a lease taken before the mark.
+
+Marks and leases are per *base* queue name. A lease also names the queue's current
+incarnation (``naming.incarnation_name``): a deleter that deleted a quorum queue moves it to
+the next one before lifting its mark, so a producer declares it again under a name never used.
 """
 
 from __future__ import annotations
@@ -17,20 +21,37 @@ from collections.abc import Sequence
 import redis
 
 from keyq.broker.clock import now_ms
+from keyq.broker.naming import INCARNATION_MARK, base_queue_name, incarnation_of
 from keyq.broker.redis_keys import StreamKeys
 
-# KEYS[1] = registry, KEYS[2..] = retirement marks; ARGV[1] = now, ARGV[2..] = queue names.
+# KEYS[1] = registry, KEYS[2] = incarnations, KEYS[3..] = retirement marks;
+# ARGV[1] = now, ARGV[2..] = base queue names. Each result: -1 (marked) or the incarnation.
 _LEASE = """
 local granted = {}
-for i = 2, #KEYS do
+for i = 3, #KEYS do
+  local base = ARGV[i - 1]
   if redis.call('EXISTS', KEYS[i]) == 1 then
-    granted[i - 1] = 0
+    granted[i - 2] = -1
   else
-    redis.call('ZADD', KEYS[1], 'XX', 'GT', ARGV[1], ARGV[i])
-    granted[i - 1] = 1
+    local incarnation = tonumber(redis.call('HGET', KEYS[2], base)) or 0
+    local name = base
+    if incarnation > 0 then name = base .. 'INCARNATION_MARK' .. incarnation end
+    redis.call('ZADD', KEYS[1], 'XX', 'GT', ARGV[1], name)
+    granted[i - 2] = incarnation
   end
 end
 return granted
+""".replace("INCARNATION_MARK", INCARNATION_MARK)
+
+# KEYS[1] = incarnations; ARGV = base, next incarnation, base, next incarnation...
+_ADVANCE = """
+for i = 1, #ARGV, 2 do
+  local current = tonumber(redis.call('HGET', KEYS[1], ARGV[i])) or 0
+  if tonumber(ARGV[i + 1]) > current then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  end
+end
+return 1
 """
 
 
@@ -41,35 +62,55 @@ class RetirementFence:
         self._client = client
         self._keys = StreamKeys(stream)
         self._lease = client.register_script(_LEASE)
+        self._advance = client.register_script(_ADVANCE)
 
-    def lease(self, queues: Sequence[str]) -> dict[str, bool]:
-        """For a producer: which queues may be published to (no mark), touching those."""
+    def lease(self, queues: Sequence[str]) -> dict[str, int | None]:
+        """For a producer: each base queue's current incarnation if it may be published to
+        (no mark), touching that incarnation's activity; None if it is being retired."""
         if not queues:
             return {}
         granted = self._lease(
-            keys=[self._keys.registry, *(self._keys.retiring(queue) for queue in queues)],
+            keys=[
+                self._keys.registry,
+                self._keys.incarnations,
+                *(self._keys.retiring(queue) for queue in queues),
+            ],
             args=[now_ms(), *queues],
         )
-        return {queue: bool(flag) for queue, flag in zip(queues, granted, strict=True)}
+        return {
+            queue: None if int(flag) < 0 else int(flag)
+            for queue, flag in zip(queues, granted, strict=True)
+        }
 
     def mark(self, queues: Sequence[str], owner: str, ttl_ms: int) -> list[str]:
-        """For a deleter: mark queues as retiring; returns those it marked (not marked yet).
-
-        The ttl bounds how long producers wait if the deleter dies before ``unmark``.
-        """
+        """For a deleter: mark queues (any incarnation) as retiring; returns those it marked
+        (not marked yet). The ttl bounds how long producers wait if the deleter dies before
+        ``unmark``."""
         if not queues:
             return []
         pipe = self._client.pipeline(transaction=False)
         for queue in queues:
-            pipe.set(self._keys.retiring(queue), owner, nx=True, px=ttl_ms)
+            pipe.set(self._retiring(queue), owner, nx=True, px=ttl_ms)
         return [queue for queue, ok in zip(queues, pipe.execute(), strict=True) if ok]
+
+    def advance_incarnations(self, deleted: Sequence[str]) -> None:
+        """For a deleter, while it still holds the marks: the next producer declares each of
+        these deleted queues under the incarnation after it, never under its name again."""
+        if deleted:
+            args: list[str | int] = []
+            for queue in deleted:
+                args += [base_queue_name(queue), incarnation_of(queue) + 1]
+            self._advance(keys=[self._keys.incarnations], args=args)
 
     def unmark(self, queues: Sequence[str]) -> None:
         if queues:
-            self._client.delete(*(self._keys.retiring(queue) for queue in queues))
+            self._client.delete(*(self._retiring(queue) for queue in queues))
 
     def marked(self, queues: Sequence[str]) -> list[str]:
         if not queues:
             return []
-        values = self._client.mget([self._keys.retiring(queue) for queue in queues])
+        values = self._client.mget([self._retiring(queue) for queue in queues])
         return [queue for queue, value in zip(queues, values, strict=True) if value is not None]
+
+    def _retiring(self, queue: str) -> str:
+        return self._keys.retiring(base_queue_name(queue))

@@ -56,7 +56,7 @@ class StreamConfig:
         if self.mode is Mode.BUCKET:
             assert self.buckets is not None
             return bucket_queue_name(self.stream, bucket_of(key, self.buckets))
-        return key_queue_name(self.stream, key)
+        return key_queue_name(self.stream, key, incarnations=self.queue_type == "quorum")
 
     @property
     def dead_letter_queue(self) -> str:

@@ -236,6 +236,11 @@ class Janitor:
                     return
                 if quorum:
                     outcomes = self._delete_locked(client, stream, deleter, marked)
+                    # Before the marks go: a deleted quorum queue's name is never declared
+                    # again (see broker.naming.incarnation_name).
+                    fence.advance_incarnations(
+                        [q for q, o in outcomes.items() if o in (Outcome.DELETED, Outcome.GONE)]
+                    )
                 else:
                     outcomes = deleter.delete(marked)
                 self._settle(client, stream, registry, seen, outcomes)
@@ -293,16 +298,16 @@ class Janitor:
 
     def _report_deleted_during_outage(self, queues: list[str], down: list[str]) -> None:
         """A node stopped answering while these quorum queues were being deleted: RabbitMQ
-        may have left that node's replica of each behind, which can come back over a queue
-        declared later under the same name. Said at ERROR, with what to check."""
+        may have left that node's replica of each behind. Harmless to events (the name is
+        never declared again), but an operator should know. Said at ERROR."""
         self.stats["deleted_during_outage"] += len(queues)
         for queue in queues:
             log.error(
                 "quorum queue %s was deleted while %s stopped answering: RabbitMQ can leave "
-                "that node's replica of it behind and, once the queue is declared again, bring "
-                "the old replica back at the node's next restart, over newer events. Look for "
-                "'Force delete of' in that node's log (docs/operations.md, deleting quorum "
-                "queues)",
+                "that node's replica of it behind ('Force delete of' in that node's log). keyq "
+                "never declares that name again, so no event is at risk, but the leftover "
+                "takes disk on that node until removed by hand (docs/operations.md, "
+                "'Deleting quorum queues')",
                 queue,
                 ", ".join(down),
             )

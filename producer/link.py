@@ -33,6 +33,7 @@ from keyq.broker.errors import (
     PublishTimeout,
     TopologyError,
 )
+from keyq.broker.naming import base_queue_name, incarnation_name
 from keyq.broker.settings import Settings
 from keyq.broker.topology import dead_letter_queue_arguments, keyed_queue_arguments
 from keyq.broker.urls import scrub
@@ -111,7 +112,7 @@ class PublisherLink:
         self._resend: list[Outgoing] = []
         # Queues whose node is down, kept across reconnects, so that their events wait while
         # every other queue's flow; and the queues being declared aside until they answer.
-        self._unreachable: set[str] = set()
+        self._unreachable: dict[str, str] = {}  # base name -> the incarnation that was down
         self._probing: set[str] = set()
         self._lost_at: float | None = None
         self._attempt = 0
@@ -257,7 +258,7 @@ class PublisherLink:
     def _on_confirm_ok(self, _frame: Any) -> None:
         # Aside: a dead-letter queue whose node is down must not stop publishing.
         self._declare_aside(self._dlq, dead_letter_queue_arguments(self._queue_type))
-        for queue in self._unreachable:
+        for queue in self._unreachable.values():
             self._declare_aside(queue, self._queue_args)
         self._next_tag = 1
         self._attempt = 0
@@ -313,12 +314,12 @@ class PublisherLink:
             self._connection.close()
             return
         down = _QUEUE_DOWN.search(text) if code == 404 else None
-        if down is not None and down.group("queue") not in self._unreachable:
+        if down is not None and base_queue_name(down.group("queue")) not in self._unreachable:
             # A queue on a node that is down (a classic queue on a cluster): its events wait
             # and it is declared again aside until its node is back; the others go on.
             queue = down.group("queue")
             log.warning("queue %s is unavailable (%s); its events wait for it", queue, text)
-            self._unreachable.add(queue)
+            self._unreachable[base_queue_name(queue)] = queue
         # Start over on a fresh connection, re-sending what is unconfirmed.
         log.warning("channel closed by RabbitMQ (%s %s); reconnecting", code, text)
         self._connection.close()
@@ -420,17 +421,19 @@ class PublisherLink:
             return
         if now >= state.lease_until - self._lease_s / 2:
             self._ask_lease(message.queue, state)  # renew ahead, without holding anything
+        name = incarnation_name(message.queue, state.incarnation)
         if not state.declared:
             # nowait: the broker handles the declare before the publish that follows it on
             # this channel, so no round trip is spent per new key.
-            channel.queue_declare(message.queue, durable=True, arguments=self._queue_args)
+            channel.queue_declare(name, durable=True, arguments=self._queue_args)
             state.declared = True
         message.tag = self._next_tag
         self._next_tag += 1
         message.returned = False
         message.settled = False
         message.sent_at = now
-        channel.basic_publish("", message.queue, message.body, message.properties, mandatory=True)
+        message.sent_to = name
+        channel.basic_publish("", name, message.body, message.properties, mandatory=True)
         self._inflight.append(message)
         self._by_number[message.number] = message
         state.inflight += 1
@@ -512,7 +515,7 @@ class PublisherLink:
             state.recoveries = 0
             if not state.registered:
                 state.registered = True
-                self._on_new_queues({message.queue: state.key})
+                self._on_new_queues({message.sent_to: state.key})
         else:
             state.recovering = True
             state.returned.append(message)
@@ -678,11 +681,12 @@ class PublisherLink:
 
     def _reachable(self, queue: str) -> None:
         """``queue`` was declared: its waiting events go, in order."""
-        if queue not in self._unreachable:
+        base = base_queue_name(queue)
+        if self._unreachable.get(base) != queue:
             return
-        self._unreachable.discard(queue)
+        del self._unreachable[base]
         log.info("queue %s is available again", queue)
-        state = self._queues.get(queue)
+        state = self._queues.get(base)
         if state is None:
             return
         state.unreachable = False
@@ -698,19 +702,24 @@ class PublisherLink:
             state.leasing = True
             self._request_lease(queue)
 
-    def apply_leases(self, granted: dict[str, bool], issued_at: float) -> None:
+    def apply_leases(self, granted: dict[str, int | None], issued_at: float) -> None:
         """From the Redis thread: hand lease results to the I/O thread."""
         # If the I/O loop is already gone there is nothing left to publish.
         with contextlib.suppress(RuntimeError, OSError, AttributeError):
             self._ioloop.add_callback_threadsafe(lambda: self._apply_leases(granted, issued_at))
 
-    def _apply_leases(self, granted: dict[str, bool], issued_at: float) -> None:
-        for queue, ok in granted.items():
+    def _apply_leases(self, granted: dict[str, int | None], issued_at: float) -> None:
+        for queue, incarnation in granted.items():
             state = self._queues.get(queue)
             if state is None:
                 continue
             state.leasing = False
-            if ok:
+            if incarnation is not None:
+                if incarnation != state.incarnation:
+                    # Deleted and moved on since (quorum): declared anew under the next name.
+                    state.incarnation = incarnation
+                    state.declared = False
+                    state.registered = False
                 state.lease_until = issued_at + self._lease_s
                 self._ioloop.call_later(
                     self._lease_s / 2, lambda q=queue, s=state: self._renew_in_flight(q, s)

@@ -19,6 +19,7 @@ class Outgoing:
     properties: pika.BasicProperties
     tag: int = 0  # delivery tag on the current channel
     sent_at: float = 0.0  # monotonic time of the latest send
+    sent_to: str = ""  # the queue's incarnation it was last sent to (``queue`` is the base)
     returned: bool = False
     settled: bool = False
 
@@ -44,6 +45,7 @@ class QueueState:
     leasing: bool = False  # a lease request is on its way
     held: bool = False  # events wait in ``parked`` for a lease
     unreachable: bool = False  # its node is down (404): events wait in ``parked`` for it
+    incarnation: int = 0  # which incarnation of the queue leases name (see broker.naming)
     recoveries: int = 0  # recoveries in a row without an event published in between
     returned: list[Outgoing] = field(default_factory=list)
     parked: deque[Outgoing] = field(default_factory=deque)

@@ -62,7 +62,10 @@ HEADER_ALLOWANCE = 512
 
 @dataclass(frozen=True, slots=True)
 class Receipt:
-    """Where an accepted event is going and how it is identified downstream."""
+    """Where an accepted event is going and how it is identified downstream.
+
+    ``queue`` is the key's queue by its base name: on a key-mode quorum stream, a queue the
+    janitor deleted comes back as ``<queue>~1``, ``<queue>~2``… (``broker.naming``)."""
 
     queue: str
     key: str

@@ -24,7 +24,8 @@ from keyq.broker.retirement import RetirementFence
 log = logging.getLogger("keyq.producer")
 
 LEASE_BATCH = 500
-LeaseResults = Callable[[dict[str, bool], float], None]
+# Per base queue: its current incarnation if leased, None if being retired.
+LeaseResults = Callable[[dict[str, int | None], float], None]
 
 
 class Registrar:

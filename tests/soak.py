@@ -52,7 +52,7 @@ import redis
 
 from keyq import Producer, PublishTimeout
 from keyq.broker.envelope import HEADER_DEAD_REASON
-from keyq.broker.naming import dead_letter_queue_name, key_queue_name
+from keyq.broker.naming import base_queue_name, dead_letter_queue_name, key_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.settings import Settings, load_settings
 from tests.cluster import ClusterError, RabbitCluster
@@ -410,6 +410,7 @@ class Soak:
         self.progress_every = progress_every  # seconds between progress notes, or none
         self.schedule = fault_schedule(seed, seconds, cluster=cluster)
         self.report = SoakReport(seed, seconds, [fault.describe() for fault in self.schedule])
+        self.last_verdicts: list[KeyVerdict] = []
         self.rng = random.Random(seed + 1)
         tag = f"{seed % 100000:05d}"
         self.streams = {"key": f"soak-key-{tag}", "bucket": f"soak-bucket-{tag}"}
@@ -864,6 +865,7 @@ class Soak:
                 time.sleep(1.0)
             time.sleep(2.0)  # a late duplicate would show now
             self.check(client)
+            self.describe_bad_queues(self.last_verdicts)
         finally:
             client.close()
         self.note(f"checked after {self.report.drain_seconds}s of draining")
@@ -922,7 +924,7 @@ class Soak:
         report.bad_keys = [
             asdict(v) for v in verdicts if v.lost or v.reordered or v.applied_twice or v.unexpected
         ][:20]
-        self.describe_bad_queues(verdicts)
+        self.last_verdicts = verdicts
         self.check_dead_letters()
 
     def describe_bad_queues(self, verdicts: list[KeyVerdict]) -> None:
@@ -931,7 +933,7 @@ class Soak:
         if self.cluster is None:
             return
         wanted = {
-            key_queue_name(v.stream, v.key): v.key
+            key_queue_name(v.stream, v.key, incarnations=True): v.key
             for v in verdicts
             if (v.lost or v.unapplied_tail) and v.stream == self.streams.get("key")
         }
@@ -953,9 +955,12 @@ class Soak:
         except Exception as exc:  # noqa: BLE001 - a diagnostic must not cost the verdict
             print(f"could not list the bad keys' queues: {exc!r}", flush=True)
             return
-        found = {row["name"]: row for row in csv.DictReader(io.StringIO(listing))}
+        found: dict[str, list[dict[str, str]]] = {}
+        for row in csv.DictReader(io.StringIO(listing)):
+            found.setdefault(base_queue_name(row["name"]), []).append(row)
         for queue, key in sorted(wanted.items()):
-            print(f"queue of bad key {key!r}: {found.get(queue, 'no such queue')}", flush=True)
+            rows = found.get(queue, "no such queue (any incarnation)")
+            print(f"queue of bad key {key!r}: {rows}", flush=True)
 
     def check_dead_letters(self) -> None:
         report = self.report

@@ -564,6 +564,42 @@ def test_a_node_lost_during_a_quorum_delete_is_reported_and_stops_the_deletes(
     assert "guest:guest" not in " ".join(errors)
 
 
+def test_a_deleted_quorum_queue_is_never_declared_again_under_its_name(
+    stream: StreamFixture, amqp: pika.BlockingConnection
+) -> None:
+    """RabbitMQ can bring a deleted quorum queue's leftover replica back over a queue declared
+    later under the same name. So each delete moves the key on to a new incarnation:
+    ``<queue>~1``, then ``<queue>~2``; the producer follows, and the registry lists the
+    incarnation that exists. Nothing is lost or reordered across them."""
+    [base] = publish_one_each(stream, ["k"], queue_type="quorum")
+    assert drain_all(amqp, [base], consume=True) == 1
+    janitor = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-next")
+    registry = QueueRegistry(stream.redis, stream.name)
+    landed: list[int] = []
+    with Producer(stream.name, settings=fast_settings()) as producer:
+        for incarnation in (1, 2):
+            janitor.run(once=True)
+            assert janitor.stats["deleted"] == incarnation, janitor.stats
+            previous = base if incarnation == 1 else f"{base}~{incarnation - 1}"
+            assert not exists(amqp, previous)
+            for n in range(3):
+                receipt = producer.publish("k", {"n": n, "incarnation": incarnation})
+                assert receipt.queue == base  # the receipt names the base queue
+            producer.flush(30)
+            current = f"{base}~{incarnation}"
+            assert exists(amqp, current) and not exists(amqp, previous)
+            assert set(registry.queues()) == {current}
+            channel = amqp.channel()
+            for method, _properties, body in channel.consume(current, inactivity_timeout=0.5):
+                if method is None:
+                    break
+                landed.append(orjson.loads(body)["n"])
+                channel.basic_ack(method.delivery_tag)
+            channel.close()
+    assert landed == [0, 1, 2, 0, 1, 2]
+    stream.track(f"{base}~2")
+
+
 def test_the_emptiness_check_of_a_quorum_queue_hands_back_what_it_finds(
     stream: StreamFixture, amqp: pika.BlockingConnection
 ) -> None:

@@ -10,12 +10,16 @@ from hypothesis import strategies as st
 
 from keyq.broker.errors import InvalidKey, InvalidStreamName
 from keyq.broker.naming import (
+    INCARNATION_MARK,
     MAX_KEY_BYTES,
     MAX_QUEUE_NAME_BYTES,
+    base_queue_name,
     bucket_queue_name,
     check_stream_name,
     dead_letter_queue_name,
     encode_key,
+    incarnation_name,
+    incarnation_of,
     is_stream_queue,
     key_queue_name,
 )
@@ -114,3 +118,27 @@ def test_the_broker_accepts_every_name(
     finally:
         if channel.is_open:
             channel.close()
+
+
+@given(stream=streams, key=keys, incarnation=st.integers(min_value=0, max_value=9_999_999_999))
+def test_every_incarnation_of_a_quorum_key_queue_is_a_short_valid_name(
+    stream: str, key: str, incarnation: int
+) -> None:
+    base = key_queue_name(stream, key, incarnations=True)
+    name = incarnation_name(base, incarnation)
+    assert len(name.encode("utf-8")) <= MAX_QUEUE_NAME_BYTES
+    assert INCARNATION_MARK not in base  # so no key's base name is another's incarnation
+    assert base_queue_name(name) == base
+    assert incarnation_of(name) == incarnation
+    assert (name == base) == (incarnation == 0)
+
+
+def test_incarnations_leave_other_streams_names_as_they_were() -> None:
+    plain = "k" * 240
+    classic = key_queue_name("s", plain)
+    quorum = key_queue_name("s", plain, incarnations=True)
+    assert classic.endswith(".k." + plain)  # classic names never change
+    assert ".h." in quorum  # too long to leave room for an incarnation: digested
+    assert key_queue_name("s", "order-1", incarnations=True) == key_queue_name("s", "order-1")
+    assert base_queue_name("keyq.s.k.order-1") == "keyq.s.k.order-1"
+    assert base_queue_name(bucket_queue_name("s", 3)) == bucket_queue_name("s", 3)

@@ -26,7 +26,7 @@ def test_lease_refused_while_marked_and_touches_when_granted(stream: StreamFixtu
     assert fence.marked(["q1", "q2", "q3"]) == ["q1", "q2"]
     fence.unmark(["q2"])
     time.sleep(0.01)
-    assert fence.lease(["q1", "q2", "q3"]) == {"q1": False, "q2": True, "q3": True}
+    assert fence.lease(["q1", "q2", "q3"]) == {"q1": None, "q2": 0, "q3": 0}
     after = registry.queues()
     assert after["q1"] == before["q1"]  # a refused lease does not look like activity
     assert after["q2"] > before["q2"]
@@ -36,9 +36,34 @@ def test_lease_refused_while_marked_and_touches_when_granted(stream: StreamFixtu
 def test_mark_expires_if_the_deleter_dies(stream: StreamFixture) -> None:
     fence = RetirementFence(stream.redis, stream.name)
     fence.mark(["q"], "janitor", ttl_ms=100)
-    assert fence.lease(["q"]) == {"q": False}
+    assert fence.lease(["q"]) == {"q": None}
     time.sleep(0.2)
-    assert fence.lease(["q"]) == {"q": True}
+    assert fence.lease(["q"]) == {"q": 0}
+
+
+def test_a_deleted_queue_is_leased_under_its_next_incarnation(stream: StreamFixture) -> None:
+    """A deleter that moved a queue on (quorum) makes every later lease name the next
+    incarnation, and touch that one's activity; marks hold every incarnation of a base name;
+    moving an old incarnation on again never goes back."""
+    fence = RetirementFence(stream.redis, stream.name)
+    registry = QueueRegistry(stream.redis, stream.name)
+    registry.register({"q~1": "a", "q": "a"})
+    before = registry.queues()
+    assert fence.mark(["q"], "janitor", ttl_ms=5000) == ["q"]
+    fence.advance_incarnations(["q"])
+    assert fence.lease(["q"]) == {"q": None}  # still marked
+    fence.unmark(["q"])
+    time.sleep(0.01)
+    assert fence.lease(["q"]) == {"q": 1}
+    after = registry.queues()
+    assert after["q~1"] > before["q~1"] and after["q"] == before["q"]
+    assert fence.mark(["q~1"], "janitor", ttl_ms=5000) == ["q~1"]
+    assert fence.marked(["q", "q~1", "q~7"]) == ["q", "q~1", "q~7"]  # one mark per base name
+    assert fence.lease(["q"]) == {"q": None}
+    fence.advance_incarnations(["q~1"])
+    fence.unmark(["q~1"])
+    fence.advance_incarnations(["q"])  # a late report of the first delete: no step back
+    assert fence.lease(["q", "other"]) == {"q": 2, "other": 0}
 
 
 def test_producer_holds_a_marked_queue_and_resumes(
