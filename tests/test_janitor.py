@@ -21,6 +21,7 @@ from keyq import Producer
 from keyq.broker.clock import now_ms
 from keyq.broker.locks import FencedLocks
 from keyq.broker.naming import dead_letter_queue_name, key_queue_name
+from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.retirement import RetirementFence
 from keyq.broker.settings import Settings, load_settings
@@ -325,12 +326,20 @@ class RoundPublisher(threading.Thread):
     (so publishes meet the janitor's marks and deletes) or long enough for queues to go idle,
     be released by the workers and be deleted."""
 
-    def __init__(self, stream: str, keys: list[str], duration_s: float, seed: int) -> None:
+    def __init__(
+        self,
+        stream: str,
+        keys: list[str],
+        duration_s: float,
+        seed: int,
+        queue_type: str = "classic",
+    ) -> None:
         super().__init__(daemon=True, name="round-publisher")
         self.stream = stream
         self.keys = keys
         self.duration_s = duration_s
         self.rng = random.Random(seed)
+        self.queue_type = queue_type
         self.published: Counter[str] = Counter()
         self.rounds = 0
         self.producer_stats: dict[str, int] = {}
@@ -339,7 +348,9 @@ class RoundPublisher(threading.Thread):
     def run(self) -> None:
         producer: Producer | None = None
         try:
-            with Producer(self.stream, mode="key", settings=fast_settings()) as producer:
+            with Producer(
+                self.stream, mode="key", queue_type=self.queue_type, settings=fast_settings()
+            ) as producer:
                 end = time.monotonic() + self.duration_s
                 while time.monotonic() < end:
                     chosen = self.rng.sample(self.keys, self.rng.randint(1, len(self.keys)))
@@ -374,15 +385,21 @@ def audit_problems(store: StateStore, published: Counter[str]) -> dict[str, Any]
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
 def test_no_event_lost_while_janitor_deletes_under_load(
     stream: StreamFixture,
     amqp: pika.BlockingConnection,
     workers: Callable[..., WorkerProcess],
+    queue_type: str,
 ) -> None:
+    """Producers keep publishing to keys the janitor keeps deleting (and, on quorum streams,
+    moving on to their next incarnation), while two workers apply them: every key's state is
+    exactly what was published."""
     env = {
         "KEYQ_PUBLISH_LEASE_MS": str(LEASE_MS),
         "KEYQ_RETIRE_GRACE_MS": str(GRACE_MS),
         "KEYQ_IDLE_RELEASE_MS": "500",
+        "KEYQ_QUEUE_TYPE": queue_type,
     }
     started = [workers(stream.name, mode="key", env=env) for _ in range(2)]
     for worker in started:
@@ -390,7 +407,9 @@ def test_no_event_lost_while_janitor_deletes_under_load(
     keys = [f"acct-{i}" for i in range(20)]
     store = StateStore(stream.redis, stream.name)
     janitor = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-race")
-    publisher = RoundPublisher(stream.name, keys, duration_s=30, seed=20240611)
+    publisher = RoundPublisher(
+        stream.name, keys, duration_s=30, seed=20240611, queue_type=queue_type
+    )
     with running(janitor):
         publisher.start()
         publisher.join(120)
@@ -415,6 +434,8 @@ def test_no_event_lost_while_janitor_deletes_under_load(
         )
     assert janitor.stats["deleted"] >= 10, janitor.stats
     assert janitor.stats["errors"] == 0, janitor.stats
+    if queue_type == "quorum":  # each deleted queue came back under a new name
+        assert stream.redis.hlen(StreamKeys(stream.name).incarnations) >= 10
     assert queue_depth(amqp, dead_letter_queue_name(stream.name)) in (0, None)
     for worker in started:
         assert worker.process.poll() is None, worker.log()[-3000:]
