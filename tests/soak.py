@@ -51,6 +51,7 @@ import pika
 import redis
 
 from keyq import Producer, PublishTimeout
+from keyq.broker.connections import open_redis
 from keyq.broker.envelope import HEADER_DEAD_REASON
 from keyq.broker.naming import base_queue_name, dead_letter_queue_name, key_queue_name
 from keyq.broker.redis_keys import StreamKeys
@@ -58,6 +59,7 @@ from keyq.broker.settings import Settings, load_settings
 from tests.cluster import ClusterError, RabbitCluster
 from tests.faults import FaultProxy
 from tests.helpers import drain
+from tests.redis_topologies import RedisClusterServers, redis_topologies_available
 from tests.servers import PrivateRabbit, PrivateRedis, private_servers_available
 from tests.workers import JanitorProcess, WorkerProcess
 
@@ -360,13 +362,107 @@ def judge_key(stream: str, key: str, accepted: list[int], seen: list[int]) -> Ke
     )
 
 
+class SoakRedis:
+    """The soak's own Redis: one server behind a fault proxy, restarted with kill -9."""
+
+    def __init__(self, folder: Path) -> None:
+        self.server = PrivateRedis(folder / "redis")
+        self.proxy: FaultProxy | None = None
+
+    def start(self) -> None:
+        self.server.start()
+        self.proxy = FaultProxy("127.0.0.1", self.server.port).start()
+
+    @property
+    def client_url(self) -> str:
+        """For producers, workers and the janitor: through the proxy."""
+        assert self.proxy is not None
+        return self.proxy.url_for(self.server.url)
+
+    @property
+    def direct_url(self) -> str:
+        return self.server.url
+
+    def fail(self, note: Callable[[str], None]) -> tuple[Callable[[], None], str]:
+        """Announce the Redis fault; the action to run in the background, and its end."""
+        note("Redis: kill -9 and start again (AOF, fsync always)")
+        return self.server.restart, "Redis: back"
+
+    def cut(self) -> str:
+        assert self.proxy is not None
+        open_now = self.proxy.connections
+        self.proxy.cut()
+        return f"cut all Redis connections ({open_now} open)"
+
+    def set_delay(self, seconds: float) -> None:
+        assert self.proxy is not None
+        self.proxy.set_delay(seconds)
+
+    def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+        self.server.stop()
+
+
+class SoakRedisCluster:
+    """A Redis Cluster of the soak's own (3 primaries, 3 replicas). Its fault kills the
+    primary serving the key-mode stream with -9, waits for a replica to take over, and starts
+    the old primary again (it rejoins as a replica); a cut resets every client connection of
+    every node (``CLIENT KILL TYPE normal``). Clients reach the nodes directly: a cluster
+    client follows the addresses the nodes give, so there is no proxy, and no delay fault."""
+
+    def __init__(self, folder: Path, stream: str) -> None:
+        self.cluster = RedisClusterServers(folder / "redis-cluster")
+        self.slot_key = StreamKeys(stream).config
+        self.started = False
+
+    def start(self) -> None:
+        self.cluster.__enter__()
+        self.started = True
+
+    @property
+    def client_url(self) -> str:
+        return self.cluster.url
+
+    @property
+    def direct_url(self) -> str:
+        return self.cluster.url
+
+    def fail(self, note: Callable[[str], None]) -> tuple[Callable[[], None], str]:
+        primary = self.cluster.primary_for(self.slot_key)
+        note(f"Redis Cluster: kill -9 the primary on port {primary.port} (serves the key stream)")
+
+        def failover() -> None:
+            old, took = self.cluster.kill_primary_of(self.slot_key)
+            note(f"Redis Cluster: a replica took over from {old.port} in {took:.1f}s")
+            self.cluster.restart(old)
+            self.cluster.await_replicas()
+
+        return failover, "Redis Cluster: the old primary is back, as a replica"
+
+    def cut(self) -> str:
+        killed = 0
+        for server in self.cluster.servers:
+            if server.alive:
+                with contextlib.suppress(redis.exceptions.RedisError):
+                    killed += int(server.client().client_kill_filter(_type="normal"))
+        return f"cut all Redis Cluster connections ({killed} open)"
+
+    def set_delay(self, seconds: float) -> None:
+        """No proxy in front of a cluster: Redis is not delayed."""
+
+    def stop(self) -> None:
+        if self.started:
+            self.cluster.close()
+
+
 def applied_by_key(client: redis.Redis, stream: str, producer_id: str) -> dict[str, list[int]]:
     """Read every key's state straight from Redis: the numbers the fold saw, in order."""
-    raw: dict[bytes, bytes] = client.hgetall(StreamKeys(stream).state)  # type: ignore[assignment]
+    raw: dict[str, str] = client.hgetall(StreamKeys(stream).state)  # type: ignore[assignment]
     found: dict[str, list[int]] = {}
     for key, value in raw.items():
         state = json.loads(value)
-        found[key.decode()] = [int(n) for n in state["seen"].get(producer_id, [])]
+        found[key] = [int(n) for n in state["seen"].get(producer_id, [])]
     return found
 
 
@@ -389,7 +485,8 @@ def read_dead_letters(amqp_url: str, stream: str) -> list[tuple[str, str, bytes]
 class Soak:
     """One soak run: its servers, proxies, processes, producers and fault schedule.
 
-    ``cluster``: a private 3-node RabbitMQ cluster and quorum queues instead of one broker."""
+    ``cluster``: a private 3-node RabbitMQ cluster and quorum queues instead of one broker.
+    ``redis_cluster``: a private Redis Cluster (3 primaries, 3 replicas) instead of one Redis."""
 
     def __init__(
         self,
@@ -399,6 +496,7 @@ class Soak:
         rate: float = 60.0,
         *,
         cluster: bool = False,
+        redis_cluster: bool = False,
         janitor_catch_up: float = JANITOR_CATCH_UP_S,
         progress_every: float | None = None,
     ) -> None:
@@ -414,7 +512,9 @@ class Soak:
         self.rng = random.Random(seed + 1)
         tag = f"{seed % 100000:05d}"
         self.streams = {"key": f"soak-key-{tag}", "bucket": f"soak-bucket-{tag}"}
-        self.redis_server = PrivateRedis(folder / "redis")
+        self.redis: SoakRedis | SoakRedisCluster = (
+            SoakRedisCluster(folder, self.streams["key"]) if redis_cluster else SoakRedis(folder)
+        )
         # One broker, or a cluster (created here, started in start()).
         self.rabbit: PrivateRabbit | None = None
         self.cluster: RabbitCluster | None = None
@@ -434,7 +534,6 @@ class Soak:
         self.producers: dict[str, Producer] = {}
         self.janitor: JanitorProcess | None = None
         self.amqp_proxy: FaultProxy | None = None
-        self.redis_proxy: FaultProxy | None = None
         self.started = 0.0
         self.restarts: list[threading.Thread] = []
         self.restart_errors: list[str] = []
@@ -454,8 +553,7 @@ class Soak:
         print(f"soak seed={self.seed} seconds={self.seconds}", flush=True)
         for line in self.report.schedule:
             print(f"  planned {line}", flush=True)
-        self.redis_server.start()
-        self.redis_proxy = FaultProxy("127.0.0.1", self.redis_server.port).start()
+        self.redis.start()
         if self.cluster is not None:
             began = time.monotonic()
             self.cluster.start()
@@ -477,13 +575,13 @@ class Soak:
             queue_type = None
         self.client_settings: Settings = load_settings(
             amqp_url=amqp_url,
-            redis_url=self.redis_proxy.url_for(self.redis_server.url),
+            redis_url=self.redis.client_url,
             reconnect_timeout=600,
             publish_timeout=600,
             queue_type=queue_type,
         )
         self.direct_settings: Settings = load_settings(
-            amqp_url=direct_amqp_url, redis_url=self.redis_server.url
+            amqp_url=direct_amqp_url, redis_url=self.redis.direct_url
         )
         for index, (mode, stream) in enumerate(self.streams.items()):
             producer = Producer(
@@ -583,12 +681,10 @@ class Soak:
         return [self.amqp_proxy]
 
     def apply(self, fault: Fault) -> None:
-        assert self.redis_proxy is not None
         amqp_proxies = self.amqp_proxies()
         kind = fault.kind
         if kind == "restart_redis":
-            self.note("Redis: kill -9 and start again (AOF, fsync always)")
-            self.in_background(self.redis_server.restart, "Redis: back")
+            self.in_background(*self.redis.fail(self.note))
         elif kind == "restart_rabbitmq":
             assert self.rabbit is not None
             self.note("RabbitMQ: stop and start again (durable queues, persistent messages)")
@@ -604,14 +700,13 @@ class Soak:
             for proxy in amqp_proxies:
                 proxy.cut()
         elif kind == "cut_redis":
-            self.note(f"cut all Redis connections ({self.redis_proxy.connections} open)")
-            self.redis_proxy.cut()
+            self.note(self.redis.cut())
         elif kind == "delay":
             delay = round(0.05 + fault.pick * 0.25, 3)
             self.note(f"delay every byte by {delay * 1000:.0f} ms for {fault.seconds}s")
             for proxy in amqp_proxies:
                 proxy.set_delay(delay)
-            self.redis_proxy.set_delay(delay)
+            self.redis.set_delay(delay)
             self.pending.append((time.monotonic() + fault.seconds, "undelay", None))
         elif kind == "add":
             if len(self.alive(fault.stream)) >= MAX_WORKERS_PER_STREAM:
@@ -763,7 +858,6 @@ class Soak:
             self.await_replicas()
 
     def undo_due(self, now: float, *, everything: bool = False) -> None:
-        assert self.redis_proxy is not None
         keep = []
         for due, what, target in self.pending:
             if due > now and not everything:
@@ -774,7 +868,7 @@ class Soak:
             else:
                 for proxy in self.amqp_proxies():
                     proxy.set_delay(0)
-                self.redis_proxy.set_delay(0)
+                self.redis.set_delay(0)
                 self.note("delay off")
         self.pending = keep
 
@@ -845,7 +939,7 @@ class Soak:
             + ", ".join(f"{mode} {p.total} events" for mode, p in self.publishers.items())
         )
         begun = time.monotonic()
-        client = redis.Redis.from_url(self.direct_settings.redis_url)
+        client = open_redis(self.direct_settings)
         try:
             deadline = begun + drain_timeout
             while True:
@@ -1009,15 +1103,14 @@ class Soak:
             process.close()
         if self.janitor is not None:
             self.janitor.close()
-        for proxy in (self.amqp_proxy, self.redis_proxy):
-            if proxy is not None:
-                proxy.stop()
+        if self.amqp_proxy is not None:
+            self.amqp_proxy.stop()
         if self.rabbit is not None:
             self.rabbit.stop()
         if self.cluster is not None:
             self.keep_node_logs()
             self.cluster.close()
-        self.redis_server.stop()
+        self.redis.stop()
 
     def keep_node_logs(self) -> None:
         """Copy the nodes' logs beside the workers' (closing the cluster removes its folder)."""
@@ -1039,6 +1132,7 @@ def soak_run(
     rate: float = 60.0,
     *,
     cluster: bool = False,
+    redis_cluster: bool = False,
     janitor_catch_up: float = JANITOR_CATCH_UP_S,
     progress_every: float | None = None,
 ) -> Iterator[Soak]:
@@ -1048,6 +1142,7 @@ def soak_run(
         seconds,
         rate,
         cluster=cluster,
+        redis_cluster=redis_cluster,
         janitor_catch_up=janitor_catch_up,
         progress_every=progress_every,
     )
@@ -1059,7 +1154,8 @@ def soak_run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tests.soak [--cluster] [--seconds S] [--seed N]``: one soak, by hand."""
+    """``python -m tests.soak [--cluster] [--redis-cluster] [--seconds S] [--seed N]``: one
+    soak, by hand."""
     parser = argparse.ArgumentParser(
         prog="python -m tests.soak",
         description="The combined-fault soak: every fault at once, every event checked. "
@@ -1070,6 +1166,12 @@ def main(argv: list[str] | None = None) -> int:
         "--cluster",
         action="store_true",
         help="a private 3-node RabbitMQ cluster and quorum queues, with node faults",
+    )
+    parser.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        help="a private Redis Cluster (3 primaries, 3 replicas); its fault kills the primary "
+        "serving the key stream with -9",
     )
     parser.add_argument("--seconds", type=float, default=600.0, help="of faults (default 600)")
     parser.add_argument("--seed", type=int, default=None, help="replay a run (default: random)")
@@ -1090,7 +1192,9 @@ def main(argv: list[str] | None = None) -> int:
         "--folder", type=Path, default=None, help="for data and logs (default: a new temp dir)"
     )
     args = parser.parse_args(argv)
-    missing = private_servers_available()
+    missing = private_servers_available() or (
+        redis_topologies_available() if args.redis_cluster else None
+    )
     if missing:
         print(f"cannot soak here: {missing}", file=sys.stderr)
         return 2
@@ -1104,6 +1208,7 @@ def main(argv: list[str] | None = None) -> int:
             args.seconds,
             args.rate,
             cluster=args.cluster,
+            redis_cluster=args.redis_cluster,
             janitor_catch_up=args.janitor_catch_up,
             progress_every=args.progress or None,
         ) as soak:
