@@ -47,11 +47,12 @@ ADOPT_EVERY_S = 60.0
 # A mark outlives the grace period by this much, in case the janitor dies mid-pass.
 MARK_MARGIN_MS = 60_000
 CHUNKS_IN_FLIGHT = 3
-# Quorum queues are deleted this many at a time, each slice right after a fresh probe of the
-# cluster's nodes, so a node that goes down during the grace or the deletes stops them within
-# one slice (see janitor/cluster_probe.py). One: a node lost during a delete can leave the
-# queue's replica behind, and the fewer deletes a node can be lost in, the fewer such queues.
-QUORUM_DELETES_PER_PROBE = 1
+# Quorum queues are deleted this many at a time (over the deleter's lanes), each slice right
+# after a fresh probe of the cluster's nodes, so a node that goes down during the grace or the
+# deletes stops them within one slice (see janitor/cluster_probe.py). A probe per delete would
+# hold the marked queues' keys back several times longer, for no event's sake: a queue deleted
+# while a node was lost never comes back under its name (broker.naming.incarnation_name).
+QUORUM_DELETES_PER_PROBE = 8
 
 
 class Janitor:
@@ -256,17 +257,18 @@ class Janitor:
         """Quorum queues refuse conditional deletes: take each queue's lock, as a worker
         would, so no worker can start consuming, then check and delete (``QueueDeleter``).
 
-        Every node is probed between deletes: before each one (the probe at the start of the
-        pass is a grace period old by now) and after the last. A quorum queue deleted while
-        one of its nodes is down can leave that node's replica behind (see
-        janitor/cluster_probe.py); a node found down right after a delete is reported with
-        the queue, loudly. Queues not deleted because a node stopped answering are counted
+        Every node is probed between slices of deletes: before each (the probe at the start
+        of the pass is a grace period old by now) and after the last. A quorum queue deleted
+        while one of its nodes is down can leave that node's replica behind (see
+        janitor/cluster_probe.py); a node found down right after a slice is reported with
+        its queues, loudly. Queues not deleted because a node stopped answering are counted
         as unreachable."""
         locks = FencedLocks(client, stream)
         ttl_ms = self.settings.retire_grace_ms + MARK_MARGIN_MS
         outcomes: dict[str, Outcome] = {}
         just_deleted: list[str] = []
-        for start in range(0, len(queues) + 1, QUORUM_DELETES_PER_PROBE):
+        slices = [*range(0, len(queues), QUORUM_DELETES_PER_PROBE), len(queues)]
+        for start in slices:  # the last, past the end, only probes after the deletes
             down = unreachable_nodes(self.settings)
             if down and just_deleted:
                 self._report_deleted_during_outage(just_deleted, down)
