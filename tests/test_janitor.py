@@ -408,7 +408,7 @@ def test_no_event_lost_while_janitor_deletes_under_load(
     store = StateStore(stream.redis, stream.name)
     janitor = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-race")
     publisher = RoundPublisher(
-        stream.name, keys, duration_s=30, seed=20240611, queue_type=queue_type
+        stream.name, keys, duration_s=20, seed=20240611, queue_type=queue_type
     )
     with running(janitor):
         publisher.start()
