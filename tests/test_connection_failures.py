@@ -667,3 +667,59 @@ def test_a_confirm_that_never_comes_makes_the_producer_send_again(
     assert [m.json()["n"] for m in unique] == list(range(21))
     assert [m.seq for m in unique] == list(range(1, 22))
     assert copies >= 20, copies  # sent at least twice while the queue was silent
+
+
+def test_a_silent_queue_does_not_hold_up_the_other_keys(
+    stream: StreamFixture, private_rabbit: PrivateRabbit
+) -> None:
+    """A queue that stops confirming with many events in flight makes RabbitMQ stop reading
+    the whole connection (credit flow), so every other key waits with it. After its confirm
+    is overdue, the producer sends that queue at most a few events at a time: the others
+    flow on the new connection, and the silent queue's events follow, in order, once it
+    answers again."""
+    from keyq.producer.link import SILENT_QUEUE_IN_FLIGHT
+
+    settings = _with(stream.settings, amqp_url=private_rabbit.url, confirm_timeout=2.0)
+    silent = key_queue_name(stream.name, "silent")
+    other = key_queue_name(stream.name, "other")
+    connection = pika.BlockingConnection(pika.URLParameters(private_rabbit.url))
+    producer = Producer(stream.name, mode="key", settings=settings)
+    held = False
+    try:
+        for key in ("silent", "other"):
+            producer.publish(key, {"n": 0})
+        producer.flush(10)
+        _hold_queue(private_rabbit, silent, "suspend")
+        held = True
+        for n in range(1, 1001):  # past the queue's credit: the connection stops being read
+            producer.publish("silent", {"n": n}, timeout=60)
+        for n in range(1, 51):
+            producer.publish("other", {"n": n}, timeout=60)
+        deadline = time.monotonic() + 60
+        while (queue_depth(connection, other) or 0) < 51:
+            assert time.monotonic() < deadline, ("the other key is held up", producer.stats)
+            time.sleep(0.2)
+        assert producer.stats["overdue_reconnects"] >= 1, producer.stats
+        assert producer.unconfirmed_by_queue.get(silent, 0) == 1000
+        _hold_queue(private_rabbit, silent, "resume")
+        held = False
+        producer.flush(60)
+        producer_id = producer.producer_id
+    finally:
+        if held:
+            _hold_queue(private_rabbit, silent, "resume")
+        with contextlib.suppress(KeyqError):
+            producer.close(timeout=15)
+    try:
+        channel = connection.channel()
+        landed = {queue: drain(channel, queue) for queue in (silent, other)}
+        for queue in (silent, other):
+            channel.queue_delete(queue)
+        channel.queue_delete(dead_letter_queue_name(stream.name))
+    finally:
+        connection.close()
+    for queue, count in ((silent, 1001), (other, 51)):
+        unique, _copies = _dedup(landed[queue])
+        assert {m.producer for m in landed[queue]} == {producer_id}
+        assert [m.json()["n"] for m in unique] == list(range(count)), queue
+    assert SILENT_QUEUE_IN_FLIGHT < 100
