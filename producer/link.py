@@ -622,19 +622,23 @@ class PublisherLink:
         waited = now - oldest.sent_at
         if waited < self._settings.confirm_timeout:
             return
+        waiting = {message.queue for message in self._inflight if not message.settled}
         unconfirmed = sum(not message.settled for message in self._inflight)
         self.overdue_reconnects += 1
         log.warning(
-            "%d events await their confirms on this connection, the oldest (for %s) for %.0f s; "
-            "reconnecting to send them again, at most %d at a time to that queue until it "
-            "confirms",
+            "%d events of %d queues await their confirms on this connection, the oldest (for "
+            "%s) for %.0f s; reconnecting to send them again, at most %d at a time to each of "
+            "those queues until it confirms",
             unconfirmed,
+            len(waiting),
             oldest.queue,
             waited,
             SILENT_QUEUE_IN_FLIGHT,
         )
+        # Any of them may be the one that stopped the connection: each is silent until it
+        # confirms again, which the others do at once on the new connection.
         with self.cond:
-            self._silent.add(oldest.queue)  # publishing to it waits once it holds its room
+            self._silent |= waiting  # publishing to them waits once each holds its room
         closing: pika.SelectConnection = connection
         closing.close()
         self._ioloop.call_later(
