@@ -609,6 +609,22 @@ def test_a_queue_the_broker_keeps_refusing_does_not_hold_up_other_keys(
         connection.close()
 
 
+def _drain_and_delete(
+    connection: pika.BlockingConnection, stream: StreamFixture, queues: list[str]
+) -> dict[str, list[Landed]]:
+    """What landed in each queue of the tests' own node; then the queues, the stream's
+    dead-letter queue and the connection are gone."""
+    try:
+        channel = connection.channel()
+        landed = {queue: drain(channel, queue) for queue in queues}
+        for queue in queues:
+            channel.queue_delete(queue)
+        channel.queue_delete(dead_letter_queue_name(stream.name))
+    finally:
+        connection.close()
+    return landed
+
+
 def _hold_queue(rabbit: PrivateRabbit, queue: str, action: str) -> None:
     """Suspend or resume a classic queue's process on the tests' own node: while suspended
     it takes events but confirms none, over a connection that stays healthy."""
@@ -655,13 +671,7 @@ def test_a_confirm_that_never_comes_makes_the_producer_send_again(
             _hold_queue(private_rabbit, queue, "resume")
         with contextlib.suppress(KeyqError):
             producer.close(timeout=15)
-    try:
-        channel = connection.channel()
-        landed = drain(channel, queue)
-        channel.queue_delete(queue)
-        channel.queue_delete(dead_letter_queue_name(stream.name))
-    finally:
-        connection.close()
+    landed = _drain_and_delete(connection, stream, [queue])[queue]
     unique, copies = _dedup(landed)
     assert {m.producer for m in landed} == {producer_id}
     assert [m.json()["n"] for m in unique] == list(range(21))
@@ -710,14 +720,7 @@ def test_a_silent_queue_does_not_hold_up_the_other_keys(
             _hold_queue(private_rabbit, silent, "resume")
         with contextlib.suppress(KeyqError):
             producer.close(timeout=15)
-    try:
-        channel = connection.channel()
-        landed = {queue: drain(channel, queue) for queue in (silent, other)}
-        for queue in (silent, other):
-            channel.queue_delete(queue)
-        channel.queue_delete(dead_letter_queue_name(stream.name))
-    finally:
-        connection.close()
+    landed = _drain_and_delete(connection, stream, [silent, other])
     for queue, count in ((silent, 1001), (other, 51)):
         unique, _copies = _dedup(landed[queue])
         assert {m.producer for m in landed[queue]} == {producer_id}
