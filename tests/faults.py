@@ -86,12 +86,63 @@ class _Flow:
     shut: bool = False  # FIN forwarded to dst
 
 
+_FRAME_METHOD, _FRAME_HEADER, _FRAME_BODY = 1, 2, 3
+_BASIC_DELIVER = (60, 60)
+
+
+class _DeliveryDropper:
+    """Cuts whole ``basic.deliver`` messages (method, header and body frames) out of a
+    server-to-client AMQP byte stream when their body contains a marker: the broker counts
+    such a message as delivered on its channel, and the client never sees it. Everything
+    else passes through unchanged, frame boundaries intact."""
+
+    def __init__(self, markers: list[bytes]) -> None:
+        self.markers = markers  # shared with the proxy: each is used once
+        self.dropped = 0
+        self._pending = b""
+        # channel -> (frames held, body bytes still to come or None before the header)
+        self._messages: dict[int, tuple[list[bytes], int | None]] = {}
+
+    def feed(self, data: bytes) -> bytes:
+        self._pending += data
+        out: list[bytes] = []
+        while len(self._pending) >= 7:
+            kind, channel, size = struct.unpack(">BHI", self._pending[:7])
+            if len(self._pending) < 8 + size:
+                break
+            frame, self._pending = self._pending[: 8 + size], self._pending[8 + size :]
+            payload = frame[7:-1]
+            held = self._messages.get(channel)
+            if kind == _FRAME_METHOD and struct.unpack(">HH", payload[:4]) == _BASIC_DELIVER:
+                self._messages[channel] = ([frame], None)
+            elif held is not None and kind == _FRAME_HEADER:
+                body_size = struct.unpack(">Q", payload[4:12])[0]
+                self._messages[channel] = (held[0] + [frame], body_size)
+            elif held is not None and kind == _FRAME_BODY and held[1] is not None:
+                self._messages[channel] = (held[0] + [frame], held[1] - len(payload))
+            else:
+                out.append(frame)
+                continue
+            frames, left = self._messages[channel]
+            if left is not None and left <= 0:
+                del self._messages[channel]
+                body = b"".join(f[7:-1] for f in frames[2:])
+                marker = next((m for m in self.markers if m in body), None)
+                if marker is not None:
+                    self.markers.remove(marker)
+                    self.dropped += 1
+                else:
+                    out.extend(frames)
+        return b"".join(out)
+
+
 @dataclass(eq=False)
 class _Pipe:
     client: socket.socket
     upstream: socket.socket
     up: _Flow  # client -> upstream
     down: _Flow  # upstream -> client
+    dropper: _DeliveryDropper | None = None  # on ``down``, while deliveries are dropped
     connected: bool = False  # upstream connect() completed
     closed: bool = False
     client_reads: int = 0  # chunks read from the client so far
@@ -129,6 +180,8 @@ class FaultProxy:
         self._refusing = False
         self._dropping_handshakes = False
         self._delay = 0.0
+        self._drop_markers: list[bytes] = []
+        self._droppers: list[_DeliveryDropper] = []
 
         # Guards the command queue, the running/stopped flags and the pipe
         # count seen by other threads.
@@ -205,6 +258,17 @@ class FaultProxy:
         """While on, new connections are forwarded until the client's second chunk (for
         AMQP, its credentials), then reset: a server that is starting or stopping."""
         self._call(lambda: setattr(self, "_dropping_handshakes", on))
+
+    def drop_deliveries(self, *markers: bytes) -> None:
+        """On connections opened from now on, cut out of the broker's stream the first
+        ``basic.deliver`` whose body contains each marker: RabbitMQ then counts that message
+        as delivered to (and unacked by) the consumer, which never gets it."""
+        self._call(lambda: self._drop_markers.extend(markers))
+
+    @property
+    def deliveries_dropped(self) -> int:
+        with self._lock:
+            return sum(dropper.dropped for dropper in self._droppers)
 
     def set_delay(self, seconds: float) -> None:
         """Hold every chunk read from either side ``seconds`` before
@@ -349,7 +413,11 @@ class FaultProxy:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         pipe = _Pipe(client, upstream, _Flow(client, upstream), _Flow(upstream, client))
+        if self._drop_markers:
+            pipe.dropper = _DeliveryDropper(self._drop_markers)
         with self._lock:
+            if pipe.dropper is not None:
+                self._droppers.append(pipe.dropper)
             self._pipes.append(pipe)
             self._lock.notify_all()
         err = upstream.connect_ex(address)
@@ -378,6 +446,10 @@ class FaultProxy:
             if self._dropping_handshakes and pipe.client_reads >= 2:
                 self._close_pipe(pipe, reset=True)
                 return
+        if data and flow is pipe.down and pipe.dropper is not None:
+            data = pipe.dropper.feed(data)
+            if not data:
+                return  # all of it held back, or dropped
         if data:
             flow.chunks.append((time.monotonic() + self._delay, data))
             flow.held += len(data)

@@ -44,6 +44,7 @@ class Broker:
     def __init__(self, ready: int = 0, room: int | None = 100, running: Iterable[str] = ()) -> None:
         self.ready, self.room, self.running = ready, room, set(running)
         self.asked: list[str] = []
+        self.reopened: list[str] = []
 
     def alive(self, ids: Iterable[str]) -> set[str]:
         return set(ids) & self.running
@@ -56,8 +57,22 @@ class Broker:
         return self.room
 
 
-def closer(buffer: DeliveryBuffer, broker: Broker, confirm_gone_s: float = 0.0) -> AbandonedGaps:
-    return AbandonedGaps(buffer, broker.alive, broker.ready_count, broker.room_of, confirm_gone_s)
+def closer(
+    buffer: DeliveryBuffer,
+    broker: Broker,
+    confirm_gone_s: float = 0.0,
+    reopened_at: float | None = float("inf"),
+) -> AbandonedGaps:
+    """By default the queue's consumer counts as reopened since the gap opened."""
+    return AbandonedGaps(
+        buffer,
+        broker.alive,
+        broker.ready_count,
+        broker.room_of,
+        confirm_gone_s,
+        reopened_at=lambda _queue: reopened_at,
+        reopen=broker.reopened.append,
+    )
 
 
 def test_a_gone_producers_parked_events_are_made_due_once_the_queue_is_drained() -> None:
@@ -124,3 +139,21 @@ def test_a_producer_must_stay_gone_a_while_before_it_counts() -> None:
     assert gaps.check(now=start + 6) == 0  # gone again, but only since start + 6
     assert gaps.check(now=start + 10) == 0
     assert gaps.check(now=start + 11) == 1
+
+
+def test_a_consumer_not_reopened_since_the_gap_opened_is_reopened_before_anything_is_given_up() -> (
+    None
+):
+    # A message the broker counts as delivered to this consumer but never sent is not
+    # "ready": only reopening the consumer brings it back, so that comes first.
+    buffer = DeliveryBuffer(gap_timeout_s=60)
+    parked(buffer, "gone", [3, 4])
+    broker = Broker()
+    assert closer(buffer, broker, reopened_at=None).check() == 0
+    assert broker.reopened == [QUEUE]
+    # Reopened before the events started waiting does not count either.
+    broker.reopened.clear()
+    assert closer(buffer, broker, reopened_at=time.monotonic() - 60).check() == 0
+    assert broker.reopened == [QUEUE]
+    # Reopened since: given up.
+    assert closer(buffer, broker, reopened_at=time.monotonic()).check() == 2

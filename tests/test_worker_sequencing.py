@@ -88,13 +88,13 @@ def run(stream: StreamFixture, engine: SparkEngine, **overrides: Any) -> Worker:
 
 
 @contextlib.contextmanager
-def serving(stream: StreamFixture, engine: SparkEngine) -> Iterator[Worker]:
+def serving(stream: StreamFixture, engine: SparkEngine, **overrides: Any) -> Iterator[Worker]:
     """A worker serving the stream in a thread (a gap waits up to 60 s), stopped after."""
     worker = Worker(
         stream.name,
         "tests.pipelines:audit",
         mode="key",
-        settings=fast_settings(sequence_gap_timeout_ms=60_000),
+        settings=fast_settings(**{"sequence_gap_timeout_ms": 60_000, **overrides}),
         engine=engine,
     )
     thread = threading.Thread(target=worker.run, kwargs={"until_idle": 30}, daemon=True)

@@ -9,8 +9,12 @@ each alone can mislead: the broker counts no ready message (a quorum queue's cou
 right after a leader change), nothing has arrived on the queue for ``QUIET_S``, and its
 consumer has room for more (so the broker had nothing more to send). The producer must also
 have been seen gone for ``confirm_gone_s`` (half its ttl by default): a Redis that restarted
-without its data forgets a running producer until its next renewal. The gap is then given up
-through the usual path: reported, remembered in the marks, a late arrival dead-lettered.
+without its data forgets a running producer until its next renewal. A message the broker
+counts as delivered to this consumer but never sent is not ready either, so the queue's
+consumer must also have been reopened since the gap opened (``keyq.worker.stuck_gaps``): the
+first time everything else holds, it is reopened instead, and the gap is given up only once
+the queue is quiet again after that. The gap is then given up through the usual path:
+reported, remembered in the marks, a late arrival dead-lettered.
 """
 
 from __future__ import annotations
@@ -40,16 +44,23 @@ class AbandonedGaps:
         ready_count: Callable[[str], int],
         room_of: Callable[[str], int | None],
         confirm_gone_s: float,
+        *,
+        reopened_at: Callable[[str], float | None],
+        reopen: Callable[[str], None],
     ) -> None:
         """``alive(ids)``: those producers still running (``ProducerPresence.alive``);
         ``ready_count(queue)`` asks the broker for the queue's ready messages;
         ``room_of(queue)`` is the prefetch of the queue's consumer, None if not held;
-        ``confirm_gone_s``: how long a producer must be seen gone before it counts."""
+        ``confirm_gone_s``: how long a producer must be seen gone before it counts;
+        ``reopened_at(queue)``: when its consumer was last reopened for a gap, if ever;
+        ``reopen(queue)``: reopen its consumer now."""
         self._buffer = buffer
         self._alive = alive
         self._ready_count = ready_count
         self._room_of = room_of
         self._confirm_gone_s = confirm_gone_s
+        self._reopened_at = reopened_at
+        self._reopen = reopen
         self._gone_since: dict[str, float] = {}  # producer -> first seen gone
         self._next_check = 0.0
 
@@ -95,6 +106,15 @@ class AbandonedGaps:
             if room is None or self._buffer.depth(queue) >= room:
                 continue  # the broker may hold more that it could not send us
             if self._ready_count(queue) != 0:
+                continue
+            reopened = self._reopened_at(queue)
+            waits = [
+                delivery.waiting_since
+                for delivery in self._buffer.parked_items().get(queue, ())
+                if delivery.waiting_since is not None and producer_of(delivery) in gone
+            ]
+            if waits and (reopened is None or reopened < min(waits)):
+                self._reopen(queue)  # anything it holds unsent comes back; checked again after
                 continue
             count = self._buffer.expire_parked(queue, _from_any_of(gone), now)
             if count:

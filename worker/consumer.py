@@ -35,6 +35,7 @@ from keyq.broker.errors import (
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.settings import Settings
 from keyq.broker.topology import dead_letter_queue_arguments
+from keyq.worker.ack_ledger import AckLedger
 from keyq.worker.deliveries import Delivery, DeliveryBuffer
 
 log = logging.getLogger("keyq.worker.amqp")
@@ -92,8 +93,8 @@ class ConsumerLink:
         self._dlq = dead_letter_queue_name(stream)
         self._connection: pika.BlockingConnection | None = None
         self._channels: dict[str, tuple[int, BlockingChannel]] = {}
-        # Per consumer (queue, epoch): delivery tags not yet acked, oldest first.
-        self._unacked: dict[tuple[str, int], dict[int, None]] = {}
+        # Per consumer (queue, epoch): its delivery tags not yet acked.
+        self._unacked: dict[tuple[str, int], AckLedger] = {}
         self._dead_letter_channel: BlockingChannel | None = None
         self._dead_letter_ready = False  # the dead-letter queue was declared on this connection
         self._probe_channel: BlockingChannel | None = None
@@ -357,7 +358,7 @@ class ConsumerLink:
             return Consumed(ConsumeOutcome.CONSUMING, self._channels[queue][0])
         channel = self._connection.channel()
         buffer = self._buffer
-        unacked: dict[int, None] = {}
+        unacked = AckLedger()
 
         def on_message(
             _channel: BlockingChannel,
@@ -365,7 +366,7 @@ class ConsumerLink:
             properties: pika.BasicProperties,
             body: bytes,
         ) -> None:
-            unacked[method.delivery_tag] = None
+            unacked.delivered(method.delivery_tag)
             buffer.add(
                 Delivery(
                     queue=queue,
@@ -430,27 +431,23 @@ class ConsumerLink:
             close_keeping_consumers(held[1])
 
     def _ack(self, acks: Sequence[tuple[str, int, Sequence[int]]]) -> int:
-        """One ``ack(multiple)`` for the oldest unacked run being settled; the tags past a
-        delivery still waiting (for an earlier seq) are acked one by one."""
+        """One ``ack(multiple)`` for the oldest run of tags being settled; the tags past a
+        delivery still waiting (for an earlier seq), or past a tag that never reached us
+        (``keyq.worker.ack_ledger``), are acked one by one."""
         done = 0
         for queue, epoch, tags in acks:
             held = self._channels.get(queue)
             if held is None or held[0] != epoch or not held[1].is_open:
                 self._unacked.pop((queue, epoch), None)
                 continue  # that consumer is gone: the broker has requeued these already
-            outstanding = self._unacked.get((queue, epoch), {})
-            settling = {tag for tag in tags if tag in outstanding}  # never ack twice
-            upto = 0
-            for tag in outstanding:  # delivery order, oldest first
-                if tag not in settling:
-                    break
-                upto = tag
+            ledger = self._unacked.get((queue, epoch))
+            if ledger is None:
+                continue
+            upto, singles = ledger.settle(tags)
             if upto:
                 held[1].basic_ack(upto, multiple=True)
-            for tag in sorted(settling):
-                if tag > upto:
-                    held[1].basic_ack(tag, multiple=False)
-                del outstanding[tag]
+            for tag in singles:
+                held[1].basic_ack(tag, multiple=False)
             done += 1
         return done
 

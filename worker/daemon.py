@@ -52,6 +52,7 @@ from keyq.worker.holdings import Held, Holdings
 from keyq.worker.pipeline import Pipeline, load_pipeline
 from keyq.worker.sinks import ParquetSink, open_sink
 from keyq.worker.state_store import StateStore
+from keyq.worker.stuck_gaps import StuckGaps
 
 _T = TypeVar("_T")
 
@@ -113,6 +114,7 @@ class Worker:
         self._claims: ClaimLoop | None = None
         self._processor: BatchProcessor | None = None
         self._link: ConsumerLink | None = None
+        self._stuck: StuckGaps | None = None
         self.config: StreamConfig | None = None
         self.ready = threading.Event()
         self.released = 0
@@ -157,6 +159,7 @@ class Worker:
             "reconnects": self._link.reconnects if self._link else 0,
             "late": batch.late if batch else 0,
             "gaps_skipped": batch.gaps_skipped if batch else 0,
+            "gap_reopens": self._stuck.reopens if self._stuck else 0,
             "waiting": self._buffer.parked(),
             **self._gap_report(),
         }
@@ -346,12 +349,16 @@ class Worker:
             key_of_queue=lambda queue: self._key_of(registry, queue),
             stopping=self._stop,
         )
+        stuck = StuckGaps(self._buffer, settings.sequence_gap_timeout_ms / 1000)
+        self._stuck = stuck
         abandoned = AbandonedGaps(
             self._buffer,
             alive=ProducerPresence(client, self.stream).alive,
             ready_count=link.message_count,
             room_of=self._room_of,
             confirm_gone_s=settings.producer_ttl_ms / 2000,
+            reopened_at=stuck.reopened_at,
+            reopen=lambda queue: self._reopen_for_gap(queue, stuck),
         )
         claims.start()
         if not claims.wait_first_round(10):
@@ -367,6 +374,7 @@ class Worker:
                 self._fire_events()
                 self._apply_releases(claims.take_release_requests(), client)
                 self._give_up_abandoned_gaps(abandoned)
+                self._reopen_stuck_gaps(stuck)
                 batch = self._buffer.take(settings.batch_max_events, self._batch_wait(), 0.1)
                 if batch:
                     self._process(batch)
@@ -448,18 +456,46 @@ class Worker:
                 parked,
                 wider,
             )
-            self._link.close_queue(queue, held.epoch)
-            self._buffer.drop(queue, held.epoch)
-            self._prefetch_of.pop((queue, held.epoch), None)
-            again = Held(
-                queue=queue, lease=held.lease, epoch=self._link.new_epoch(), since=held.since
+            self._reopen(queue, wider)
+
+    def _reopen(self, queue: str, prefetch: int | None = None) -> None:
+        """Close ``queue``'s consumer, which hands every unacked delivery back to the queue in
+        order, and consume it again at once (under the same lock) with ``prefetch``, or the
+        one it had. Its waiting events keep their waiting time."""
+        held = self._holdings.get(queue)
+        if held is None:
+            return
+        assert self._link is not None
+        if prefetch is None:
+            prefetch = self._prefetch_of.get((queue, held.epoch))
+        self._link.close_queue(queue, held.epoch)
+        self._buffer.drop(queue, held.epoch, keep_waits=True)
+        self._prefetch_of.pop((queue, held.epoch), None)
+        again = Held(queue=queue, lease=held.lease, epoch=self._link.new_epoch(), since=held.since)
+        self._holdings.add(again)
+        consumed = self._link.consume(queue, again.epoch, prefetch=prefetch)
+        if consumed.outcome is ConsumeOutcome.CONSUMING:
+            if prefetch is not None:
+                self._prefetch_of[(queue, again.epoch)] = prefetch
+        else:
+            self._queue_lost(queue, again.epoch, f"reopening it failed: {consumed.outcome}")
+
+    def _reopen_stuck_gaps(self, stuck: StuckGaps) -> None:
+        """Reopen the consumers of queues whose gap stays open (``keyq.worker.stuck_gaps``)."""
+        if not self._buffer.parked():
+            return
+        for queue in stuck.due():
+            log.warning(
+                "queue %s: a sequence gap has stayed open for %.0f s; reopening its consumer so "
+                "that the broker hands back anything it counts as delivered here",
+                queue,
+                stuck.reopen_after_s,
             )
-            self._holdings.add(again)
-            consumed = self._link.consume(queue, again.epoch, prefetch=wider)
-            if consumed.outcome is ConsumeOutcome.CONSUMING:
-                self._prefetch_of[(queue, again.epoch)] = wider
-            else:
-                self._queue_lost(queue, again.epoch, f"reopening it failed: {consumed.outcome}")
+            self._reopen_for_gap(queue, stuck)
+
+    def _reopen_for_gap(self, queue: str, stuck: StuckGaps) -> None:
+        stuck.note_reopened(queue)
+        self._reopen(queue)
 
     def _batch_wait(self) -> float:
         """How long a batch may wait to fill: ``batch_max_ms``, or longer while Spark jobs

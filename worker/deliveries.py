@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
+
 
 @dataclass(slots=True)
 class Delivery:
@@ -44,6 +46,9 @@ class DeliveryBuffer:
         self._queues: dict[str, deque[Delivery]] = {}
         self._parked: dict[str, list[Delivery]] = {}
         self._last_arrival: dict[str, float] = {}
+        # (queue, event identity) -> since when a delivery dropped for a consumer's reopening had
+        # waited: its redelivery keeps waiting from then, so a gap's timeout is not reset.
+        self._waits: dict[tuple[str, tuple[str, ...]], float] = {}
         self._count = 0
         self._first_arrival: float | None = None
         self._changed = threading.Condition()
@@ -51,6 +56,11 @@ class DeliveryBuffer:
 
     def add(self, delivery: Delivery) -> None:
         with self._changed:
+            if self._waits:
+                identity = _identity(delivery)
+                since = self._waits.pop((delivery.queue, identity), None) if identity else None
+                if since is not None:
+                    delivery.waiting_since = since
             self._queues.setdefault(delivery.queue, deque()).append(delivery)
             self._last_arrival[delivery.queue] = delivery.received_at
             self._count += 1
@@ -187,9 +197,13 @@ class DeliveryBuffer:
                 self._count += len(items)
             self._reset_first_arrival()
 
-    def drop(self, queue: str, channel_epoch: int | None = None) -> int:
+    def drop(
+        self, queue: str, channel_epoch: int | None = None, *, keep_waits: bool = False
+    ) -> int:
         """Forget a queue's buffered deliveries (the broker requeues them when the channel
-        closes); with an epoch, only those of that consumer incarnation or older."""
+        closes); with an epoch, only those of that consumer incarnation or older. With
+        ``keep_waits`` (the same worker consumes the queue again at once), the parked ones'
+        redeliveries keep waiting from when they first did."""
         with self._changed:
             parked = self._parked.pop(queue, [])
             kept_parked = (
@@ -199,6 +213,19 @@ class DeliveryBuffer:
             )
             if kept_parked:
                 self._parked[queue] = kept_parked
+            if keep_waits:
+                for delivery in parked:
+                    if channel_epoch is not None and delivery.channel_epoch > channel_epoch:
+                        continue  # kept
+                    identity = _identity(delivery)
+                    if identity is not None and delivery.waiting_since is not None:
+                        slot = (queue, identity)
+                        self._waits[slot] = min(
+                            self._waits.get(slot, delivery.waiting_since), delivery.waiting_since
+                        )
+            elif self._waits:
+                for slot in [slot for slot in self._waits if slot[0] == queue]:
+                    del self._waits[slot]
             parked_dropped = len(parked) - len(kept_parked)
             fifo = self._queues.get(queue)
             if not fifo:
@@ -224,6 +251,16 @@ class DeliveryBuffer:
     def _reset_first_arrival(self) -> None:
         heads = [fifo[0].received_at for fifo in self._queues.values() if fifo]
         self._first_arrival = min(heads) if heads else None
+
+
+def _identity(delivery: Delivery) -> tuple[str, ...] | None:
+    """What a redelivery of the same event shares: its key, producer and seq (what every
+    event that can wait carries), else its message id."""
+    headers = delivery.headers
+    seq = headers.get(HEADER_SEQ)
+    if seq is not None:
+        return (str(headers.get(HEADER_KEY)), str(headers.get(HEADER_PRODUCER)), str(seq))
+    return None if delivery.message_id is None else (delivery.message_id,)
 
 
 def _due(items: Iterable[Delivery], before: float) -> bool:

@@ -91,6 +91,12 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
         "them were applied without the missing ones.",
     ),
     (
+        "gap_reopens",
+        "keyq_worker_gap_reopens_total",
+        "Consumers reopened because a sequence gap stayed open, so that the broker hands "
+        "back anything it counts as delivered to them.",
+    ),
+    (
         "late",
         "keyq_worker_events_late_total",
         "Events that arrived after their gap was given up, dead-lettered as late.",

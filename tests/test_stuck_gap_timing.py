@@ -1,0 +1,64 @@
+"""When a worker reopens a consumer for a gap that stays open, and what a reopening keeps
+(pure logic on the delivery buffer; the broker side is in tests/test_stuck_gaps.py)."""
+
+from __future__ import annotations
+
+import time
+
+from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
+from keyq.worker.deliveries import Delivery, DeliveryBuffer
+from keyq.worker.stuck_gaps import QUIET_S, StuckGaps
+
+QUEUE = "keyq.s.k.acct"
+
+
+def delivery(seq: int, epoch: int, at: float) -> Delivery:
+    headers = {HEADER_KEY: "acct", HEADER_PRODUCER: "p", HEADER_SEQ: seq}
+    return Delivery(QUEUE, epoch, seq, False, headers, None, None, b"{}", received_at=at)
+
+
+def park(buffer: DeliveryBuffer, seqs: list[int], epoch: int, at: float) -> None:
+    for seq in seqs:
+        buffer.add(delivery(seq, epoch, at))
+    buffer.park(buffer.take(100, 0.0, 0.0), now=at)
+
+
+def test_a_queue_is_reopened_once_its_gap_waited_and_it_went_quiet_then_not_again_at_once() -> None:
+    buffer = DeliveryBuffer(gap_timeout_s=60)
+    stuck = StuckGaps(buffer, gap_timeout_s=60)
+    now = time.monotonic()
+    park(buffer, [3, 4], epoch=1, at=now - stuck.reopen_after_s + 1)
+    assert stuck.due(now) == []  # not waited long enough
+    assert stuck.due(now + 1) == [QUEUE]
+    stuck.note_reopened(QUEUE, now + 1)
+    assert stuck.due(now + 2) == []
+    assert stuck.due(now + 1 + stuck.reopen_after_s) == [QUEUE]
+
+
+def test_a_queue_still_receiving_is_not_reopened() -> None:
+    buffer = DeliveryBuffer(gap_timeout_s=60)
+    stuck = StuckGaps(buffer, gap_timeout_s=60)
+    now = time.monotonic()
+    park(buffer, [3], epoch=1, at=now - 30)
+    buffer.add(delivery(9, 1, now - QUIET_S / 2))  # something arrived just now
+    assert stuck.due(now) == []
+
+
+def test_a_short_gap_timeout_reopens_sooner() -> None:
+    assert StuckGaps(DeliveryBuffer(), gap_timeout_s=4).reopen_after_s == 2
+
+
+def test_a_reopened_consumers_redeliveries_keep_waiting_from_when_they_first_did() -> None:
+    """Otherwise every reopening would restart the gap's timeout."""
+    buffer = DeliveryBuffer(gap_timeout_s=60)
+    first = time.monotonic() - 20
+    park(buffer, [3, 4], epoch=1, at=first)
+    assert buffer.drop(QUEUE, 1, keep_waits=True) == 2
+    redelivered = delivery(3, 2, time.monotonic())
+    buffer.add(redelivered)
+    assert redelivered.waiting_since == first
+    # A queue handed back (no keep_waits) forgets them: another worker starts afresh.
+    buffer.drop(QUEUE)
+    again = delivery(4, 3, time.monotonic())
+    buffer.add(again)
+    assert again.waiting_since is None

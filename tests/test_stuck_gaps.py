@@ -1,0 +1,101 @@
+"""A message the broker counts as delivered to a worker that never got it: the worker gets it
+back by reopening its consumer, and never acks it by accident.
+
+RabbitMQ 3.10's quorum queues were seen keeping messages checked out to a live consumer
+across leader changes without sending them (the cluster soak). The fault proxy reproduces
+what the worker then sees, on the real broker: it cuts one ``basic.deliver`` out of the
+broker's stream, so RabbitMQ counts that message as delivered and unacked on the worker's
+channel, and the worker never receives it. Real RabbitMQ, Redis and Spark; the worker runs in
+the test process."""
+
+from __future__ import annotations
+
+import time
+
+import pika
+import pytest
+
+from keyq.broker.envelope import HEADER_DEAD_REASON
+from keyq.broker.naming import dead_letter_queue_name
+from keyq.broker.settings import Settings
+from keyq.worker.engine import SparkEngine
+from keyq.worker.state_store import StateStore
+from keyq.worker.stuck_gaps import QUIET_S, REOPEN_AFTER_S
+from tests.conftest import StreamFixture
+from tests.faults import FaultProxy
+from tests.helpers import drain, queue_depth
+from tests.test_worker_sequencing import RawPublisher, run, serving, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def seq_marker(seq: int) -> bytes:
+    """What only the body of the event with ``seq`` contains (RawPublisher's bodies)."""
+    return b'{"n":%d,' % seq
+
+
+def test_a_delivery_that_never_arrives_comes_back_when_the_consumer_is_reopened(
+    stream: StreamFixture,
+    amqp: pika.BlockingConnection,
+    spark_engine: SparkEngine,
+    settings: Settings,
+) -> None:
+    """Seq 3 of a running producer is counted as delivered but never reaches the worker: 4..6
+    wait behind the gap. No gap timeout would help (the broker never sends it again on that
+    consumer); reopening the consumer does, and 1..6 are applied in order, long before the
+    60-s gap timeout."""
+    raw = RawPublisher(stream, amqp, "never-sent", running=True)
+    raw.publish(*range(1, 7))
+    with FaultProxy("127.0.0.1", pika.URLParameters(settings.amqp_url).port) as proxy:
+        proxy.drop_deliveries(seq_marker(3))
+        with serving(stream, spark_engine, amqp_url=proxy.url_for(settings.amqp_url)) as worker:
+            started = time.monotonic()
+            wait_for(lambda: worker.stats()["events"] >= 6, started + 45, worker)
+            took = time.monotonic() - started
+            stats = worker.stats()
+        assert proxy.deliveries_dropped == 1
+    state = StateStore(stream.redis, stream.name)
+    assert state.get(raw.key) == {"applied": 6, "last": {"ext": 6}, "violations": []}
+    assert stats["gap_reopens"] >= 1 and stats["gaps_skipped"] == 0, stats
+    assert took >= REOPEN_AFTER_S - 1, took  # 3 came back only with the reopening
+    assert queue_depth(amqp, raw.queue) == 0
+
+
+def test_a_gap_given_up_never_acks_the_message_that_did_not_arrive(
+    stream: StreamFixture,
+    amqp: pika.BlockingConnection,
+    spark_engine: SparkEngine,
+    settings: Settings,
+) -> None:
+    """With a gap timeout shorter than any reopening, the gap behind seq 3 is given up and
+    4..6 are applied and acked. A multiple ack up to 6 would also settle 3, which the broker
+    counts as delivered: gone for good, never applied, never dead-lettered. It must stay
+    unacked, come back when the consumer closes, and be dead-lettered as late."""
+    raw = RawPublisher(stream, amqp, "given-up")
+    raw.publish(*range(1, 7))
+    with FaultProxy("127.0.0.1", pika.URLParameters(settings.amqp_url).port) as proxy:
+        proxy.drop_deliveries(seq_marker(3))
+        worker = run(
+            stream,
+            spark_engine,
+            amqp_url=proxy.url_for(settings.amqp_url),
+            sequence_gap_timeout_ms=int(QUIET_S * 500),  # given up before any reopening
+        )
+        assert proxy.deliveries_dropped == 1
+    state = StateStore(stream.redis, stream.name)
+    assert state.get(raw.key) == {
+        "applied": 5,
+        "last": {"ext": 6},
+        "violations": [["ext", 2, 4]],
+    }
+    assert worker.stats()["gaps_skipped"] == 1
+    assert queue_depth(amqp, raw.queue) == 1, "seq 3 was acked without ever being applied"
+
+    worker = run(stream, spark_engine)  # 3 comes back: late, dead-lettered with the reason
+    assert worker.stats()["late"] == 1
+    [letter] = drain(amqp.channel(), dead_letter_queue_name(stream.name))
+    assert letter.seq == 3
+    reason = letter.headers[HEADER_DEAD_REASON]
+    reason = reason.decode() if isinstance(reason, bytes) else reason
+    assert reason.startswith("late: seq 3 of producer ext"), reason
+    assert queue_depth(amqp, raw.queue) == 0
