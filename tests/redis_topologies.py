@@ -365,3 +365,40 @@ class RedisSentinelServers:
         primary."""
         server.kill()
         server.start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.redis_topologies cluster|sentinel -- COMMAND…``: start that topology
+    on loopback, run COMMAND with ``KEYQ_REDIS_URL`` pointing at it, stop it; COMMAND's exit
+    status. For trying any keyq command against a Redis Cluster or Sentinel, e.g.
+    ``python -m tests.redis_topologies cluster -- keyq demo --chaos``."""
+    import argparse
+    import os
+    import sys
+    import tempfile
+
+    parser = argparse.ArgumentParser(prog="python -m tests.redis_topologies")
+    parser.add_argument("topology", choices=("cluster", "sentinel"))
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the command to run after --")
+    missing = redis_topologies_available()
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="kq-redis-") as folder:
+        servers: RedisClusterServers | RedisSentinelServers = (
+            RedisClusterServers(Path(folder))
+            if args.topology == "cluster"
+            else RedisSentinelServers(Path(folder))
+        )
+        with servers:
+            print(f"KEYQ_REDIS_URL={servers.url}", file=sys.stderr, flush=True)
+            env = {**os.environ, "KEYQ_REDIS_URL": servers.url}
+            return subprocess.run(command, env=env, check=False).returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
