@@ -269,6 +269,9 @@ class SoakReport:
     dead_letters_unplanted: int = 0
     dead_letter_copies: int = 0
     dead_letter_reasons: dict[str, int] = field(default_factory=dict)
+    # Each dead letter that was not planted (or a poison planted once, found under another
+    # identity): its stream, key, reason and the start of its body, to follow it up.
+    unplanted_letters: list[dict[str, str]] = field(default_factory=list)
     bad_keys: list[dict[str, Any]] = field(default_factory=list)
     producer_stats: dict[str, dict[str, int]] = field(default_factory=dict)
     drain_seconds: float = 0.0
@@ -329,6 +332,10 @@ class SoakReport:
                 f"  dead letters: {self.dead_letters_planted} planted, "
                 f"{self.dead_letters_found} found, {self.dead_letters_missing} missing, "
                 f"{self.dead_letters_unplanted} unplanted, {self.dead_letter_copies} extra copies",
+                *(
+                    f"    unplanted: {json.dumps(letter, ensure_ascii=False)}"
+                    for letter in self.unplanted_letters
+                ),
                 f"  faults applied: {json.dumps(self.faults_applied, sort_keys=True)}",
                 f"  drained in {self.drain_seconds}s; janitor deleted {self.janitor_deleted} "
                 f"queues ({len(self.janitor_deleted_holding)} holding messages), "
@@ -1081,12 +1088,24 @@ class Soak:
                     found_bodies[body] += 1
                 else:
                     unplanted += 1
+                    report.unplanted_letters.append(
+                        {
+                            "stream": stream,
+                            "key": key,
+                            "reason": reason[:300],
+                            "body": body[:200].decode("utf-8", "replace"),
+                        }
+                    )
         report.dead_letters_planted = len(planted_poison) + len(UNDECODABLE)
         report.dead_letters_found = len(found_poison) + len(found_bodies)
         report.dead_letters_missing = len(planted_poison - found_poison.keys()) + len(
             planted_bodies.keys() - found_bodies.keys()
         )
         report.dead_letters_unplanted = unplanted + len(found_poison.keys() - planted_poison)
+        report.unplanted_letters += [
+            {"stream": stream, "key": key, "reason": "planted poison", "body": f"n={n}"}
+            for stream, key, n in sorted(found_poison.keys() - planted_poison)
+        ]
         report.dead_letter_copies = (
             sum(found_poison.values()) + sum(found_bodies.values()) - (report.dead_letters_found)
         )
