@@ -37,7 +37,7 @@ from keyq.broker.naming import base_queue_name, incarnation_name
 from keyq.broker.settings import Settings
 from keyq.broker.topology import dead_letter_queue_arguments, keyed_queue_arguments
 from keyq.broker.urls import scrub
-from keyq.producer.outgoing import Outgoing, QueueState
+from keyq.producer.outgoing import AsideChannel, Outgoing, QueueState
 
 log = logging.getLogger("keyq.producer")
 
@@ -58,11 +58,14 @@ RECONNECT_AFTER_RECOVERIES = 6
 REFUSING_QUEUE_ROOM = 100
 # How often the I/O thread looks for an event whose confirm is overdue (``confirm_timeout``).
 CONFIRM_CHECK_S = 1.0
-# Events in flight at most to a queue whose confirm was overdue, until it confirms again. A
-# quorum queue that stopped answering makes the channel that publishes many events to it stop
-# reading, and every other key's events on that connection wait with it (the cluster soak:
-# 10,000 events in flight, none confirmed, after each reconnect); a few events do not.
-SILENT_QUEUE_IN_FLIGHT = 16
+# A queue whose confirm was overdue is *silent* until it confirms again, and its events go on
+# a channel of its own, this many at a time. RabbitMQ 3.10 registers a channel with a quorum
+# queue on its first publish there, synchronously, for up to net_ticktime + 5 s (65 s), and
+# again on the next publish if that timed out: a queue that cannot reach a quorum froze the
+# whole channel for minutes, and with it every other key of the connection (the cluster soak:
+# hundreds of queues, no confirm at all, reconnect after reconnect). On a channel of its own it
+# freezes only itself.
+SILENT_QUEUE_IN_FLIGHT = 1
 _QUEUE_DOWN = re.compile(r"queue '(?P<queue>[^']+)' in vhost '[^']*' is down or inaccessible")
 
 NewQueues = Callable[[dict[str, str | None]], None]
@@ -93,6 +96,7 @@ class PublisherLink:
         self.resent_events = 0  # events sent again after a lost connection
         self.late_confirms = 0  # events confirmed after their queue's lease ran out: sent again
         self.overdue_reconnects = 0  # reconnects because a confirm did not come in time
+        self.silent_channel_resets = 0  # a silent queue's own channel reopened, likewise
 
         # Shared with application threads, guarded by ``cond``.
         self.cond = threading.Condition()
@@ -116,6 +120,7 @@ class PublisherLink:
         self._by_number: dict[int, Outgoing] = {}
         self._queues: dict[str, QueueState] = {}
         self._resend: list[Outgoing] = []
+        self._aside: dict[str, AsideChannel] = {}  # silent queue -> its own channel
         # Queues whose node is down, kept across reconnects, so that their events wait while
         # every other queue's flow; and the queues being declared aside until they answer.
         self._unreachable: dict[str, str] = {}  # base name -> the incarnation that was down
@@ -414,21 +419,15 @@ class PublisherLink:
 
     def _send(self, message: Outgoing) -> None:
         state = self._state(message)
+        silent = message.queue in self._silent
         channel = self._channel
-        if (
-            state.recovering
-            or state.held
-            or state.unreachable
-            or channel is None
-            or (not channel.is_open)
-            or (
-                message.queue in self._silent
-                and (state.parked or state.inflight >= SILENT_QUEUE_IN_FLIGHT)
-            )
-        ):
+        blocked = state.recovering or state.held or state.unreachable
+        if silent and not blocked:
+            channel = None if state.parked else self._aside_channel(message.queue)
+        if blocked or channel is None or not channel.is_open:
             # A closed channel (a lease granted while reconnecting): parked events are
             # collected and re-sent in order once the connection is back. A silent queue's
-            # events beyond its few in flight go as confirms come (``_release_parked``).
+            # events wait for its own channel to have room (``_release_parked``).
             state.parked.append(message)
             return
         now = time.monotonic()
@@ -445,14 +444,20 @@ class PublisherLink:
             # this channel, so no round trip is spent per new key.
             channel.queue_declare(name, durable=True, arguments=self._queue_args)
             state.declared = True
-        message.tag = self._next_tag
-        self._next_tag += 1
+        if silent:
+            aside = self._aside[message.queue]
+            message.tag = aside.next_tag
+            aside.next_tag += 1
+            aside.inflight.append(message)
+        else:
+            message.tag = self._next_tag
+            self._next_tag += 1
+            self._inflight.append(message)
         message.returned = False
         message.settled = False
         message.sent_at = now
         message.sent_to = name
         channel.basic_publish("", name, message.body, message.properties, mandatory=True)
-        self._inflight.append(message)
         self._by_number[message.number] = message
         state.inflight += 1
 
@@ -466,10 +471,14 @@ class PublisherLink:
         self._queues[message.queue].recovering = True
 
     def _on_confirm(self, frame: Any) -> None:
+        self._settle_confirmed(self._inflight, frame)
+
+    def _settle_confirmed(self, inflight: deque[Outgoing], frame: Any) -> None:
+        """Settle what one ack or nack of a channel covers (``inflight``: that channel's
+        events in tag order, tags consecutive)."""
         method = frame.method
         nacked = isinstance(method, pika.spec.Basic.Nack)
         tag = method.delivery_tag
-        inflight = self._inflight
         if not inflight:
             return
         to_recover: list[str] = []
@@ -488,6 +497,11 @@ class PublisherLink:
                     published.append(message.queue)
         while inflight and inflight[0].settled:
             inflight.popleft()
+        self._after_settling(published, to_recover)
+
+    def _after_settling(self, published: list[str], to_recover: list[str]) -> None:
+        """What follows confirms: the window's counts, silent queues heard again (their own
+        channel closed, their parked events sent on the main one), recoveries."""
         self._last_settled_at = time.monotonic()
         if published:
             heard_again = set(published) & self._silent
@@ -504,11 +518,13 @@ class PublisherLink:
                 self.cond.notify_all()
             for queue in heard_again:
                 log.info("queue %s confirms again", queue)
+                self._close_aside(queue)
                 self._release_parked(queue)
         for queue in to_recover:
             state = self._queues.get(queue)
             if state is not None and state.recovering and state.inflight == 0:
-                if state.recoveries >= RECONNECT_AFTER_RECOVERIES:
+                if state.recoveries >= RECONNECT_AFTER_RECOVERIES and queue not in self._silent:
+                    # (A silent queue is refused on its own channel: the others flow.)
                     self._reconnect_refused(queue)
                     return
                 delay = RECOVERY_DELAYS[min(state.recoveries, len(RECOVERY_DELAYS) - 1)]
@@ -587,6 +603,9 @@ class PublisherLink:
     def _collect_unsettled(self) -> None:
         """After a lost connection: everything not confirmed goes out again, in order."""
         pending = [message for message in self._inflight if not message.settled]
+        for aside in self._aside.values():
+            pending.extend(message for message in aside.inflight if not message.settled)
+        self._aside.clear()
         for state in self._queues.values():
             pending.extend(state.returned)
             pending.extend(state.parked)
@@ -596,6 +615,112 @@ class PublisherLink:
         self._inflight.clear()
         self._by_number.clear()
         self._queues.clear()
+
+    # ------------------------------------------------------------------ silent queues
+    def _aside_channel(self, queue: str) -> Any:
+        """The silent ``queue``'s own channel if it has room for an event now, else None
+        (opening it when there is none yet)."""
+        aside = self._aside.get(queue)
+        if aside is None:
+            self._open_aside(queue)
+            return None
+        channel = aside.channel
+        if (
+            channel is None
+            or not aside.ready
+            or not channel.is_open
+            or len(aside.inflight) >= SILENT_QUEUE_IN_FLIGHT
+        ):
+            return None
+        return channel
+
+    def _open_aside(self, queue: str) -> None:
+        connection = self._connection
+        if connection is None or not connection.is_open or self._stopping:
+            return  # its events wait in ``parked``; a reconnect collects them
+        aside = self._aside[queue] = AsideChannel()
+
+        def on_open(channel: Any) -> None:
+            if self._aside.get(queue) is not aside:
+                with contextlib.suppress(Exception):
+                    channel.close()
+                return
+            aside.channel = channel
+            channel.add_on_close_callback(lambda _ch, why: self._on_aside_closed(queue, aside, why))
+            channel.add_on_return_callback(self._on_return)
+            channel.confirm_delivery(
+                ack_nack_callback=lambda frame: self._on_aside_confirm(queue, aside, frame),
+                callback=lambda _frame: self._on_aside_ready(queue, aside),
+            )
+
+        connection.channel(on_open_callback=on_open)
+
+    def _on_aside_ready(self, queue: str, aside: AsideChannel) -> None:
+        if self._aside.get(queue) is aside:
+            aside.ready = True
+            self._release_parked(queue)
+
+    def _on_aside_confirm(self, queue: str, aside: AsideChannel, frame: Any) -> None:
+        if self._aside.get(queue) is aside:
+            self._settle_confirmed(aside.inflight, frame)
+        if queue in self._silent:
+            self._release_parked(queue)  # the next one goes
+
+    def _on_aside_closed(self, queue: str, aside: AsideChannel, reason: BaseException) -> None:
+        """Its unconfirmed events go back in front of the queue's parked ones; unless the
+        whole connection is going (which collects them), it is opened again a moment later."""
+        if self._aside.get(queue) is not aside:
+            return  # closed by us, or collected with its connection
+        del self._aside[queue]
+        pending = [message for message in aside.inflight if not message.settled]
+        aside.inflight.clear()
+        if pending:
+            state = self._queues.setdefault(queue, QueueState(key=pending[0].key))
+            for message in pending:
+                self._by_number.pop(message.number, None)
+            state.inflight -= len(pending)
+            state.parked = deque(
+                sorted([*pending, *state.parked], key=lambda message: message.number)
+            )
+        connection = self._connection
+        if self._stopping or connection is None or not connection.is_open:
+            return
+        log.warning(
+            "the channel of silent queue %s closed (%s); opening it again",
+            queue,
+            describe_exception(reason),
+        )
+        self._ioloop.call_later(1.0, lambda: self._release_parked(queue))
+
+    def _reset_overdue_asides(self, now: float) -> None:
+        """A silent queue's event unconfirmed past ``confirm_timeout`` on its own channel: that
+        channel is closed (only it), and the event goes again on a fresh one."""
+        for queue, aside in list(self._aside.items()):
+            channel = aside.channel
+            if not aside.inflight or channel is None or not channel.is_open:
+                continue
+            waited = now - aside.inflight[0].sent_at
+            if waited < self._settings.confirm_timeout:
+                continue
+            self.silent_channel_resets += 1
+            log.warning(
+                "silent queue %s has not confirmed for %.0f s on its own channel; sending "
+                "again on a fresh one",
+                queue,
+                waited,
+            )
+            with contextlib.suppress(Exception):
+                channel.close()
+
+    def _close_aside(self, queue: str) -> None:
+        """A silent queue confirmed: close its channel once nothing is in flight there."""
+        aside = self._aside.get(queue)
+        if aside is None or aside.inflight:
+            return
+        del self._aside[queue]
+        if aside.channel is not None and aside.channel.is_open:
+            with contextlib.suppress(Exception):
+                aside.channel.close()
 
     # ------------------------------------------------------------------ overdue confirms
     def _watch_confirms(self) -> None:
@@ -608,6 +733,7 @@ class PublisherLink:
         self._ioloop.call_later(CONFIRM_CHECK_S, self._watch_confirms)
         now = time.monotonic()
         self._report_if_stuck(now)
+        self._reset_overdue_asides(now)
         connection = self._connection
         if (
             connection is None
@@ -627,8 +753,8 @@ class PublisherLink:
         self.overdue_reconnects += 1
         log.warning(
             "%d events of %d queues await their confirms on this connection, the oldest (for "
-            "%s) for %.0f s; reconnecting to send them again, at most %d at a time to each of "
-            "those queues until it confirms",
+            "%s) for %.0f s; reconnecting to send them again, each of those queues on a channel "
+            "of its own, %d at a time, until it confirms",
             unconfirmed,
             len(waiting),
             oldest.queue,
@@ -683,12 +809,16 @@ class PublisherLink:
         self._stuck_reported_at = now
         states = self._queues.values()
         log.warning(
-            "no confirm for %.0f s with %d events unconfirmed: %d in flight, %d waiting to be "
-            "sent, %d to re-send after a reconnect; parked: %d for a lease (%d queues), %d behind "
-            "a deleted queue (%d queues), %d for a node that is down (%d queues)",
+            "no confirm for %.0f s with %d events unconfirmed: %d in flight (%d on the channels "
+            "of %d silent queues), %d waiting to be sent, %d to re-send after a reconnect; "
+            "parked: %d for a lease (%d queues), %d behind a deleted queue (%d queues), %d for "
+            "a node that is down (%d queues)",
             quiet_for,
             self._unsettled,
-            sum(not message.settled for message in self._inflight),
+            sum(not message.settled for message in self._inflight)
+            + sum(len(aside.inflight) for aside in self._aside.values()),
+            sum(len(aside.inflight) for aside in self._aside.values()),
+            len(self._aside),
             len(self._outbox),
             len(self._resend),
             sum(len(state.parked) for state in states if state.held),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import pika
 
@@ -55,3 +56,14 @@ class QueueState:
         return not (
             self.inflight or self.recovering or self.returned or self.parked or self.leasing
         )
+
+
+@dataclass(slots=True, eq=False)
+class AsideChannel:
+    """A channel of its own for one silent queue (see ``PublisherLink``): its events go there
+    one at a time, with their own delivery tags, until one is confirmed."""
+
+    channel: Any = None  # set once open
+    ready: bool = False  # confirm mode is on
+    next_tag: int = 1
+    inflight: deque[Outgoing] = field(default_factory=deque)

@@ -248,6 +248,7 @@ class Producer:
             "resent": self._link.resent_events,
             "late_confirms": self._link.late_confirms,
             "overdue_reconnects": self._link.overdue_reconnects,
+            "silent_channel_resets": self._link.silent_channel_resets,
             "unconfirmed": self._link.unsettled,
         }
 

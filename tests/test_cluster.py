@@ -401,3 +401,60 @@ def test_a_classic_stream_serves_live_nodes_keys_while_another_node_is_down(
     finally:
         producer.close(timeout=30)
         stream.cleanup()
+
+
+def test_a_quorum_queue_that_cannot_commit_does_not_hold_up_the_producers_other_keys(
+    rabbit_cluster: RabbitCluster, redis_client: redis.Redis
+) -> None:
+    """RabbitMQ 3.10 registers a channel with a quorum queue on the channel's first publish
+    to it, synchronously, for up to net_ticktime + 5 s (65 s), and again on the next publish
+    if that timed out: meanwhile that channel handles nothing else. A two-member queue with
+    one member on a stopped node cannot commit, so a producer's channel froze, with every
+    other key of the connection. The producer sends such a queue's events on a channel of
+    their own once its confirm is overdue, and the other keys' events are confirmed."""
+    cluster = rabbit_cluster
+    name = f"{TEST_STREAM_PREFIX}no-quorum-{uuid.uuid4().hex[:8]}"
+    stream = StreamFixture(name, load_settings(amqp_url=cluster.urls[0]), redis_client)
+    stuck = key_queue_name(name, "stuck")
+    connection = _connect(cluster.urls[0])
+    try:
+        arguments = keyed_queue_arguments(name, "quorum")
+        connection.channel().queue_declare(stuck, durable=True, arguments=arguments)
+    finally:
+        _close(connection)
+    stream.track(stuck)
+    # Down to two members (the arguments stay the producer's), then one of them stopped.
+    dropped, stopped = cluster.queue_info(stuck).members[1:]
+    cluster.ctl(
+        0,
+        "eval",
+        f'rabbit_quorum_queue:delete_member(<<"/">>, <<"{stuck}">>, \'{dropped}\').',
+    )
+    assert dropped not in cluster.queue_info(stuck).members
+    client = cluster.nodes.index(dropped)  # a node that stays up, with no member of it
+    stopped = cluster.nodes.index(stopped)
+    settings = load_settings(amqp_url=cluster.urls[client], confirm_timeout=3.0)
+    producer = Producer(name, mode="key", queue_type="quorum", settings=settings)
+    try:
+        producer.publish("fine", {"n": 0})
+        producer.flush(timeout=30)
+        cluster.stop(stopped)
+        try:
+            for n in range(1, 6):
+                producer.publish("stuck", {"n": n}, timeout=30)
+            for n in range(1, 21):
+                producer.publish("fine", {"n": n}, timeout=30)
+            fine = key_queue_name(name, "fine")
+            wait_until(
+                lambda: producer.unconfirmed_by_queue.get(fine, 0) == 0,
+                40,
+                "the other key's events confirmed while a queue cannot commit",
+            )
+            assert producer.unconfirmed_by_queue.get(stuck, 0) == 5, producer.stats
+        finally:
+            cluster.restart(stopped)
+        producer.flush(timeout=120)  # the stuck queue confirms once it has its quorum back
+        assert producer.stats["overdue_reconnects"] >= 1, producer.stats
+    finally:
+        producer.close(timeout=30)
+        stream.cleanup()

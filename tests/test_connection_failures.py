@@ -655,12 +655,16 @@ def test_a_confirm_that_never_comes_makes_the_producer_send_again(
         for n in range(1, 21):
             producer.publish("silent", {"n": n})
         deadline = time.monotonic() + 15
-        while producer.stats["overdue_reconnects"] < 2:
+        # One reconnect; then the silent queue's own channel is reset, the connection stays.
+        while (
+            producer.stats["overdue_reconnects"] < 1 or producer.stats["silent_channel_resets"] < 1
+        ):
             assert time.monotonic() < deadline, (
                 "no reconnect for overdue confirms",
                 producer.stats,
             )
             time.sleep(0.1)
+        assert producer.stats["overdue_reconnects"] == 1, producer.stats
         assert producer.stats["unconfirmed"] == 20
         _hold_queue(private_rabbit, queue, "resume")
         held = False
@@ -684,11 +688,10 @@ def test_a_silent_queue_does_not_hold_up_the_other_keys(
 ) -> None:
     """A queue that stops confirming with many events in flight makes RabbitMQ stop reading
     the whole connection (credit flow), so every other key waits with it. After its confirm
-    is overdue, the producer sends that queue at most a few events at a time: the others
-    flow on the new connection, and the silent queue's events follow, in order, once it
-    answers again."""
-    from keyq.producer.link import SILENT_QUEUE_IN_FLIGHT
-
+    is overdue, the producer sends that queue one event at a time on a channel of its own:
+    the others flow on the new connection, which is not given up again while the queue stays
+    silent (only the queue's own channel is reset), and the silent queue's events follow, in
+    order, once it answers again."""
     settings = _with(stream.settings, amqp_url=private_rabbit.url, confirm_timeout=2.0)
     silent = key_queue_name(stream.name, "silent")
     other = key_queue_name(stream.name, "other")
@@ -710,6 +713,10 @@ def test_a_silent_queue_does_not_hold_up_the_other_keys(
             assert time.monotonic() < deadline, ("the other key is held up", producer.stats)
             time.sleep(0.2)
         assert producer.stats["overdue_reconnects"] >= 1, producer.stats
+        reconnects = producer.stats["overdue_reconnects"]
+        time.sleep(3 * 2.0)  # several confirm timeouts with the queue still silent
+        assert producer.stats["overdue_reconnects"] == reconnects, producer.stats
+        assert producer.stats["silent_channel_resets"] >= 1, producer.stats
         assert producer.unconfirmed_by_queue.get(silent, 0) == 1000
         _hold_queue(private_rabbit, silent, "resume")
         held = False
@@ -725,4 +732,3 @@ def test_a_silent_queue_does_not_hold_up_the_other_keys(
         unique, _copies = _dedup(landed[queue])
         assert {m.producer for m in landed[queue]} == {producer_id}
         assert [m.json()["n"] for m in unique] == list(range(count)), queue
-    assert SILENT_QUEUE_IN_FLIGHT < 100
