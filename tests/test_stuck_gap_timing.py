@@ -5,29 +5,23 @@ from __future__ import annotations
 
 import time
 
-from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
+from keyq.broker.envelope import HEADER_PRODUCER, HEADER_SEQ
 from keyq.worker.deliveries import Delivery, DeliveryBuffer
 from keyq.worker.stuck_gaps import QUIET_S, StuckGaps
-
-QUEUE = "keyq.s.k.acct"
+from tests.test_abandoned_gaps import QUEUE, parked
 
 
 def delivery(seq: int, epoch: int, at: float) -> Delivery:
-    headers = {HEADER_KEY: "acct", HEADER_PRODUCER: "p", HEADER_SEQ: seq}
+    """Event ``seq`` of producer ``p``, as ``parked`` builds them, on consumer ``epoch``."""
+    headers = {HEADER_PRODUCER: "p", HEADER_SEQ: seq}
     return Delivery(QUEUE, epoch, seq, False, headers, None, None, b"{}", received_at=at)
-
-
-def park(buffer: DeliveryBuffer, seqs: list[int], epoch: int, at: float) -> None:
-    for seq in seqs:
-        buffer.add(delivery(seq, epoch, at))
-    buffer.park(buffer.take(100, 0.0, 0.0), now=at)
 
 
 def test_a_queue_is_reopened_once_its_gap_waited_and_it_went_quiet_then_not_again_at_once() -> None:
     buffer = DeliveryBuffer(gap_timeout_s=60)
     stuck = StuckGaps(buffer, gap_timeout_s=60)
+    parked(buffer, "p", [3, 4], ago=stuck.reopen_after_s - 1)
     now = time.monotonic()
-    park(buffer, [3, 4], epoch=1, at=now - stuck.reopen_after_s + 1)
     assert stuck.due(now) == []  # not waited long enough
     assert stuck.due(now + 1) == [QUEUE]
     stuck.note_reopened(QUEUE, now + 1)
@@ -38,8 +32,8 @@ def test_a_queue_is_reopened_once_its_gap_waited_and_it_went_quiet_then_not_agai
 def test_a_queue_still_receiving_is_not_reopened() -> None:
     buffer = DeliveryBuffer(gap_timeout_s=60)
     stuck = StuckGaps(buffer, gap_timeout_s=60)
+    parked(buffer, "p", [3], ago=30)
     now = time.monotonic()
-    park(buffer, [3], epoch=1, at=now - 30)
     buffer.add(delivery(9, 1, now - QUIET_S / 2))  # something arrived just now
     assert stuck.due(now) == []
 
@@ -51,8 +45,9 @@ def test_a_short_gap_timeout_reopens_sooner() -> None:
 def test_a_reopened_consumers_redeliveries_keep_waiting_from_when_they_first_did() -> None:
     """Otherwise every reopening would restart the gap's timeout."""
     buffer = DeliveryBuffer(gap_timeout_s=60)
-    first = time.monotonic() - 20
-    park(buffer, [3, 4], epoch=1, at=first)
+    parked(buffer, "p", [3, 4], ago=20)
+    first = buffer.parked_items()[QUEUE][0].waiting_since
+    assert first is not None
     assert buffer.drop(QUEUE, 1, keep_waits=True) == 2
     redelivered = delivery(3, 2, time.monotonic())
     buffer.add(redelivered)

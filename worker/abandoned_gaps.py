@@ -29,7 +29,8 @@ from keyq.worker.deliveries import Delivery, DeliveryBuffer
 log = logging.getLogger("keyq.worker")
 
 # How long a queue must have been quiet, and a delivery parked, before its gap can be given
-# up early: longer than a broker takes to hand a consumer with room what its queue holds.
+# up early, or its consumer reopened (``keyq.worker.stuck_gaps``): longer than a broker takes
+# to hand a consumer with room what its queue holds, or to redeliver.
 QUIET_S = 2.0
 CHECK_EVERY_S = 1.0
 
@@ -72,7 +73,8 @@ class AbandonedGaps:
             return 0
         self._next_check = now + CHECK_EVERY_S
         candidates: dict[str, set[str]] = {}
-        for queue, parked in self._buffer.parked_items().items():
+        snapshot = self._buffer.parked_items()
+        for queue, parked in snapshot.items():
             last = self._buffer.last_arrival(queue)
             if last is not None and now - last < QUIET_S:
                 continue
@@ -107,16 +109,17 @@ class AbandonedGaps:
                 continue  # the broker may hold more that it could not send us
             if self._ready_count(queue) != 0:
                 continue
+            theirs = _from_any_of(gone)
             reopened = self._reopened_at(queue)
             waits = [
                 delivery.waiting_since
-                for delivery in self._buffer.parked_items().get(queue, ())
-                if delivery.waiting_since is not None and producer_of(delivery) in gone
+                for delivery in snapshot[queue]
+                if delivery.waiting_since is not None and theirs(delivery)
             ]
             if waits and (reopened is None or reopened < min(waits)):
                 self._reopen(queue)  # anything it holds unsent comes back; checked again after
                 continue
-            count = self._buffer.expire_parked(queue, _from_any_of(gone), now)
+            count = self._buffer.expire_parked(queue, theirs, now)
             if count:
                 log.info(
                     "queue %s: producer %s is gone and the queue holds nothing more: giving up "

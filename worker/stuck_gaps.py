@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import time
 
+from keyq.worker.abandoned_gaps import QUIET_S
 from keyq.worker.deliveries import DeliveryBuffer
 
 # How long a gap waits before its queue's consumer is reopened (at most: half the gap
-# timeout when that is shorter), and how quiet the queue must have been: longer than the
-# broker takes to hand a consumer with room what its queue holds, or to redeliver.
+# timeout when that is shorter). The queue must also have been quiet for ``QUIET_S``, the
+# same quiet as before a gone producer's gap is given up.
 REOPEN_AFTER_S = 10.0
-QUIET_S = 2.0
+
+__all__ = ["QUIET_S", "REOPEN_AFTER_S", "StuckGaps"]
 
 
 class StuckGaps:
