@@ -59,3 +59,25 @@ def get_json(management_url: str, path: str, timeout: float) -> Any:
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
         reason = scrub(str(getattr(exc, "reason", exc)), management_url)
         raise ManagementUnavailable(f"management API at {shown} did not answer: {reason}") from None
+
+
+def queue_figures(
+    management_url: str, vhost: str, timeout: float
+) -> dict[str, tuple[int, int] | None]:
+    """(ready messages, consumers) of every queue of ``vhost`` in one request, where a
+    status for 100,000 queues would otherwise take 100,000 passive declares. A queue the
+    API lists without figures yet (just declared: its statistics come every few seconds)
+    maps to None; a queue that does not exist is absent."""
+    path = f"/api/queues/{urllib.parse.quote(vhost, safe='')}?columns=name,messages_ready,consumers"
+    rows = get_json(management_url, path, timeout)
+    if not isinstance(rows, list):
+        raise ManagementUnavailable(
+            f"management API at {redact_url(management_url)} answered a queue listing "
+            "that is not a list"
+        )
+    figures: dict[str, tuple[int, int] | None] = {}
+    for row in rows:
+        ready, consumers = row.get("messages_ready"), row.get("consumers")
+        known = isinstance(ready, int) and isinstance(consumers, int)
+        figures[str(row["name"])] = (ready, consumers) if known else None
+    return figures

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from keyq.broker.errors import ConfigurationError
 
@@ -14,6 +14,12 @@ HTTP_SCHEMES = ("http", "https")
 def split_urls(value: str) -> list[str]:
     """The URLs of a setting that may list several, comma-separated (a cluster's nodes)."""
     return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def vhost_of(amqp_url: str) -> str:
+    """The virtual host an AMQP URL (or a cluster's URLs: they share it) names; ``/`` if none."""
+    path = urlsplit(split_urls(amqp_url)[0]).path
+    return unquote(path[1:]) if len(path) > 1 else "/"
 
 
 def redact_url(url: str) -> str:

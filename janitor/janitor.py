@@ -32,7 +32,7 @@ from keyq.broker.registry import QueueRegistry
 from keyq.broker.retirement import RetirementFence
 from keyq.broker.settings import load_settings
 from keyq.broker.streams import load_stream_config
-from keyq.broker.urls import split_urls
+from keyq.broker.urls import vhost_of
 from keyq.janitor.cluster_probe import unreachable_nodes
 from keyq.janitor.config import JanitorSettings
 from keyq.janitor.deleter import Outcome, QueueDeleter
@@ -352,7 +352,7 @@ class Janitor:
             return
         self._adopted_at = time.monotonic()
         try:
-            names = list_queues(self.settings.management_url, _vhost(self.settings.amqp_url))
+            names = list_queues(self.settings.management_url, vhost_of(self.settings.amqp_url))
         except InventoryUnavailable as exc:
             if not self._inventory_warned:
                 log.info("not looking for unregistered queues: %s", exc)
@@ -391,10 +391,3 @@ def discover_streams(client: redis.Redis) -> list[str]:
         if 0 <= start < end:
             streams.append(text[start + 1 : end])
     return sorted(streams)
-
-
-def _vhost(amqp_url: str) -> str:
-    from urllib.parse import unquote, urlsplit  # noqa: PLC0415 - only here
-
-    path = urlsplit(split_urls(amqp_url)[0]).path  # every node of a cluster has the vhost
-    return unquote(path[1:]) if len(path) > 1 else "/"

@@ -19,6 +19,30 @@ def test_only_one_holder(stream: StreamFixture) -> None:
     assert locks.holders(["q1", "q2", "q3"]) == {"q1": first, "q2": other, "q3": None}
 
 
+def test_a_claim_round_takes_only_the_free_locks_with_growing_tokens(
+    stream: StreamFixture,
+) -> None:
+    locks = FencedLocks(stream.redis, stream.name)
+    taken = locks.acquire("b", "w1", 5000)
+    assert taken is not None
+    expired = locks.acquire("c", "w1", 100)
+    assert expired is not None
+    time.sleep(0.2)
+    leases = locks.acquire_many(["a", "b", "c", "d"], "w2", 5000)
+    assert [lease.queue for lease in leases] == ["a", "c", "d"]
+    assert all(lease.owner == "w2" for lease in leases)
+    by_queue = {lease.queue: lease for lease in leases}
+    assert by_queue["c"].token > expired.token  # fenced: the old holder's commits are refused
+    assert locks.holders(["a", "b", "c", "d"]) == {
+        "a": by_queue["a"],
+        "b": taken,
+        "c": by_queue["c"],
+        "d": by_queue["d"],
+    }
+    assert locks.acquire_many(["a", "b", "c", "d"], "w3", 5000) == []
+    assert locks.acquire_many([], "w3", 5000) == []
+
+
 def test_expiry_lets_another_take_it_with_a_larger_token(stream: StreamFixture) -> None:
     locks = FencedLocks(stream.redis, stream.name)
     old = locks.acquire("q", "w1", 150)

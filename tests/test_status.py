@@ -24,8 +24,9 @@ from keyq.broker.membership import Membership
 from keyq.broker.naming import dead_letter_queue_name, key_queue_name
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings, load_settings
-from keyq.status import TABLE_LIMIT, add_rates, collect_status, render_table
+from keyq.status import TABLE_LIMIT, StatusReader, add_rates, collect_status, render_table
 from tests.helpers import queue_depth
+from tests.servers import free_port
 from tests.workers import REPO, keyq_environment, wait_until
 
 EXIT_FAILURE = 1
@@ -50,9 +51,12 @@ class World:
     dlq: str
 
 
-@pytest.fixture
-def world(stream: Any) -> World:
-    with Producer(stream.name, mode="key") as producer:
+def publish_and_register_a_ghost(
+    stream: Any, settings: Settings | None = None
+) -> tuple[dict[str, str], str]:
+    """Publishes ``PUBLISHED`` in key mode and registers a queue that was never declared;
+    returns the queues by key and the ghost."""
+    with Producer(stream.name, mode="key", settings=settings) as producer:
         for key, count in PUBLISHED.items():
             for n in range(count):
                 producer.publish(key, {"n": n})
@@ -60,6 +64,12 @@ def world(stream: Any) -> World:
     queues = {key: key_queue_name(stream.name, key) for key in PUBLISHED}
     ghost = key_queue_name(stream.name, "ghost")
     QueueRegistry(stream.redis, stream.name).register({ghost: "ghost"}, announce=False)
+    return queues, ghost
+
+
+@pytest.fixture
+def world(stream: Any) -> World:
+    queues, ghost = publish_and_register_a_ghost(stream)
     locks = FencedLocks(stream.redis, stream.name)
     owned = locks.acquire(queues["sensor-a"], OWNER, 120_000)
     orphaned = locks.acquire(queues["sensor-b"], GONE, 120_000)
@@ -318,3 +328,60 @@ def test_a_running_worker_shows_its_real_host_and_pid(
     table = keyq_status(settings, "--stream", stream.name)
     assert f"{socket.gethostname()}:{worker.pid}" in table.stdout
     assert "-:-" not in table.stdout
+
+
+def test_with_the_management_api_the_figures_come_from_one_listing(
+    stream: Any, private_rabbit: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A status of 100,000 queues cannot declare each one: with ``KEYQ_MANAGEMENT_URL`` the
+    depths and consumers come from the API's listing, and agree with the queues themselves."""
+    settings = load_settings(
+        amqp_url=private_rabbit.url,
+        management_url=private_rabbit.management_url,
+        member_ttl_ms=MEMBER_TTL_MS,
+    )
+    queues, ghost = publish_and_register_a_ghost(stream, settings)
+    dlq = dead_letter_queue_name(stream.name)
+    declared: list[str] = []
+    real_declare = StatusReader._declare
+
+    def counted(reader: StatusReader, names: list[str]) -> dict[str, tuple[int, int] | None]:
+        declared.extend(names)
+        return real_declare(reader, names)
+
+    monkeypatch.setattr(StatusReader, "_declare", counted)
+    amqp = pika.BlockingConnection(pika.URLParameters(private_rabbit.url))
+    try:
+        real = {queue: queue_depth(amqp, queue) for queue in [*queues.values(), ghost, dlq]}
+
+        def listed() -> dict[str, Any] | None:
+            declared.clear()
+            status = collect_status(settings, stream.name)
+            depths = {row["name"]: row["depth"] for row in status["queues"]}
+            assert depths == real  # declared or listed, always the queues' own figures
+            return None if declared else status
+
+        # A new queue's figures reach the API within seconds; till then it is declared.
+        status = wait_until(listed, 20, "the listing to give every queue's figures", every=0.5)
+    finally:
+        amqp.close()
+        cleanup = pika.BlockingConnection(pika.URLParameters(private_rabbit.url))
+        for queue in [*queues.values(), dlq]:
+            cleanup.channel().queue_delete(queue)
+        cleanup.close()
+    rows = {row["name"]: row for row in status["queues"]}
+    assert declared == []  # every figure came from the listing
+    assert {name: row["depth"] for name, row in rows.items()} == real
+    assert real[queues["sensor-a"]] == PUBLISHED["sensor-a"]
+    assert rows[ghost]["missing"] is True
+    assert all(row["consumers"] == 0 for name, row in rows.items() if name != ghost)
+    assert status["totals"]["lag"] == sum(PUBLISHED.values())
+
+
+def test_a_management_api_that_does_not_answer_falls_back_to_declaring(
+    world: World, amqp: Any
+) -> None:
+    settings = load_settings(
+        member_ttl_ms=MEMBER_TTL_MS, management_url=f"http://guest:guest@127.0.0.1:{free_port()}"
+    )
+    check_against_world(collect_status(settings, world.stream), world, amqp)

@@ -49,6 +49,8 @@ RELEASE_COOLDOWN_S = 3.0
 # Idle unheld queues looked into per scan (a passive declare each, ~1 ms), so a backlog left
 # while no worker held its queue is found within seconds even among thousands of queues.
 PROBES_PER_SCAN = 200
+# Queues locked in one script and consumed in one I/O-thread call.
+CLAIMS_PER_ROUND = 50
 
 
 def client_name(worker_id: str) -> str:
@@ -326,47 +328,70 @@ class ClaimLoop:
         holders = self._locks.holders(candidates)
         free = [q for q, lease in holders.items() if lease is None]
         random.shuffle(free)
-        # Each claim is a few round trips; hundreds in one go (a dead peer's queues, a burst
-        # of new keys) would outlast the locks this worker already holds, which are renewed
-        # only between ticks. Claim for a bounded time, renew, go on next tick.
+        # Claims are made in rounds (one script for the locks, one I/O-thread call for the
+        # consumers), but hundreds of them (a dead peer's queues, a burst of new keys) would
+        # still outlast the locks this worker holds, which are renewed only between ticks.
+        # Claim for a bounded time, renew, go on next tick.
+        wanted = free[: share - len(held)]
         deadline = time.monotonic() + self._claim_budget_s
-        for queue in free[: share - len(held)]:
+        for start in range(0, len(wanted), CLAIMS_PER_ROUND):
             if self._stop.is_set() or not self._claiming.is_set():
                 return
             if time.monotonic() >= deadline:
                 self._more_to_claim = True
                 return
-            self._claim(queue)
+            if self._claim(wanted[start : start + CLAIMS_PER_ROUND], deadline) is None:
+                self._more_to_claim = True
+                return
 
-    def _claim(self, queue: str) -> bool:
-        ttl = self._settings.lock_ttl_ms
-        lease = self._locks.acquire(queue, self._worker_id, ttl)
-        if lease is None:
-            return False
-        # Held first: deliveries may reach the batch loop before consume() returns here.
-        held = Held(queue=queue, lease=lease, epoch=self._link.new_epoch())
-        self._holdings.add(held)
+    def _claim(self, queues: list[str], deadline: float) -> int | None:
+        """Lock, then consume, as many of ``queues`` as are free until ``deadline``; returns
+        how many, or None if time ran out first."""
+        leases = self._locks.acquire_many(queues, self._worker_id, self._settings.lock_ttl_ms)
+        if not leases:
+            return 0
+        # Held first: deliveries may reach the batch loop before the consumers are all open.
+        claims = [
+            Held(queue=lease.queue, lease=lease, epoch=self._link.new_epoch()) for lease in leases
+        ]
+        for item in claims:
+            self._holdings.add(item)
         try:
-            consumed = self._link.consume(queue, held.epoch)
+            results = self._link.consume_many(
+                [(item.queue, item.epoch) for item in claims], until=deadline
+            )
         except KeyqError:
-            self._holdings.remove(queue, held.epoch)
-            self._locks.release([lease])
+            # No consumer of this call outlives the connection that failed it.
+            for item in claims:
+                self._holdings.remove(item.queue, item.epoch)
+            self._locks.release(leases)
             raise
-        if consumed.outcome is not ConsumeOutcome.CONSUMING:
-            self._holdings.remove(queue, held.epoch)
-            self._locks.release([lease])
-            self.stats.refused += 1
+        claimed: list[str] = []
+        refused: list[Lease] = []
+        untried: list[Lease] = []
+        now = time.monotonic()
+        for item, consumed in zip(claims, results, strict=True):
+            if consumed.outcome is ConsumeOutcome.CONSUMING:
+                claimed.append(item.queue)
+                continue
+            self._holdings.remove(item.queue, item.epoch)
+            if consumed.outcome is ConsumeOutcome.NOT_TRIED:
+                untried.append(item.lease)  # claimed next tick, after the renewal
+                continue
+            refused.append(item.lease)
             backoff = BUSY_BACKOFF_S
             if consumed.outcome is ConsumeOutcome.MISSING:
-                self._view.activity.pop(queue, None)
+                self._view.activity.pop(item.queue, None)
                 backoff = MISSING_BACKOFF_S
-            elif consumed.outcome is ConsumeOutcome.UNREACHABLE:
+            elif consumed.outcome in (ConsumeOutcome.UNREACHABLE, ConsumeOutcome.FAILED):
                 backoff = UNREACHABLE_BACKOFF_S  # tried again soon: its node may be back
-            self._busy_until[queue] = time.monotonic() + backoff
-            return False
-        self.stats.claims += 1
-        self._notify("assigned", [queue], "claimed")
-        return True
+            self._busy_until[item.queue] = now + backoff
+        self._locks.release(refused + untried)
+        self.stats.refused += len(refused)
+        self.stats.claims += len(claimed)
+        if claimed:
+            self._notify("assigned", claimed, "claimed")
+        return None if untried else len(claimed)
 
     def _request_surplus_release(self, held: set[str], surplus: int) -> None:
         with self._requests_lock:

@@ -50,6 +50,8 @@ class ConsumeOutcome(enum.Enum):
     BUSY = "busy"  # another consumer holds it exclusively
     MISSING = "missing"  # the queue does not exist (deleted by the janitor)
     UNREACHABLE = "unreachable"  # its node is down (a classic queue on a cluster)
+    FAILED = "failed"  # the channel or the connection failed while consuming
+    NOT_TRIED = "not tried"  # the claim round's time ran out first
 
 
 @dataclass(frozen=True)
@@ -318,6 +320,17 @@ class ConsumerLink:
         """Consume ``queue`` as consumer ``epoch``, with the settings' prefetch or more."""
         return self.call(lambda: self._consume(queue, epoch, prefetch or self._prefetch))
 
+    def consume_many(
+        self, claims: Sequence[tuple[str, int]], *, until: float | None = None
+    ) -> list[Consumed]:
+        """Consume each (queue, epoch) in one call to the I/O thread: a claim round of
+        hundreds of queues costs their channels' round trips, not a thread hand-off each.
+        Claims still waiting at ``until`` (monotonic) are ``NOT_TRIED``."""
+        if not claims:
+            return []
+        timeout = 30.0 + 0.05 * len(claims)
+        return self.call(lambda: self._consume_all(claims, self._prefetch, until), timeout)
+
     def close_queue(self, queue: str, epoch: int | None = None) -> None:
         """Stop consuming ``queue`` (only that consumer incarnation, if ``epoch`` is given);
         its unacked messages go back to it, in order."""
@@ -395,6 +408,27 @@ class ConsumerLink:
         self._channels[queue] = (epoch, channel)
         self._unacked[(queue, epoch)] = unacked
         return Consumed(ConsumeOutcome.CONSUMING, epoch)
+
+    def _consume_all(
+        self, claims: Sequence[tuple[str, int]], prefetch: int, until: float | None
+    ) -> list[Consumed]:
+        """Every claim's outcome; one that fails does not hide the others' (a queue already
+        consuming must be known as held, or its lock would be let go under it). The first is
+        always tried, so that a slow I/O thread still makes progress."""
+        results: list[Consumed] = []
+        for queue, epoch in claims:
+            if results and until is not None and time.monotonic() >= until:
+                results.append(Consumed(ConsumeOutcome.NOT_TRIED))
+                continue
+            if self._connection is None or not self._connection.is_open:
+                results.append(Consumed(ConsumeOutcome.FAILED))
+                continue
+            try:
+                results.append(self._consume(queue, epoch, prefetch))
+            except (pika.exceptions.AMQPError, OSError) as exc:
+                log.warning("consuming %s failed: %s", queue, describe_exception(exc))
+                results.append(Consumed(ConsumeOutcome.FAILED))
+        return results
 
     def _message_count(self, queue: str) -> int:
         assert self._connection is not None

@@ -3,14 +3,15 @@ and how close the broker is to its file-descriptor limit.
 
 Everything is read, nothing is changed: Redis in three round trips (one pipeline for the
 config, the registry and the members, one MGET for every lock, one HMGET for the original
-keys), RabbitMQ by passive declares on one channel (AMQP cannot list queues), and its fd use
-from the management API when ``KEYQ_MANAGEMENT_URL`` is set.
+keys), RabbitMQ in one listing of the management API when ``KEYQ_MANAGEMENT_URL`` is set (and
+its fd use from there), else by passive declares on one channel (AMQP cannot list queues).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import shutil
 import sys
 import time
@@ -27,14 +28,18 @@ from rich.table import Table
 
 from keyq.broker.clock import now_ms
 from keyq.broker.connections import amqp_failure, open_blocking_connection, open_redis, redis_errors
-from keyq.broker.errors import ConfigurationError, InvalidInput, KeyqError
+from keyq.broker.errors import ConfigurationError, InvalidInput, KeyqError, ManagementUnavailable
 from keyq.broker.fd_usage import FdUsage, read_fd_usage
 from keyq.broker.locks import FencedLocks
+from keyq.broker.management import queue_figures
 from keyq.broker.naming import Mode, check_stream_name, dead_letter_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings, load_settings
 from keyq.broker.streams import StreamConfig
+from keyq.broker.urls import vhost_of
+
+log = logging.getLogger("keyq.status")
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -42,6 +47,7 @@ TABLE_LIMIT = 50
 NOT_FOUND = 404
 PIPE_WIDTH = 400  # output to a pipe or file is never wrapped, so names stay greppable
 FD_REFRESH_S = 10.0  # --watch reads the broker's fd use at most this often
+LISTING_TIMEOUT_S = 30.0  # one management API listing of every queue of the vhost
 
 
 class StreamNotFound(KeyqError):
@@ -105,7 +111,7 @@ class StatusReader:
             # A bucket queue holds many keys (the registry keeps the first one seen).
             keyed = config.mode is Mode.KEY
             originals = self._registry.original_keys(names) if keyed else dict.fromkeys(names)
-        declared = self._declare([*names, self._dlq])
+        declared = self._figures([*names, self._dlq])
         live = {str(worker): int(expiry) for worker, expiry in members}
 
         queues: list[dict[str, Any]] = []
@@ -184,6 +190,28 @@ class StatusReader:
         self._close_amqp()
         with contextlib.suppress(Exception):
             self._redis.close()
+
+    def _figures(self, queues: list[str]) -> dict[str, tuple[int, int] | None]:
+        """(ready messages, consumers) of each queue, None for one that does not exist: from
+        one management API listing when ``KEYQ_MANAGEMENT_URL`` is set (its figures are the
+        broker's statistics, a few seconds old), else, or if the API fails, by declaring."""
+        if not self.settings.management_url:
+            return self._declare(queues)
+        try:
+            listed = queue_figures(
+                self.settings.management_url,
+                vhost_of(self.settings.amqp_url),
+                LISTING_TIMEOUT_S,
+            )
+        except ManagementUnavailable as exc:
+            log.warning("queue figures by declaring instead: %s", exc)
+            return self._declare(queues)
+        found = {queue: listed.get(queue) for queue in queues}
+        # Listed without figures yet (declared a moment ago): ask the queue itself.
+        unknown = [queue for queue in queues if queue in listed and listed[queue] is None]
+        if unknown:
+            found.update(self._declare(unknown))
+        return found
 
     def _declare(self, queues: list[str]) -> dict[str, tuple[int, int] | None]:
         """(ready messages, consumers) of each queue, None for a queue that does not exist."""

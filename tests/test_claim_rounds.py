@@ -1,0 +1,91 @@
+"""A claim round on the real broker: many consumers opened in one call to the I/O thread,
+each with its own outcome, and a round that runs out of time leaves the rest untried."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pika
+import pytest
+
+from keyq.broker.naming import key_queue_name
+from keyq.broker.settings import Settings
+from keyq.worker.consumer import ConsumeOutcome, ConsumerLink
+from keyq.worker.deliveries import DeliveryBuffer
+from tests.conftest import StreamFixture
+from tests.workers import wait_until
+
+QUEUES = 30
+
+
+@pytest.fixture
+def link(settings: Settings, stream: StreamFixture) -> Iterator[ConsumerLink]:
+    started = ConsumerLink(
+        settings=settings,
+        stream=stream.name,
+        name="test-claim-rounds",
+        buffer=DeliveryBuffer(),
+        prefetch=10,
+        on_queue_lost=lambda *_args: None,
+        on_disconnected=lambda _reason: None,
+    )
+    started.start()
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def declare(amqp: pika.BlockingConnection, stream: StreamFixture, count: int) -> list[str]:
+    names = [key_queue_name(stream.name, f"round-{n}") for n in range(count)]
+    stream.track(*names)
+    channel = amqp.channel()
+    for name in names:
+        channel.queue_declare(name, durable=True)
+        channel.basic_publish("", name, b"{}")
+    channel.close()
+    return names
+
+
+def test_one_round_opens_many_consumers_and_reports_each_outcome(
+    link: ConsumerLink, amqp: pika.BlockingConnection, stream: StreamFixture
+) -> None:
+    names = declare(amqp, stream, QUEUES)
+    busy = names[3]
+    rival = amqp.channel()
+    rival.basic_consume(busy, lambda *_args: None, exclusive=True)
+    missing = key_queue_name(stream.name, "never-declared")
+    claims = [(name, link.new_epoch()) for name in [*names, missing]]
+
+    results = link.consume_many(claims)
+
+    outcomes = {queue: result.outcome for (queue, _), result in zip(claims, results, strict=True)}
+    assert outcomes.pop(busy) is ConsumeOutcome.BUSY
+    assert outcomes.pop(missing) is ConsumeOutcome.MISSING
+    assert set(outcomes.values()) == {ConsumeOutcome.CONSUMING}
+    held = link.held()
+    assert set(held) == set(outcomes)
+    assert all(held[queue] == epoch for queue, epoch in claims if queue in held)
+    # Every consumer is real: the broker delivers each queue's message to this link.
+    wait_until(lambda: link.message_count(names[0]) == 0, 10, "a queue drained to the link")
+    for name in outcomes:
+        assert amqp.channel().queue_declare(name, passive=True).method.consumer_count == 1
+    rival.close()
+
+
+def test_a_round_out_of_time_tries_the_first_claim_and_leaves_the_rest(
+    link: ConsumerLink, amqp: pika.BlockingConnection, stream: StreamFixture
+) -> None:
+    names = declare(amqp, stream, 5)
+    claims = [(name, link.new_epoch()) for name in names]
+
+    results = link.consume_many(claims, until=time.monotonic() - 1)
+
+    assert [result.outcome for result in results] == [
+        ConsumeOutcome.CONSUMING,
+        *[ConsumeOutcome.NOT_TRIED] * 4,
+    ]
+    assert set(link.held()) == {names[0]}
+    for name in names[1:]:
+        assert amqp.channel().queue_declare(name, passive=True).method.consumer_count == 0
