@@ -3,6 +3,7 @@ cleanly and in bounded time, and in-process callbacks see each queue come and go
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import load_settings
 from keyq.worker.config import WorkerSettings
+from keyq.worker.consumer import RESERVED_CHANNELS
 from keyq.worker.daemon import Worker
 from keyq.worker.engine import SparkEngine
 from keyq.worker.state_store import StateStore
@@ -330,3 +332,37 @@ def test_a_burst_of_claims_never_outlasts_the_locks_already_held(
     state = StreamKeys(stream.name).state
     wait_until(lambda: stream.redis.hlen(state) == len(keys), 180, "every key committed")
     assert worker.log().count("(lock lost)") == 0, "locks expired while the worker claimed"
+
+
+def test_a_worker_holds_no_more_queues_than_its_connection_has_channels_for(
+    stream: StreamFixture, producer: Producer, workers: Any
+) -> None:
+    """With no ``KEYQ_MAX_HELD_QUEUES``, a worker holds as many queues as the broker lets its
+    connection open channels (here a connection asks for 24, keyq keeps 8): it never claims
+    a queue it cannot consume, and reaches every key by letting drained queues go."""
+    capacity = 24 - RESERVED_CHANNELS
+    keys = [f"narrow-{n}" for n in range(3 * capacity)]
+    for n in range(1, 4):
+        for key in keys:
+            producer.publish(key, {"n": n, "producer": "p"})
+    producer.flush(60)
+    narrow = {
+        "KEYQ_AMQP_URL": f"{stream.settings.amqp_url}?channel_max=24",
+        "KEYQ_IDLE_RELEASE_MS": "1000",
+    }
+    worker = workers(stream.name, mode="key", env=narrow).wait_ready()
+    store = StateStore(stream.redis, stream.name)
+    most_held = 0
+
+    def every_key_applied() -> bool:
+        nonlocal most_held
+        most_held = max(
+            most_held, len(held_by(stream.redis, stream.name).get(worker.worker_id, []))
+        )
+        return all((store.get(key) or {"applied": 0})["applied"] >= 3 for key in keys)
+
+    wait_until(every_key_applied, 120, "every key applied", every=0.05)
+    assert states_problems(store, keys, 3) == {}
+    assert capacity // 2 <= most_held <= capacity
+    log = worker.log()
+    assert re.search(r"consuming \S+ failed|NoFreeChannels", log) is None, log[-3000:]

@@ -305,9 +305,7 @@ class ClaimLoop:
     def _balance(self, members: list[str], *, force: bool) -> None:
         held = set(self._holdings.queues())
         active = self._active() | held
-        share = min(
-            fair_share(len(active), members, self._worker_id), self._settings.max_held_queues
-        )
+        share = min(fair_share(len(active), members, self._worker_id), self._capacity())
         if len(held) > share:
             self._request_surplus_release(held, len(held) - share)
             return
@@ -392,6 +390,12 @@ class ClaimLoop:
         if claimed:
             self._notify("assigned", claimed, "claimed")
         return None if untried else len(claimed)
+
+    def _capacity(self) -> int:
+        """The most queues this worker may hold: its setting, within what its connection's
+        channels allow."""
+        cap = self._settings.max_held_queues
+        return self._link.capacity if cap is None else min(cap, self._link.capacity)
 
     def _request_surplus_release(self, held: set[str], surplus: int) -> None:
         with self._requests_lock:

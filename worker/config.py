@@ -70,8 +70,11 @@ class WorkerSettings(Settings):
         default=250, ge=1, description="longest wait for a batch to fill, from its first event"
     )
     prefetch: int = Field(default=1000, ge=1, le=65535, description="unacked events per queue")
-    max_held_queues: int = Field(
-        default=1000, ge=1, le=2000, description="most queues one worker holds (a channel each)"
+    max_held_queues: int | None = Field(
+        default=None,
+        ge=1,
+        description="most queues one worker holds; unset: as many as its connection has "
+        "channels for (one each: 2,047 on RabbitMQ's defaults, less the few keyq keeps)",
     )
 
     sequence_gap_timeout_ms: int = Field(

@@ -43,6 +43,11 @@ log = logging.getLogger("keyq.worker.amqp")
 T = TypeVar("T")
 MAX_REASON_CHARS = 1000
 _CHANNEL_CHECK_S = 0.25
+# Channels a connection keeps for other uses than held queues: confirms and dead letters,
+# probes, declaring the dead-letter queue, a queue reopened while its old channel closes.
+RESERVED_CHANNELS = 8
+# RabbitMQ's default channel_max, if the negotiated one cannot be read.
+DEFAULT_CHANNEL_MAX = 2047
 
 
 class ConsumeOutcome(enum.Enum):
@@ -127,6 +132,18 @@ class ConsumerLink:
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    @property
+    def capacity(self) -> int:
+        """How many queues this connection can hold: a channel each, as many as the broker
+        negotiated (``channel_max``) less the ones keyq keeps for itself."""
+        connection = self._connection
+        impl = getattr(connection, "_impl", None)  # pika keeps the negotiated value there
+        params = getattr(impl, "params", None)
+        channel_max = getattr(params, "channel_max", None)
+        if not isinstance(channel_max, int) or channel_max <= 0:
+            channel_max = DEFAULT_CHANNEL_MAX
+        return max(1, channel_max - RESERVED_CHANNELS)
 
     @property
     def failure(self) -> KeyqError | None:
