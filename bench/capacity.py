@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import declare_queues, emit, log, machine_info, positive, ratio
-from bench.janitor import broker_memory
 from keyq.broker.connections import open_redis
+from keyq.broker.errors import ManagementUnavailable
 from keyq.broker.locks import FencedLocks, Lease
+from keyq.broker.management import get_json
 from keyq.broker.naming import key_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.settings import Settings, load_settings
@@ -36,6 +37,24 @@ from tests.servers import PrivateRabbit
 ROUND = 50
 TTL_MS = 60_000
 RENEWALS = 21
+
+
+# The parts of a node's memory that a held queue adds to: its channel, and its consumer's
+# state inside the queue process (``/api/nodes/NAME/memory``).
+HOLDING_PARTS = ("connection_channels", "connection_other", "queue_procs")
+
+
+def holding_memory(settings: Settings) -> int | None:
+    """The node's memory in the parts a held queue costs, in bytes; None without the API."""
+    if not settings.management_url:
+        return None
+    try:
+        [node] = get_json(settings.management_url, "/api/nodes?columns=name", 30)
+        report = get_json(settings.management_url, f"/api/nodes/{node['name']}/memory", 30)
+    except ManagementUnavailable:
+        return None
+    memory = report.get("memory", {})
+    return sum(int(memory.get(part, 0)) for part in HOLDING_PARTS)
 
 
 def rss_bytes() -> int:
@@ -87,8 +106,8 @@ def measure(settings: Settings, stream: str, queues: Sequence[str], rounds: bool
         result: dict[str, Any] = pool.apply(
             _measure, (settings.model_dump(), stream, queues, rounds)
         )
-    time.sleep(6)  # the node's memory figure is refreshed every few seconds
-    released = broker_memory(settings)
+    time.sleep(2)
+    released = holding_memory(settings)
     held = result.pop("broker_bytes_held")
     result["broker_bytes_per_held_queue"] = (
         None if held is None or released is None else (held - released) // len(queues)
@@ -111,8 +130,7 @@ def _measure(
         else:
             leases = claim_one_at_a_time(link, locks, queues)
         seconds = time.perf_counter() - started
-        time.sleep(6)  # the node's memory figure is refreshed every few seconds
-        broker_held, rss_held = broker_memory(settings), rss_bytes()
+        broker_held, rss_held = holding_memory(settings), rss_bytes()
         renewals = []
         for _ in range(RENEWALS):
             renew_started = time.perf_counter()
@@ -132,13 +150,28 @@ def _measure(
     }
 
 
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the runs (None if any run could not measure it)."""
+    merged: dict[str, Any] = {}
+    for name in runs[0]:
+        values = [run[name] for run in runs]
+        merged[name] = None if None in values else statistics.median(values)
+    return merged
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.capacity", description=__doc__)
     parser.add_argument("--queues", type=positive, default=2000)
+    parser.add_argument("--repeats", type=positive, default=3)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     base = load_settings()
-    params = {"queues": args.queues, "round": ROUND, "out": str(args.out) if args.out else None}
+    params = {
+        "queues": args.queues,
+        "repeats": args.repeats,
+        "round": ROUND,
+        "out": str(args.out) if args.out else None,
+    }
     result: dict[str, Any] = {"benchmark": "capacity", "machine": machine_info(), "params": params}
     stream = f"bench-cap-{uuid.uuid4().hex[:6]}"
     queues = [key_queue_name(stream, f"device-{n:05d}") for n in range(args.queues)]
@@ -158,10 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             declare_started = time.perf_counter()
             declare_queues(settings, queues)
             log(f"declared {len(queues):,} queues in {time.perf_counter() - declare_started:.1f} s")
-            single = measure(settings, stream, queues, rounds=False)
-            log(f"one at a time: {single}")
-            batched = measure(settings, stream, queues, rounds=True)
-            log(f"claim rounds: {batched}")
+            runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+            for _ in range(args.repeats):  # alternated, so that drift hits both alike
+                for rounds in (False, True):
+                    runs[rounds].append(measure(settings, stream, queues, rounds=rounds))
+                    log(f"{'claim rounds' if rounds else 'one at a time'}: {runs[rounds][-1]}")
+            single, batched = medians(runs[False]), medians(runs[True])
         finally:
             rabbit.stop()
             client = open_redis(base)
