@@ -71,7 +71,14 @@ PIPELINE = "bench.pipelines:count"
 class WorkerProcess:
     """``python -m keyq worker`` for the benchmark's stream."""
 
-    def __init__(self, stream: str, buckets: int, log_dir: Path, pipeline: str = PIPELINE) -> None:
+    def __init__(
+        self,
+        stream: str,
+        buckets: int,
+        log_dir: Path,
+        pipeline: str = PIPELINE,
+        mode: str = "bucket",
+    ) -> None:
         self.worker_id = f"bench-{uuid.uuid4().hex[:8]}"
         self.stream = stream
         self.log_path = log_dir / f"{self.worker_id}.log"
@@ -88,9 +95,8 @@ class WorkerProcess:
                 "--pipeline",
                 pipeline,
                 "--mode",
-                "bucket",
-                "--buckets",
-                str(buckets),
+                mode,
+                *(["--buckets", str(buckets)] if mode == "bucket" else []),
                 "--worker-id",
                 self.worker_id,
             ],

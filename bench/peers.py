@@ -5,8 +5,10 @@
 * ``chash_sac``: RabbitMQ's built-in way. A consistent-hash exchange routes each key to one of
   ``--queues`` durable queues declared with single-active-consumer; every consumer subscribes
   to all of them and the broker lets one consumer at a time take each queue.
-* ``keyq``: bucket mode (``--queues`` buckets), two worker processes with the production
-  defaults, folding a keyed count in Spark and committing it exactly once to Redis.
+* ``keyq``: bucket mode (``--queues`` buckets), then key mode (a queue per key) on a stream of
+  its own, two worker processes with the production defaults, folding a keyed count in Spark
+  and committing it exactly once to Redis. Each keyq run also reports where its batches spent
+  their time (decode and order, Spark, fenced commit, ack, registry touch), per batch.
 
 Baseline consumers are separate processes (``bench.peer_consumer``) that apply each event to
 an in-memory count and ack it: a lower bound on their work (keyq also commits state durably).
@@ -27,7 +29,7 @@ Keys are drawn Zipf-skewed, as in real traffic: a few hot keys carry much of the
 Progress on stderr; one JSON object on stdout (and ``--out``).
 
 Usage: ``python -m bench.peers [--events N] [--keys K] [--queues Q] [--rate R] [--seconds S]
-[--out FILE]``
+[--keyq-only] [--out FILE]``
 """
 
 from __future__ import annotations
@@ -56,8 +58,10 @@ from bench.e2e import WorkerProcess
 from keyq import Producer
 from keyq.broker.connections import open_redis
 from keyq.broker.errors import KeyqError
+from keyq.broker.membership import Membership
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.settings import Settings, load_settings
+from keyq.worker.batches import STAGES
 
 REPO = Path(__file__).resolve().parent.parent
 PREFETCH = 100
@@ -385,6 +389,34 @@ class CommitPoller(threading.Thread):
             self.poll()
 
 
+def worker_time(client: redis.Redis, stream: str) -> dict[str, float]:
+    """The stream's live workers' batches, events and seconds per batch stage, summed (from
+    what each worker reports with its heartbeat)."""
+    totals: dict[str, float] = {"batches": 0, "events": 0}
+    for info in Membership(client, stream, ttl_ms=1).info().values():
+        totals["batches"] += float(info.get("batches", 0))  # type: ignore[arg-type]
+        totals["events"] += float(info.get("events", 0))  # type: ignore[arg-type]
+        stages = info.get("stage_seconds") or {}
+        for stage, seconds in stages.items():  # type: ignore[union-attr]
+            totals[stage] = totals.get(stage, 0.0) + float(seconds)
+    return totals
+
+
+def breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Where a run's batches spent their time: per batch, in ms, by stage."""
+    batches = after["batches"] - before["batches"]
+    if batches <= 0:
+        return {"batches": 0}
+    result: dict[str, Any] = {
+        "batches": int(batches),
+        "events_per_batch": round((after["events"] - before["events"]) / batches, 1),
+    }
+    for stage in STAGES:
+        spent = after.get(stage, 0.0) - before.get(stage, 0.0)
+        result[f"{stage}_ms_per_batch"] = round(1000 * spent / batches, 1)
+    return result
+
+
 def run_keyq(
     settings: Settings,
     client: redis.Redis,
@@ -392,15 +424,19 @@ def run_keyq(
     buckets: int,
     events: Sequence[tuple[str, int]],
     rate: float | None,
+    mode: str = "bucket",
 ) -> dict[str, Any]:
     """Publish with the SDK while a poller notes when each event's count is committed."""
+    time.sleep(0.6)  # the workers' last heartbeats carry their counters up to now
+    spent_before = worker_time(client, stream)
     before = keyq_counts(client, stream)
     violations_before = sum(state[2] for state in keyq_states(client, stream).values())
     poller = CommitPoller(client, stream, before)
     poller.start()
     started = time.time()
     try:
-        with Producer(stream, mode="bucket", buckets=buckets, settings=settings) as producer:
+        bucketed = {"buckets": buckets} if mode == "bucket" else {}
+        with Producer(stream, mode=mode, settings=settings, **bucketed) as producer:
             for key, n in paced(events, rate):
                 poller.publishing(key)
                 # numbered on from this key's earlier runs, so the order check spans runs
@@ -410,12 +446,48 @@ def run_keyq(
     finally:
         poller.stop_event.set()
         poller.join(5)
+    time.sleep(0.6)
     return {
         "events_per_s": round(len(events) / (poller.finished - started)),
         "latency_s": percentiles(poller.latencies),
         "order_violations": sum(state[2] for state in keyq_states(client, stream).values())
         - violations_before,
+        "batches": breakdown(spent_before, worker_time(client, stream)),
     }
+
+
+def run_keyq_mode(
+    settings: Settings,
+    client: redis.Redis,
+    cleanup: Cleanup,
+    folder: Path,
+    mode: str,
+    buckets: int,
+    flat: Sequence[tuple[str, int]],
+    paced_events: Sequence[tuple[str, int]],
+    rate: float,
+) -> dict[str, Any]:
+    """keyq in one mode on a stream of its own, two workers: warm-up, throughput, latency."""
+    stream = f"bench-peers-{mode}-{uuid.uuid4().hex[:6]}"
+    cleanup.add_stream(stream)
+    workers = [
+        WorkerProcess(stream, buckets, folder, "bench.pipelines:ordered_count", mode=mode)
+        for _ in range(2)
+    ]
+    try:
+        for worker in workers:
+            worker.wait_ready()
+        log(f"keyq ({mode} mode): warm-up")
+        run_keyq(settings, client, stream, buckets, flat, None, mode)  # JIT warm-up, untimed
+        log(f"keyq ({mode} mode): throughput")
+        entry = {"throughput": run_keyq(settings, client, stream, buckets, flat, None, mode)}
+        log(f"keyq ({mode} mode): latency at {rate:.0f}/s")
+        entry["latency"] = run_keyq(settings, client, stream, buckets, paced_events, rate, mode)
+        log(f"keyq ({mode} mode): {orjson.dumps(entry).decode()}")
+        return entry
+    finally:
+        for worker in workers:
+            worker.stop()
 
 
 # ------------------------------------------------------------------------------- main
@@ -459,6 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--queues", type=int, default=16)
     parser.add_argument("--rate", type=float, default=1000.0, help="paced runs, events/s")
     parser.add_argument("--seconds", type=float, default=15.0, help="length of paced runs")
+    parser.add_argument("--keyq-only", action="store_true", help="skip the baselines")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
@@ -478,6 +551,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         missing = ensure_consistent_hash_exchange(settings)
         systems = ["shared_queue"] + (["chash_sac"] if missing is None else [])
+        if args.keyq_only:
+            systems = []
         if missing:
             errors.append(missing)
         for name in systems:
@@ -497,28 +572,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             finally:
                 baseline.delete()
 
-        stream = f"bench-peers-{uuid.uuid4().hex[:6]}"
-        cleanup.add_stream(stream)
-        workers = [
-            WorkerProcess(stream, args.queues, folder, "bench.pipelines:ordered_count")
-            for _ in range(2)
-        ]
-        for worker in workers:
-            worker.wait_ready()
-        log("keyq: warm-up")
-        run_keyq(settings, client, stream, args.queues, flat, None)  # JIT warm-up, untimed
-        log("keyq: throughput")
-        keyq_entry = {"throughput": run_keyq(settings, client, stream, args.queues, flat, None)}
-        log(f"keyq: latency at {args.rate:.0f}/s")
-        keyq_entry["latency"] = run_keyq(
-            settings, client, stream, args.queues, paced_events, args.rate
-        )
-        result["keyq"] = keyq_entry
-        log(f"keyq: {orjson.dumps(keyq_entry).decode()}")
+        for mode in ("bucket", "key"):
+            keyq_entry = run_keyq_mode(
+                settings, client, cleanup, folder, mode, args.queues, flat, paced_events, args.rate
+            )
+            result["keyq" if mode == "bucket" else "keyq_key_mode"] = keyq_entry
+            for worker in workers:
+                worker.stop()
+            workers = []
         for name in systems:
             result[name]["throughput"]["keyq_over_this"] = round(
                 ratio(
-                    keyq_entry["throughput"]["events_per_s"],
+                    result["keyq"]["throughput"]["events_per_s"],
                     result[name]["throughput"]["events_per_s"],
                 )
                 or 0,

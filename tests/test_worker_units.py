@@ -636,3 +636,21 @@ def test_a_fold_failure_names_its_event_for_any_key(key: str) -> None:
     assert failing_event(text) == (key, "p.1-a", 7)
     assert without_event_token(text) == f"FoldFailed: fold of key {key!r} failed: ValueError: boom"
     assert event_token(key, None, None) == ""
+
+
+def test_a_lightly_loaded_worker_starts_batches_at_once_and_a_loaded_one_waits_to_fill() -> None:
+    from keyq.worker.batches import BatchStats
+    from keyq.worker.daemon import BATCH_WAIT_MAX_S, batch_wait
+
+    settings = load_settings(WorkerSettings, batch_max_events=5000)
+    light = BatchStats(last_batch_events=150, last_spark_seconds=0.2)
+    assert batch_wait(settings, light) == 0.0
+    heavy = BatchStats(last_batch_events=3000, last_spark_seconds=0.3)
+    assert batch_wait(settings, heavy) == pytest.approx(0.6)
+    slow = BatchStats(last_batch_events=5000, last_spark_seconds=5.0)
+    assert batch_wait(settings, slow) == BATCH_WAIT_MAX_S
+    lingering = load_settings(WorkerSettings, batch_max_events=5000, batch_max_ms=250)
+    assert batch_wait(lingering, light) == pytest.approx(0.25)
+    assert batch_wait(lingering, BatchStats(last_batch_events=4000, last_spark_seconds=0.05)) == (
+        pytest.approx(0.25)
+    )

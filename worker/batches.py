@@ -43,6 +43,9 @@ from keyq.worker.state_store import StateStore
 log = logging.getLogger("keyq.worker.batch")
 
 
+STAGES = ("decode", "spark", "commit", "ack", "touch")
+
+
 @dataclass
 class BatchStats:
     batches: int = 0
@@ -58,6 +61,9 @@ class BatchStats:
     last_spark_seconds: float = 0.0
     last_batch_events: int = 0
     batch_seconds: list[float] = field(default_factory=list)
+    # Where batches spend their time, summed: decoding and ordering, the Spark job, the
+    # fenced commit (with dead letters and sink output), the acks, the registry touch.
+    stage_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
 
 class _EventFailed(PipelineError):
@@ -344,6 +350,7 @@ class BatchProcessor:
             self.waiting.extend(waiting)
             return  # everything here waits for an earlier seq: nothing to commit or ack
 
+        prepared = time.monotonic()
         batch_id = f"{self._worker_id}-{next(self._batch_numbers)}"
         states: dict[str, str] = {}
         staged: str | None = None
@@ -355,6 +362,7 @@ class BatchProcessor:
             if self._sink is not None and output is not None and output.num_rows:
                 staged = self._sink.stage(output, batch_id)
 
+        ran = time.monotonic()
         if fresh_letters:
             # Before the commit: once the marks move past a dead event, a redelivery would
             # skip it, so its copy must be safe in the dead-letter queue first.
@@ -383,13 +391,16 @@ class BatchProcessor:
             self._sink.publish(batch_id, staged)
             self._store.forget_sink_record(batch_id)
         self._publish_replicated_output()
+        committed = time.monotonic()
         self._ack(settling)
+        acked = time.monotonic()
         self.waiting.extend(waiting)
         self._note_gaps(keys, plan, ordered)
         try:
             self._registry.touch(leases)
         except Exception:
             log.debug("registry touch failed", exc_info=True)
+        touched = time.monotonic()
 
         stats = self.stats
         stats.batches += 1
@@ -402,6 +413,9 @@ class BatchProcessor:
         stats.last_batch_events = len(fresh_events)
         stats.batch_seconds.append(time.monotonic() - started)
         del stats.batch_seconds[:-1000]
+        marks = (started, prepared, ran, committed, acked, touched)
+        for stage, (begun, ended) in zip(STAGES, itertools.pairwise(marks), strict=True):
+            stats.stage_seconds[stage] += ended - begun
         for letter in fresh_letters:
             log.warning("dead-lettered a message of %s: %s", letter.delivery.queue, letter.reason)
 

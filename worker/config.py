@@ -67,7 +67,10 @@ class WorkerSettings(Settings):
 
     batch_max_events: int = Field(default=5000, ge=1, description="events per micro-batch")
     batch_max_ms: int = Field(
-        default=250, ge=1, description="longest wait for a batch to fill, from its first event"
+        default=0,
+        ge=0,
+        description="wait for a batch to fill, from its first event, under light load; 0 "
+        "starts a batch as soon as events are ready and the previous job has ended",
     )
     prefetch: int = Field(default=1000, ge=1, le=65535, description="unacked events per queue")
     max_held_queues: int | None = Field(

@@ -42,7 +42,7 @@ from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import load_settings
 from keyq.broker.streams import StreamConfig, ensure_stream_config, load_stream_config
 from keyq.worker.abandoned_gaps import AbandonedGaps
-from keyq.worker.batches import BatchProcessor
+from keyq.worker.batches import BatchProcessor, BatchStats
 from keyq.worker.claims import ClaimLoop, client_name
 from keyq.worker.config import WorkerSettings
 from keyq.worker.consumer import ConsumeOutcome, ConsumerLink
@@ -69,6 +69,18 @@ BATCH_WAIT_MAX_S = 2.0
 def new_worker_id() -> str:
     host = _SAFE_ID.sub("-", socket.gethostname())[:40] or "host"
     return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def batch_wait(settings: WorkerSettings, stats: BatchStats) -> float:
+    """How long a batch may wait to fill, from its first event. Under light load (the last
+    batch under half of ``batch_max_events``) only ``batch_max_ms``, 0 by default: a batch
+    starts as soon as the previous job ends and events are ready, and the events that arrive
+    during a job make the next batch. Under heavy load up to twice the last Spark job (at
+    most 2 s): every job has a fixed cost, so a loaded worker runs fewer, larger jobs."""
+    floor = settings.batch_max_ms / 1000
+    if stats.last_batch_events * 2 < settings.batch_max_events:
+        return floor
+    return min(max(floor, BATCH_WAIT_SPARK_FACTOR * stats.last_spark_seconds), BATCH_WAIT_MAX_S)
 
 
 class Worker:
@@ -152,6 +164,11 @@ class Worker:
             "pipeline_failures": batch.pipeline_failures if batch else 0,
             "spark_seconds": round(batch.spark_seconds, 3) if batch else 0.0,
             "last_spark_seconds": round(batch.last_spark_seconds, 3) if batch else 0.0,
+            "stage_seconds": (
+                {stage: round(value, 3) for stage, value in batch.stage_seconds.items()}
+                if batch
+                else {}
+            ),
             "claims": claims.claims if claims else 0,
             "lost": claims.lost if claims else 0,
             "released": self.released,
@@ -498,13 +515,8 @@ class Worker:
         self._reopen(queue)
 
     def _batch_wait(self) -> float:
-        """How long a batch may wait to fill: ``batch_max_ms``, or longer while Spark jobs
-        are slow (a loaded machine), since every job has a fixed cost: under load batches
-        grow and jobs get fewer; when idle, latency stays at ``batch_max_ms``."""
-        floor = self.settings.batch_max_ms / 1000
         assert self._processor is not None
-        recent = self._processor.stats.last_spark_seconds
-        return min(max(floor, BATCH_WAIT_SPARK_FACTOR * recent), BATCH_WAIT_MAX_S)
+        return batch_wait(self.settings, self._processor.stats)
 
     def _fire_events(self) -> None:
         while True:
@@ -568,7 +580,17 @@ class Worker:
         link.stop()
         if self._owns_engine and self._engine is not None:
             self._engine.stop()
-        log.info("worker %s stopped", self.worker_id)
+        log.info("worker %s stopped%s", self.worker_id, self._time_summary())
+
+    def _time_summary(self) -> str:
+        """Where the batches' time went, for the log line at stop."""
+        stats = self._processor.stats if self._processor is not None else None
+        if stats is None or not stats.batches:
+            return ""
+        stages = ", ".join(
+            f"{name} {seconds:.1f}s" for name, seconds in stats.stage_seconds.items()
+        )
+        return f" after {stats.batches} batches of {stats.events} events: {stages}"
 
     # ---- helpers --------------------------------------------------------------------------
 
