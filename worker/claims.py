@@ -121,8 +121,11 @@ class ClaimLoop:
         self._first_round = threading.Event()
         self._failing = False
         self._more_to_claim = False
-        # Claiming in one tick stops after this long, well inside the lock ttl.
-        self._claim_budget_s = min(settings.tick_ms, settings.lock_ttl_ms / 4) / 1000
+        # Claiming in one tick stops after this long, well inside the lock ttl: the locks
+        # held are renewed at the next tick, so a quarter of the ttl leaves three quarters to
+        # spare. Under delivery load each consume costs several ms, so the budget, not the
+        # tick, sets how fast a worker takes over a dead peer's queues.
+        self._claim_budget_s = settings.lock_ttl_ms / 4 / 1000
         self.stats = ClaimStats()
 
     # ---- control --------------------------------------------------------------------------
@@ -356,7 +359,8 @@ class ClaimLoop:
             self._holdings.add(item)
         try:
             results = self._link.consume_many(
-                [(item.queue, item.epoch) for item in claims], until=deadline
+                [(item.queue, item.epoch) for item in claims],
+                budget_s=max(0.0, deadline - time.monotonic()),
             )
         except KeyqError:
             # No consumer of this call outlives the connection that failed it.

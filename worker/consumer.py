@@ -338,15 +338,21 @@ class ConsumerLink:
         return self.call(lambda: self._consume(queue, epoch, prefetch or self._prefetch))
 
     def consume_many(
-        self, claims: Sequence[tuple[str, int]], *, until: float | None = None
+        self, claims: Sequence[tuple[str, int]], *, budget_s: float | None = None
     ) -> list[Consumed]:
         """Consume each (queue, epoch) in one call to the I/O thread: a claim round of
         hundreds of queues costs their channels' round trips, not a thread hand-off each.
-        Claims still waiting at ``until`` (monotonic) are ``NOT_TRIED``."""
+        Claims still waiting ``budget_s`` after the I/O thread began the call are
+        ``NOT_TRIED`` (the time the call waited for a busy I/O thread is not counted)."""
         if not claims:
             return []
         timeout = 30.0 + 0.05 * len(claims)
-        return self.call(lambda: self._consume_all(claims, self._prefetch, until), timeout)
+
+        def consume_all() -> list[Consumed]:
+            until = None if budget_s is None else time.monotonic() + budget_s
+            return self._consume_all(claims, self._prefetch, until)
+
+        return self.call(consume_all, timeout)
 
     def close_queue(self, queue: str, epoch: int | None = None) -> None:
         """Stop consuming ``queue`` (only that consumer incarnation, if ``epoch`` is given);
