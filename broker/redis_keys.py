@@ -37,6 +37,12 @@ class StreamKeys:
         return f"{self._base}:queue-keys"
 
     @property
+    def woken(self) -> str:
+        """Sorted set: queue name -> when a producer published to it again after it had been
+        quiet (ms since epoch), so that workers claim it within a tick without probing."""
+        return f"{self._base}:woken"
+
+    @property
     def announcements(self) -> str:
         """Pub/sub channel: names of newly declared queues, for workers to claim at once."""
         return f"{self._base}:announce"

@@ -24,20 +24,31 @@ from keyq.broker.clock import now_ms
 from keyq.broker.naming import INCARNATION_MARK, base_queue_name, incarnation_of
 from keyq.broker.redis_keys import StreamKeys
 
-# KEYS[1] = registry, KEYS[2] = incarnations, KEYS[3..] = retirement marks;
-# ARGV[1] = now, ARGV[2..] = base queue names. Each result: -1 (marked) or the incarnation.
+# A queue published to after this long without activity is noted as woken (see
+# ``StreamKeys.woken``); while a producer publishes, its leases touch the queue more often.
+WOKEN_AFTER_QUIET_MS = 5000
+
+# KEYS[1] = registry, KEYS[2] = incarnations, KEYS[3] = woken, KEYS[4..] = retirement marks;
+# ARGV[1] = now, ARGV[2] = quiet ms, ARGV[3..] = base queue names. Each result: -1 (marked)
+# or the incarnation. A registered queue whose activity is older than the quiet time is
+# noted as woken: it may have no worker, and now it has events.
 _LEASE = """
 local granted = {}
-for i = 3, #KEYS do
+local now = tonumber(ARGV[1])
+for i = 4, #KEYS do
   local base = ARGV[i - 1]
   if redis.call('EXISTS', KEYS[i]) == 1 then
-    granted[i - 2] = -1
+    granted[i - 3] = -1
   else
     local incarnation = tonumber(redis.call('HGET', KEYS[2], base)) or 0
     local name = base
     if incarnation > 0 then name = base .. 'INCARNATION_MARK' .. incarnation end
-    redis.call('ZADD', KEYS[1], 'XX', 'GT', ARGV[1], name)
-    granted[i - 2] = incarnation
+    local before = redis.call('ZSCORE', KEYS[1], name)
+    redis.call('ZADD', KEYS[1], 'XX', 'GT', now, name)
+    if before and tonumber(before) < now - tonumber(ARGV[2]) then
+      redis.call('ZADD', KEYS[3], now, name)
+    end
+    granted[i - 3] = incarnation
   end
 end
 return granted
@@ -73,9 +84,10 @@ class RetirementFence:
             keys=[
                 self._keys.registry,
                 self._keys.incarnations,
+                self._keys.woken,
                 *(self._keys.retiring(queue) for queue in queues),
             ],
-            args=[now_ms(), *queues],
+            args=[now_ms(), WOKEN_AFTER_QUIET_MS, *queues],
         )
         return {
             queue: None if int(flag) < 0 else int(flag)

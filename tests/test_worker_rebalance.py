@@ -16,7 +16,8 @@ import pytest
 
 from keyq import Producer
 from keyq.broker.errors import KeyqError
-from keyq.broker.naming import bucket_queue_name
+from keyq.broker.locks import FencedLocks
+from keyq.broker.naming import bucket_queue_name, key_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import load_settings
@@ -366,3 +367,30 @@ def test_a_worker_holds_no_more_queues_than_its_connection_has_channels_for(
     assert capacity // 2 <= most_held <= capacity
     log = worker.log()
     assert re.search(r"consuming \S+ failed|NoFreeChannels", log) is None, log[-3000:]
+
+
+def test_a_quiet_queue_published_to_again_is_claimed_without_a_scan(
+    stream: StreamFixture, producer: Producer, workers: Any
+) -> None:
+    """A key that went quiet (its queue let go, its activity old) and then gets an event is
+    claimed within a tick: the producer's lease notes it as woken, so no worker has to scan
+    or probe thousands of idle queues to find it. Scans here come every 10 minutes."""
+    rare = {"KEYQ_SCAN_INTERVAL_MS": "600000", "KEYQ_IDLE_RELEASE_MS": "1000"}
+    producer.publish("sleeper", {"n": 1, "producer": "p"})
+    producer.flush(30)  # registered: the worker's first scan finds it
+    workers(stream.name, mode="key", env=rare).wait_ready()
+    store = StateStore(stream.redis, stream.name)
+    wait_until(lambda: (store.get("sleeper") or {}).get("applied") == 1, 60, "the first event")
+    queue = key_queue_name(stream.name, "sleeper")
+    locks = FencedLocks(stream.redis, stream.name)
+    wait_until(lambda: locks.holder(queue) is None, 30, "the quiet queue let go")
+    quiet_since = int(time.time() * 1000) - 60_000
+    stream.redis.zadd(stream.keys.registry, {queue: quiet_since})  # as if quiet for a minute
+    time.sleep(stream.settings.publish_lease_ms / 1000 + 0.5)  # the producer's lease ran out
+    published = time.monotonic()
+    producer.publish("sleeper", {"n": 2, "producer": "p"})
+    producer.flush(30)
+    wait_until(lambda: (store.get("sleeper") or {}).get("applied") == 2, 10, "the second event")
+    assert time.monotonic() - published < 10
+    assert stream.redis.zscore(stream.keys.woken, queue) is not None
+    assert states_problems(store, ["sleeper"], 2) == {}

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import redis
 import redis.exceptions
@@ -51,6 +52,8 @@ RELEASE_COOLDOWN_S = 3.0
 PROBES_PER_SCAN = 200
 # Queues locked in one script and consumed in one I/O-thread call.
 CLAIMS_PER_ROUND = 50
+# Woken queues (``StreamKeys.woken``) are forgotten this long after they woke.
+WOKEN_KEPT_MS = 60_000
 
 
 def client_name(worker_id: str) -> str:
@@ -113,6 +116,8 @@ class ClaimLoop:
         self._missing_once: set[str] = set()
         self._client_list_ok = True
         self._probe_cursor = 0
+        self._woken_seen: int | None = None  # None: read every queue woken so far
+        self._woken_last: set[str] = set()  # the queues woken at exactly _woken_seen
         self._pubsub: redis.client.PubSub | None = None
         self._stop = threading.Event()
         self._claiming = threading.Event()
@@ -235,6 +240,7 @@ class ClaimLoop:
         if now - self._view.scanned_at >= interval:
             self._scan()
             scanned = True
+        woke = self._mode is Mode.KEY and self._read_woken(trim=scanned)
         reaped = self._reap_dead_peers()
         members = self._membership.alive()
         changed = members != self._members
@@ -242,7 +248,7 @@ class ClaimLoop:
         if self._worker_id not in members:
             members = sorted([*members, self._worker_id])
         if self._claiming.is_set():
-            force = scanned or reaped or changed or self._announced or self._more_to_claim
+            force = scanned or reaped or changed or woke or self._announced or self._more_to_claim
             self._more_to_claim = False
             self._balance(members, force=force)
         self._announced = False
@@ -294,6 +300,29 @@ class ClaimLoop:
             self._locks.release([held.lease])
         self._notify("revoked", [queue], reason)
 
+    def _read_woken(self, *, trim: bool) -> bool:
+        """Queues producers published to again after a quiet time, since the last look: made
+        active now, so an unheld one is claimed this tick however many queues are idle."""
+        since = "-inf" if self._woken_seen is None else self._woken_seen  # inclusive: same ms
+        found = cast(
+            list[tuple[str, float]],
+            self._client.zrangebyscore(self._keys.woken, since, "+inf", withscores=True),
+        )
+        if trim:  # every scan: an entry outlives any worker's interest in it
+            self._client.zremrangebyscore(self._keys.woken, "-inf", now_ms() - WOKEN_KEPT_MS)
+        news = False
+        for queue, score in found:
+            name, stamp = str(queue), int(score)
+            if stamp == self._woken_seen and name in self._woken_last:
+                continue  # seen at the last look
+            news = True
+            self._view.activity[name] = max(self._view.activity.get(name, 0), stamp)
+            if self._woken_seen is None or stamp > self._woken_seen:
+                self._woken_seen, self._woken_last = stamp, set()
+            if stamp == self._woken_seen:
+                self._woken_last.add(name)
+        return news
+
     def _scan(self) -> None:
         self._view.activity = self._registry.queues()
         self._view.scanned_at = time.monotonic()
@@ -317,11 +346,14 @@ class ClaimLoop:
                 self._probe_idle(held)
             return
         now = time.monotonic()
+        unheld = active - held
         candidates = [
             q
-            for q in active - held
+            for q in unheld
             if self._busy_until.get(q, 0) <= now and self._cooldown_until.get(q, 0) <= now
         ]
+        if len(candidates) < len(unheld):
+            self._more_to_claim = True  # look again next tick: a wait ends, not a scan
         if not candidates:
             if self._mode is Mode.KEY:
                 self._probe_idle(held)
@@ -446,6 +478,7 @@ class ClaimLoop:
             if depth:
                 self._registry.touch([queue])
                 self._view.activity[queue] = now_ms()
+                self._more_to_claim = True  # claimed next tick, not at the next scan
 
     def _reap_dead_peers(self) -> bool:
         """Release the locks of members whose Redis connections are all gone (a killed
