@@ -10,6 +10,7 @@ depths.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import tempfile
 import time
 import uuid
@@ -20,6 +21,7 @@ from typing import Any
 
 from bench.common import declare_queues, emit, log, machine_info, positive, ratio
 from keyq.broker.connections import open_redis
+from keyq.broker.management import queue_figures
 from keyq.broker.naming import key_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
@@ -45,6 +47,7 @@ def depths(status: dict[str, Any]) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.status", description=__doc__)
     parser.add_argument("--queues", type=positive, default=100_000)
+    parser.add_argument("--profile", action="store_true", help="profile one status call")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     base = load_settings()
@@ -74,6 +77,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             took = time.perf_counter() - started
             log(f"declared and registered {len(names):,} queues in {took:.0f} s")
             time.sleep(10)  # every queue's figures reach the management API
+            listing_started = time.perf_counter()
+            queue_figures(rabbit.management_url or "", "/", 60)
+            result["listing_alone_s"] = round(time.perf_counter() - listing_started, 2)
+            log(f"the management API's listing alone: {result['listing_alone_s']:.2f} s")
+            if args.profile:
+                cProfile.runctx(
+                    "timed_status(listed, stream)", globals(), locals(), sort="cumulative"
+                )
             listing_s, by_listing = timed_status(listed, stream)
             log(f"status from the management API: {listing_s:.2f} s")
             declaring_s, by_declaring = timed_status(plain, stream)

@@ -330,11 +330,11 @@ def test_a_running_worker_shows_its_real_host_and_pid(
     assert "-:-" not in table.stdout
 
 
-def test_with_the_management_api_the_figures_come_from_one_listing(
+def test_with_the_management_api_the_figures_come_from_its_listings(
     stream: Any, private_rabbit: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A status of 100,000 queues cannot declare each one: with ``KEYQ_MANAGEMENT_URL`` the
-    depths and consumers come from the API's listing, and agree with the queues themselves."""
+    depths and consumers come from the API's listings, and agree with the queues themselves."""
     settings = load_settings(
         amqp_url=private_rabbit.url,
         management_url=private_rabbit.management_url,
@@ -351,7 +351,12 @@ def test_with_the_management_api_the_figures_come_from_one_listing(
 
     monkeypatch.setattr(StatusReader, "_declare", counted)
     amqp = pika.BlockingConnection(pika.URLParameters(private_rabbit.url))
+    consumed = queues["sensor-b"]
     try:
+        holder = amqp.channel()  # a worker's consumer: one of its two events unacked
+        holder.basic_qos(prefetch_count=1)
+        holder.basic_consume(consumed, lambda *_args: None, exclusive=True)
+        wait_until(lambda: queue_depth(amqp, consumed) == 1, 10, "one event delivered")
         real = {queue: queue_depth(amqp, queue) for queue in [*queues.values(), ghost, dlq]}
 
         def listed() -> dict[str, Any] | None:
@@ -359,7 +364,8 @@ def test_with_the_management_api_the_figures_come_from_one_listing(
             status = collect_status(settings, stream.name)
             depths = {row["name"]: row["depth"] for row in status["queues"]}
             assert depths == real  # declared or listed, always the queues' own figures
-            return None if declared else status
+            consumers = {row["name"]: row["consumers"] for row in status["queues"]}
+            return None if declared or consumers[consumed] != 1 else status
 
         # A new queue's figures reach the API within seconds; till then it is declared.
         status = wait_until(listed, 20, "the listing to give every queue's figures", every=0.5)
@@ -370,12 +376,13 @@ def test_with_the_management_api_the_figures_come_from_one_listing(
             cleanup.channel().queue_delete(queue)
         cleanup.close()
     rows = {row["name"]: row for row in status["queues"]}
-    assert declared == []  # every figure came from the listing
+    assert declared == []  # every figure came from the listings
     assert {name: row["depth"] for name, row in rows.items()} == real
     assert real[queues["sensor-a"]] == PUBLISHED["sensor-a"]
     assert rows[ghost]["missing"] is True
-    assert all(row["consumers"] == 0 for name, row in rows.items() if name != ghost)
-    assert status["totals"]["lag"] == sum(PUBLISHED.values())
+    assert rows[consumed]["consumers"] == 1
+    assert all(row["consumers"] == 0 for name, row in rows.items() if name not in (ghost, consumed))
+    assert status["totals"]["lag"] == sum(PUBLISHED.values()) - 1  # one event is unacked
 
 
 def test_a_management_api_that_does_not_answer_falls_back_to_declaring(

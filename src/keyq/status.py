@@ -3,7 +3,7 @@ and how close the broker is to its file-descriptor limit.
 
 Everything is read, nothing is changed: Redis in three round trips (one pipeline for the
 config, the registry and the members, one MGET for every lock, one HMGET for the original
-keys), RabbitMQ in one listing of the management API when ``KEYQ_MANAGEMENT_URL`` is set (and
+keys), RabbitMQ in two listings of the management API when ``KEYQ_MANAGEMENT_URL`` is set (and
 its fd use from there), else by passive declares on one channel (AMQP cannot list queues).
 """
 
@@ -193,8 +193,8 @@ class StatusReader:
 
     def _figures(self, queues: list[str]) -> dict[str, tuple[int, int] | None]:
         """(ready messages, consumers) of each queue, None for one that does not exist: from
-        one management API listing when ``KEYQ_MANAGEMENT_URL`` is set (its figures are the
-        broker's statistics, a few seconds old), else, or if the API fails, by declaring."""
+        the management API's listings when ``KEYQ_MANAGEMENT_URL`` is set (the broker may
+        report a depth a few seconds late), else, or if the API fails, by declaring."""
         if not self.settings.management_url:
             return self._declare(queues)
         try:
@@ -207,7 +207,7 @@ class StatusReader:
             log.warning("queue figures by declaring instead: %s", exc)
             return self._declare(queues)
         found = {queue: listed.get(queue) for queue in queues}
-        # Listed without figures yet (declared a moment ago): ask the queue itself.
+        # Listed without a depth: ask the queue itself.
         unknown = [queue for queue in queues if queue in listed and listed[queue] is None]
         if unknown:
             found.update(self._declare(unknown))
