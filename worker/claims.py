@@ -250,7 +250,7 @@ class ClaimLoop:
         if self._claiming.is_set():
             force = scanned or reaped or changed or woke or self._announced or self._more_to_claim
             self._more_to_claim = False
-            self._balance(members, force=force)
+            self._balance(members, force=force, probe=scanned)
         self._announced = False
         if self._mode is Mode.KEY:
             self._release_idle()
@@ -334,7 +334,9 @@ class ClaimLoop:
         cutoff = now_ms() - self._settings.idle_release_ms
         return {q for q, stamp in self._view.activity.items() if stamp >= cutoff}
 
-    def _balance(self, members: list[str], *, force: bool) -> None:
+    def _balance(self, members: list[str], *, force: bool, probe: bool) -> None:
+        """Claim up to this worker's share, or ask to hand the surplus back; with ``probe``
+        (once a scan, in key mode) also look into a few idle queues for a backlog."""
         held = set(self._holdings.queues())
         active = self._active() | held
         share = min(fair_share(len(active), members, self._worker_id), self._capacity())
@@ -342,7 +344,7 @@ class ClaimLoop:
             self._request_surplus_release(held, len(held) - share)
             return
         if len(held) == share or not force:
-            if force and self._mode is Mode.KEY:
+            if probe and self._mode is Mode.KEY:
                 self._probe_idle(held)
             return
         now = time.monotonic()
@@ -355,7 +357,7 @@ class ClaimLoop:
         if len(candidates) < len(unheld):
             self._more_to_claim = True  # look again next tick: a wait ends, not a scan
         if not candidates:
-            if self._mode is Mode.KEY:
+            if probe and self._mode is Mode.KEY:
                 self._probe_idle(held)
             return
         holders = self._locks.holders(candidates)
