@@ -117,7 +117,6 @@ class ClaimLoop:
         self._client_list_ok = True
         self._probe_cursor = 0
         self._woken_seen: int | None = None  # None: read every queue woken so far
-        self._woken_last: set[str] = set()  # the queues woken at exactly _woken_seen
         self._pubsub: redis.client.PubSub | None = None
         self._stop = threading.Event()
         self._claiming = threading.Event()
@@ -302,7 +301,9 @@ class ClaimLoop:
 
     def _read_woken(self, *, trim: bool) -> bool:
         """Queues producers published to again after a quiet time, since the last look: made
-        active now, so an unheld one is claimed this tick however many queues are idle."""
+        active now, so an unheld one is claimed this tick however many queues are idle. An
+        entry is news only if it is newer than what this worker knows of the queue (the lease
+        script moves the registry's activity to the same time, so a scan knows it too)."""
         since = "-inf" if self._woken_seen is None else self._woken_seen  # inclusive: same ms
         found = cast(
             list[tuple[str, float]],
@@ -313,14 +314,11 @@ class ClaimLoop:
         news = False
         for queue, score in found:
             name, stamp = str(queue), int(score)
-            if stamp == self._woken_seen and name in self._woken_last:
-                continue  # seen at the last look
-            news = True
-            self._view.activity[name] = max(self._view.activity.get(name, 0), stamp)
-            if self._woken_seen is None or stamp > self._woken_seen:
-                self._woken_seen, self._woken_last = stamp, set()
-            if stamp == self._woken_seen:
-                self._woken_last.add(name)
+            if stamp > self._view.activity.get(name, 0):
+                self._view.activity[name] = stamp
+                news = True
+        if found:
+            self._woken_seen = int(found[-1][1])  # sorted by score: the newest
         return news
 
     def _scan(self) -> None:
