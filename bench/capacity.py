@@ -22,17 +22,24 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import declare_queues, emit, log, machine_info, positive, ratio
+from bench.common import (
+    declare_queues,
+    emit,
+    log,
+    machine_info,
+    positive,
+    ratio,
+    stream_redis_keys,
+)
 from keyq.broker.connections import open_redis
 from keyq.broker.errors import ManagementUnavailable
 from keyq.broker.locks import FencedLocks, Lease
 from keyq.broker.management import get_json
 from keyq.broker.naming import key_queue_name
-from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.settings import Settings, load_settings
 from keyq.worker.consumer import ConsumeOutcome, ConsumerLink
-from keyq.worker.deliveries import DeliveryBuffer
 from tests.servers import PrivateRabbit
+from tests.workers import bare_link
 
 ROUND = 50
 TTL_MS = 60_000
@@ -64,15 +71,7 @@ def rss_bytes() -> int:
 
 
 def start_link(settings: Settings, stream: str) -> ConsumerLink:
-    link = ConsumerLink(
-        settings=settings,
-        stream=stream,
-        name="bench-capacity",
-        buffer=DeliveryBuffer(),
-        prefetch=100,
-        on_queue_lost=lambda *_args: None,
-        on_disconnected=lambda _reason: None,
-    )
+    link = bare_link(settings, stream, "bench-capacity", prefetch=100)
     link.start()
     return link
 
@@ -200,10 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             rabbit.stop()
             client = open_redis(base)
-            keys = StreamKeys(stream)
-            for pattern in keys.all_patterns():
-                for key in client.scan_iter(match=pattern, count=1000):
-                    client.delete(key)
+            leftovers = stream_redis_keys(client, stream)
+            if leftovers:
+                client.delete(*leftovers)
             client.close()
     result["one_at_a_time"] = single
     result["claim_rounds"] = batched

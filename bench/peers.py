@@ -547,7 +547,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     paced_events = keyed_events(int(args.rate * args.seconds), args.keys)
     cleanup = Cleanup(settings)
     client = open_redis(settings)
-    workers: list[WorkerProcess] = []
     try:
         missing = ensure_consistent_hash_exchange(settings)
         systems = ["shared_queue"] + (["chash_sac"] if missing is None else [])
@@ -577,9 +576,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 settings, client, cleanup, folder, mode, args.queues, flat, paced_events, args.rate
             )
             result["keyq" if mode == "bucket" else "keyq_key_mode"] = keyq_entry
-            for worker in workers:
-                worker.stop()
-            workers = []
         for name in systems:
             result[name]["throughput"]["keyq_over_this"] = round(
                 ratio(
@@ -592,7 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyqError, RuntimeError, redis.RedisError, OSError, pika.exceptions.AMQPError) as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
     finally:
-        finish_run(workers, cleanup, client, errors)
+        finish_run([], cleanup, client, errors)  # each mode stops its own workers
     result["errors"] = errors
     emit(result, args.out)
     return 1 if errors else 0

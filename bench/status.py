@@ -19,11 +19,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.common import declare_queues, emit, log, machine_info, positive, ratio
+from bench.common import (
+    declare_queues,
+    emit,
+    log,
+    machine_info,
+    positive,
+    ratio,
+    stream_redis_keys,
+)
 from keyq.broker.connections import open_redis
 from keyq.broker.management import queue_figures
 from keyq.broker.naming import key_queue_name
-from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings, load_settings
 from keyq.broker.streams import ensure_stream_config
@@ -91,10 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             log(f"status by declaring every queue: {declaring_s:.2f} s")
         finally:
             rabbit.stop()
-            keys = StreamKeys(stream)
-            for pattern in keys.all_patterns():
-                for key in client.scan_iter(match=pattern, count=1000):
-                    client.delete(key)
+            leftovers = stream_redis_keys(client, stream)
+            if leftovers:
+                client.delete(*leftovers)
             client.close()
     result["status_s"] = {"management_api": round(listing_s, 2), "declares": round(declaring_s, 2)}
     result["speedup"] = ratio(declaring_s, listing_s)

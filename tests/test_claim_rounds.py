@@ -11,24 +11,15 @@ import pytest
 from keyq.broker.naming import key_queue_name
 from keyq.broker.settings import Settings
 from keyq.worker.consumer import ConsumeOutcome, ConsumerLink
-from keyq.worker.deliveries import DeliveryBuffer
 from tests.conftest import StreamFixture
-from tests.workers import wait_until
+from tests.workers import bare_link, wait_until
 
 QUEUES = 30
 
 
 @pytest.fixture
 def link(settings: Settings, stream: StreamFixture) -> Iterator[ConsumerLink]:
-    started = ConsumerLink(
-        settings=settings,
-        stream=stream.name,
-        name="test-claim-rounds",
-        buffer=DeliveryBuffer(),
-        prefetch=10,
-        on_queue_lost=lambda *_args: None,
-        on_disconnected=lambda _reason: None,
-    )
+    started = bare_link(settings, stream.name, "test-claim-rounds", prefetch=10)
     started.start()
     try:
         yield started

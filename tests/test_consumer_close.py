@@ -27,7 +27,7 @@ from keyq.worker.consumer import ConsumeOutcome, ConsumerLink
 from keyq.worker.deliveries import DeliveryBuffer
 from tests.conftest import StreamFixture
 from tests.faults import FaultProxy
-from tests.workers import wait_until
+from tests.workers import bare_link, wait_until
 
 MESSAGES = 20
 LINK_DELAY_S = 0.25
@@ -117,16 +117,12 @@ def consuming(
     """A worker's link, through the proxy, consuming ``loaded_queue`` with every message
     delivered and unacked; stopped (and the proxy unslowed) at the end."""
     buffer = DeliveryBuffer()
-    link = ConsumerLink(
-        settings=load_settings(
-            **{**settings.model_dump(), "amqp_url": proxy.url_for(settings.amqp_url)}
-        ),
-        stream=stream.name,
-        name="test-consumer-close",
-        buffer=buffer,
+    link = bare_link(
+        load_settings(**{**settings.model_dump(), "amqp_url": proxy.url_for(settings.amqp_url)}),
+        stream.name,
+        "test-consumer-close",
         prefetch=100,
-        on_queue_lost=lambda *_args: None,
-        on_disconnected=lambda _reason: None,
+        buffer=buffer,
     )
     link.start()
     try:

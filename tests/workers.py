@@ -19,6 +19,8 @@ from keyq.broker.membership import Membership
 from keyq.broker.redis_topology import connect, parse_redis_url
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings
+from keyq.worker.consumer import ConsumerLink
+from keyq.worker.deliveries import DeliveryBuffer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,6 +59,27 @@ def run_keyq(
         env=keyq_environment(settings, env),
         timeout=timeout,
         cwd=REPO,
+    )
+
+
+def bare_link(
+    settings: Settings,
+    stream: str,
+    name: str,
+    *,
+    prefetch: int,
+    buffer: DeliveryBuffer | None = None,
+) -> ConsumerLink:
+    """A worker's AMQP link with no worker around it (losses and disconnects go unheeded),
+    not started: to drive consuming, acking and closing directly."""
+    return ConsumerLink(
+        settings=settings,
+        stream=stream,
+        name=name,
+        buffer=buffer if buffer is not None else DeliveryBuffer(),  # an empty one is falsy
+        prefetch=prefetch,
+        on_queue_lost=lambda *_args: None,
+        on_disconnected=lambda _reason: None,
     )
 
 
