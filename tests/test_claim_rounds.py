@@ -1,5 +1,6 @@
 """A claim round on the real broker: many consumers opened in one call to the I/O thread,
-each with its own outcome, and a round that runs out of time leaves the rest untried."""
+pipelined, each with its own outcome, and a round that runs out of time leaves the rest
+untried."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from keyq.broker.naming import key_queue_name
 from keyq.broker.settings import Settings
-from keyq.worker.consumer import ConsumeOutcome, ConsumerLink
+from keyq.worker.consumer import PIPELINE_DEPTH, ConsumeOutcome, ConsumerLink
 from tests.conftest import StreamFixture
 from tests.workers import bare_link, wait_until
 
@@ -64,18 +65,18 @@ def test_one_round_opens_many_consumers_and_reports_each_outcome(
     rival.close()
 
 
-def test_a_round_out_of_time_tries_the_first_claim_and_leaves_the_rest(
+def test_a_round_out_of_time_tries_the_first_burst_and_leaves_the_rest(
     link: ConsumerLink, amqp: pika.BlockingConnection, stream: StreamFixture
 ) -> None:
-    names = declare(amqp, stream, 5)
+    names = declare(amqp, stream, PIPELINE_DEPTH + 5)
     claims = [(name, link.new_epoch()) for name in names]
 
     results = link.consume_many(claims, budget_s=0.0)
 
     assert [result.outcome for result in results] == [
-        ConsumeOutcome.CONSUMING,
-        *[ConsumeOutcome.NOT_TRIED] * 4,
+        *[ConsumeOutcome.CONSUMING] * PIPELINE_DEPTH,
+        *[ConsumeOutcome.NOT_TRIED] * 5,
     ]
-    assert set(link.held()) == {names[0]}
-    for name in names[1:]:
+    assert set(link.held()) == set(names[:PIPELINE_DEPTH])
+    for name in names[PIPELINE_DEPTH:]:
         assert amqp.channel().queue_declare(name, passive=True).method.consumer_count == 0

@@ -24,6 +24,7 @@ import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
 from keyq.broker.connections import amqp_failure, describe_exception, open_blocking_connection
+from keyq.broker.consume_rounds import ConsumeReply, ConsumeRequest, OnMessage, open_consumers
 from keyq.broker.consumers import close_keeping_consumers
 from keyq.broker.envelope import HEADER_ATTEMPTS, HEADER_DEAD_QUEUE, HEADER_DEAD_REASON
 from keyq.broker.errors import (
@@ -46,6 +47,8 @@ _CHANNEL_CHECK_S = 0.25
 # Channels a connection keeps for other uses than held queues: confirms and dead letters,
 # probes, declaring the dead-letter queue, a queue reopened while its old channel closes.
 RESERVED_CHANNELS = 8
+# Consumers opened per pipelined burst: a claim round's budget is checked between bursts.
+PIPELINE_DEPTH = 25
 # RabbitMQ's default channel_max, if the negotiated one cannot be read.
 DEFAULT_CHANNEL_MAX = 2047
 
@@ -389,12 +392,57 @@ class ConsumerLink:
     # ---- on the I/O thread ----------------------------------------------------------------
 
     def _consume(self, queue: str, epoch: int, prefetch: int) -> Consumed:
-        assert self._connection is not None
-        if queue in self._channels:
-            return Consumed(ConsumeOutcome.CONSUMING, self._channels[queue][0])
-        channel = self._connection.channel()
+        return self._consume_all([(queue, epoch)], prefetch, None)[0]
+
+    def _consume_all(
+        self, claims: Sequence[tuple[str, int]], prefetch: int, until: float | None
+    ) -> list[Consumed]:
+        """Every claim's outcome; one that fails does not hide the others' (a queue already
+        consuming must be known as held, or its lock would be let go under it). Claims go to
+        the broker pipelined, ``PIPELINE_DEPTH`` at a time; the first batch is always tried,
+        so that a slow I/O thread still makes progress."""
+        results: dict[int, Consumed] = {}
+        todo: dict[str, int] = {}  # queue -> index of its first claim in this round
+        for index, (queue, _epoch) in enumerate(claims):
+            if queue not in self._channels:
+                todo.setdefault(queue, index)
+        indexes = list(todo.values())
+        for start in range(0, len(indexes), PIPELINE_DEPTH):
+            batch = indexes[start : start + PIPELINE_DEPTH]
+            if start and until is not None and time.monotonic() >= until:
+                results.update((index, Consumed(ConsumeOutcome.NOT_TRIED)) for index in batch)
+                continue
+            outcomes = self._consume_pipelined([claims[index] for index in batch], prefetch)
+            results.update(zip(batch, outcomes, strict=True))
+        for index, (queue, _epoch) in enumerate(claims):
+            held = self._channels.get(queue)
+            if index not in results and held is not None:  # held already, or claimed twice
+                results[index] = Consumed(ConsumeOutcome.CONSUMING, held[0])
+        return [results.get(index, Consumed(ConsumeOutcome.FAILED)) for index in range(len(claims))]
+
+    def _consume_pipelined(
+        self, claims: Sequence[tuple[str, int]], prefetch: int
+    ) -> list[Consumed]:
+        if self._connection is None or not self._connection.is_open:
+            return [Consumed(ConsumeOutcome.FAILED)] * len(claims)
+        ledgers = [AckLedger() for _ in claims]
+        requests = [
+            ConsumeRequest(queue, prefetch, self._receiver(queue, epoch, ledger))
+            for (queue, epoch), ledger in zip(claims, ledgers, strict=True)
+        ]
+        try:
+            replies = open_consumers(self._connection, requests)
+        except (pika.exceptions.AMQPError, OSError) as exc:
+            # A connection failure takes this round's channels with it: nothing to record.
+            log.warning("consuming %d queue(s) failed: %s", len(claims), describe_exception(exc))
+            return [Consumed(ConsumeOutcome.FAILED)] * len(claims)
+        return [
+            self._consumed(queue, epoch, ledger, reply)
+            for (queue, epoch), ledger, reply in zip(claims, ledgers, replies, strict=True)
+        ]
+
+    def _receiver(self, queue: str, epoch: int, ledger: AckLedger) -> OnMessage:
         buffer = self._buffer
-        unacked = AckLedger()
 
         def on_message(
             _channel: BlockingChannel,
@@ -402,7 +450,7 @@ class ConsumerLink:
             properties: pika.BasicProperties,
             body: bytes,
         ) -> None:
-            unacked.delivered(method.delivery_tag)
+            ledger.delivered(method.delivery_tag)
             buffer.add(
                 Delivery(
                     queue=queue,
@@ -416,42 +464,25 @@ class ConsumerLink:
                 )
             )
 
-        try:
-            channel.basic_qos(prefetch_count=prefetch)
-            channel.basic_consume(queue, on_message, exclusive=True)
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code == 403:
+        return on_message
+
+    def _consumed(self, queue: str, epoch: int, ledger: AckLedger, reply: ConsumeReply) -> Consumed:
+        channel = reply.channel
+        if channel is None:
+            refusal = reply.refusal
+            if refusal is not None and refusal.reply_code == 403:
                 return Consumed(ConsumeOutcome.BUSY)
-            if exc.reply_code == 404 and "is down or inaccessible" in str(exc.reply_text):
-                return Consumed(ConsumeOutcome.UNREACHABLE)
-            if exc.reply_code == 404:
+            if refusal is not None and refusal.reply_code == 404:
+                if "is down or inaccessible" in str(refusal.reply_text):
+                    return Consumed(ConsumeOutcome.UNREACHABLE)
                 return Consumed(ConsumeOutcome.MISSING)
-            raise
+            why = describe_exception(refusal) if refusal is not None else "channel closed"
+            log.warning("consuming %s failed: %s", queue, why)
+            return Consumed(ConsumeOutcome.FAILED)
         channel.add_on_cancel_callback(lambda _frame: self._cancelled(queue, epoch))
         self._channels[queue] = (epoch, channel)
-        self._unacked[(queue, epoch)] = unacked
+        self._unacked[(queue, epoch)] = ledger
         return Consumed(ConsumeOutcome.CONSUMING, epoch)
-
-    def _consume_all(
-        self, claims: Sequence[tuple[str, int]], prefetch: int, until: float | None
-    ) -> list[Consumed]:
-        """Every claim's outcome; one that fails does not hide the others' (a queue already
-        consuming must be known as held, or its lock would be let go under it). The first is
-        always tried, so that a slow I/O thread still makes progress."""
-        results: list[Consumed] = []
-        for queue, epoch in claims:
-            if results and until is not None and time.monotonic() >= until:
-                results.append(Consumed(ConsumeOutcome.NOT_TRIED))
-                continue
-            if self._connection is None or not self._connection.is_open:
-                results.append(Consumed(ConsumeOutcome.FAILED))
-                continue
-            try:
-                results.append(self._consume(queue, epoch, prefetch))
-            except (pika.exceptions.AMQPError, OSError) as exc:
-                log.warning("consuming %s failed: %s", queue, describe_exception(exc))
-                results.append(Consumed(ConsumeOutcome.FAILED))
-        return results
 
     def _message_count(self, queue: str) -> int:
         assert self._connection is not None

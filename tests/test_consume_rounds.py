@@ -1,0 +1,134 @@
+"""Pipelined consumers (``keyq.broker.consume_rounds``) on the real broker: the channels they
+open behave as pika's own, so the pika internals they rely on are pinned here."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pika
+import pytest
+
+from keyq.broker.consume_rounds import ConsumeRequest, open_consumers
+from keyq.broker.consumers import close_keeping_consumers
+from keyq.broker.naming import key_queue_name
+from keyq.broker.settings import Settings
+from tests.conftest import StreamFixture
+
+
+@pytest.fixture
+def connection(settings: Settings) -> Iterator[pika.BlockingConnection]:
+    opened = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
+    try:
+        yield opened
+    finally:
+        if opened.is_open:
+            opened.close()
+
+
+def queues(amqp: pika.BlockingConnection, stream: StreamFixture, count: int) -> list[str]:
+    names = [key_queue_name(stream.name, f"pipelined-{n}") for n in range(count)]
+    stream.track(*names)
+    channel = amqp.channel()
+    for name in names:
+        channel.queue_declare(name, durable=True)
+        for n in range(3):
+            channel.basic_publish("", name, f"{name}:{n}".encode())
+    channel.close()
+    return names
+
+
+def pump(connection: pika.BlockingConnection, until: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, "timed out pumping the connection"
+        connection.process_data_events(time_limit=0.05)
+
+
+def test_pipelined_consumers_deliver_ack_refuse_and_close_like_pikas_own(
+    connection: pika.BlockingConnection, amqp: pika.BlockingConnection, stream: StreamFixture
+) -> None:
+    names = queues(amqp, stream, 40)
+    rival = amqp.channel()
+    rival.basic_consume(names[0], lambda *_args: None, exclusive=True)
+    missing = key_queue_name(stream.name, "pipelined-never-declared")
+    received: dict[str, list[tuple[int, bytes]]] = {name: [] for name in names}
+
+    def receiver(queue: str) -> Any:
+        def on_message(_channel: Any, method: Any, _properties: Any, body: bytes) -> None:
+            received[queue].append((method.delivery_tag, body))
+
+        return on_message
+
+    requests = [ConsumeRequest(name, 2, receiver(name)) for name in [*names, missing]]
+    replies = open_consumers(connection, requests)
+
+    # The refusals close only their own channels, and say why.
+    assert replies[0].channel is None and replies[0].refusal is not None
+    assert replies[0].refusal.reply_code == 403
+    assert replies[-1].channel is None and replies[-1].refusal is not None
+    assert replies[-1].refusal.reply_code == 404
+    consuming = {name: reply.channel for name, reply in zip(names, replies, strict=False)}
+    del consuming[names[0]]
+    assert all(channel is not None and channel.is_open for channel in consuming.values())
+
+    # Deliveries reach each consumer's callback, within its prefetch of 2.
+    pump(connection, lambda: all(len(received[name]) == 2 for name in consuming))
+    assert received[names[0]] == []
+    for name in consuming:
+        assert [body for _tag, body in received[name]] == [
+            f"{name}:0".encode(),
+            f"{name}:1".encode(),
+        ]
+
+    # Acks settle on the consumer's channel: the third message follows.
+    first = names[1]
+    channel = consuming[first]
+    assert channel is not None
+    channel.basic_ack(received[first][1][0], multiple=True)
+    pump(connection, lambda: len(received[first]) == 3)
+    assert amqp.channel().queue_declare(first, passive=True).method.message_count == 0
+
+    # Closed keeping its consumers, a channel hands its unacked messages back, in order.
+    second = names[2]
+    closing = consuming[second]
+    assert closing is not None
+    close_keeping_consumers(closing)
+    assert closing.is_closed
+    check = amqp.channel()
+    assert check.queue_declare(second, passive=True).method.message_count == 3
+    assert check.queue_declare(second, passive=True).method.consumer_count == 0
+    got = [check.basic_get(second, auto_ack=True)[2] for _ in range(3)]
+    assert got == [f"{second}:{n}".encode() for n in range(3)]
+
+    # A queue deleted under its consumer cancels it, through the channel's cancel callback.
+    third = names[3]
+    cancelled: list[str] = []
+    doomed = consuming[third]
+    assert doomed is not None
+    doomed.add_on_cancel_callback(lambda _frame: cancelled.append(third))
+    amqp.channel().queue_delete(third)
+    pump(connection, lambda: cancelled == [third])
+    rival.close()
+
+
+def test_a_round_beyond_the_connections_channels_fails_and_leaves_no_channel_open(
+    settings: Settings, amqp: pika.BlockingConnection, stream: StreamFixture
+) -> None:
+    names = queues(amqp, stream, 6)
+    url = settings.amqp_url
+    limited = pika.URLParameters(url + ("&" if "?" in url else "?") + "channel_max=3")
+    connection = pika.BlockingConnection(limited)
+    try:
+        requests = [ConsumeRequest(name, 1, lambda *_args: None) for name in names]
+        with pytest.raises(pika.exceptions.NoFreeChannels):
+            open_consumers(connection, requests)
+        assert connection.is_open
+        opened: Any = connection
+        assert not [number for number in opened._impl._channels if number]
+        for name in names:  # no consumer was left behind on any queue
+            assert amqp.channel().queue_declare(name, passive=True).method.consumer_count == 0
+    finally:
+        if connection.is_open:
+            connection.close()
