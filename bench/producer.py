@@ -9,8 +9,9 @@ Variants, each measured ``--repeats`` times in alternating order:
 * ``keyq``: ``Producer`` in key mode on a fresh stream; publish all, then ``flush``.
 * ``new_keys``: keyq where every event has a fresh key, so one queue per event.
 * ``raw_pika_new_queues``: the same fresh keys with raw pika: declare each durable queue
-  (keyq's arguments) and publish one persistent event to it; the broker's own pace for
-  creating queues on this machine, which bounds ``new_keys``.
+  (keyq's arguments) and publish one persistent event to it, on one channel.
+* ``raw_pika_new_queues_parallel``: the same over four connections at once, a thread each:
+  the broker's own ceiling for creating queues on this machine, which bounds ``new_keys``.
 
 Raw variants send the same properties keyq does (persistent, content type, message id,
 timestamp and keyq's five headers) and serialise the same dicts with orjson per event.
@@ -27,6 +28,7 @@ import argparse
 import os
 import random
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -79,6 +81,9 @@ RAW_CONFIRM_EACH = "raw_pika_confirm_each"
 KEYQ = "keyq"
 NEW_KEYS = "new_keys"
 RAW_NEW_QUEUES = "raw_pika_new_queues"
+RAW_NEW_PARALLEL = "raw_pika_new_queues_parallel"
+NEW_QUEUE_VARIANTS = (NEW_KEYS, RAW_NEW_QUEUES, RAW_NEW_PARALLEL)
+PARALLEL_CONNECTIONS = 4
 THROUGHPUT_VARIANTS = (RAW_UNCONFIRMED, RAW_CONFIRM_EACH, KEYQ)
 SHORT_NAMES = {
     RAW_UNCONFIRMED: "raw",
@@ -86,10 +91,12 @@ SHORT_NAMES = {
     KEYQ: "kq",
     NEW_KEYS: "nk",
     RAW_NEW_QUEUES: "rnk",
+    RAW_NEW_PARALLEL: "rnkp",
 }
 
 TARGET_KEYQ_VS_RAW = 0.8
 TARGET_NEW_KEYS_PER_S = 1000.0
+TARGET_NEW_KEYS_VS_CEILING = 0.9
 CONFIRM_WINDOW = 10_000
 FLUSH_TIMEOUT_S = 600.0
 NEW_KEYS_SAMPLE = 50
@@ -108,7 +115,7 @@ class Run:
     new_keys: int
     distribution: str
     seed: int
-    variants: tuple[str, ...] = (*THROUGHPUT_VARIANTS, NEW_KEYS, RAW_NEW_QUEUES)
+    variants: tuple[str, ...] = (*THROUGHPUT_VARIANTS, *NEW_QUEUE_VARIANTS)
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     rates: dict[str, list[float]] = field(default_factory=dict)
     seconds: dict[str, list[float]] = field(default_factory=dict)
@@ -224,20 +231,71 @@ def run_raw_new_queues(
     queue_of = {key: key_queue_name(stream, key) for key, _ in events}
     queues = sorted(queue_of.values())
     cleanup.add_queues(queues)
-    arguments = keyed_queue_arguments(stream)
     with amqp(settings, f"bench-{stream}") as connection:
-        channel = connection.channel()
+        work = [(queue_of[key], event) for key, event in events]
         started = time.perf_counter()
-        for key, event in events:
-            channel.queue_declare(queue_of[key], durable=True, arguments=arguments)
-            channel.basic_publish(
-                "",
-                queue_of[key],
-                orjson.dumps(event),
-                pika.BasicProperties(delivery_mode=pika.DeliveryMode.Persistent),
-            )
-        channel.basic_qos(prefetch_count=0)  # a round trip: the broker has taken everything
+        declare_and_publish(connection, work, keyed_queue_arguments(stream))
         elapsed = time.perf_counter() - started
+    return elapsed, queues
+
+
+def declare_and_publish(
+    connection: pika.BlockingConnection,
+    work: Sequence[tuple[str, dict[str, Any]]],
+    arguments: dict[str, Any],
+) -> None:
+    """Declare each queue (keyq's arguments) and publish one persistent event to it."""
+    channel = connection.channel()
+    for queue, event in work:
+        channel.queue_declare(queue, durable=True, arguments=arguments)
+        channel.basic_publish(
+            "",
+            queue,
+            orjson.dumps(event),
+            pika.BasicProperties(delivery_mode=pika.DeliveryMode.Persistent),
+        )
+    channel.basic_qos(prefetch_count=0)  # a round trip: the broker has taken everything
+
+
+def run_raw_new_queues_parallel(
+    settings: Settings, cleanup: Cleanup, events: Events, stream: str
+) -> tuple[float, list[str]]:
+    """The same as ``run_raw_new_queues`` over ``PARALLEL_CONNECTIONS`` connections at once
+    (connections opened before the clock starts)."""
+    queue_of = {key: key_queue_name(stream, key) for key, _ in events}
+    queues = sorted(queue_of.values())
+    cleanup.add_queues(queues)
+    work = [(queue_of[key], event) for key, event in events]
+    slices = [work[n::PARALLEL_CONNECTIONS] for n in range(PARALLEL_CONNECTIONS)]
+    connections = [
+        pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
+        for _ in range(PARALLEL_CONNECTIONS)
+    ]
+    failures: list[BaseException] = []
+
+    def run_slice(connection: pika.BlockingConnection, part: list[tuple[str, Any]]) -> None:
+        try:
+            declare_and_publish(connection, part, keyed_queue_arguments(stream))
+        except BaseException as exc:  # noqa: BLE001 - reported after the join
+            failures.append(exc)
+
+    try:
+        threads = [
+            threading.Thread(target=run_slice, args=(connection, part))
+            for connection, part in zip(connections, slices, strict=True)
+        ]
+        started = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        elapsed = time.perf_counter() - started
+    finally:
+        for connection in connections:
+            if connection.is_open:
+                connection.close()
+    if failures:
+        raise failures[0]
     return elapsed, queues
 
 
@@ -305,12 +363,14 @@ def measure(run: Run, settings: Settings, cleanup: Cleanup) -> None:
                 cleanup.run()
 
         fresh = make_new_key_events(run) if run.new_keys else []
-        creators = tuple(v for v in (NEW_KEYS, RAW_NEW_QUEUES) if v in run.variants)
+        creators = tuple(v for v in NEW_QUEUE_VARIANTS if v in run.variants)
         for repeat in range(run.repeats if fresh else 0):
             for variant in creators if repeat % 2 == 0 else creators[::-1]:
                 stream = run.stream(variant, repeat)
                 if variant == NEW_KEYS:
                     elapsed, queues = run_keyq(settings, cleanup, fresh, stream)
+                elif variant == RAW_NEW_PARALLEL:
+                    elapsed, queues = run_raw_new_queues_parallel(settings, cleanup, fresh, stream)
                 else:
                     elapsed, queues = run_raw_new_queues(settings, cleanup, fresh, stream)
                 rate = run.record(variant, len(fresh), elapsed)
@@ -329,10 +389,10 @@ def report(run: Run, machine: dict[str, Any]) -> dict[str, Any]:
     machine = {**machine, "loadavg_end": list(os.getloadavg())}
     medians = {variant: median(rates) for variant, rates in run.rates.items()}
     variants: dict[str, Any] = {}
-    for variant in (*THROUGHPUT_VARIANTS, NEW_KEYS, RAW_NEW_QUEUES):
+    for variant in (*THROUGHPUT_VARIANTS, *NEW_QUEUE_VARIANTS):
         if variant in run.rates:
             variants[variant] = {
-                "unit": "new queues/s" if variant in (NEW_KEYS, RAW_NEW_QUEUES) else "events/s",
+                "unit": "new queues/s" if variant in NEW_QUEUE_VARIANTS else "events/s",
                 "rates": run.rates[variant],
                 "seconds": run.seconds[variant],
                 "median": medians[variant],
@@ -341,6 +401,7 @@ def report(run: Run, machine: dict[str, Any]) -> dict[str, Any]:
     vs_confirm = ratio(medians.get(KEYQ), medians.get(RAW_CONFIRM_EACH))
     new_keys = medians.get(NEW_KEYS)
     vs_raw_new = ratio(new_keys, medians.get(RAW_NEW_QUEUES))
+    vs_ceiling = ratio(new_keys, medians.get(RAW_NEW_PARALLEL))
     targets = {
         "keyq/raw_pika_unconfirmed": {
             "target": TARGET_KEYQ_VS_RAW,
@@ -351,6 +412,11 @@ def report(run: Run, machine: dict[str, Any]) -> dict[str, Any]:
             "target": TARGET_NEW_KEYS_PER_S,
             "value": new_keys,
             "meets_target": new_keys is not None and new_keys >= TARGET_NEW_KEYS_PER_S,
+        },
+        "new_keys/raw_pika_new_queues_parallel": {
+            "target": TARGET_NEW_KEYS_VS_CEILING,
+            "value": vs_ceiling,
+            "meets_target": vs_ceiling is not None and vs_ceiling >= TARGET_NEW_KEYS_VS_CEILING,
         },
     }
     return {
@@ -375,6 +441,7 @@ def report(run: Run, machine: dict[str, Any]) -> dict[str, Any]:
             "keyq/raw_pika_unconfirmed": vs_raw,
             "keyq/raw_pika_confirm_each": vs_confirm,
             "new_keys/raw_pika_new_queues": vs_raw_new,
+            "new_keys/raw_pika_new_queues_parallel": vs_ceiling,
             "paired_keyq/raw_pika_unconfirmed": [
                 round(keyq / raw, 3)
                 for keyq, raw in zip(
@@ -388,7 +455,7 @@ def report(run: Run, machine: dict[str, Any]) -> dict[str, Any]:
 
 
 def variant_list(text: str) -> tuple[str, ...]:
-    known = (*THROUGHPUT_VARIANTS, NEW_KEYS, RAW_NEW_QUEUES)
+    known = (*THROUGHPUT_VARIANTS, *NEW_QUEUE_VARIANTS)
     chosen = tuple(part.strip() for part in text.split(",") if part.strip())
     unknown = [part for part in chosen if part not in known]
     if unknown or not chosen:
@@ -410,7 +477,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--variants",
         type=variant_list,
-        default=(*THROUGHPUT_VARIANTS, NEW_KEYS, RAW_NEW_QUEUES),
+        default=(*THROUGHPUT_VARIANTS, *NEW_QUEUE_VARIANTS),
         help="comma-separated subset to run (e.g. keyq for profiling); default: all",
     )
     parser.add_argument("--out", type=Path, help="also write the JSON here")

@@ -37,6 +37,7 @@ from keyq.broker.naming import base_queue_name, incarnation_name
 from keyq.broker.settings import Settings
 from keyq.broker.topology import dead_letter_queue_arguments, keyed_queue_arguments
 from keyq.broker.urls import scrub
+from keyq.producer.declarers import Declarers
 from keyq.producer.outgoing import AsideChannel, Outgoing, QueueState
 
 log = logging.getLogger("keyq.producer")
@@ -114,6 +115,7 @@ class PublisherLink:
         self._ioloop = IOLoop()
         self._connection: pika.SelectConnection | None = None
         self._channel: Any = None
+        self._declarers: Declarers | None = None
         self._stopping = False
         self._next_tag = 1
         self._inflight: deque[Outgoing] = deque()
@@ -266,6 +268,7 @@ class PublisherLink:
         connection.add_on_connection_blocked_callback(self._on_blocked)
         connection.add_on_connection_unblocked_callback(self._on_unblocked)
         connection.channel(on_open_callback=self._on_channel_open)
+        self._declarers = Declarers(connection, self._on_channel_closed)
 
     def _on_channel_open(self, channel: Any) -> None:
         self._channel = channel
@@ -306,6 +309,7 @@ class PublisherLink:
         if connection is not self._connection:
             return  # an abandoned attempt
         self._channel = None
+        self._declarers = None
         if self._stopping:
             self._ioloop.stop()
             return
@@ -421,7 +425,7 @@ class PublisherLink:
         state = self._state(message)
         silent = message.queue in self._silent
         channel = self._channel
-        blocked = state.recovering or state.held or state.unreachable
+        blocked = state.recovering or state.held or state.unreachable or state.declaring
         if silent and not blocked:
             channel = None if state.parked else self._aside_channel(message.queue)
         if blocked or channel is None or not channel.is_open:
@@ -440,6 +444,9 @@ class PublisherLink:
             self._ask_lease(message.queue, state)  # renew ahead, without holding anything
         name = incarnation_name(message.queue, state.incarnation)
         if not state.declared:
+            if not silent and self._declare_apart(message.queue, state, name):
+                state.parked.append(message)  # sent once its queue exists
+                return
             # nowait: the broker handles the declare before the publish that follows it on
             # this channel, so no round trip is spent per new key.
             channel.queue_declare(name, durable=True, arguments=self._queue_args)
@@ -460,6 +467,51 @@ class PublisherLink:
         channel.basic_publish("", name, message.body, message.properties, mandatory=True)
         self._by_number[message.number] = message
         state.inflight += 1
+
+    def _declare_apart(self, queue: str, state: QueueState, name: str) -> bool:
+        """Declare a new key's queue on a declaring channel (``keyq.producer.declarers``);
+        its events park until the broker answers. False when no such channel is open."""
+        declarers = self._declarers
+        if declarers is None:
+            return False
+
+        def on_declared() -> None:
+            if self._queues.get(queue) is not state or state.declaring != name:
+                return  # reconnected or recovered since: that state is gone
+            state.declaring = None
+            state.declared = incarnation_name(queue, state.incarnation) == name
+            self._release_parked(queue)
+
+        if not declarers.declare(name, self._queue_args, on_declared):
+            return False
+        state.declaring = name
+        return True
+
+    def _reset_overdue_declarations(self) -> None:
+        """A declaration unanswered past ``confirm_timeout`` (its queue is stuck): that queue
+        goes silent, as if its confirm were overdue, and is declared on a channel of its own
+        with its events; the declarations that waited behind it are asked again."""
+        if self._declarers is None or self._blocked:
+            return
+        overdue = self._declarers.overdue(self._settings.confirm_timeout)
+        if not (overdue.stuck or overdue.behind):
+            return
+        log.warning(
+            "declaring %s went unanswered for over %.0f s; it is declared on a channel of its "
+            "own, and %d declarations that waited behind it are sent again",
+            ", ".join(overdue.stuck),
+            self._settings.confirm_timeout,
+            len(overdue.behind),
+        )
+        stuck = {base_queue_name(name) for name in overdue.stuck}
+        with self.cond:
+            self._silent |= stuck
+        for name in [*overdue.stuck, *overdue.behind]:
+            queue = base_queue_name(name)
+            state = self._queues.get(queue)
+            if state is not None and state.declaring == name:
+                state.declaring = None
+                self._release_parked(queue)
 
     def _on_return(self, _channel: Any, _method: Any, properties: Any, _body: bytes) -> None:
         message_id = getattr(properties, "message_id", None) or ""
@@ -734,6 +786,7 @@ class PublisherLink:
         now = time.monotonic()
         self._report_if_stuck(now)
         self._reset_overdue_asides(now)
+        self._reset_overdue_declarations()
         connection = self._connection
         if (
             connection is None
@@ -788,7 +841,7 @@ class PublisherLink:
         """Send a queue's parked events now that nothing else holds them (those beyond a
         silent queue's room park again, in order)."""
         state = self._queues.get(queue)
-        if state is None or state.recovering or state.held or state.unreachable:
+        if state is None or state.recovering or state.held or state.unreachable or state.declaring:
             return
         parked, state.parked = state.parked, deque()
         for message in parked:

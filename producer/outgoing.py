@@ -33,8 +33,9 @@ class QueueState:
     newer events for the queue wait in ``parked`` until everything sent before has settled,
     the queue is declared again and the returned events are re-sent in their original order,
     so a deletion never reorders a key. ``held`` parks events the same way until the queue
-    has a fresh publish lease (see ``broker.retirement``), and ``unreachable`` while the
-    queue's node is down (on a cluster), so one such queue never stalls the others.
+    has a fresh publish lease (see ``broker.retirement``), ``unreachable`` while the queue's
+    node is down (on a cluster), so one such queue never stalls the others, and ``declaring``
+    until a new key's queue exists (see ``keyq.producer.declarers``).
     """
 
     key: str | None
@@ -46,6 +47,7 @@ class QueueState:
     leasing: bool = False  # a lease request is on its way
     held: bool = False  # events wait in ``parked`` for a lease
     unreachable: bool = False  # its node is down (404): events wait in ``parked`` for it
+    declaring: str | None = None  # the queue being declared apart: events wait for it
     incarnation: int = 0  # which incarnation of the queue leases name (see broker.naming)
     recoveries: int = 0  # recoveries in a row without an event published in between
     returned: list[Outgoing] = field(default_factory=list)
@@ -54,7 +56,12 @@ class QueueState:
     @property
     def quiet(self) -> bool:
         return not (
-            self.inflight or self.recovering or self.returned or self.parked or self.leasing
+            self.inflight
+            or self.recovering
+            or self.returned
+            or self.parked
+            or self.leasing
+            or self.declaring
         )
 
 

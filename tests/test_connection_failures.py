@@ -732,3 +732,59 @@ def test_a_silent_queue_does_not_hold_up_the_other_keys(
         unique, _copies = _dedup(landed[queue])
         assert {m.producer for m in landed[queue]} == {producer_id}
         assert [m.json()["n"] for m in unique] == list(range(count)), queue
+
+
+def test_a_declaration_left_unanswered_does_not_hold_up_other_new_keys(
+    stream: StreamFixture, private_rabbit: PrivateRabbit
+) -> None:
+    """New keys' queues are declared over several channels, and a key's events wait for its
+    queue's declare-ok. A queue whose process is stuck never answers: the declarations asked
+    after it on its channel are asked again elsewhere once it is overdue, so every other new
+    key's events land meanwhile; the stuck key's land, in order, once it answers."""
+    settings = _with(stream.settings, amqp_url=private_rabbit.url, confirm_timeout=1.5)
+    stuck = key_queue_name(stream.name, "stuck")
+    fresh = [f"fresh-{n}" for n in range(40)]
+    connection = pika.BlockingConnection(pika.URLParameters(private_rabbit.url))
+    with Producer(stream.name, mode="key", settings=settings) as first:
+        first.publish("stuck", {"n": 0})
+        first.flush(10)
+    _hold_queue(private_rabbit, stuck, "suspend")
+    held = True
+    producer = Producer(stream.name, mode="key", settings=settings)
+    try:
+        for n in range(1, 4):
+            producer.publish("stuck", {"n": n})
+        for n in range(3):
+            for key in fresh:
+                producer.publish(key, {"n": n})
+        checking = [connection.channel()]
+
+        def landed(key: str) -> int:
+            if not checking[0].is_open:  # a 404 closed it
+                checking[0] = connection.channel()
+            queue = key_queue_name(stream.name, key)
+            try:
+                return int(checking[0].queue_declare(queue, passive=True).method.message_count)
+            except pika.exceptions.ChannelClosedByBroker:
+                return -1  # not declared yet
+
+        deadline = time.monotonic() + 15
+        while (counts := [landed(key) for key in fresh]) != [3] * len(fresh):
+            assert time.monotonic() < deadline, ("other new keys held up", counts)
+            time.sleep(0.2)
+        _hold_queue(private_rabbit, stuck, "resume")
+        held = False
+        producer.flush(20)
+        producer_id = producer.producer_id
+    finally:
+        if held:
+            _hold_queue(private_rabbit, stuck, "resume")
+        with contextlib.suppress(KeyqError):
+            producer.close(timeout=15)
+    queues = [stuck, *(key_queue_name(stream.name, key) for key in fresh)]
+    everything = _drain_and_delete(connection, stream, queues)
+    unique, _copies = _dedup([m for m in everything[stuck] if m.producer == producer_id])
+    assert [m.json()["n"] for m in unique] == [1, 2, 3]
+    for key in fresh:
+        got, _ = _dedup(everything[key_queue_name(stream.name, key)])
+        assert [m.json()["n"] for m in got] == [0, 1, 2], key
