@@ -34,7 +34,11 @@ OnClosed = Callable[[Any, BaseException], None]
 @dataclass
 class _Channel:
     channel: Any
-    waiting: deque[tuple[str, float]] = field(default_factory=deque)  # (queue, since)
+    waiting: deque[str] = field(default_factory=deque)  # queues asked, in order
+    # When the oldest declaration became the one the channel waits for: pika sends a
+    # channel's declarations one after another, so time spent queued behind others is not
+    # the broker's delay.
+    head_since: float = 0.0
     closing: bool = False  # closed here, on purpose
 
 
@@ -81,23 +85,27 @@ class Declarers:
         def answered(_frame: Any) -> None:
             if held.waiting:  # replies come in the order asked, on one channel
                 held.waiting.popleft()
+                held.head_since = time.monotonic()
             on_declared()
 
         held.channel.queue_declare(queue, durable=True, arguments=arguments, callback=answered)
-        held.waiting.append((queue, time.monotonic()))
+        if not held.waiting:
+            held.head_since = time.monotonic()
+        held.waiting.append(queue)
         return True
 
     def overdue(self, timeout_s: float) -> Overdue:
-        """Close (and replace) each channel whose oldest declaration waited over
-        ``timeout_s``; their declarations will not be answered."""
+        """Close (and replace) each channel whose oldest declaration has gone unanswered
+        for over ``timeout_s`` since it was sent; the declarations queued there will not be
+        answered."""
         now = time.monotonic()
         stuck: list[str] = []
         behind: list[str] = []
         for held in list(self._channels):
-            if not held.waiting or now - held.waiting[0][1] < timeout_s:
+            if not held.waiting or now - held.head_since < timeout_s:
                 continue
-            stuck.append(held.waiting[0][0])
-            behind.extend(queue for queue, _since in list(held.waiting)[1:])
+            stuck.append(held.waiting[0])
+            behind.extend(list(held.waiting)[1:])
             held.waiting.clear()
             held.closing = True
             self._channels.remove(held)

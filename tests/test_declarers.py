@@ -92,3 +92,19 @@ def test_no_open_channel_means_the_publishing_channel_declares() -> None:
     for channel in list(connection.channels):
         channel.is_open = False
     assert not pool.declare("q", {}, lambda: None)
+
+
+def test_time_queued_behind_answered_declarations_is_not_overdue(monkeypatch: Any) -> None:
+    """A channel with thousands of declarations queued answers them one after another: only
+    the time since the last answer counts, not how long the oldest has been queued."""
+    clock = [100.0]
+    monkeypatch.setattr(declarers.time, "monotonic", lambda: clock[0])
+    connection = FakeConnection()
+    pool = Declarers(connection, lambda _channel, _reason: None)  # type: ignore[arg-type]
+    for n in range(40 * DECLARING_CHANNELS):
+        pool.declare(f"q{n}", {}, lambda: None)
+    for step in range(39):
+        clock[0] += 1.0  # each channel answers one declaration a second
+        for channel in connection.channels:
+            channel.asked[step][1](None)
+        assert pool.overdue(10.0) == declarers.Overdue([], [])
