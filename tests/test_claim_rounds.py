@@ -11,7 +11,7 @@ import pytest
 
 from keyq.broker.naming import key_queue_name
 from keyq.broker.settings import Settings
-from keyq.worker.consumer import PIPELINE_DEPTH, ConsumeOutcome, ConsumerLink
+from keyq.worker.consumer import FIRST_BURST, ConsumeOutcome, ConsumerLink
 from tests.conftest import StreamFixture
 from tests.workers import bare_link, wait_until
 
@@ -68,15 +68,15 @@ def test_one_round_opens_many_consumers_and_reports_each_outcome(
 def test_a_round_out_of_time_tries_the_first_burst_and_leaves_the_rest(
     link: ConsumerLink, amqp: pika.BlockingConnection, stream: StreamFixture
 ) -> None:
-    names = declare(amqp, stream, PIPELINE_DEPTH + 5)
+    names = declare(amqp, stream, FIRST_BURST + 5)
     claims = [(name, link.new_epoch()) for name in names]
 
     results = link.consume_many(claims, budget_s=0.0)
 
     assert [result.outcome for result in results] == [
-        *[ConsumeOutcome.CONSUMING] * PIPELINE_DEPTH,
+        *[ConsumeOutcome.CONSUMING] * FIRST_BURST,
         *[ConsumeOutcome.NOT_TRIED] * 5,
     ]
-    assert set(link.held()) == set(names[:PIPELINE_DEPTH])
-    for name in names[PIPELINE_DEPTH:]:
+    assert set(link.held()) == set(names[:FIRST_BURST])
+    for name in names[FIRST_BURST:]:
         assert amqp.channel().queue_declare(name, passive=True).method.consumer_count == 0

@@ -47,8 +47,11 @@ _CHANNEL_CHECK_S = 0.25
 # Channels a connection keeps for other uses than held queues: confirms and dead letters,
 # probes, declaring the dead-letter queue, a queue reopened while its old channel closes.
 RESERVED_CHANNELS = 8
-# Consumers opened per pipelined burst: a claim round's budget is checked between bursts.
+# Consumers opened per pipelined burst: a claim round's budget is checked between bursts. The
+# first burst is small; the next ones are sized from the time a claim took in the last, so a
+# broker slow to answer does not make one burst outlast the budget (and the locks held).
 PIPELINE_DEPTH = 25
+FIRST_BURST = 8
 # RabbitMQ's default channel_max, if the negotiated one cannot be read.
 DEFAULT_CHANNEL_MAX = 2047
 
@@ -399,21 +402,30 @@ class ConsumerLink:
     ) -> list[Consumed]:
         """Every claim's outcome; one that fails does not hide the others' (a queue already
         consuming must be known as held, or its lock would be let go under it). Claims go to
-        the broker pipelined, ``PIPELINE_DEPTH`` at a time; the first batch is always tried,
-        so that a slow I/O thread still makes progress."""
+        the broker pipelined, in bursts of at most ``PIPELINE_DEPTH``, each sized to fit the
+        time left; the first burst is always tried, so that a slow I/O thread still makes
+        progress."""
         results: dict[int, Consumed] = {}
         todo: dict[str, int] = {}  # queue -> index of its first claim in this round
         for index, (queue, _epoch) in enumerate(claims):
             if queue not in self._channels:
                 todo.setdefault(queue, index)
         indexes = list(todo.values())
-        for start in range(0, len(indexes), PIPELINE_DEPTH):
-            batch = indexes[start : start + PIPELINE_DEPTH]
+        start, size = 0, FIRST_BURST if until is not None else PIPELINE_DEPTH
+        while start < len(indexes):
             if start and until is not None and time.monotonic() >= until:
-                results.update((index, Consumed(ConsumeOutcome.NOT_TRIED)) for index in batch)
-                continue
+                results.update(
+                    (index, Consumed(ConsumeOutcome.NOT_TRIED)) for index in indexes[start:]
+                )
+                break
+            batch = indexes[start : start + size]
+            began = time.monotonic()
             outcomes = self._consume_pipelined([claims[index] for index in batch], prefetch)
             results.update(zip(batch, outcomes, strict=True))
+            start += len(batch)
+            if until is not None:
+                per_claim = max((time.monotonic() - began) / len(batch), 1e-4)
+                size = max(1, min(PIPELINE_DEPTH, int((until - time.monotonic()) / per_claim)))
         for index, (queue, _epoch) in enumerate(claims):
             held = self._channels.get(queue)
             if index not in results and held is not None:  # held already, or claimed twice
