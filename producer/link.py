@@ -425,7 +425,7 @@ class PublisherLink:
         state = self._state(message)
         silent = message.queue in self._silent
         channel = self._channel
-        blocked = state.recovering or state.held or state.unreachable or state.declaring
+        blocked = state.waiting
         if silent and not blocked:
             channel = None if state.parked else self._aside_channel(message.queue)
         if blocked or channel is None or not channel.is_open:
@@ -841,7 +841,7 @@ class PublisherLink:
         """Send a queue's parked events now that nothing else holds them (those beyond a
         silent queue's room park again, in order)."""
         state = self._queues.get(queue)
-        if state is None or state.recovering or state.held or state.unreachable or state.declaring:
+        if state is None or state.waiting:
             return
         parked, state.parked = state.parked, deque()
         for message in parked:

@@ -54,6 +54,11 @@ class QueueState:
     parked: deque[Outgoing] = field(default_factory=deque)
 
     @property
+    def waiting(self) -> bool:
+        """Its events park instead of going out (any of the reasons above)."""
+        return bool(self.recovering or self.held or self.unreachable or self.declaring)
+
+    @property
     def quiet(self) -> bool:
         return not (
             self.inflight
