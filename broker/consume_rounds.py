@@ -42,7 +42,8 @@ class ConsumeRequest:
 
 @dataclass(frozen=True)
 class ConsumeReply:
-    """A consuming channel, or why the broker closed the channel instead."""
+    """A consuming channel, or the broker's reason for closing it instead (None if it was
+    closed some other way)."""
 
     channel: BlockingChannel | None
     refusal: pika.exceptions.ChannelClosedByBroker | None = None
@@ -87,10 +88,12 @@ def open_consumers(
                     info.state = blocking_connection._ConsumerInfo.ACTIVE
             replies.append(ConsumeReply(channel))
             continue
+        # Closed by the broker (a refusal, with its reason), or otherwise (no reason): only
+        # this queue failed; the channels of the round that are consuming are reported, so
+        # the caller records them instead of leaving their consumers unknown.
         reason = inner._closing_reason
-        if not isinstance(reason, pika.exceptions.ChannelClosedByBroker):
-            raise pika.exceptions.ChannelWrongStateError(f"channel closed: {reason!r}")
-        replies.append(ConsumeReply(None, reason))
+        refusal = reason if isinstance(reason, pika.exceptions.ChannelClosedByBroker) else None
+        replies.append(ConsumeReply(None, refusal))
     return replies
 
 
