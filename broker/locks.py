@@ -1,9 +1,14 @@
 """Fenced queue locks in Redis.
 
-A worker owns a queue while its lock ``owner|token`` lives. The token comes from a per-queue
-counter that only grows, so a worker that was paused past its ttl holds a stale token: its
+A worker owns a queue while its lock ``owner|token`` lives. The token comes from one counter
+per stream that only grows, so a worker that was paused past its ttl holds a stale token: its
 renewals fail and, above all, its commits are refused by ``commit`` (check-every-token-then-
 write in one script), so it can never overwrite the work of the queue's newer owner.
+
+The counter is the stream's, not the queue's: the janitor deletes idle queues and forgets them
+in Redis, and a per-queue counter forgotten with its queue started again at 1, so a worker
+could be issued ``owner|1`` for a queue twice, and a batch of its first holding would then
+pass the fence of its second.
 """
 
 from __future__ import annotations
@@ -21,20 +26,20 @@ _ACQUIRE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return false
 end
-local token = redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
-redis.call('SET', KEYS[1], ARGV[2] .. '|' .. token, 'PX', ARGV[3])
+local token = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], ARGV[1] .. '|' .. token, 'PX', ARGV[2])
 return token
 """
 
-# Many locks in one script: KEYS = the fence hash, then one lock key per queue; ARGV = owner,
-# ttl, then the queue names. Returns a token per queue, 0 where someone else holds it.
+# Many locks in one script: KEYS = the token counter, then one lock key per queue; ARGV =
+# owner, ttl. Returns a token per queue, 0 where someone else holds it.
 _ACQUIRE_MANY = """
 local tokens = {}
 for i = 2, #KEYS do
   if redis.call('EXISTS', KEYS[i]) == 1 then
     tokens[i - 1] = 0
   else
-    local token = redis.call('HINCRBY', KEYS[1], ARGV[i + 1], 1)
+    local token = redis.call('INCR', KEYS[1])
     redis.call('SET', KEYS[i], ARGV[1] .. '|' .. token, 'PX', ARGV[2])
     tokens[i - 1] = token
   end
@@ -128,7 +133,7 @@ class FencedLocks:
         if "|" in owner:
             raise ValueError("lock owner ids must not contain '|'")
         token = self._acquire(
-            keys=[self._keys.lock(queue), self._keys.fences], args=[queue, owner, ttl_ms]
+            keys=[self._keys.lock(queue), self._keys.fence_tokens], args=[owner, ttl_ms]
         )
         return None if token is None else Lease(queue=queue, owner=owner, token=int(token))
 
@@ -140,8 +145,8 @@ class FencedLocks:
         if not queues:
             return []
         tokens = self._acquire_many(
-            keys=[self._keys.fences, *(self._keys.lock(queue) for queue in queues)],
-            args=[owner, ttl_ms, *queues],
+            keys=[self._keys.fence_tokens, *(self._keys.lock(queue) for queue in queues)],
+            args=[owner, ttl_ms],
         )
         return [
             Lease(queue=queue, owner=owner, token=int(token))

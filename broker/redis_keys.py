@@ -58,9 +58,10 @@ class StreamKeys:
         return f"{self._base}:worker-info"
 
     @property
-    def fences(self) -> str:
-        """Hash: queue name -> last fencing token issued."""
-        return f"{self._base}:fences"
+    def fence_tokens(self) -> str:
+        """Counter: the last fencing token issued for any of the stream's queues (never reset,
+        so no lock value is ever issued twice, whatever the janitor deletes)."""
+        return f"{self._base}:fence"
 
     @property
     def incarnations(self) -> str:

@@ -4,7 +4,7 @@ A pass over a stream, as its leader: read registry entries idle past the ttl, sk
 worker holds, mark the rest retiring (the retirement fence), wait ``retire_grace_ms`` so no
 producer can still be publishing to them, delete each with ``if_empty`` and ``if_unused``,
 forget the deleted ones in the registry unless a producer touched them since (compare and
-delete), drop their fencing counters, and lift the marks. A queue refused as not empty is
+delete), and lift the marks. A queue refused as not empty is
 marked active again, so workers pick up its backlog. Bucket-mode streams keep their queues.
 """
 
@@ -27,7 +27,7 @@ from keyq.broker.errors import AuthenticationFailed, ConfigurationError, KeyqErr
 from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
 from keyq.broker.naming import Mode, check_stream_name, dead_letter_queue_name
-from keyq.broker.redis_keys import KEY_PREFIX, StreamKeys
+from keyq.broker.redis_keys import KEY_PREFIX
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.retirement import RetirementFence
 from keyq.broker.settings import load_settings
@@ -334,10 +334,6 @@ class Janitor:
             if outcome in (Outcome.DELETED, Outcome.GONE)
         }
         self.stats["forgotten"] += registry.forget_if_unchanged(gone)
-        if gone:
-            # Fencing counters of deleted queues: only equality of owner|token is ever
-            # checked, and a new incarnation starts with new owners, so they can go.
-            client.hdel(StreamKeys(stream).fences, *gone)
         backlog = [q for q, outcome in outcomes.items() if outcome is Outcome.NOT_EMPTY]
         if backlog:
             registry.touch(backlog)  # active again: workers claim it and drain it

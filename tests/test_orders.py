@@ -512,7 +512,7 @@ def where_they_are(
             f"applied {counts.get(order)}/{expected[order]['events_applied']}, "
             f"marks {marks.seqs} ({marks.applied} applied), "
             f"{depths[order]} ready in the queue, held by {lease.owner if lease else None}, "
-            f"lock taken {stream.redis.hget(stream.keys.fences, queue)!r} times, "
+            f"lock token {lease.token if lease else None}, "
             f"active {None if seen is None else round(time.time() - seen / 1000, 1)}s ago"
         )
     return described
