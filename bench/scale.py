@@ -24,6 +24,7 @@ Usage: ``python -m bench.scale [--keys N] [--extra-events M] [--workers W] [--ou
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import random
 import tempfile
@@ -192,6 +193,13 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     log(f"{len(events):,} events over {len(keys):,} keys (the busiest has {top:,}); run {stream}")
     logs = folder / "logs"
     logs.mkdir()
+    if args.trace:
+        # What the producer did with each queue: declares, returns, late confirms, retirements.
+        trace = logging.FileHandler(logs / "producer.log")
+        trace.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        producer_log = logging.getLogger("keyq.producer")
+        producer_log.addHandler(trace)
+        producer_log.setLevel(logging.DEBUG)
     worker_args = ["--stream", stream, "--mode", "key", "--pipeline", PIPELINE]
     workers = [Daemon("worker", worker_args, logs) for _ in range(args.workers)]
     # From the start, as in production: idle keys' queues go while others are busy, and a key
@@ -210,6 +218,10 @@ def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         started = time.monotonic()
         with Producer(stream, mode="key", settings=settings) as producer:
             for number, (key, n) in enumerate(events, 1):
+                if args.rate:
+                    ahead = started + number / args.rate - time.monotonic()
+                    if ahead > 0:
+                        time.sleep(ahead)
                 producer.publish(key, {"n": n})
                 if number % 20_000 == 0:
                     log(f"  published {number:,}")
@@ -282,7 +294,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--idle-ttl", type=float, default=20.0, help="the janitor's, seconds")
     parser.add_argument("--timeout", type=float, default=3600.0, help="to commit everything")
     parser.add_argument("--reclaim-timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--rate", type=float, default=0.0, help="events/s to publish at (0: unpaced)"
+    )
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--trace", action="store_true", help="log the producer's queue events")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     result: dict[str, Any] = {"benchmark": "scale", "machine": machine_info()}

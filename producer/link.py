@@ -480,10 +480,12 @@ class PublisherLink:
                 return  # reconnected or recovered since: that state is gone
             state.declaring = None
             state.declared = incarnation_name(queue, state.incarnation) == name
+            log.debug("declared %s: %d events parked", name, len(state.parked))
             self._release_parked(queue)
 
         if not declarers.declare(name, self._queue_args, on_declared):
             return False
+        log.debug("declaring %s apart", name)
         state.declaring = name
         return True
 
@@ -521,6 +523,7 @@ class PublisherLink:
             return
         message.returned = True
         self._queues[message.queue].recovering = True
+        log.debug("event %d returned by %s", message.number, message.sent_to)
 
     def _on_confirm(self, frame: Any) -> None:
         self._settle_confirmed(self._inflight, frame)
@@ -602,6 +605,7 @@ class PublisherLink:
             # a copy of an event already applied is dropped by its seq.
             published = False
             self.late_confirms += 1
+            log.debug("event %d to %s confirmed after its lease", message.number, message.sent_to)
         if published:
             state.recoveries = 0
             if not state.registered:
@@ -977,6 +981,7 @@ class PublisherLink:
                             self._send(message)
             else:
                 # Being retired: hold its events, and declare it again once the mark is gone.
+                log.debug("queue %s is being retired: its events wait", queue)
                 state.lease_until = 0.0
                 state.held = True
                 state.declared = False
