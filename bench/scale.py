@@ -18,7 +18,10 @@ count) and a private Redis (AOF, fsync always), so the figures are this run's al
 The baseline, measured in the same run, is the run's own publish rate: end to end against it.
 Progress goes to stderr; one JSON object to stdout (and ``--out``).
 
-Usage: ``python -m bench.scale [--keys N] [--extra-events M] [--workers W] [--out FILE]``
+Usage: ``python -m bench.scale [--keys N] [--extra-events M] [--workers W] [--out FILE]``.
+``--rate R`` paces the producer at R events/s (with a short ``--idle-ttl``, most keys then
+speak again after their queue was deleted, which is what the janitor's fence is for);
+``--trace`` writes what the producer did with each queue to ``logs/producer.log``.
 """
 
 from __future__ import annotations
