@@ -66,6 +66,22 @@ return 1
 """
 
 
+# KEYS = retirement marks; ARGV[1] = owner, ARGV[2] = ttl ms. Each result: 1 if the mark is
+# still the owner's (its ttl renewed), 0 if it lapsed (expired, or someone else's now).
+_STILL_MARKED = """
+local held = {}
+for i = 1, #KEYS do
+  if redis.call('GET', KEYS[i]) == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[i], ARGV[2])
+    held[i] = 1
+  else
+    held[i] = 0
+  end
+end
+return held
+"""
+
+
 class RetirementFence:
     """Retirement marks of one stream's queues."""
 
@@ -74,6 +90,7 @@ class RetirementFence:
         self._keys = StreamKeys(stream)
         self._lease = client.register_script(_LEASE)
         self._advance = client.register_script(_ADVANCE)
+        self._still_marked = client.register_script(_STILL_MARKED)
 
     def lease(self, queues: Sequence[str]) -> dict[str, int | None]:
         """For a producer: each base queue's current incarnation if it may be published to
@@ -104,6 +121,19 @@ class RetirementFence:
         for queue in queues:
             pipe.set(self._retiring(queue), owner, nx=True, px=ttl_ms)
         return [queue for queue, ok in zip(queues, pipe.execute(), strict=True) if ok]
+
+    def still_marked(self, queues: Sequence[str], owner: str, ttl_ms: int) -> list[str]:
+        """For a deleter, right before deleting: the queues whose marks are still its own
+        (their ttl renewed). A mark that lapsed while the deleter was slow (the marks of a
+        pass's later chunks, on an overloaded broker) let producers publish again, so its
+        queue must not be deleted now: an event on its way into a queue that is deleted is
+        confirmed and lost (rabbitmq-server#4746)."""
+        if not queues:
+            return []
+        held = self._still_marked(
+            keys=[self._retiring(queue) for queue in queues], args=[owner, ttl_ms]
+        )
+        return [queue for queue, flag in zip(queues, held, strict=True) if int(flag)]
 
     def advance_incarnations(self, deleted: Sequence[str]) -> None:
         """For a deleter, while it still holds the marks: the next producer declares each of

@@ -49,6 +49,9 @@ class Outcome(enum.Enum):
     # On a cluster, the node that holds the queue is down: the queue and its messages come
     # back with the node, so this is "not now", never "gone".
     UNREACHABLE = "unreachable"
+    # Not tried: the queue's retirement mark lapsed before its turn came (the janitor was
+    # slower than the mark's ttl), so producers may be publishing to it again.
+    LAPSED = "mark_lapsed"
 
 
 def _home_node_down(reply_text: str) -> bool:

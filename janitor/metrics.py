@@ -57,6 +57,7 @@ SKIP_REASONS: tuple[tuple[str, str], ...] = (
     ("not_empty", "skipped_not_empty"),
     ("in_use", "skipped_in_use"),
     ("unreachable", "skipped_unreachable"),
+    ("mark_lapsed", "skipped_lapsed"),
 )
 
 
@@ -72,8 +73,9 @@ def janitor_metrics(janitor: Janitor) -> list[Metric]:
         Metric(
             "keyq_janitor_skipped_total",
             "counter",
-            "Idle queues not deleted, by reason: held by a worker, not empty, or in use "
-            "(a consumer attached).",
+            "Idle queues not deleted, by reason: held by a worker, not empty, in use "
+            "(a consumer attached), unreachable, or their retirement mark lapsed before "
+            "the delete.",
             [({**labels, "reason": reason}, stats.get(key, 0)) for reason, key in SKIP_REASONS],
         )
     )

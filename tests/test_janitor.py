@@ -283,6 +283,33 @@ def test_bucket_mode_queues_are_never_deleted(
 # --------------------------------------------------------------------- two janitors
 
 
+def test_a_queue_whose_mark_lapsed_before_its_delete_is_kept(
+    stream: StreamFixture, amqp: pika.BlockingConnection
+) -> None:
+    """A retirement mark that lapses before its queue's delete (a janitor slower than the
+    mark's ttl: under load a pass's later chunks waited past it) lets producers publish to the
+    queue again; deleting it then could take an event on its way in. It is kept for a later
+    pass, and the queue whose mark stood is deleted as usual."""
+    lapsing, marked = publish_one_each(stream, ["lapsing", "marked"])
+    assert drain_all(amqp, [lapsing, marked]) == 2
+    janitor = Janitor(
+        [stream.name], settings=janitor_settings(retire_grace_ms=1500), janitor_id="janitor-lapse"
+    )
+    mark = stream.keys.retiring(lapsing)
+    passing = threading.Thread(target=janitor.run, kwargs={"once": True}, daemon=True)
+    passing.start()
+    wait_until(lambda: bool(stream.redis.exists(mark)), 10, "the janitor's mark", every=0.01)
+    stream.redis.delete(mark)  # as its ttl would, had the janitor been slow to delete
+    passing.join(30)
+    assert not passing.is_alive()
+    assert janitor.stats["skipped_lapsed"] == 1, janitor.stats
+    assert janitor.stats["deleted"] == 1, janitor.stats
+    assert exists(amqp, lapsing) and not exists(amqp, marked)
+    assert set(QueueRegistry(stream.redis, stream.name).queues()) == {lapsing}
+    janitor.run(once=True)  # a later pass, whose mark stands, reclaims it
+    assert not exists(amqp, lapsing) and janitor.stats["deleted"] == 2, janitor.stats
+
+
 def test_two_janitors_delete_each_queue_once(
     stream: StreamFixture, amqp: pika.BlockingConnection
 ) -> None:

@@ -333,6 +333,7 @@ def test_a_janitor_scrape_counts_its_deletions(
         "not_empty",
         "in_use",
         "unreachable",
+        "mark_lapsed",
     }
     assert all(s[1]["janitor"] == janitor.janitor_id and s[2] == 0 for s in skipped.samples)
     for name in (
