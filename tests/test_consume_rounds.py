@@ -10,6 +10,7 @@ from typing import Any
 import pika
 import pytest
 
+from keyq.broker.acks import buffer_ack, flush_acks
 from keyq.broker.consume_rounds import ConsumeRequest, open_consumers
 from keyq.broker.consumers import close_keeping_consumers
 from keyq.broker.naming import key_queue_name
@@ -111,6 +112,47 @@ def test_pipelined_consumers_deliver_ack_refuse_and_close_like_pikas_own(
     amqp.channel().queue_delete(third)
     pump(connection, lambda: cancelled == [third])
     rival.close()
+
+
+def test_acks_buffered_on_many_channels_all_reach_the_broker_with_one_flush(
+    connection: pika.BlockingConnection, amqp: pika.BlockingConnection, stream: StreamFixture
+) -> None:
+    names = queues(amqp, stream, 30)
+    received: dict[str, list[int]] = {name: [] for name in names}
+
+    def receiver(queue: str) -> Any:
+        def on_message(_channel: Any, method: Any, _properties: Any, _body: bytes) -> None:
+            received[queue].append(method.delivery_tag)
+
+        return on_message
+
+    replies = open_consumers(connection, [ConsumeRequest(n, 2, receiver(n)) for n in names])
+    channels = [reply.channel for reply in replies]
+    pump(connection, lambda: all(len(tags) == 2 for tags in received.values()))
+    # Tag 1 with multiple on half of them, both tags one by one on the others: nothing is
+    # sent until the flush.
+    for index, (name, channel) in enumerate(zip(names, channels, strict=True)):
+        assert channel is not None
+        if index % 2:
+            buffer_ack(channel, received[name][0], multiple=True)
+        else:
+            for tag in received[name]:
+                buffer_ack(channel, tag, multiple=False)
+    flush_acks(connection)
+    # Each consumer's third message follows only once its acks made room in its prefetch.
+    pump(connection, lambda: all(len(tags) >= 3 for tags in received.values()))
+    check = amqp.channel()
+    for name in names:
+        declared = check.queue_declare(name, passive=True).method
+        assert declared.message_count == 0, name
+        assert len(received[name]) == 3, name  # the third came once the acks made room
+    for channel in channels:
+        assert channel is not None
+        close_keeping_consumers(channel)
+    # What was not acked went back: odd queues acked 1 of 3, even ones 2 of 3.
+    for index, name in enumerate(names):
+        left = check.queue_declare(name, passive=True).method.message_count
+        assert left == (2 if index % 2 else 1), (name, left)
 
 
 def test_a_round_beyond_the_connections_channels_fails_and_leaves_no_channel_open(

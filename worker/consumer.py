@@ -23,6 +23,7 @@ import pika
 import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
+from keyq.broker.acks import buffer_ack, flush_acks
 from keyq.broker.connections import amqp_failure, describe_exception, open_blocking_connection
 from keyq.broker.consume_rounds import ConsumeReply, ConsumeRequest, OnMessage, open_consumers
 from keyq.broker.consumers import close_keeping_consumers
@@ -545,10 +546,12 @@ class ConsumerLink:
                 continue
             upto, singles = ledger.settle(tags)
             if upto:
-                held[1].basic_ack(upto, multiple=True)
+                buffer_ack(held[1], upto, multiple=True)
             for tag in singles:
-                held[1].basic_ack(tag, multiple=False)
+                buffer_ack(held[1], tag, multiple=False)
             done += 1
+        if done and self._connection is not None:
+            flush_acks(self._connection)  # one write for the whole batch (keyq.broker.acks)
         return done
 
     def _dead_letter(self, letters: Sequence[DeadLetter]) -> None:
