@@ -16,6 +16,7 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -58,6 +59,30 @@ QUORUM_DELETES_PER_PROBE = 8
 # load a chunk's deletes took 30-45 s here, so the marks of a pass's third chunk lapsed before
 # its turn, and producers were publishing to queues being deleted.
 DELETES_PER_MARK_CHECK = 400
+
+
+@dataclass(frozen=True)
+class _Marks:
+    """A janitor's retirement marks on the chunk being deleted, and on the chunks after it."""
+
+    fence: RetirementFence
+    owner: str
+    ttl_ms: int
+    ahead: list[str]
+
+    def still_held(self, queues: list[str]) -> tuple[list[str], dict[str, Outcome]]:
+        """The queues whose marks still stand (renewed, with those ``ahead``), and the
+        lapsed ones as outcomes: the grace protects a delete only while the mark that
+        started it stands."""
+        kept = set(self.fence.still_marked([*queues, *self.ahead], self.owner, self.ttl_ms))
+        lapsed = {queue: Outcome.LAPSED for queue in queues if queue not in kept}
+        if lapsed:
+            log.warning(
+                "%d retirement marks lapsed before their queues' deletes (the janitor was "
+                "slower than their ttl); those queues are kept for a later pass",
+                len(lapsed),
+            )
+        return [queue for queue in queues if queue in kept], lapsed
 
 
 class Janitor:
@@ -242,19 +267,16 @@ class Janitor:
                     return
                 # The marks of the chunks after this one are renewed as it goes.
                 ahead = [queue for chunk, _at in list(in_flight)[1:] for queue in chunk]
+                marks = _Marks(fence, self.janitor_id, mark_ttl, ahead)
                 if quorum:
-                    outcomes = self._delete_locked(
-                        client, stream, deleter, marked, fence=fence, mark_ttl=mark_ttl, ahead=ahead
-                    )
+                    outcomes = self._delete_locked(client, stream, deleter, marked, marks)
                     # Before the marks go: a deleted quorum queue's name is never declared
                     # again (see broker.naming.incarnation_name).
                     fence.advance_incarnations(
                         [q for q, o in outcomes.items() if o in (Outcome.DELETED, Outcome.GONE)]
                     )
                 else:
-                    outcomes = self._delete_marked(
-                        deleter, marked, fence=fence, mark_ttl=mark_ttl, ahead=ahead
-                    )
+                    outcomes = self._delete_marked(deleter, marked, marks)
                 self._settle(client, stream, registry, seen, outcomes)
                 in_flight.popleft()
                 fence.unmark(marked)
@@ -262,38 +284,13 @@ class Janitor:
             for marked, _at in in_flight:
                 fence.unmark(marked)
 
-    def _still_marked(
-        self, fence: RetirementFence, queues: list[str], mark_ttl: int, ahead: list[str]
-    ) -> tuple[list[str], dict[str, Outcome]]:
-        """The queues whose marks are still this janitor's, and the lapsed ones as outcomes:
-        the grace protects a delete only while the mark that started it still stands. The
-        marks of the chunks waiting ``ahead`` are renewed too, so they last until their turn."""
-        kept = set(fence.still_marked([*queues, *ahead], self.janitor_id, mark_ttl))
-        held = [queue for queue in queues if queue in kept]
-        lapsed = {queue: Outcome.LAPSED for queue in queues if queue not in kept}
-        if lapsed:
-            log.warning(
-                "%d retirement marks lapsed before their queues' deletes (the janitor was "
-                "slower than their ttl); those queues are kept for a later pass",
-                len(lapsed),
-            )
-        return held, lapsed
-
     def _delete_marked(
-        self,
-        deleter: QueueDeleter,
-        queues: list[str],
-        *,
-        fence: RetirementFence,
-        mark_ttl: int,
-        ahead: list[str],
+        self, deleter: QueueDeleter, queues: list[str], marks: _Marks
     ) -> dict[str, Outcome]:
         """Classic queues, a slice at a time, each right after its marks are checked."""
         outcomes: dict[str, Outcome] = {}
         for start in range(0, len(queues), DELETES_PER_MARK_CHECK):
-            held, lapsed = self._still_marked(
-                fence, queues[start : start + DELETES_PER_MARK_CHECK], mark_ttl, ahead
-            )
+            held, lapsed = marks.still_held(queues[start : start + DELETES_PER_MARK_CHECK])
             outcomes.update(lapsed)
             outcomes.update(deleter.delete(held))
         return outcomes
@@ -304,10 +301,7 @@ class Janitor:
         stream: str,
         deleter: QueueDeleter,
         queues: list[str],
-        *,
-        fence: RetirementFence,
-        mark_ttl: int,
-        ahead: list[str],
+        marks: _Marks,
     ) -> dict[str, Outcome]:
         """Quorum queues refuse conditional deletes: take each queue's lock, as a worker
         would, so no worker can start consuming, then check and delete (``QueueDeleter``).
@@ -339,9 +333,7 @@ class Janitor:
                 outcomes.update(dict.fromkeys(queues[start:], Outcome.UNREACHABLE))
                 self._nodes_down = down  # the rest of this pass keeps its queues too
                 break
-            part, lapsed = self._still_marked(
-                fence, queues[start : start + QUORUM_DELETES_PER_PROBE], mark_ttl, ahead
-            )
+            part, lapsed = marks.still_held(queues[start : start + QUORUM_DELETES_PER_PROBE])
             outcomes.update(lapsed)
             taken = {queue: locks.acquire(queue, self.janitor_id, ttl_ms) for queue in part}
             held = [lease for lease in taken.values() if lease is not None]
