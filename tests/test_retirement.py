@@ -41,6 +41,26 @@ def test_mark_expires_if_the_deleter_dies(stream: StreamFixture) -> None:
     assert fence.lease(["q"]) == {"q": 0}
 
 
+def test_a_deleter_keeps_only_the_marks_that_still_stand_and_renews_them(
+    stream: StreamFixture,
+) -> None:
+    fence = RetirementFence(stream.redis, stream.name)
+    assert fence.mark(["mine", "lapsing", "theirs"], "janitor-1", ttl_ms=300) == [
+        "mine",
+        "lapsing",
+        "theirs",
+    ]
+    stream.redis.delete(stream.keys.retiring("theirs"))
+    assert fence.mark(["theirs"], "janitor-2", ttl_ms=5000) == ["theirs"]
+    time.sleep(0.1)
+    assert fence.still_marked(["mine", "theirs", "never"], "janitor-1", 5000) == ["mine"]
+    time.sleep(0.4)  # past the first ttl: only the renewed mark is left of janitor-1's
+    assert fence.still_marked(["mine", "lapsing"], "janitor-1", 5000) == ["mine"]
+    assert fence.marked(["mine", "lapsing", "theirs"]) == ["mine", "theirs"]
+    assert fence.lease(["mine", "lapsing"]) == {"mine": None, "lapsing": 0}
+    assert fence.still_marked([], "janitor-1", 5000) == []
+
+
 def test_a_deleted_queue_is_leased_under_its_next_incarnation(stream: StreamFixture) -> None:
     """A deleter that moved a queue on (quorum) makes every later lease name the next
     incarnation, and touch that one's activity; marks hold every incarnation of a base name;
