@@ -226,9 +226,12 @@ def test_buffer_take_fills_while_waiting() -> None:
 
     feeder = threading.Thread(target=feed)
     feeder.start()
+    started = time.monotonic()
     taken = buffer.take(3, max_wait_s=5.0, idle_wait_s=5.0)
     feeder.join()
     assert [d.delivery_tag for d in taken] == [1, 2, 3]
+    # Woken when the batch is full (only then, and on the first arrival), not at the deadline.
+    assert time.monotonic() - started < 2.0
 
 
 def test_buffer_idle_and_wake() -> None:

@@ -50,6 +50,10 @@ class DeliveryBuffer:
         # waited: its redelivery keeps waiting from then, so a gap's timeout is not reset.
         self._waits: dict[tuple[str, tuple[str, ...]], float] = {}
         self._count = 0
+        # The count at which a ``take`` filling its batch wants to hear of an arrival: waking
+        # it for each delivery made the I/O thread hand the GIL to the batch loop thousands of
+        # times a second, for a check that fails until the batch is full.
+        self._filling_to = 1
         self._first_arrival: float | None = None
         self._changed = threading.Condition()
         self._woken = False
@@ -66,7 +70,8 @@ class DeliveryBuffer:
             self._count += 1
             if self._first_arrival is None:
                 self._first_arrival = delivery.received_at
-            self._changed.notify_all()
+            if self._count in (1, self._filling_to):
+                self._changed.notify_all()
 
     def wake(self) -> None:
         """Make a waiting ``take`` return early (shutdown, releases to apply)."""
@@ -144,6 +149,7 @@ class DeliveryBuffer:
                 if wake_at <= now:
                     return []
                 self._changed.wait(wake_at - now)
+            self._filling_to = max_events
             while self._count < max_events and not self._woken:
                 if self._first_arrival is None:  # all dropped while we waited (queue lost)
                     break
@@ -151,6 +157,7 @@ class DeliveryBuffer:
                 if left <= 0:
                     break
                 self._changed.wait(left)
+            self._filling_to = 1
             self._woken = False
             return self._take_locked(max_events)
 
