@@ -114,6 +114,9 @@ class SparkEngine:
             "spark.sql.shuffle.partitions": str(settings.spark_shuffle_partitions),
             "spark.sql.session.timeZone": "UTC",
         }
+        if not remote and settings.spark_master.startswith("local"):
+            # Python workers without Spark's zips on their path: see keyq.worker.spark_daemon.
+            options["spark.python.daemon.module"] = "keyq.worker.spark_daemon"
         options |= spark_options(settings.spark_conf)
         if not remote:
             options |= {
