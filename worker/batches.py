@@ -14,7 +14,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,7 +121,7 @@ class BatchProcessor:
         sink: ParquetSink | None,
         link: ConsumerLink,
         holdings: Holdings,
-        key_of_queue: Callable[[str], str | None],
+        keys_of_queues: Callable[[Collection[str]], Mapping[str, str | None]],
         stopping: threading.Event,
     ) -> None:
         self._settings = settings
@@ -134,7 +134,7 @@ class BatchProcessor:
         self._sink = sink
         self._link = link
         self._holdings = holdings
-        self._key_of_queue = key_of_queue
+        self._keys_of_queues = keys_of_queues
         self._stopping = stopping
         self._batch_numbers = itertools.count(1)
         self._settled: set[tuple[str, int, int]] = set()
@@ -254,8 +254,9 @@ class BatchProcessor:
             return None
         named = failure.event
         key, producer, seq = named
+        fallback = self._fallback_keys(group)
         for index, delivery in enumerate(group):
-            decoded = decode(delivery, self._fallback_key(delivery.queue))
+            decoded = decode(delivery, fallback[delivery.queue])
             if isinstance(decoded, Event) and (decoded.key, decoded.producer, decoded.seq) == (
                 key,
                 producer,
@@ -303,8 +304,9 @@ class BatchProcessor:
         leases = self._leases(deliveries)
         events: list[Event] = []
         letters: list[Undecodable] = []
+        fallback = self._fallback_keys(deliveries)
         for delivery in deliveries:
-            decoded = decode(delivery, self._fallback_key(delivery.queue))
+            decoded = decode(delivery, fallback[delivery.queue])
             if dead is not None and isinstance(decoded, Event):
                 decoded = Undecodable(delivery, dead, decoded.key, decoded.producer, decoded.seq)
             if isinstance(decoded, Event):
@@ -474,8 +476,11 @@ class BatchProcessor:
         self._last_leases.update(leases)
         return leases
 
-    def _fallback_key(self, queue: str) -> str | None:
-        return self._key_of_queue(queue)
+    def _fallback_keys(self, deliveries: Sequence[Delivery]) -> Mapping[str, str | None]:
+        """The key each queue of ``deliveries`` was declared for, asked for all at once: a
+        worker that has just taken over a thousand queues must not make a thousand round
+        trips before its first batch."""
+        return self._keys_of_queues({delivery.queue for delivery in deliveries})
 
     def _run_pipeline(
         self,

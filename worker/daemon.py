@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 import redis.exceptions
@@ -363,7 +363,7 @@ class Worker:
             sink=self._sink,
             link=link,
             holdings=self._holdings,
-            key_of_queue=lambda queue: self._key_of(registry, queue),
+            keys_of_queues=lambda queues: self._keys_of(registry, queues),
             stopping=self._stop,
         )
         stuck = StuckGaps(self._buffer, settings.sequence_gap_timeout_ms / 1000)
@@ -619,14 +619,16 @@ class Worker:
                 self._stop.wait(1.0)
         raise KeyqError("stopped before the stream was configured")
 
-    def _key_of(self, registry: QueueRegistry, queue: str) -> str | None:
-        """The key a key-mode queue was declared for (a message there without a key header
-        still belongs to it). A bucket holds many keys: such a message has no key."""
+    def _keys_of(self, registry: QueueRegistry, queues: Collection[str]) -> dict[str, str | None]:
+        """The key each key-mode queue was declared for (a message there without a key header
+        still belongs to it), the ones not known yet in one round trip. A bucket holds many
+        keys: such a message has no key."""
         if self.config is None or self.config.mode is not Mode.KEY:
-            return None
-        if queue not in self._queue_keys:
-            self._queue_keys[queue] = registry.original_keys([queue]).get(queue)
-        return self._queue_keys[queue]
+            return dict.fromkeys(queues)
+        unknown = [queue for queue in queues if queue not in self._queue_keys]
+        if unknown:
+            self._queue_keys.update(registry.original_keys(unknown))
+        return {queue: self._queue_keys[queue] for queue in queues}
 
     def _recover_sink(self, store: StateStore) -> None:
         """Finish making visible any batch output that was committed but not renamed."""
