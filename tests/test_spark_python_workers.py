@@ -1,5 +1,5 @@
-"""A local Spark's Python workers run without Spark's archives on their path (see
-keyq.worker.spark_daemon), and still fold."""
+"""A local Spark's Python workers run without Spark's archives on their path, and collect
+only young generations after each task (see keyq.worker.spark_daemon)."""
 
 from __future__ import annotations
 
@@ -37,9 +37,11 @@ def _python_worker_path(_rows: Any) -> Any:
     import sys
 
     import pyspark
+    from pyspark import daemon
 
     yield [entry for entry in sys.path if entry.endswith((".zip", ".jar"))]
     yield [pyspark.__file__]
+    yield [type(daemon.gc).__name__]
 
 
 def test_a_local_sparks_python_workers_import_pyspark_from_the_installed_package(
@@ -47,10 +49,11 @@ def test_a_local_sparks_python_workers_import_pyspark_from_the_installed_package
 ) -> None:
     import pyspark
 
-    archives, where = (
+    archives, where, collector = (
         spark_engine.session.sparkContext.parallelize([0], 1)
         .mapPartitions(_python_worker_path)
         .collect()
     )
     assert not [a for a in archives if a.endswith((".jar", "pyspark.zip")) or "py4j" in a]
     assert where == [pyspark.__file__]  # the driver's pyspark, not the zip's copy
+    assert collector == ["_YoungGenerations"]

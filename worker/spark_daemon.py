@@ -8,11 +8,17 @@ this very interpreter, where pyspark is installed as a package with the same cod
 daemon drops the archives from the path, then runs Spark's own daemon, whose forked workers
 inherit the path.
 
+It also makes the collection Spark's daemon runs after every task of a reused worker a
+collection of the young generations: a full one walks every object of pyspark, pandas and
+pyarrow (11-18 ms a task on an idle machine). Python's own thresholds still run full
+collections, so cyclic garbage a task leaves in the old generation is still freed.
+
 Run only by Spark (``spark.python.daemon.module``), and only for a local master.
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 
 
@@ -37,10 +43,20 @@ def drop_spark_archives(path: list[str], importers: dict[str, object]) -> list[s
     return removed
 
 
+class _YoungGenerations:
+    """Stands in for the ``gc`` module in Spark's daemon."""
+
+    @staticmethod
+    def collect() -> int:
+        return gc.collect(1)
+
+
 def main() -> None:
     drop_spark_archives(sys.path, sys.path_importer_cache)  # type: ignore[arg-type]
     from pyspark import daemon  # noqa: PLC0415 - only once the path is clean
 
+    # Its one use of gc is the collection after each task.
+    daemon.gc = _YoungGenerations()  # type: ignore[attr-defined,assignment]
     daemon.manager()
 
 
