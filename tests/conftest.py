@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -214,7 +215,11 @@ def amqp(settings: Settings) -> Iterator[pika.BlockingConnection]:
 
 
 @pytest.fixture
-def workers(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def workers(
+    settings: Settings,
+    tmp_path_factory: pytest.TempPathFactory,
+    spark_class_archive: Path | None,
+) -> Iterator[Any]:
     """Start worker processes with ``workers(stream, **options)``; all are killed at the end,
     and the logs of a failed test are kept in its temporary folder."""
     from tests.workers import WorkerProcess
@@ -233,7 +238,17 @@ def workers(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 @pytest.fixture(scope="session")
-def spark_engine(services: Settings) -> Iterator[Any]:
+def spark_class_archive() -> Path | None:
+    """The class-data archive local Sparks start from (keyq.worker.spark_classes), built
+    once if missing: every worker a test starts then starts its Spark in half the time."""
+    from keyq.worker.config import WorkerSettings
+    from keyq.worker.spark_classes import build_archive
+
+    return build_archive(load_settings(WorkerSettings))
+
+
+@pytest.fixture(scope="session")
+def spark_engine(services: Settings, spark_class_archive: Path | None) -> Iterator[Any]:
     """One in-process SparkSession for tests that run a Worker in the test process."""
     from keyq.worker.config import WorkerSettings
     from keyq.worker.engine import SparkEngine

@@ -51,6 +51,13 @@ class WorkerSettings(Settings):
         description="partitions of each batch's keyed fold; 1 means no shuffle at all",
     )
 
+    spark_class_cache: str | None = Field(
+        default=None,
+        description=(
+            "folder of the class-data archive that halves a local Spark's start (built by "
+            "`keyq spark-cache`); default ~/.cache/keyq, 'off' to start without"
+        ),
+    )
     spark_driver_java_options: str = Field(
         default="-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
         description=(

@@ -29,6 +29,7 @@ from keyq.broker.errors import ConfigurationError
 from keyq.worker.config import WorkerSettings, spark_options
 from keyq.worker.decoding import Event
 from keyq.worker.fold import STATE_SCHEMA_DDL, make_folder
+from keyq.worker.spark_classes import usable_archive
 
 log = logging.getLogger("keyq.worker.spark")
 
@@ -136,6 +137,9 @@ class SparkEngine:
                 # it installs no handler for SIGTERM, SIGINT or SIGHUP, so the ones it is
                 # launched with blocked stay blocked (see _launch_jvm_apart).
                 jvm = f"{settings.spark_driver_java_options} -Xrs"
+                archive = usable_archive(settings)
+                if archive is not None:
+                    jvm += f" -XX:SharedArchiveFile={archive}"
                 _launch_jvm_apart(
                     {
                         **options,

@@ -1,0 +1,106 @@
+"""A local Spark starts from a class-data archive of its JVM when one has been built
+(keyq.worker.spark_classes), and as before when it has not or cannot be."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from keyq.broker.settings import load_settings
+from keyq.worker.config import WorkerSettings
+from keyq.worker.spark_classes import archive_path, build_archive, cache_folder
+
+# Starts a local Spark in a process of its own (a process has one JVM, and the tests' own has
+# started theirs), then says whether that JVM mapped the archive.
+MAPS_ARCHIVE = """
+import sys
+from pyspark import SparkContext
+from keyq.broker.settings import load_settings
+from keyq.worker.config import WorkerSettings
+from keyq.worker.engine import SparkEngine
+from keyq.worker.spark_classes import archive_path
+settings = load_settings(WorkerSettings, spark_master="local[1]")
+engine = SparkEngine(settings, "keyq-test-archive")
+engine.start()
+maps = open(f"/proc/{SparkContext._gateway.proc.pid}/maps").read()
+expected = archive_path(WorkerSettings(spark_master="local[1]", spark_class_cache=sys.argv[1]))
+print(str(expected) in maps)
+engine.stop()
+"""
+
+
+def _jvm_maps_archive(cache: str) -> bool:
+    env = {**os.environ, "KEYQ_SPARK_CLASS_CACHE": cache}
+    done = subprocess.run(
+        [sys.executable, "-c", MAPS_ARCHIVE, cache],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return done.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_a_local_spark_maps_the_archive_once_it_is_built(
+    spark_class_archive: Path | None,
+) -> None:
+    assert spark_class_archive is not None and spark_class_archive.is_file()
+    cache = str(spark_class_archive.parent)
+    assert _jvm_maps_archive(cache)
+    assert not _jvm_maps_archive("off")
+
+
+def test_a_build_that_fails_leaves_nothing_behind(tmp_path: Path) -> None:
+    settings = load_settings(
+        WorkerSettings,
+        spark_class_cache=str(tmp_path),
+        spark_driver_java_options="-XX:+NoSuchOptionAnywhere",
+    )
+    assert build_archive(settings) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_cli_prints_the_archive_and_refuses_when_switched_off(
+    spark_class_archive: Path | None,
+) -> None:
+    assert spark_class_archive is not None
+    keyq = [sys.executable, "-m", "keyq"]
+    built = subprocess.run(
+        [*keyq, "spark-cache"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert built.returncode == 0, built.stderr
+    assert built.stdout.strip() == str(spark_class_archive)
+    off = subprocess.run(
+        [*keyq, "spark-cache"],
+        env={**os.environ, "KEYQ_SPARK_CLASS_CACHE": "off"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert off.returncode == 2
+    assert "off" in off.stderr
+
+
+@pytest.mark.parametrize("value", ["off", "OFF", "none", "0", "false", ""])
+def test_the_archive_can_be_switched_off(value: str) -> None:
+    assert cache_folder(WorkerSettings(spark_class_cache=value)) is None
+    assert archive_path(WorkerSettings(spark_class_cache=value)) is None
+
+
+def test_the_archive_is_named_for_its_jvm_options_and_lives_in_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    default = archive_path(WorkerSettings())
+    other = archive_path(WorkerSettings(spark_driver_java_options="-XX:+UseSerialGC"))
+    assert default is not None and other is not None
+    assert default.parent == tmp_path / "keyq"
+    assert default != other
+    chosen = archive_path(WorkerSettings(spark_class_cache=str(tmp_path / "elsewhere")))
+    assert chosen is not None and chosen.parent == tmp_path / "elsewhere"
