@@ -12,7 +12,7 @@ import pytest
 
 from keyq.broker.settings import load_settings
 from keyq.worker.config import WorkerSettings
-from keyq.worker.spark_classes import archive_path, build_archive, cache_folder
+from keyq.worker.spark_classes import archive_path, build_archive, cache_folder, jvm_file_option
 
 # Starts a local Spark in a process of its own (a process has one JVM, and the tests' own has
 # started theirs), then says whether that JVM mapped the archive.
@@ -104,3 +104,12 @@ def test_the_archive_is_named_for_its_jvm_options_and_lives_in_the_cache(
     assert default != other
     chosen = archive_path(WorkerSettings(spark_class_cache=str(tmp_path / "elsewhere")))
     assert chosen is not None and chosen.parent == tmp_path / "elsewhere"
+
+
+def test_a_path_with_spaces_stays_one_jvm_option() -> None:
+    assert jvm_file_option("SharedArchiveFile", "/var/cache/keyq/a.jsa") == (
+        "-XX:SharedArchiveFile=/var/cache/keyq/a.jsa"
+    )
+    assert jvm_file_option("SharedArchiveFile", '/my cache/"k"/a.jsa') == (
+        '-XX:SharedArchiveFile="/my cache/\\"k\\"/a.jsa"'
+    )

@@ -29,7 +29,7 @@ from keyq.broker.errors import ConfigurationError
 from keyq.worker.config import WorkerSettings, spark_options
 from keyq.worker.decoding import Event
 from keyq.worker.fold import STATE_SCHEMA_DDL, make_folder
-from keyq.worker.spark_classes import usable_archive
+from keyq.worker.spark_classes import jvm_file_option, usable_archive
 
 log = logging.getLogger("keyq.worker.spark")
 
@@ -139,7 +139,7 @@ class SparkEngine:
                 jvm = f"{settings.spark_driver_java_options} -Xrs"
                 archive = usable_archive(settings)
                 if archive is not None:
-                    jvm += f" -XX:SharedArchiveFile={archive}"
+                    jvm += " " + jvm_file_option("SharedArchiveFile", archive)
                 _launch_jvm_apart(
                     {
                         **options,

@@ -77,7 +77,6 @@ def build_archive(settings: WorkerSettings) -> Path | None:
     target = archive_path(settings)
     if target is None or target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
     command = [
         sys.executable,
@@ -85,6 +84,7 @@ def build_archive(settings: WorkerSettings) -> Path | None:
         *("--out", str(partial), "--java-options", settings.spark_driver_java_options),
     ]
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False
         )
@@ -107,6 +107,15 @@ def build_archive(settings: WorkerSettings) -> Path | None:
     return target
 
 
+def jvm_file_option(flag: str, path: Path | str) -> str:
+    """``-XX:<flag>=<path>`` as one word of Spark's JVM options, which are split at spaces
+    unless quoted."""
+    text = str(path)
+    if any(char.isspace() for char in text):
+        text = '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return f"-XX:{flag}={text}"
+
+
 def _java() -> str | None:
     home = os.environ.get("JAVA_HOME")
     if home and Path(home, "bin", "java").is_file():
@@ -125,7 +134,7 @@ def _dump(out: str, java_options: str) -> None:
         WorkerSettings,
         spark_master="local[1]",
         spark_class_cache="off",
-        spark_driver_java_options=f"{java_options} -XX:ArchiveClassesAtExit={out}",
+        spark_driver_java_options=f"{java_options} {jvm_file_option('ArchiveClassesAtExit', out)}",
     )
     engine = SparkEngine(settings, "keyq-spark-cache")
     engine.start()
