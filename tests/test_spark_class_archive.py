@@ -113,3 +113,15 @@ def test_a_path_with_spaces_stays_one_jvm_option() -> None:
     assert jvm_file_option("SharedArchiveFile", '/my cache/"k"/a.jsa') == (
         '-XX:SharedArchiveFile="/my cache/\\"k\\"/a.jsa"'
     )
+
+
+def test_a_user_without_a_home_gets_no_archive_rather_than_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    assert cache_folder(WorkerSettings()) is None
+    assert archive_path(WorkerSettings()) is None

@@ -39,7 +39,12 @@ def cache_folder(settings: WorkerSettings) -> Path | None:
     value = settings.spark_class_cache
     if value is not None:
         return None if value.strip().lower() in OFF else Path(value).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = str(Path.home() / ".cache")
+        except RuntimeError:  # a user without a home (a container's bare uid): no archive
+            return None
     return Path(base) / "keyq"
 
 
