@@ -131,7 +131,8 @@ def worker_command(
 @cli.command("spark-cache")
 def spark_cache_command() -> None:
     """Build the class-data archive a worker's local Spark starts from, in about half the
-    time (once per Java, pyspark and KEYQ_SPARK_DRIVER_JAVA_OPTIONS); prints its path."""
+    time (once per Java, pyspark installation and KEYQ_SPARK_DRIVER_JAVA_OPTIONS); prints
+    its path."""
     from keyq.worker.config import WorkerSettings  # noqa: PLC0415 - keeps startup light
     from keyq.worker.spark_classes import archive_path, build_archive  # noqa: PLC0415
 
