@@ -1,5 +1,3 @@
-# syntax=docker/dockerfile:1
-#
 # One image for every keyq service: `docker run IMAGE worker --stream orders ...`,
 # `... janitor`, `... demo`. The entrypoint is the `keyq` command.
 #
@@ -52,6 +50,14 @@ RUN useradd --create-home --uid 10001 --user-group keyq \
     && chown keyq:keyq /data
 USER keyq
 WORKDIR /home/keyq
+
+# A class-data archive of the local Spark's JVM, built once here rather than by every
+# container: a worker's Spark then starts in about half the time and CPU, which is what a
+# restarted or added worker costs its busy peers (docs/operations.md). About 150 MB; build
+# with `--build-arg SPARK_CLASS_ARCHIVE=off` to leave it out.
+ARG SPARK_CLASS_ARCHIVE=/home/keyq/spark-classes
+ENV KEYQ_SPARK_CLASS_CACHE=${SPARK_CLASS_ARCHIVE}
+RUN if [ "$KEYQ_SPARK_CLASS_CACHE" != off ]; then keyq spark-cache; fi
 
 ENTRYPOINT ["keyq"]
 CMD ["--help"]

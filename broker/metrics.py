@@ -7,6 +7,7 @@ calls ``collect()`` on every scrape, so the numbers are read when Prometheus ask
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import re
@@ -230,6 +231,36 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
+
+
+def start_first_free(port: int, span: int, host: str, *, collect: Collect) -> MetricsServer:
+    """Serve on the first port of ``port`` .. ``port + span - 1`` that is free: replicas that
+    share one network (host networking, several daemons on a machine) each find one, and
+    say which, instead of failing in a restart loop. Port 0 lets the system choose.
+
+    Raises ``OSError`` naming the whole span when every port of it is taken; any other bind
+    failure (no such address, a privileged port) is raised at once, as it is no clash.
+    """
+    last = port if port == 0 else min(port + max(span, 1) - 1, 65535)
+    for candidate in range(port, last + 1):
+        server = MetricsServer(candidate, host, collect=collect)
+        try:
+            server.start()
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            continue
+        if candidate != port:
+            log.warning(
+                "metrics port %d is taken; serving on %d instead (the span allows %d-%d)",
+                port,
+                candidate,
+                port,
+                last,
+            )
+        return server
+    taken = f"port {port} is" if last == port else f"ports {port}-{last} are all"
+    raise OSError(errno.EADDRINUSE, f"{taken} taken on {host}")
 
 
 class MetricsServer:

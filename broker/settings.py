@@ -93,6 +93,15 @@ class Settings(BaseSettings):
         default=None, ge=0, le=65535, description="serve Prometheus /metrics on this port"
     )
     metrics_host: str = Field(default="0.0.0.0", description="address the metrics endpoint binds")
+    metrics_port_span: int = Field(
+        default=1,
+        ge=1,
+        le=1000,
+        description=(
+            "how many ports from metrics_port a daemon may take: the first free one, logged "
+            "(daemons sharing one network); 1 = that port or a clear error"
+        ),
+    )
 
     fd_warn_ratio: float = Field(
         default=0.8,

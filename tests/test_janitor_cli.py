@@ -110,7 +110,9 @@ def test_metrics_endpoint_of_the_running_janitor(stream: Any, tmp_path: Any) -> 
     )
     try:
         bound = wait_until(
-            lambda: re.search(r"metrics on :(\d+)/metrics", janitor.log()), 30, "metrics"
+            lambda: re.search(r"metrics on http://[^:]+:(\d+)/metrics", janitor.log()),
+            30,
+            "metrics",
         )
         url = f"http://127.0.0.1:{bound.group(1)}/metrics"
 

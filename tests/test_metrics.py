@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import errno
+import logging
 import re
+import socket
 import threading
 import urllib.error
 import urllib.request
@@ -22,6 +25,7 @@ from keyq.broker.metrics import (
     Summary,
     format_value,
     render,
+    start_first_free,
 )
 from keyq.broker.settings import load_settings
 from keyq.janitor.config import JanitorSettings
@@ -290,6 +294,53 @@ def test_server_serves_metrics_and_health_over_http() -> None:
 def test_a_taken_port_fails_at_start() -> None:
     with MetricsServer(0, "127.0.0.1", collect=list) as first, pytest.raises(OSError):
         MetricsServer(first.port, "127.0.0.1", collect=list).start()
+
+
+def _listening(port: int) -> socket.socket | None:
+    """A socket listening on 127.0.0.1:port, or None if something else has the port."""
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", port))
+        sock.listen(1)
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def test_a_taken_port_moves_to_the_next_free_one_of_its_span(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with MetricsServer(0, "127.0.0.1", collect=list) as first:
+        caplog.set_level(logging.WARNING, logger="keyq.metrics")
+        second = start_first_free(first.port, 4, "127.0.0.1", collect=list)
+        try:
+            assert first.port < second.port < first.port + 4
+            assert scrape(second.port, "/healthz")[::2] == (200, "ok")
+            assert f"metrics port {first.port} is taken; serving on {second.port}" in caplog.text
+        finally:
+            second.stop()
+
+
+def test_a_span_with_every_port_taken_fails_naming_the_span() -> None:
+    with MetricsServer(0, "127.0.0.1", collect=list) as first:
+        # The next port is taken by this test, or by someone else: taken either way.
+        blocker = _listening(first.port + 1)
+        try:
+            with pytest.raises(OSError, match=rf"ports {first.port}-{first.port + 1} are all"):
+                start_first_free(first.port, 2, "127.0.0.1", collect=list)
+            with pytest.raises(OSError, match=rf"port {first.port} is taken"):
+                start_first_free(first.port, 1, "127.0.0.1", collect=list)
+        finally:
+            if blocker is not None:
+                blocker.close()
+
+
+def test_a_bind_failure_that_is_no_clash_is_not_passed_over() -> None:
+    # An address this machine does not have: no port of the span could ever be bound.
+    with pytest.raises(OSError) as failure:
+        start_first_free(47_000, 5, "192.0.2.123", collect=list)
+    assert failure.value.errno == errno.EADDRNOTAVAIL
 
 
 # ---- real daemons ---------------------------------------------------------------------------

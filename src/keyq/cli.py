@@ -238,6 +238,13 @@ def produce_command(
 @click.option("--idle-ttl", type=float, default=30.0, show_default=True, help="Janitor idle ttl.")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="Drain timeout, s.")
 @click.option("--rate", type=float, default=0.0, show_default=True, help="events/s; 0 = max")
+@click.option(
+    "--wait-for-services",
+    type=click.FloatRange(min=0),
+    default=120.0,
+    show_default=True,
+    help="Seconds to wait for RabbitMQ and Redis to accept connections; 0 = fail at once.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def demo_command(
     *,
@@ -251,6 +258,7 @@ def demo_command(
     idle_ttl: float,
     timeout: float,
     rate: float,
+    wait_for_services: float,
     as_json: bool,
 ) -> None:
     """Order events through real workers and a janitor, checked against what was published.
@@ -272,6 +280,7 @@ def demo_command(
         idle_ttl=idle_ttl,
         drain_timeout=timeout,
         rate=rate,
+        wait_for_services=wait_for_services,
     )
     try:
         ok = run_demo(options, as_json=as_json)

@@ -16,7 +16,7 @@ import orjson
 from keyq.broker.connections import open_redis, redis_errors
 from keyq.broker.errors import ConfigurationError
 from keyq.broker.log_context import current_queue
-from keyq.broker.metrics import Metric, MetricsServer
+from keyq.broker.metrics import Metric, start_first_free
 from keyq.broker.naming import check_stream_name, encode_key
 from keyq.broker.settings import Settings, load_settings
 from keyq.janitor.config import JanitorSettings
@@ -140,14 +140,18 @@ def serve_metrics(settings: Settings, collect: Callable[[], list[Metric]]) -> It
     if settings.metrics_port is None:
         yield
         return
-    server = MetricsServer(settings.metrics_port, settings.metrics_host, collect=collect)
     try:
-        server.start()
+        server = start_first_free(
+            settings.metrics_port,
+            settings.metrics_port_span,
+            settings.metrics_host,
+            collect=collect,
+        )
     except OSError as exc:
         raise ConfigurationError(
-            f"cannot serve metrics on port {settings.metrics_port}: {exc}"
+            f"cannot serve metrics (KEYQ_METRICS_PORT={settings.metrics_port}, "
+            f"KEYQ_METRICS_PORT_SPAN={settings.metrics_port_span}): {exc.strerror or exc}"
         ) from None
-    logging.getLogger("keyq.metrics").info("metrics on :%d/metrics", server.port)
     try:
         yield
     finally:

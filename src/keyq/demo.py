@@ -27,6 +27,7 @@ from keyq.broker.connections import open_blocking_connection, open_redis
 from keyq.broker.errors import KeyqError
 from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
+from keyq.broker.readiness import wait_for_services
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings, load_settings
 from keyq.orders import expected_states, generate_orders
@@ -53,6 +54,7 @@ class DemoOptions:
     idle_ttl: float = 30.0
     drain_timeout: float = 600.0
     rate: float = 0.0  # events/s while publishing; 0 = as fast as possible
+    wait_for_services: float = 120.0  # s for RabbitMQ and Redis to accept connections
 
 
 @dataclass
@@ -207,6 +209,11 @@ class Demo:
         counts: dict[str, int] = {}
         for order, _event in events:
             counts[order] = counts.get(order, 0) + 1
+        waited = wait_for_services(
+            self.settings, options.wait_for_services, say=self._say, name="demo"
+        )
+        if waited >= 0.5:
+            self._say(f"RabbitMQ and Redis accept connections (waited {waited:.1f} s)")
         client = open_redis(self.settings)
         store = StateStore(client, self.stream)
         chaos_thread: threading.Thread | None = None

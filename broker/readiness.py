@@ -1,0 +1,57 @@
+"""Waiting for RabbitMQ and Redis to accept connections, for one-shot commands.
+
+A daemon retries its services for as long as it runs. A command that runs once (the demo, a
+load generator) started beside its services, as in a compose deployment, must not fail
+because it was seconds early: it waits, up to a bound, and says what it waits for. Refused
+credentials and bad settings are never waited out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from keyq.broker.connections import open_blocking_connection, open_redis
+from keyq.broker.errors import BrokerUnavailable, RedisUnavailable
+from keyq.broker.settings import Settings
+
+MAX_PAUSE_S = 2.0
+
+
+def wait_for_services(
+    settings: Settings,
+    timeout: float,
+    *,
+    say: Callable[[str], None] = lambda text: None,
+    name: str = "readiness",
+) -> float:
+    """Block until RabbitMQ accepts an AMQP connection and Redis answers a ping, or
+    ``timeout`` seconds have passed; returns the seconds waited.
+
+    Raises the last ``BrokerUnavailable`` / ``RedisUnavailable`` when the time is up (with
+    ``timeout`` 0, at the first failure), and ``AuthenticationFailed`` or
+    ``ConfigurationError`` at once.
+    """
+    started = time.monotonic()
+    deadline = started + max(timeout, 0.0)
+    pause = 0.1
+    told: set[str] = set()
+    while True:
+        try:
+            open_blocking_connection(settings, name).close()
+            open_redis(settings).close()
+        except (BrokerUnavailable, RedisUnavailable) as exc:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                waited = time.monotonic() - started
+                if waited < 0.5:
+                    raise
+                raise type(exc)(f"{exc} (waited {waited:.0f} s)") from None
+            service = "RabbitMQ" if isinstance(exc, BrokerUnavailable) else "Redis"
+            if service not in told:
+                told.add(service)
+                say(f"waiting up to {timeout:.0f} s for {service}: {exc}")
+            time.sleep(min(pause, remaining))
+            pause = min(pause * 2, MAX_PAUSE_S)
+            continue
+        return time.monotonic() - started
