@@ -3,26 +3,40 @@
 #
 # The base is pinned to Debian 12 (bookworm): Debian 13, which the plain `python:3.11-slim`
 # tag now follows, no longer ships openjdk-17, and Spark 4 needs Java 17 or 21.
+#
+# Steps that change rarely come first (Java, the Python dependencies, the settings), and
+# keyq's own code last, in one copy and one install: a change to keyq rebuilds two steps.
 FROM python:3.11-slim-bookworm
+
+# A class-data archive of the local Spark's JVM, built once at the end of this build rather
+# than by every container: a worker's Spark then starts in about half the time and CPU, which
+# is what a restarted or added worker costs its busy peers (docs/operations.md). About
+# 160 MB; `--build-arg SPARK_CLASS_ARCHIVE=off` leaves it out.
+ARG SPARK_CLASS_ARCHIVE=/home/keyq/spark-classes
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    JAVA_HOME=/usr/lib/jvm/java-17 \
+    PYSPARK_PYTHON=/usr/local/bin/python \
+    KEYQ_SPARK_CLASS_CACHE=${SPARK_CLASS_ARCHIVE}
 
 # Java 17 for Spark's driver JVM (the worker's local Spark). procps gives Spark's launch
 # scripts `ps`. The man1 folder works around openjdk's post-install on slim images. The
-# `java-17` link gives JAVA_HOME one path on every architecture (amd64, arm64).
+# `java-17` link gives JAVA_HOME one path on every architecture (amd64, arm64). A user
+# without privileges runs keyq; /data is where the compose file mounts the Parquet sink's
+# volume (a new named volume takes this folder's owner).
 RUN set -eux; \
     mkdir -p /usr/share/man/man1; \
     apt-get update; \
     apt-get install -y --no-install-recommends openjdk-17-jre-headless procps; \
     rm -rf /var/lib/apt/lists/*; \
     ln -s "/usr/lib/jvm/java-17-openjdk-$(dpkg --print-architecture)" /usr/lib/jvm/java-17; \
-    /usr/lib/jvm/java-17/bin/java -version
-
-ENV JAVA_HOME=/usr/lib/jvm/java-17 \
-    PYSPARK_PYTHON=/usr/local/bin/python
+    /usr/lib/jvm/java-17/bin/java -version; \
+    useradd --create-home --uid 10001 --user-group keyq; \
+    mkdir -p /data; \
+    chown keyq:keyq /data
 
 WORKDIR /opt/keyq-src
 
@@ -33,31 +47,20 @@ RUN python -c "import pathlib, tomllib; project = tomllib.loads(pathlib.Path('py
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
-# Then keyq itself (its dependencies are already there).
-COPY broker ./broker
-COPY producer ./producer
-COPY worker ./worker
-COPY janitor ./janitor
-COPY src ./src
-RUN pip install --no-deps . \
-    && rm -rf build ./*.egg-info \
-    && keyq --version
-
-# A user without privileges; /data is where the compose file mounts the Parquet sink's
-# volume (a new named volume takes this folder's owner).
-RUN useradd --create-home --uid 10001 --user-group keyq \
-    && mkdir -p /data \
-    && chown keyq:keyq /data
-USER keyq
-WORKDIR /home/keyq
-
-# A class-data archive of the local Spark's JVM, built once here rather than by every
-# container: a worker's Spark then starts in about half the time and CPU, which is what a
-# restarted or added worker costs its busy peers (docs/operations.md). About 150 MB; build
-# with `--build-arg SPARK_CLASS_ARCHIVE=off` to leave it out.
-ARG SPARK_CLASS_ARCHIVE=/home/keyq/spark-classes
-ENV KEYQ_SPARK_CLASS_CACHE=${SPARK_CLASS_ARCHIVE}
-RUN if [ "$KEYQ_SPARK_CLASS_CACHE" != off ]; then keyq spark-cache; fi
-
 ENTRYPOINT ["keyq"]
 CMD ["--help"]
+
+# Then keyq itself (its dependencies are already there): the package's folders, in one copy
+# (.dockerignore keeps out the tests, benchmarks and docs), and the archive.
+COPY . ./
+RUN set -eux; \
+    pip install --no-deps .; \
+    rm -rf build ./*.egg-info; \
+    keyq --version; \
+    if [ "$KEYQ_SPARK_CLASS_CACHE" != off ]; then \
+        keyq spark-cache; \
+        chown -R keyq:keyq "$KEYQ_SPARK_CLASS_CACHE"; \
+    fi
+
+USER keyq
+WORKDIR /home/keyq

@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PACKAGES := src/keyq broker producer worker janitor
 CODE := $(PACKAGES) tests bench scripts
 
-.PHONY: help install services lint typecheck test test-fast bench demo clean
+.PHONY: help install services lint typecheck test test-fast bench demo compose-check clean
 
 help:
 	@echo "make test       install into $(VENV), find or start RabbitMQ and Redis, lint, type-check, run the tests"
@@ -14,6 +14,8 @@ help:
 	@echo "make demo       the demo: order events through workers and a janitor, with chaos, verified"
 	@echo "make bench      every benchmark, keyq against its baselines, into bench/results/all.json"
 	@echo "make services   find or start RabbitMQ and Redis (scripts/services.sh)"
+	@echo "make compose-check  docker-compose.yml end to end in a Docker engine (~5 min a run):"
+	@echo "                build, demo, scale and kill, metrics, Parquet, teardown"
 	@echo "make lint | typecheck | install | clean"
 
 $(BIN)/.installed: pyproject.toml
@@ -56,6 +58,11 @@ demo: install services
 
 bench: install services
 	$(BIN)/python -m bench --out bench/results/all.json
+
+# The compose deployment in a real Docker engine (not part of `make test`: minutes a run).
+# COMPOSE_CHECK_ARGS: e.g. --runs 3, --host-network (see scripts/compose_check.py).
+compose-check:
+	$(PYTHON) scripts/compose_check.py $(COMPOSE_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info

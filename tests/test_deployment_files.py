@@ -127,15 +127,22 @@ def test_every_service_is_there() -> None:
     assert {*INFRASTRUCTURE, *KEYQ_SERVICES} <= set(_services())
 
 
-@pytest.mark.parametrize("name", KEYQ_SERVICES)
-def test_keyq_services_build_from_the_dockerfile(name: str) -> None:
-    build = _service(name).get("build")
-    assert build, f"service {name} must build keyq's image"
+def test_one_service_builds_the_one_image_every_keyq_service_runs() -> None:
+    """Compose builds an image per service with a `build:`: one builds it, the others run
+    it by name, and never try to pull a name that exists nowhere but here."""
+    builders = [name for name in KEYQ_SERVICES if _service(name).get("build")]
+    assert builders == ["worker"], f"{builders} build images; one service should"
+    build = _service("worker")["build"]
     if isinstance(build, str):
         build = {"context": build}
     context = (COMPOSE.parent / build.get("context", ".")).resolve()
     dockerfile = (context / build.get("dockerfile", "Dockerfile")).resolve()
-    assert dockerfile == DOCKERFILE.resolve(), f"service {name} builds {dockerfile}"
+    assert dockerfile == DOCKERFILE.resolve(), f"the worker builds {dockerfile}"
+    images = {_service(name).get("image") for name in KEYQ_SERVICES}
+    assert len(images) == 1 and None not in images, f"keyq services run {images}"
+    for name in KEYQ_SERVICES:
+        if name not in builders:
+            assert _service(name).get("pull_policy") == "never", f"{name} would pull"
 
 
 @pytest.mark.parametrize("command", REQUIRED_COMMANDS)
@@ -239,8 +246,36 @@ def test_services_have_healthchecks() -> None:
     rabbit = _service("rabbitmq")["healthcheck"]["test"]
     redis = _service("redis")["healthcheck"]["test"]
     assert rabbit[0] in ("CMD", "CMD-SHELL") and "rabbitmq-diagnostics" in " ".join(rabbit)
-    assert "ping" in " ".join(rabbit)
     assert redis[0] in ("CMD", "CMD-SHELL") and "redis-cli ping" in " ".join(redis)
+
+
+def test_rabbitmq_is_healthy_only_once_it_accepts_connections() -> None:
+    """`rabbitmq-diagnostics ping` passes while AMQP still refuses connections: services
+    that waited for it started too early and failed (the start-up race)."""
+    words = " ".join(_service("rabbitmq")["healthcheck"]["test"][1:]).split()
+    checks = [word for word in words if word.startswith(("check_", "ping", "status"))]
+    assert checks, f"no diagnostics check in {words}"
+    assert "ping" not in checks, "ping passes before RabbitMQ accepts AMQP connections"
+    assert set(checks) & {"check_port_connectivity", "check_port_listener"}, checks
+
+
+def test_the_demo_waits_for_its_services_and_runs_once() -> None:
+    producer = _service("producer")
+    assert str(producer.get("restart", "no")) == "no", "a restarted producer is a second demo"
+    args = _command("producer")
+    assert args[0] == "demo"
+    if "--wait-for-services" in args:
+        assert float(args[args.index("--wait-for-services") + 1]) >= 30
+    default = next(p for p in cli.commands["demo"].params if p.name == "wait_for_services")
+    assert isinstance(default.default, float) and default.default >= 30
+
+
+def test_replicas_sharing_a_network_each_find_a_metrics_port() -> None:
+    worker = _environment("worker")
+    replicas = int(_service("worker").get("deploy", {}).get("replicas", 1))
+    assert int(worker.get("KEYQ_METRICS_PORT_SPAN", "1")) > replicas, (
+        "under host networking the replicas share ports: give them a span"
+    )
 
 
 def test_infrastructure_images_and_ports() -> None:
@@ -251,6 +286,17 @@ def test_infrastructure_images_and_ports() -> None:
     assert re.fullmatch(r"redis:(\d+)(?:\.\d+){0,2}(?:-\w+)?", redis["image"])
     assert int(redis["image"].split(":")[1].split(".")[0]) >= 7
     assert {"5672:5672", "15672:15672"} <= {str(port) for port in rabbit["ports"]}
+
+
+def test_rabbitmq_may_keep_a_file_open_per_key_mode_queue() -> None:
+    """65,536 files by default, as key mode needs; an engine with a lower ceiling is given
+    its own through KEYQ_RABBITMQ_NOFILE instead of failing to start RabbitMQ."""
+    nofile = _service("rabbitmq")["ulimits"]["nofile"]
+    for bound in ("soft", "hard"):
+        value = str(nofile[bound])
+        found = re.fullmatch(r"\$\{KEYQ_RABBITMQ_NOFILE:-(\d+)\}", value)
+        assert found, f"nofile {bound} is {value}: give it a default an engine can override"
+        assert int(found.group(1)) >= 65536
 
 
 def test_worker_stops_after_its_shutdown_timeout() -> None:
@@ -330,12 +376,29 @@ def test_dockerfile_installs_java_17() -> None:
     assert "java-17" in _env().get("JAVA_HOME", ""), "JAVA_HOME must point at Java 17"
 
 
+def _build_context() -> set[str]:
+    """What `.dockerignore` lets into the build: it leaves everything out (``*``), then lets
+    names back in (``!name``)."""
+    lines = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()]
+    rules = [line for line in lines if line and not line.startswith("#")]
+    assert rules[0] == "*", ".dockerignore should leave everything out first"
+    return {rule[1:].rstrip("/") for rule in rules if rule.startswith("!")}
+
+
 def test_dockerfile_installs_keyq() -> None:
-    copied = " ".join(_arguments("COPY"))
     assert PACKAGE_DIRS == ("broker", "janitor", "producer", "src", "worker")
+    sent = _build_context()
+    copied = " ".join(_arguments("COPY"))
     for needed in ("pyproject.toml", "README.md", *PACKAGE_DIRS):
-        assert re.search(rf"(^|\s){re.escape(needed)}/?(\s|$)", copied), f"{needed} not copied"
-    assert any(re.search(r"pip install\b.*\s\.(\s|$)", run) for run in _arguments("RUN"))
+        assert needed in sent, f"{needed} is left out of the build context"
+        assert re.search(rf"(^|\s)({re.escape(needed)}/?|\.)(\s|$)", copied), f"{needed} not copied"
+    assert any(re.search(r"pip install\b.*\s\.(;|\s|$)", run) for run in _arguments("RUN"))
+
+
+def test_dockerfile_needs_no_frontend_from_a_registry() -> None:
+    """`# syntax=` makes BuildKit pull a frontend image first: no build without a registry."""
+    first = DOCKERFILE.read_text().lstrip().splitlines()[0]
+    assert not re.match(r"#\s*syntax\s*=", first, re.IGNORECASE), first
 
 
 def test_dockerfile_runs_keyq_as_a_user_without_privileges() -> None:

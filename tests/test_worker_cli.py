@@ -162,3 +162,7 @@ def test_a_worker_waits_for_a_broker_that_is_down_and_for_redis_gone_while_spark
         wait_until(lambda: store.get("waited") is not None, 60, "the event applied")
         assert worker.terminate(60) == 0
     assert "guest:guest@" not in worker.log()
+    # Spark's driver logs with keyq's configuration: no banner of its default profile.
+    assert "spark ready in" in worker.log()
+    assert "Using Spark's default log4j profile" not in worker.log()
+    assert "To adjust logging level" not in worker.log()

@@ -29,9 +29,12 @@ from keyq.broker.errors import ConfigurationError
 from keyq.worker.config import WorkerSettings, spark_options
 from keyq.worker.decoding import Event
 from keyq.worker.fold import STATE_SCHEMA_DDL, make_folder
-from keyq.worker.spark_classes import jvm_file_option, usable_archive
+from keyq.worker.spark_classes import jvm_file_option, jvm_word, usable_archive
 
 log = logging.getLogger("keyq.worker.spark")
+
+# The driver's log configuration: warnings and errors, without the start-up banner lines.
+LOG_CONFIG = Path(__file__).with_name("spark_log4j2.properties")
 
 # What supervisors send to stop a service: Spark's JVM is shielded from them (it stops when
 # the worker does).
@@ -137,6 +140,8 @@ class SparkEngine:
                 # it installs no handler for SIGTERM, SIGINT or SIGHUP, so the ones it is
                 # launched with blocked stay blocked (see _launch_jvm_apart).
                 jvm = f"{settings.spark_driver_java_options} -Xrs"
+                if "log4j2.configurationFile" not in jvm:
+                    jvm += f" -Dlog4j2.configurationFile={jvm_word(LOG_CONFIG)}"
                 archive = usable_archive(settings)
                 if archive is not None:
                     jvm += " " + jvm_file_option("SharedArchiveFile", archive)

@@ -117,10 +117,15 @@ def build_archive(settings: WorkerSettings) -> Path | None:
 def jvm_file_option(flag: str, path: Path | str) -> str:
     """``-XX:<flag>=<path>`` as one word of Spark's JVM options, which are split at spaces
     unless quoted."""
+    return f"-XX:{flag}={jvm_word(path)}"
+
+
+def jvm_word(path: Path | str) -> str:
+    """A path as (part of) one word of Spark's JVM options: quoted when it holds spaces."""
     text = str(path)
     if any(char.isspace() for char in text):
         text = '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return f"-XX:{flag}={text}"
+    return text
 
 
 def _java() -> str | None:

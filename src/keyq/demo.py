@@ -245,6 +245,10 @@ class Demo:
                 target=self._watch_latency, args=(store, sample, sent, latencies), daemon=True
             )
             watcher.start()
+            self._say(
+                f"publishing {len(events):,} events for {len(counts):,} orders "
+                f"to stream {self.stream}"
+            )
             with Producer(self.stream, mode="key", settings=self.settings) as producer:
                 for number, (order, event) in enumerate(events, 1):
                     seq = seen_seq.get(order, 0) + 1

@@ -1,0 +1,340 @@
+"""Run keyq's compose deployment end to end in a real Docker engine, and check it.
+
+Each run, under a compose project of its own:
+
+1. builds the image (one service builds it; the others must run that same image);
+2. starts everything and waits for the producer (the demo) to publish;
+3. while it publishes, scales the workers up by one and ``docker kill``s one that holds
+   queues (a node gone: Docker does not restart a killed container, the others take over);
+4. waits for the producer's verdict (its exit code: 0 OK, 3 failed, 1 a runtime failure);
+5. scrapes every running worker's and the janitor's metrics, from inside its container;
+6. counts the Parquet files and rows the workers wrote into the data volume;
+7. tears everything down with its volumes, and checks nothing of the project is left.
+
+It fails if the verdict is not OK, any container restarted (a start-up race), more than one
+service built an image, a metrics endpoint did not answer, or no Parquet landed. A JSON
+summary of every run goes to stdout (and to --out), progress to stderr.
+
+    python3 scripts/compose_check.py [--runs 3] [--host-network] [--out FILE]
+
+``--host-network`` layers ``deploy/host-network.yml``: every service on the host's network,
+on ports beside a RabbitMQ and Redis already running there. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+IMAGE = "keyq:local"
+KEYQ_SERVICES = ("worker", "janitor", "producer")
+METRICS_LINE = re.compile(r"serving metrics on http://[^:/]+:(\d+)/metrics")
+VERDICTS = {0: "OK", 3: "FAILED", 1: "runtime failure", 2: "usage error"}
+# The rows of the demo's summary table worth keeping, as printed by `keyq demo`.
+TABLE_ROWS = {
+    "publish_events_per_s": r"publish rate\W+([\d,]+) events/s",
+    "end_to_end_events_per_s": r"end to end\W+([\d,]+) events/s",
+    "latency_ms": r"latency p50 / p95 / p99\W+([\d,]+) / ([\d,]+) / ([\d,]+) ms",
+    "queues": r"queues created / left\W+([\d,]+) / ([\d,]+)",
+}
+SCRAPE = (
+    "import sys, urllib.request; "
+    "print(urllib.request.urlopen(f'http://127.0.0.1:{sys.argv[1]}/metrics', timeout=5)"
+    ".read().decode())"
+)
+PARQUET_ROWS = (
+    "import pathlib, pyarrow.parquet as pq; "
+    "files = sorted(pathlib.Path('/data/orders').rglob('*.parquet')); "
+    "print(len(files), sum(pq.ParquetFile(f).metadata.num_rows for f in files))"
+)
+
+
+class CheckFailed(Exception):
+    """The deployment did not do what it must."""
+
+
+def say(text: str) -> None:
+    print(f"[compose-check {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def run(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        args, check=False, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=os.environ
+    )
+    if check and done.returncode != 0:
+        raise CheckFailed(f"{' '.join(args)} exited {done.returncode}: {done.stderr[-2000:]}")
+    return done
+
+
+class Deployment:
+    """One compose project: the commands of one run."""
+
+    def __init__(self, files: list[str]) -> None:
+        self.project = f"keyq-check-{uuid.uuid4().hex[:6]}"
+        self.base = ["docker", "compose", "-p", self.project]
+        for name in files:
+            self.base += ["-f", name]
+
+    def compose(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        return run(*self.base, *args, timeout=timeout)
+
+    def containers(self, service: str | None = None, *, every: bool = False) -> list[str]:
+        filters = ["--filter", f"label=com.docker.compose.project={self.project}"]
+        if service:
+            filters += ["--filter", f"label=com.docker.compose.service={service}"]
+        listed = run("docker", "ps", "-q", *(["-a"] if every else []), *filters).stdout
+        return sorted(listed.split())
+
+    def inspect(self, container: str) -> dict[str, Any]:
+        found: list[dict[str, Any]] = json.loads(run("docker", "inspect", container).stdout)
+        return found[0]
+
+    def logs(self, container: str) -> str:
+        done = run("docker", "logs", container, check=False)
+        return done.stdout + done.stderr
+
+    def volumes(self) -> list[str]:
+        listed = run(
+            "docker",
+            "volume",
+            "ls",
+            "-q",
+            "--filter",
+            f"label=com.docker.compose.project={self.project}",
+        ).stdout
+        return listed.split()
+
+    def down(self) -> None:
+        run(*self.base, "down", "-v", "--remove-orphans", "--timeout", "60", timeout=300)
+
+
+def check_engine() -> dict[str, str]:
+    """The engine and Compose must answer; the legacy builder when BuildKit has no buildx."""
+    if run("docker", "info", check=False).returncode != 0:
+        raise CheckFailed("no Docker engine answers (`docker info` failed)")
+    version = run("docker", "compose", "version", "--short", check=False)
+    if version.returncode != 0:
+        raise CheckFailed("Compose v2 is missing (`docker compose version` failed)")
+    if (
+        "DOCKER_BUILDKIT" not in os.environ
+        and run("docker", "buildx", "version", check=False).returncode
+    ):
+        os.environ["DOCKER_BUILDKIT"] = "0"
+    return {"compose": version.stdout.strip(), "buildkit": os.environ.get("DOCKER_BUILDKIT", "")}
+
+
+def build(deployment: Deployment) -> dict[str, Any]:
+    started = time.monotonic()
+    done = deployment.compose("build", timeout=3600)
+    output = done.stdout + done.stderr
+    built = sorted(set(re.findall(r"Service (\w[\w-]*)\s+Building", output)))
+    if built and built != ["worker"]:
+        raise CheckFailed(f"the image was built by {built}; only the worker service builds it")
+    size = int(run("docker", "image", "inspect", IMAGE, "--format", "{{.Size}}").stdout)
+    return {"seconds": round(time.monotonic() - started, 1), "built_by": built, "bytes": size}
+
+
+def wait_for(what: str, condition: Any, timeout: float, every: float = 1.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every)
+    raise CheckFailed(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def held_queues(deployment: Deployment, container: str) -> float:
+    """How many queues a worker holds, from its own metrics (0 when not serving yet)."""
+    try:
+        text = scrape(deployment, container)
+    except CheckFailed:
+        return 0.0
+    return metric(text, "keyq_worker_queues_held")
+
+
+def metrics_port(deployment: Deployment, container: str) -> int | None:
+    found = METRICS_LINE.findall(deployment.logs(container))
+    return int(found[-1]) if found else None
+
+
+def scrape(deployment: Deployment, container: str) -> str:
+    port = metrics_port(deployment, container)
+    if port is None:
+        raise CheckFailed(f"{container} logged no metrics endpoint")
+    done = run("docker", "exec", container, "python", "-c", SCRAPE, str(port), check=False)
+    if done.returncode != 0:
+        raise CheckFailed(f"{container}'s metrics on port {port} did not answer")
+    return done.stdout
+
+
+def metric(text: str, family: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((f"{family} ", f"{family}{{"))
+    )
+
+
+def chaos(deployment: Deployment, replicas: int) -> list[dict[str, Any]]:
+    """Scale the workers up by one, then kill a worker that holds queues, while the demo
+    publishes. Naming the service keeps compose from touching the others (the producer)."""
+    actions: list[dict[str, Any]] = []
+    deployment.compose(
+        "up", "-d", "--no-deps", "--no-recreate", "--scale", f"worker={replicas + 1}", "worker"
+    )
+    actions.append({"action": "scale", "workers": replicas + 1, "at": time.time()})
+    say(f"scaled the workers to {replicas + 1}")
+    victim = wait_for(
+        "a worker that holds queues",
+        lambda: next(
+            (c for c in deployment.containers("worker") if held_queues(deployment, c) > 0), None
+        ),
+        300,
+        every=2.0,
+    )
+    name = deployment.inspect(victim)["Name"].lstrip("/")
+    held = held_queues(deployment, victim)
+    run("docker", "kill", victim)
+    actions.append({"action": "docker kill", "container": name, "held": held, "at": time.time()})
+    say(f"killed {name}, which held {held:.0f} queues")
+    return actions
+
+
+def parse_table(text: str) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for name, pattern in TABLE_ROWS.items():
+        match = re.search(pattern, text)
+        if match:
+            numbers = [int(group.replace(",", "")) for group in match.groups()]
+            found[name] = numbers[0] if len(numbers) == 1 else numbers
+    return found
+
+
+def one_run(files: list[str], replicas: int, timeout: float) -> dict[str, Any]:
+    deployment = Deployment(files)
+    say(f"project {deployment.project}: building")
+    result: dict[str, Any] = {"project": deployment.project}
+    try:
+        result["image"] = build(deployment)
+        say(f"image {IMAGE}: {result['image']['bytes'] / 1e9:.2f} GB")
+        started = time.monotonic()
+        deployment.compose("up", "-d", timeout=900)
+        producer = wait_for("the producer", lambda: deployment.containers("producer"), 300)[0]
+        wait_for(
+            "the demo to publish",
+            lambda: (
+                "publishing " in deployment.logs(producer)
+                or not deployment.inspect(producer)["State"]["Running"]
+            ),
+            600,
+        )
+        result["publishing_after_s"] = round(time.monotonic() - started, 1)
+        say(f"the demo publishes ({result['publishing_after_s']} s after up)")
+        result["chaos"] = chaos(deployment, replicas)
+        state = wait_for(
+            "the producer's verdict",
+            lambda: (s := deployment.inspect(producer)["State"])["Running"] is False and s,
+            timeout,
+            every=2.0,
+        )
+        code = int(state["ExitCode"])
+        logs = deployment.logs(producer)
+        result["verdict"] = VERDICTS.get(code, f"exit {code}")
+        result["demo"] = parse_table(logs)
+        result["seconds_to_verdict"] = round(time.monotonic() - started, 1)
+        say(f"verdict {result['verdict']} ({result['demo']})")
+        result["restarts"] = {
+            deployment.inspect(c)["Name"].lstrip("/"): deployment.inspect(c)["RestartCount"]
+            for c in deployment.containers(every=True)
+        }
+        result["metrics"] = {}
+        for service in ("worker", "janitor"):
+            for container in deployment.containers(service):
+                name = deployment.inspect(container)["Name"].lstrip("/")
+                text = scrape(deployment, container)
+                family = (
+                    "keyq_worker_events_processed_total"
+                    if service == "worker"
+                    else "keyq_janitor_passes_total"
+                )
+                if f"# TYPE {family} counter" not in text:
+                    raise CheckFailed(f"{name}'s metrics have no {family}")
+                result["metrics"][name] = {
+                    "port": metrics_port(deployment, container),
+                    family: metric(text, family),
+                }
+        workers = deployment.containers("worker")
+        counted = run("docker", "exec", workers[0], "python", "-c", PARQUET_ROWS).stdout.split()
+        result["parquet"] = {"files": int(counted[0]), "rows": int(counted[1])}
+        say(f"metrics from {len(result['metrics'])} daemons; parquet {result['parquet']}")
+        problems: list[str] = []
+        if code != 0:
+            problems.append(f"the verdict is {result['verdict']}:\n{logs[-3000:]}")
+        if any(result["restarts"].values()):
+            problems.append(f"containers restarted: {result['restarts']}")
+        if not result["parquet"]["files"] or not result["parquet"]["rows"]:
+            problems.append("no Parquet rows landed in the data volume")
+        if problems:
+            raise CheckFailed("; ".join(problems))
+        result["ok"] = True
+        return result
+    except (CheckFailed, subprocess.TimeoutExpired) as exc:
+        result["ok"] = False
+        result["failure"] = str(exc)
+        for container in deployment.containers(every=True):
+            name = deployment.inspect(container)["Name"].lstrip("/")
+            say(f"--- last lines of {name}:\n{deployment.logs(container)[-1500:]}")
+        return result
+    finally:
+        say("tearing down")
+        deployment.down()
+        left = deployment.containers(every=True) + deployment.volumes()
+        result["left_behind"] = left
+        if left:
+            result["ok"] = False
+            result.setdefault("failure", f"left behind: {left}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=1, help="runs in a row (default 1)")
+    parser.add_argument("--host-network", action="store_true", help="layer deploy/host-network.yml")
+    parser.add_argument("--workers", type=int, default=3, help="the compose file's replicas")
+    parser.add_argument("--timeout", type=float, default=900, help="s to wait for a verdict")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    options = parser.parse_args()
+    files = ["docker-compose.yml"] + (["deploy/host-network.yml"] if options.host_network else [])
+    try:
+        engine = check_engine()
+    except CheckFailed as exc:
+        say(str(exc))
+        return 2
+    runs = []
+    for number in range(1, options.runs + 1):
+        say(f"run {number} of {options.runs}")
+        runs.append(one_run(files, options.workers, options.timeout))
+        if not runs[-1]["ok"]:
+            say(f"run {number} FAILED: {runs[-1].get('failure')}")
+            break
+    summary = {"engine": engine, "files": files, "runs": runs, "ok": all(r["ok"] for r in runs)}
+    summary["ok"] = summary["ok"] and len(runs) == options.runs
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if options.out:
+        options.out.write_text(text + "\n")
+    say("PASSED" if summary["ok"] else "FAILED")
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
