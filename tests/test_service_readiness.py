@@ -45,9 +45,7 @@ def _let_through_after(proxy: FaultProxy, seconds: float) -> threading.Timer:
     return timer
 
 
-def test_waits_for_a_broker_that_comes_up_late(
-    settings: Settings, late_broker: FaultProxy
-) -> None:
+def test_waits_for_a_broker_that_comes_up_late(settings: Settings, late_broker: FaultProxy) -> None:
     late = settings.model_copy(update={"amqp_url": late_broker.url_for(settings.amqp_url)})
     said: list[str] = []
     _let_through_after(late_broker, 2.0)
