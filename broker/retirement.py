@@ -29,14 +29,17 @@ from keyq.broker.redis_keys import StreamKeys
 WOKEN_AFTER_QUIET_MS = 5000
 
 # KEYS[1] = registry, KEYS[2] = incarnations, KEYS[3] = woken, KEYS[4..] = retirement marks;
-# ARGV[1] = now, ARGV[2] = quiet ms, ARGV[3..] = base queue names. Each result: -1 (marked)
-# or the incarnation. A registered queue whose activity is older than the quiet time is
-# noted as woken: it may have no worker, and now it has events.
+# ARGV[1] = now, ARGV[2] = quiet ms, ARGV[3] = announcements channel, ARGV[4..] = base queue
+# names. Each result: -1 (marked) or the incarnation. A registered queue whose activity is
+# older than the quiet time is noted as woken: it may have no worker, and now it has events.
+# Woken queues are also announced, one message a call, so that workers waiting for their
+# next tick claim them at once; the sorted set stays the record a worker reads every tick.
 _LEASE = """
 local granted = {}
+local woken = {}
 local now = tonumber(ARGV[1])
 for i = 4, #KEYS do
-  local base = ARGV[i - 1]
+  local base = ARGV[i]
   if redis.call('EXISTS', KEYS[i]) == 1 then
     granted[i - 3] = -1
   else
@@ -47,9 +50,13 @@ for i = 4, #KEYS do
     redis.call('ZADD', KEYS[1], 'XX', 'GT', now, name)
     if before and tonumber(before) < now - tonumber(ARGV[2]) then
       redis.call('ZADD', KEYS[3], now, name)
+      woken[#woken + 1] = name
     end
     granted[i - 3] = incarnation
   end
+end
+if #woken > 0 then
+  redis.call('PUBLISH', ARGV[3], table.concat(woken, '\\n'))
 end
 return granted
 """.replace("INCARNATION_MARK", INCARNATION_MARK)
@@ -104,7 +111,7 @@ class RetirementFence:
                 self._keys.woken,
                 *(self._keys.retiring(queue) for queue in queues),
             ],
-            args=[now_ms(), WOKEN_AFTER_QUIET_MS, *queues],
+            args=[now_ms(), WOKEN_AFTER_QUIET_MS, self._keys.announcements, *queues],
         )
         return {
             queue: None if int(flag) < 0 else int(flag)

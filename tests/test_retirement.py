@@ -33,6 +33,35 @@ def test_lease_refused_while_marked_and_touches_when_granted(stream: StreamFixtu
     assert "q3" not in after  # leases never register a queue
 
 
+def test_a_lease_on_a_queue_quiet_for_a_while_announces_it_as_woken(
+    stream: StreamFixture,
+) -> None:
+    """Workers waiting for their next tick hear of a woken queue at once (the claim that
+    follows is the latency of an event for a key that had gone quiet)."""
+    fence = RetirementFence(stream.redis, stream.name)
+    registry = QueueRegistry(stream.redis, stream.name)
+    registry.register({"quiet": "a", "busy": "b", "retiring": "c"})
+    long_ago = int(time.time() * 1000) - 60_000
+    stream.redis.zadd(stream.keys.registry, {"quiet": long_ago, "retiring": long_ago})
+    fence.mark(["retiring"], "janitor", ttl_ms=5000)
+    pubsub = stream.redis.pubsub()
+    pubsub.subscribe(stream.keys.announcements)
+    try:
+        assert pubsub.get_message(timeout=1)["type"] == "subscribe"
+        assert fence.lease(["quiet", "busy", "retiring"]) == {
+            "quiet": 0,
+            "busy": 0,
+            "retiring": None,
+        }
+        message = pubsub.get_message(ignore_subscribe_messages=True, timeout=2)
+        assert message is not None and message["data"] == "quiet"
+        assert stream.redis.zscore(stream.keys.woken, "quiet") is not None
+        fence.lease(["quiet", "busy"])  # active now: no news
+        assert pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5) is None
+    finally:
+        pubsub.close()
+
+
 def test_mark_expires_if_the_deleter_dies(stream: StreamFixture) -> None:
     fence = RetirementFence(stream.redis, stream.name)
     fence.mark(["q"], "janitor", ttl_ms=100)

@@ -54,6 +54,9 @@ PROBES_PER_SCAN = 200
 CLAIMS_PER_ROUND = 50
 # Woken queues (``StreamKeys.woken``) are forgotten this long after they woke.
 WOKEN_KEPT_MS = 60_000
+# A claim round woken early by news (a queue declared, or woken by a producer) starts at
+# least this long after the last round started: a burst of news makes one round.
+NEWS_ROUND_GAP_S = 0.05
 
 
 def client_name(worker_id: str) -> str:
@@ -190,10 +193,14 @@ class ClaimLoop:
                     self._failing = True
             except Exception:
                 log.exception("claim loop failed a tick")
-            self._wait_for_news(max(0.0, tick - (time.monotonic() - started)))
+            self._wait_for_news(
+                max(0.0, tick - (time.monotonic() - started)), started + NEWS_ROUND_GAP_S
+            )
 
-    def _wait_for_news(self, seconds: float) -> None:
-        """Sleep until the next tick, waking early for announcements of new queues."""
+    def _wait_for_news(self, seconds: float, earliest: float) -> None:
+        """Sleep until the next tick, waking early for announcements (new queues, and queues
+        a producer woke after a quiet time), though not before ``earliest``: news that comes
+        in a burst makes one claim round, not one per message."""
         deadline = time.monotonic() + seconds
         pubsub = self._subscription()
         while not self._stop.is_set():
@@ -213,7 +220,7 @@ class ClaimLoop:
                 for queue in str(message["data"]).split("\n"):  # a queue per line
                     self._view.activity[queue] = now
                 self._announced = True
-                return
+                deadline = min(deadline, earliest)
 
     def _subscription(self) -> redis.client.PubSub | None:
         if self._pubsub is None:
