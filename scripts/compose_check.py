@@ -4,16 +4,19 @@ Each run, under a compose project of its own:
 
 1. builds the image (one service builds it; the others must run that same image);
 2. starts everything and waits for the producer (the demo) to publish;
-3. while it publishes, scales the workers up by one and ``docker kill``s one that holds
-   queues (a node gone: Docker does not restart a killed container, the others take over);
+3. while it publishes, scales the workers up by one, ``docker kill``s one that holds queues
+   (an operator's stop: Docker does not restart it, the others take its queues over), and
+   kills the worker process inside another with ``kill -9`` (a crash: the restart policy
+   brings the container back);
 4. waits for the producer's verdict (its exit code: 0 OK, 3 failed, 1 a runtime failure);
 5. scrapes every running worker's and the janitor's metrics, from inside its container;
 6. counts the Parquet files and rows the workers wrote into the data volume;
 7. tears everything down with its volumes, and checks nothing of the project is left.
 
-It fails if the verdict is not OK, any container restarted (a start-up race), more than one
-service built an image, a metrics endpoint did not answer, or no Parquet landed. A JSON
-summary of every run goes to stdout (and to --out), progress to stderr.
+It fails if the verdict is not OK, any container but the crashed one restarted (a start-up
+race would show here) or the crashed one did not, more than one service built an image, a
+metrics endpoint did not answer, or no Parquet landed. A JSON summary of every run goes to
+stdout (and to --out), progress to stderr.
 
     python3 scripts/compose_check.py [--runs 3] [--host-network] [--out FILE]
 
@@ -38,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 IMAGE = "keyq:local"
 KEYQ_SERVICES = ("worker", "janitor", "producer")
 METRICS_LINE = re.compile(r"serving metrics on http://[^:/]+:(\d+)/metrics")
+SPARK_READY = re.compile(r"spark ready in ([\d.]+)s")
 VERDICTS = {0: "OK", 3: "FAILED", 1: "runtime failure", 2: "usage error"}
 # The rows of the demo's summary table worth keeping, as printed by `keyq demo`.
 TABLE_ROWS = {
@@ -206,7 +210,36 @@ def chaos(deployment: Deployment, replicas: int) -> list[dict[str, Any]]:
     held = held_queues(deployment, victim)
     run("docker", "kill", victim)
     actions.append({"action": "docker kill", "container": name, "held": held, "at": time.time()})
-    say(f"killed {name}, which held {held:.0f} queues")
+    say(f"docker kill {name}, which held {held:.0f} queues: it stays down")
+    # A crash: the worker's process dies inside its container, which the restart policy
+    # brings back (a `docker kill` is an operator's stop, which Docker never undoes).
+    crashed = wait_for(
+        "another worker that holds queues",
+        lambda: next(
+            (
+                c
+                for c in deployment.containers("worker")
+                if c != victim and held_queues(deployment, c) > 0
+            ),
+            None,
+        ),
+        300,
+        every=2.0,
+    )
+    name = deployment.inspect(crashed)["Name"].lstrip("/")
+    held = held_queues(deployment, crashed)
+    run("docker", "exec", crashed, "sh", "-c", 'kill -9 "$(pgrep -o -f "keyq worker")"')
+    actions.append({"action": "kill -9", "container": name, "held": held, "at": time.time()})
+    say(f"kill -9 of the worker process in {name}, which held {held:.0f} queues")
+    wait_for(
+        f"{name} to be restarted",
+        lambda: (
+            deployment.inspect(crashed)["RestartCount"] >= 1
+            and deployment.inspect(crashed)["State"]["Running"]
+        ),
+        120,
+    )
+    say(f"{name} restarted")
     return actions
 
 
@@ -257,6 +290,13 @@ def one_run(files: list[str], replicas: int, timeout: float) -> dict[str, Any]:
             deployment.inspect(c)["Name"].lstrip("/"): deployment.inspect(c)["RestartCount"]
             for c in deployment.containers(every=True)
         }
+        crashed = {a["container"] for a in result["chaos"] if a["action"] == "kill -9"}
+        result["spark_ready_s"] = {
+            deployment.inspect(c)["Name"].lstrip("/"): [
+                float(seconds) for seconds in SPARK_READY.findall(deployment.logs(c))
+            ]
+            for c in deployment.containers("worker", every=True)
+        }
         result["metrics"] = {}
         for service in ("worker", "janitor"):
             for container in deployment.containers(service):
@@ -280,8 +320,9 @@ def one_run(files: list[str], replicas: int, timeout: float) -> dict[str, Any]:
         problems: list[str] = []
         if code != 0:
             problems.append(f"the verdict is {result['verdict']}:\n{logs[-3000:]}")
-        if any(result["restarts"].values()):
-            problems.append(f"containers restarted: {result['restarts']}")
+        expected = {name: int(name in crashed) for name in result["restarts"]}
+        if result["restarts"] != expected:
+            problems.append(f"restarts {result['restarts']}, expected {expected}")
         if not result["parquet"]["files"] or not result["parquet"]["rows"]:
             problems.append("no Parquet rows landed in the data volume")
         if problems:
