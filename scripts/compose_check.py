@@ -228,7 +228,9 @@ def chaos(deployment: Deployment, replicas: int) -> list[dict[str, Any]]:
     )
     name = deployment.inspect(crashed)["Name"].lstrip("/")
     held = held_queues(deployment, crashed)
-    run("docker", "exec", crashed, "sh", "-c", 'kill -9 "$(pgrep -o -f "keyq worker")"')
+    # The worker is the child of the container's init (`init: true`), which carries the same
+    # command line and cannot be killed from inside.
+    run("docker", "exec", crashed, "sh", "-c", 'kill -9 "$(pgrep -o -P 1 -f "keyq worker")"')
     actions.append({"action": "kill -9", "container": name, "held": held, "at": time.time()})
     say(f"kill -9 of the worker process in {name}, which held {held:.0f} queues")
     wait_for(
