@@ -13,6 +13,7 @@ import tomllib
 from functools import cache
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import click
 import pytest
@@ -313,6 +314,36 @@ def test_worker_stops_after_its_shutdown_timeout() -> None:
 def test_services_restart() -> None:
     for name in (*INFRASTRUCTURE, "worker", "janitor"):
         assert _service(name).get("restart") in ("unless-stopped", "always", "on-failure")
+
+
+def test_the_host_network_variant_leaves_the_default_ports_alone() -> None:
+    """deploy/host-network.yml runs beside a RabbitMQ and Redis on the default ports: its
+    services exist in the base file, its settings are real, and nothing it binds is 5672,
+    15672 or 6379."""
+
+    class ComposeLoader(yaml.SafeLoader):
+        """Compose's `!reset` (drop what the base file set) reads as None here."""
+
+    ComposeLoader.add_constructor("!reset", lambda loader, node: None)
+    text = (ROOT / "deploy" / "host-network.yml").read_text()
+    override = yaml.load(text, Loader=ComposeLoader)
+    services = override["services"]
+    assert set(services) <= set(_services()), set(services) - set(_services())
+    for name in KEYQ_SERVICES:
+        environment = services[name]["environment"]
+        unknown = {v for v in environment if v.startswith("KEYQ_")} - _setting_variables()
+        assert not unknown, f"{name}: {unknown} are not settings"
+        for variable in ("KEYQ_AMQP_URL", "KEYQ_REDIS_URL", "KEYQ_MANAGEMENT_URL"):
+            port = urlsplit(environment[variable]).port
+            assert port not in (5672, 15672, 6379), f"{name}: {variable} is on {port}"
+        assert services[name]["network_mode"] == "host"
+    assert services["worker"]["build"] == {"network": "host"}, "only the worker builds"
+    conf = ROOT / "deploy" / "host-network-rabbitmq.conf"
+    assert "127.0.0.1:5673" in conf.read_text()
+    mounts = " ".join(services["rabbitmq"]["volumes"])
+    assert f"./deploy/{conf.name}:/etc/rabbitmq/rabbitmq.conf" in mounts
+    redis_command = services["redis"]["command"]
+    assert redis_command[redis_command.index("--port") + 1] == "6380"
 
 
 # --------------------------------------------------------------------------- Dockerfile
