@@ -176,10 +176,15 @@ class ClaimLoop:
 
     def _run(self) -> None:
         tick = self._settings.tick_ms / 1000
+        next_tick = time.monotonic()
         while not self._stop.is_set():
             started = time.monotonic()
             try:
-                full_round = self._tick()
+                if started >= next_tick:
+                    next_tick = started + tick
+                    full_round = self._tick()
+                else:  # woken early by news: claim, and leave the rest to the tick
+                    full_round = self._news_round()
                 if self._failing:
                     log.info("claim loop recovered")
                     self._failing = False
@@ -193,9 +198,7 @@ class ClaimLoop:
                     self._failing = True
             except Exception:
                 log.exception("claim loop failed a tick")
-            self._wait_for_news(
-                max(0.0, tick - (time.monotonic() - started)), started + NEWS_ROUND_GAP_S
-            )
+            self._wait_for_news(max(0.0, next_tick - time.monotonic()), started + NEWS_ROUND_GAP_S)
 
     def _wait_for_news(self, seconds: float, earliest: float) -> None:
         """Sleep until the next tick, waking early for announcements (new queues, and queues
@@ -261,6 +264,23 @@ class ClaimLoop:
         if self._mode is Mode.KEY:
             self._release_idle()
         return True
+
+    def _news_round(self) -> bool:
+        """A claim round between ticks, for announced queues (new, or woken by a producer).
+        Heartbeat, renewals and reaping stay on the tick: news can come many times a second
+        (thousands of keys), and reaping counts ticks. False: no claim was tried."""
+        if not self._link.connected or not self._claiming.is_set():
+            self._announced = False
+            return False
+        if self._mode is Mode.KEY:
+            self._read_woken(trim=False)
+        members = self._members
+        if self._worker_id not in members:
+            members = sorted([*members, self._worker_id])
+        self._more_to_claim = False
+        self._balance(members, force=True, probe=False)
+        self._announced = False
+        return False
 
     def _heartbeat_and_renew(self, held: list[Held]) -> None:
         self._membership.heartbeat(self._worker_id, self._info())
