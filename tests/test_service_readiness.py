@@ -20,7 +20,7 @@ from keyq.broker.readiness import wait_for_services
 from keyq.broker.settings import Settings
 from tests.conftest import StreamFixture
 from tests.faults import FaultProxy
-from tests.workers import FAST, REPO, keyq_environment, wait_until
+from tests.workers import FAST, REPO, keyq_environment, run_keyq, wait_until
 
 PASSWORD = "guest"
 
@@ -91,16 +91,12 @@ def test_refused_credentials_are_not_waited_out(settings: Settings) -> None:
 def test_the_demo_fails_clearly_when_the_broker_never_comes(
     settings: Settings, late_broker: FaultProxy
 ) -> None:
-    environment = keyq_environment(settings)
-    environment["KEYQ_AMQP_URL"] = late_broker.url_for(settings.amqp_url)
     started = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "keyq", "demo", "--external-workers", "--wait-for-services", "2"],
-        capture_output=True,
-        text=True,
-        env=environment,
+    done = run_keyq(
+        settings,
+        *("demo", "--external-workers", "--wait-for-services", "2"),
+        env={"KEYQ_AMQP_URL": late_broker.url_for(settings.amqp_url)},
         timeout=60,
-        cwd=REPO,
     )
     assert done.returncode == 1, done.stderr[-2000:]
     assert 1.9 <= time.monotonic() - started < 30
