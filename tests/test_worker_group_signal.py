@@ -85,6 +85,15 @@ def spark_jvm(worker: WorkerProcess) -> Proc | None:
     return None
 
 
+# Spark's Python daemon: keyq's for a local master (keyq.worker.spark_daemon, which runs
+# Spark's own), Spark's (pyspark.daemon) otherwise.
+PYTHON_DAEMONS = ("keyq.worker.spark_daemon", "pyspark.daemon")
+
+
+def python_daemon(proc: Proc) -> bool:
+    return any(f"-m {module} " in proc.cmdline + " " for module in PYTHON_DAEMONS)
+
+
 def assert_clean_log(worker: WorkerProcess) -> None:
     log = worker.log()
     for sign in SPARK_ERRORS:
@@ -127,7 +136,7 @@ def test_sigterm_mid_batch_finishes_the_batch_and_loses_nothing(
 
     wait_until(batch_running, 90, "a batch in Spark", every=0.05)
     spark = descendants(worker.pid)
-    assert any("pyspark.daemon" in proc.cmdline for proc in spark), spark
+    assert any(python_daemon(proc) for proc in spark), spark
     if reach == "process-group":
         worker.signal_group(signal.SIGTERM)
     else:
@@ -192,7 +201,7 @@ def test_kill_9_of_the_worker_takes_its_spark_processes_with_it(
     # The JVM and the Python daemon its warm-up job started, both outside the worker's
     # process group, so no group signal reaches them ...
     assert "org.apache.spark.deploy.SparkSubmit" in commands, commands
-    assert "pyspark.daemon" in commands, commands
+    assert any(python_daemon(proc) for proc in spark), commands
     outside = [proc for proc in spark if os.getpgid(proc.pid) != worker.pid]
     assert len(outside) == len(spark), [
         (proc.pid, os.getpgid(proc.pid), proc.cmdline[:80]) for proc in spark
