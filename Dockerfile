@@ -8,19 +8,12 @@
 # keyq's own code last, in one copy and one install: a change to keyq rebuilds two steps.
 FROM python:3.11-slim-bookworm
 
-# A class-data archive of the local Spark's JVM, built once at the end of this build rather
-# than by every container: a worker's Spark then starts in about half the time and CPU, which
-# is what a restarted or added worker costs its busy peers (docs/operations.md). About
-# 160 MB; `--build-arg SPARK_CLASS_ARCHIVE=off` leaves it out.
-ARG SPARK_CLASS_ARCHIVE=/home/keyq/spark-classes
-
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     JAVA_HOME=/usr/lib/jvm/java-17 \
-    PYSPARK_PYTHON=/usr/local/bin/python \
-    KEYQ_SPARK_CLASS_CACHE=${SPARK_CLASS_ARCHIVE}
+    PYSPARK_PYTHON=/usr/local/bin/python
 
 # Java 17 for Spark's driver JVM (the worker's local Spark). procps gives Spark's launch
 # scripts `ps`. The man1 folder works around openjdk's post-install on slim images. The
@@ -40,15 +33,22 @@ RUN set -eux; \
 
 WORKDIR /opt/keyq-src
 
-# Dependencies first, from pyproject.toml alone, so that a change to keyq's code does not
-# reinstall pyspark and pyarrow.
-COPY pyproject.toml README.md ./
+# Dependencies first, from pyproject.toml alone, so that a change to keyq's code (or to its
+# README) does not reinstall pyspark and pyarrow.
+COPY pyproject.toml ./
 RUN python -c "import pathlib, tomllib; project = tomllib.loads(pathlib.Path('pyproject.toml').read_text())['project']; pathlib.Path('/tmp/requirements.txt').write_text('\n'.join(project['dependencies']))" \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
 ENTRYPOINT ["keyq"]
 CMD ["--help"]
+
+# A class-data archive of the local Spark's JVM, built once at the end of this build rather
+# than by every container: a worker's Spark then starts in about half the time and CPU, which
+# is what a restarted or added worker costs its busy peers (docs/operations.md). About
+# 160 MB; `--build-arg SPARK_CLASS_ARCHIVE=off` leaves it out (and rebuilds only from here).
+ARG SPARK_CLASS_ARCHIVE=/home/keyq/spark-classes
+ENV KEYQ_SPARK_CLASS_CACHE=${SPARK_CLASS_ARCHIVE}
 
 # Then keyq itself (its dependencies are already there): the package's folders, in one copy
 # (.dockerignore keeps out the tests, benchmarks and docs), and the archive.

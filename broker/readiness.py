@@ -1,18 +1,19 @@
 """Waiting for RabbitMQ and Redis to accept connections, for one-shot commands.
 
-A daemon retries its services for as long as it runs. A command that runs once (the demo, a
-load generator) started beside its services, as in a compose deployment, must not fail
-because it was seconds early: it waits, up to a bound, and says what it waits for. Refused
-credentials and bad settings are never waited out.
+A daemon retries its services for as long as it runs. A command that runs once (the demo)
+started beside its services, as in a compose deployment, must not fail because it was
+seconds early: it waits, up to a bound, and says what it waits for. Refused credentials and
+bad settings are never waited out.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
 from keyq.broker.connections import open_blocking_connection, open_redis
-from keyq.broker.errors import BrokerUnavailable, RedisUnavailable
+from keyq.broker.errors import BrokerUnavailable, ConfigurationError, RedisUnavailable
 from keyq.broker.settings import Settings
 
 MAX_PAUSE_S = 2.0
@@ -32,8 +33,10 @@ def wait_for_services(
     ``timeout`` 0, at the first failure), and ``AuthenticationFailed`` or
     ``ConfigurationError`` at once.
     """
+    if math.isnan(timeout) or timeout < 0:
+        raise ConfigurationError(f"a wait for the services must be 0 s or more, not {timeout}")
     started = time.monotonic()
-    deadline = started + max(timeout, 0.0)
+    deadline = started + timeout
     pause = 0.1
     told: set[str] = set()
     while True:

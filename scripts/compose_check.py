@@ -2,7 +2,7 @@
 
 Each run, under a compose project of its own:
 
-1. builds the image (one service builds it; the others must run that same image);
+1. builds the image (one service builds it), and checks that every keyq container runs it;
 2. starts everything and waits for the producer (the demo) to publish;
 3. while it publishes, scales the workers up by one, ``docker kill``s one that holds queues
    (an operator's stop: Docker does not restart it, the others take its queues over), and
@@ -265,6 +265,16 @@ def one_run(files: list[str], replicas: int, timeout: float) -> dict[str, Any]:
         started = time.monotonic()
         deployment.compose("up", "-d", timeout=900)
         producer = wait_for("the producer", lambda: deployment.containers("producer"), 300)[0]
+        # One image: every keyq container runs keyq:local as built above, whoever built it.
+        image_id = run("docker", "image", "inspect", IMAGE, "--format", "{{.Id}}").stdout.strip()
+        runs = {
+            deployment.inspect(c)["Image"]
+            for service in KEYQ_SERVICES
+            for c in deployment.containers(service, every=True)
+        }
+        if runs != {image_id}:
+            raise CheckFailed(f"the keyq services run {sorted(runs)}, not {IMAGE} ({image_id})")
+        result["image"]["id"] = image_id
         wait_for(
             "the demo to publish",
             lambda: (

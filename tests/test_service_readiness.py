@@ -15,7 +15,12 @@ from urllib.parse import urlsplit
 import orjson
 import pytest
 
-from keyq.broker.errors import AuthenticationFailed, BrokerUnavailable, RedisUnavailable
+from keyq.broker.errors import (
+    AuthenticationFailed,
+    BrokerUnavailable,
+    ConfigurationError,
+    RedisUnavailable,
+)
 from keyq.broker.readiness import wait_for_services
 from keyq.broker.settings import Settings
 from tests.conftest import StreamFixture
@@ -76,6 +81,12 @@ def test_a_broker_still_down_when_the_time_is_up_fails_naming_the_wait(
     assert 1.9 <= time.monotonic() - started < 10
     with pytest.raises(RedisUnavailable):  # 0: the first failure is final
         wait_for_services(settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"}), 0)
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), -1.0])
+def test_a_wait_that_is_no_duration_is_refused(settings: Settings, timeout: float) -> None:
+    with pytest.raises(ConfigurationError, match="0 s or more"):
+        wait_for_services(settings, timeout)
 
 
 def test_refused_credentials_are_not_waited_out(settings: Settings) -> None:

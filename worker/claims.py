@@ -183,11 +183,11 @@ class ClaimLoop:
                 if started >= next_tick:
                     next_tick = started + tick
                     full_round = self._tick()
+                    if self._failing:
+                        log.info("claim loop recovered")
+                        self._failing = False
                 else:  # woken early by news: claim, and leave the rest to the tick
                     full_round = self._news_round()
-                if self._failing:
-                    log.info("claim loop recovered")
-                    self._failing = False
                 if full_round and not self._first_round.is_set():
                     self._first_round.set()
                     # Say "ready" now rather than a tick later: status and supervisors read it.
@@ -216,7 +216,8 @@ class ClaimLoop:
             try:
                 message = pubsub.get_message(ignore_subscribe_messages=True, timeout=left)
             except (redis.exceptions.RedisError, OSError):
-                self._pubsub = None
+                self._pubsub = None  # subscribed again next time; until then, the tick
+                self._stop.wait(max(0.0, deadline - time.monotonic()))
                 return
             if message is not None and message.get("type") == "message":
                 now = now_ms()
@@ -268,9 +269,12 @@ class ClaimLoop:
     def _news_round(self) -> bool:
         """A claim round between ticks, for announced queues (new, or woken by a producer).
         Heartbeat, renewals and reaping stay on the tick: news can come many times a second
-        (thousands of keys), and reaping counts ticks. False: no claim was tried."""
-        if not self._link.connected or not self._claiming.is_set():
-            self._announced = False
+        (thousands of keys), and reaping counts ticks. Its claims end within the claim budget
+        from the last renewal, as a tick's own would, so the next renewal is never later
+        than after a tick's round. When it cannot claim, the news waits for the tick.
+        Returns False: it is never a full round."""
+        deadline = self._renewed_at + self._claim_budget_s
+        if not self._link.connected or not self._claiming.is_set() or time.monotonic() >= deadline:
             return False
         if self._mode is Mode.KEY:
             self._read_woken(trim=False)
@@ -278,11 +282,14 @@ class ClaimLoop:
         if self._worker_id not in members:
             members = sorted([*members, self._worker_id])
         self._more_to_claim = False
-        self._balance(members, force=True, probe=False)
+        self._balance(members, force=True, probe=False, deadline=deadline)
         self._announced = False
         return False
 
+    _renewed_at = 0.0  # monotonic: when the last tick renewed (news rounds claim from it)
+
     def _heartbeat_and_renew(self, held: list[Held]) -> None:
+        self._renewed_at = time.monotonic()
         self._membership.heartbeat(self._worker_id, self._info())
         leases = [h.lease for h in held]
         if not leases:
@@ -359,7 +366,9 @@ class ClaimLoop:
         cutoff = now_ms() - self._settings.idle_release_ms
         return {q for q, stamp in self._view.activity.items() if stamp >= cutoff}
 
-    def _balance(self, members: list[str], *, force: bool, probe: bool) -> None:
+    def _balance(
+        self, members: list[str], *, force: bool, probe: bool, deadline: float | None = None
+    ) -> None:
         """Claim up to this worker's share, or ask to hand the surplus back; with ``probe``
         (once a scan, in key mode) also look into a few idle queues for a backlog."""
         held = set(self._holdings.queues())
@@ -393,7 +402,8 @@ class ClaimLoop:
         # still outlast the locks this worker holds, which are renewed only between ticks.
         # Claim for a bounded time, renew, go on next tick.
         wanted = free[: share - len(held)]
-        deadline = time.monotonic() + self._claim_budget_s
+        if deadline is None:
+            deadline = time.monotonic() + self._claim_budget_s
         for start in range(0, len(wanted), CLAIMS_PER_ROUND):
             if self._stop.is_set() or not self._claiming.is_set():
                 return
