@@ -125,3 +125,19 @@ def test_a_user_without_a_home_gets_no_archive_rather_than_an_error(
     monkeypatch.setattr(Path, "home", staticmethod(no_home))
     assert cache_folder(WorkerSettings()) is None
     assert archive_path(WorkerSettings()) is None
+
+
+def test_the_archive_is_named_for_when_sparks_jars_were_installed() -> None:
+    """A virtual environment made again in the same folder has the same paths but new jars,
+    and a JVM refuses an archive built against the old ones: the name must change."""
+    import pyspark
+
+    jars = Path(pyspark.__file__).resolve().parent / "jars"
+    before = archive_path(WorkerSettings())
+    was = os.stat(jars)
+    try:
+        os.utime(jars, ns=(was.st_atime_ns, was.st_mtime_ns + 1))  # as if installed anew
+        assert archive_path(WorkerSettings()) != before
+    finally:
+        os.utime(jars, ns=(was.st_atime_ns, was.st_mtime_ns))
+    assert archive_path(WorkerSettings()) == before

@@ -59,10 +59,15 @@ def archive_path(settings: WorkerSettings) -> Path | None:
     import pyspark  # noqa: PLC0415 - heavy: only when a local Spark is wanted
 
     real = os.path.realpath(java)
+    installed = os.path.dirname(os.path.realpath(pyspark.__file__))
+    jars = os.path.join(installed, "jars")
     stamp = "|".join(
         [
             str(pyspark.__version__),
-            os.path.dirname(os.path.realpath(pyspark.__file__)),  # the jars' path: the classpath
+            installed,  # the jars' path: the JVM's classpath
+            # ... and when they were installed: a JVM refuses an archive whose jars changed,
+            # as they do when a virtual environment is made again in the same folder.
+            str(os.stat(jars).st_mtime_ns) if os.path.isdir(jars) else "",
             real,
             str(os.stat(real).st_mtime_ns),
             settings.spark_driver_java_options,
