@@ -255,8 +255,7 @@ class ClaimLoop:
         members = self._membership.alive()
         changed = members != self._members
         self._members = members
-        if self._worker_id not in members:
-            members = sorted([*members, self._worker_id])
+        members = self._sharing()
         if self._claiming.is_set():
             force = scanned or reaped or changed or woke or self._announced or self._more_to_claim
             self._more_to_claim = False
@@ -278,13 +277,18 @@ class ClaimLoop:
             return False
         if self._mode is Mode.KEY:
             self._read_woken(trim=False)
-        members = self._members
-        if self._worker_id not in members:
-            members = sorted([*members, self._worker_id])
+        members = self._sharing()
         self._more_to_claim = False
         self._balance(members, force=True, probe=False, deadline=deadline)
         self._announced = False
         return False
+
+    def _sharing(self) -> list[str]:
+        """The members queues are shared among: the live ones seen last, and this worker
+        (which counts itself even while its heartbeat is not seen yet)."""
+        if self._worker_id in self._members:
+            return self._members
+        return sorted([*self._members, self._worker_id])
 
     _renewed_at = 0.0  # monotonic: when the last tick renewed (news rounds claim from it)
 
