@@ -126,7 +126,9 @@ class PublisherLink:
         # Queues whose node is down, kept across reconnects, so that their events wait while
         # every other queue's flow; and the queues being declared aside until they answer.
         self._unreachable: dict[str, str] = {}  # base name -> the incarnation that was down
-        self._probing: set[str] = set()
+        # queue -> the token of its one live chain of declarations (a new connection starts
+        # a new chain; an older chain that sees another token stops).
+        self._probing: dict[str, object] = {}
         self._lost_at: float | None = None
         self._attempt = 0
         self._last_settled_at = time.monotonic()
@@ -278,9 +280,9 @@ class PublisherLink:
 
     def _on_confirm_ok(self, _frame: Any) -> None:
         # Aside: a dead-letter queue whose node is down must not stop publishing.
-        self._declare_aside(self._dlq, dead_letter_queue_arguments(self._queue_type))
+        self._probe(self._dlq, dead_letter_queue_arguments(self._queue_type))
         for queue in self._unreachable.values():
-            self._declare_aside(queue, self._queue_args)
+            self._probe(queue, self._queue_args)
         self._next_tag = 1
         self._attempt = 0
         if self._lost_at is not None:
@@ -887,18 +889,30 @@ class PublisherLink:
         )
 
     # ------------------------------------------------------------- unreachable queues
-    def _declare_aside(self, queue: str, arguments: dict[str, Any], attempt: int = 0) -> None:
+    def _probe(self, queue: str, arguments: dict[str, Any]) -> None:
+        """Start declaring ``queue`` aside on this connection, in place of any earlier chain:
+        one that a lost connection cut off must not leave the queue waiting for good."""
+        token = object()
+        self._probing[queue] = token
+        self._declare_aside(queue, arguments, token, 0)
+
+    def _declare_aside(
+        self, queue: str, arguments: dict[str, Any], token: object, attempt: int
+    ) -> None:
         """Declare ``queue`` on a channel of its own, so that a 404 (its node is down)
         closes only that channel; retried with backoff, across reconnects, until it works."""
+        if self._stopping or self._probing.get(queue) is not token:
+            return  # stopping, declared, or superseded by a newer connection's chain
         connection = self._connection
-        if self._stopping or (attempt == 0 and queue in self._probing):
-            return
-        self._probing.add(queue)
         delay = PROBE_DELAYS[min(attempt, len(PROBE_DELAYS) - 1)]
+        retried: list[bool] = []
 
         def again() -> None:
+            if retried:
+                return
+            retried.append(True)
             self._ioloop.call_later(
-                delay, lambda: self._declare_aside(queue, arguments, attempt + 1)
+                delay, lambda: self._declare_aside(queue, arguments, token, attempt + 1)
             )
 
         if connection is None or not connection.is_open:
@@ -908,7 +922,8 @@ class PublisherLink:
 
         def on_declared(channel: Any) -> None:
             declared.append(True)
-            self._probing.discard(queue)
+            if self._probing.get(queue) is token:
+                del self._probing[queue]
             with contextlib.suppress(Exception):
                 channel.close()
             self._reachable(queue)
@@ -921,12 +936,18 @@ class PublisherLink:
             again()
 
         def on_open(channel: Any) -> None:
-            channel.add_on_close_callback(on_closed)
             channel.queue_declare(
                 queue, durable=True, arguments=arguments, callback=lambda _f: on_declared(channel)
             )
 
-        connection.channel(on_open_callback=on_open)
+        try:
+            channel = connection.channel(on_open_callback=on_open)
+        except pika.exceptions.AMQPError:
+            again()
+            return
+        # Registered before the channel opens: a connection lost while it is still opening
+        # closes it too, and the chain must go on.
+        channel.add_on_close_callback(on_closed)
 
     def _reachable(self, queue: str) -> None:
         """``queue`` was declared: its waiting events go, in order."""

@@ -788,3 +788,45 @@ def test_a_declaration_left_unanswered_does_not_hold_up_other_new_keys(
     for key in fresh:
         got, _ = _dedup(everything[key_queue_name(stream.name, key)])
         assert [m.json()["n"] for m in got] == [0, 1, 2], key
+
+
+def test_a_queue_whose_probe_is_cut_off_while_its_channel_opens_is_probed_again(
+    stream: StreamFixture, amqp: pika.BlockingConnection, proxy: FaultProxy
+) -> None:
+    """A queue whose node was down is declared aside until it answers (the cluster case is in
+    tests/test_cluster.py). A connection lost while that declaration's channel is still
+    opening closes the channel before it ever opens: the next connection must probe the queue
+    again, or its events wait for good. The loss is placed exactly there: the proxy holds the
+    channel's open, then cuts the connection."""
+    queue = key_queue_name(stream.name, "probed")
+    with Producer(
+        stream.name,
+        mode="key",
+        settings=stream.settings,
+        amqp_url=proxy.url_for(stream.settings.amqp_url),
+        publish_timeout=15,
+    ) as producer:
+        producer.publish("probed", {"n": 1})
+        producer.flush(10)
+        link = producer._link
+        probing = threading.Event()
+
+        def probe_while_paused() -> None:
+            # As ``_on_channel_closed`` does on a 404 "down or inaccessible", then the probe.
+            link._unreachable[queue] = queue
+            link._queues[queue].unreachable = True
+            link._probe(queue, link._queue_args)
+            probing.set()
+
+        proxy.pause()
+        link._ioloop.add_callback_threadsafe(probe_while_paused)
+        assert probing.wait(5)
+        producer.publish("probed", {"n": 2})  # waits for the probe: the queue is unreachable
+        time.sleep(0.2)
+        proxy.cut()
+        proxy.resume()
+        producer.flush(15)
+        assert proxy.wait_connections(1, 5)
+        producer_id = producer.producer_id
+    unique, _copies = _dedup(drain(amqp.channel(), queue))
+    assert [(m.producer, m.json()["n"]) for m in unique] == [(producer_id, 1), (producer_id, 2)]
