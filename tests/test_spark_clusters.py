@@ -82,12 +82,12 @@ def test_a_cluster_with_no_room_for_the_worker_fails_its_start_with_the_reason(
         env={
             "KEYQ_SPARK_MASTER": standalone.url,
             "KEYQ_SPARK_CONF": f"{ON_LOOPBACK},spark.executor.cores={standalone.cores + 1}",
-            "KEYQ_SPARK_START_TIMEOUT_S": "20",
+            "KEYQ_SPARK_START_TIMEOUT_S": "8",
         },
     )
     assert worker.wait(240) != 0
     log = worker.log()
-    assert "did not run the first job within 20 s" in log, log[-3000:]
+    assert "did not run the first job within 8 s" in log, log[-3000:]
     assert "free cores" in log
 
 
