@@ -900,17 +900,14 @@ class PublisherLink:
         self, queue: str, arguments: dict[str, Any], token: object, attempt: int
     ) -> None:
         """Declare ``queue`` on a channel of its own, so that a 404 (its node is down)
-        closes only that channel; retried with backoff, across reconnects, until it works."""
+        closes only that channel; retried with backoff until it works, or until the next
+        connection starts a chain of its own (``_probe``)."""
         if self._stopping or self._probing.get(queue) is not token:
             return  # stopping, declared, or superseded by a newer connection's chain
         connection = self._connection
         delay = PROBE_DELAYS[min(attempt, len(PROBE_DELAYS) - 1)]
-        retried: list[bool] = []
 
-        def again() -> None:
-            if retried:
-                return
-            retried.append(True)
+        def again() -> None:  # called at most once: each way out below takes one path
             self._ioloop.call_later(
                 delay, lambda: self._declare_aside(queue, arguments, token, attempt + 1)
             )
