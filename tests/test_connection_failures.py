@@ -17,6 +17,7 @@ import traceback
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import pika
@@ -104,6 +105,20 @@ def proxy(settings: Settings) -> Iterator[FaultProxy]:
     parts = urlsplit(settings.amqp_url)
     with FaultProxy(parts.hostname or "127.0.0.1", parts.port or 5672) as started:
         yield started
+
+
+def _through_proxy(
+    stream: StreamFixture, proxy: FaultProxy, settings: Settings | None = None, **options: Any
+) -> Producer:
+    """A key-mode producer for ``stream`` whose AMQP connection goes through ``proxy``."""
+    settings = settings or stream.settings
+    return Producer(
+        stream.name,
+        mode="key",
+        settings=settings,
+        amqp_url=proxy.url_for(settings.amqp_url),
+        **options,
+    )
 
 
 def _dedup(landed: list[Landed]) -> tuple[list[Landed], int]:
@@ -241,14 +256,7 @@ def test_stalled_broker_times_out_publish_then_recovers(
     stream: StreamFixture, amqp: pika.BlockingConnection, proxy: FaultProxy
 ) -> None:
     key = "stalled"
-    producer = Producer(
-        stream.name,
-        mode="key",
-        settings=stream.settings,
-        amqp_url=proxy.url_for(stream.settings.amqp_url),
-        confirm_window=50,
-        publish_timeout=1,
-    )
+    producer = _through_proxy(stream, proxy, confirm_window=50, publish_timeout=1)
     accepted: list[int] = []
     try:
         producer.publish(key, {"n": 0})
@@ -291,13 +299,7 @@ def test_cut_connections_are_recovered_in_order(
     cuts_at = {900, 2100, 3300, 4400}
     published: dict[str, list[int]] = defaultdict(list)
     proxy.set_delay(0.005)  # keeps events in flight when the cut comes
-    with Producer(
-        stream.name,
-        mode="key",
-        settings=stream.settings,
-        amqp_url=proxy.url_for(stream.settings.amqp_url),
-        publish_timeout=15,
-    ) as producer:
+    with _through_proxy(stream, proxy, publish_timeout=15) as producer:
         for n in range(5000):
             if n in cuts_at:
                 proxy.cut()
@@ -328,13 +330,7 @@ def test_broker_gone_longer_than_reconnect_timeout_closes_the_producer(
 ) -> None:
     key = "gone"
     settings = _with(stream.settings, reconnect_timeout=2)
-    producer = Producer(
-        stream.name,
-        mode="key",
-        settings=settings,
-        amqp_url=proxy.url_for(settings.amqp_url),
-        publish_timeout=5,
-    )
+    producer = _through_proxy(stream, proxy, settings=settings, publish_timeout=5)
     closed = False
     try:
         for n in range(10):
@@ -378,13 +374,7 @@ def test_handshakes_reset_while_reconnecting_are_retried_not_fatal(
     credentials that worked, both are retried, and nothing accepted is lost."""
     key = "flapping"
     settings = _with(stream.settings, reconnect_timeout=20)
-    with Producer(
-        stream.name,
-        mode="key",
-        settings=settings,
-        amqp_url=proxy.url_for(settings.amqp_url),
-        publish_timeout=20,
-    ) as producer:
+    with _through_proxy(stream, proxy, settings=settings, publish_timeout=20) as producer:
         for n in range(10):
             producer.publish(key, {"n": n})
         producer.flush(10)
@@ -410,12 +400,7 @@ def test_a_handshake_cut_short_is_unavailable_not_refused_credentials(
     password problem, nor stop a daemon for good."""
     proxy.drop_handshakes(True)
     with pytest.raises(KeyqError) as info:
-        Producer(
-            stream.name,
-            mode="key",
-            settings=stream.settings,
-            amqp_url=proxy.url_for(stream.settings.amqp_url),
-        )
+        _through_proxy(stream, proxy)
     assert isinstance(info.value, BrokerUnavailable), repr(info.value)
     assert "credentials" not in str(info.value)
 
@@ -425,13 +410,7 @@ def test_close_while_reconnecting_stops_cleanly(
 ) -> None:
     """Closing a producer whose broker is away must end its I/O thread without it crashing."""
     before = set(_producer_threads())
-    producer = Producer(
-        stream.name,
-        mode="key",
-        settings=stream.settings,
-        amqp_url=proxy.url_for(stream.settings.amqp_url),
-        publish_timeout=5,
-    )
+    producer = _through_proxy(stream, proxy, publish_timeout=5)
     producer.publish("k", {"n": 0})
     producer.flush(10)
     proxy.refuse(True)
@@ -799,13 +778,7 @@ def test_a_queue_whose_probe_is_cut_off_while_its_channel_opens_is_probed_again(
     again, or its events wait for good. The loss is placed exactly there: the proxy holds the
     channel's open, then cuts the connection."""
     queue = key_queue_name(stream.name, "probed")
-    with Producer(
-        stream.name,
-        mode="key",
-        settings=stream.settings,
-        amqp_url=proxy.url_for(stream.settings.amqp_url),
-        publish_timeout=15,
-    ) as producer:
+    with _through_proxy(stream, proxy, publish_timeout=15) as producer:
         producer.publish("probed", {"n": 1})
         producer.flush(10)
         link = producer._link
