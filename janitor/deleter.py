@@ -30,6 +30,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 
 from keyq.broker.connections import amqp_failure, open_blocking_connection
 from keyq.broker.errors import BrokerUnavailable
+from keyq.broker.queue_refusals import INTERNAL_ERROR, NOT_FOUND, QueueRefusal, classify
 from keyq.broker.settings import Settings
 
 log = logging.getLogger("keyq.janitor")
@@ -52,12 +53,6 @@ class Outcome(enum.Enum):
     # Not tried: the queue's retirement mark lapsed before its turn came (the janitor was
     # slower than the mark's ttl), so producers may be publishing to it again.
     LAPSED = "mark_lapsed"
-
-
-def _home_node_down(reply_text: str) -> bool:
-    """RabbitMQ's 404 for a durable queue whose node is away: "home node … is down or
-    inaccessible"."""
-    return "is down or inaccessible" in reply_text or "home node" in reply_text
 
 
 class _Lane:
@@ -120,17 +115,34 @@ class _Lane:
                 channel.queue_delete(queue, if_unused=True, if_empty=True)
         except pika.exceptions.ChannelClosedByBroker as exc:
             self._channel = None
-            if exc.reply_code == 404:
-                return Outcome.UNREACHABLE if _home_node_down(exc.reply_text) else Outcome.GONE
+            if exc.reply_code == NOT_FOUND:
+                missing = classify(exc.reply_code, exc.reply_text) is QueueRefusal.MISSING
+                return Outcome.GONE if missing else Outcome.UNREACHABLE
+            if exc.reply_code == INTERNAL_ERROR:
+                return self._broke_on(queue, exc)
             if exc.reply_code == 406:
                 return Outcome.NOT_EMPTY if "not empty" in exc.reply_text else Outcome.IN_USE
             if exc.reply_code == 403 and checked:
                 return Outcome.IN_USE  # the exclusive consume met a consumer
             raise amqp_failure(exc, self._settings.amqp_url) from None
+        except pika.exceptions.ConnectionClosedByBroker as exc:
+            self.close()
+            if exc.reply_code == INTERNAL_ERROR:
+                return self._broke_on(queue, exc)
+            raise amqp_failure(exc, self._settings.amqp_url) from None
         except (pika.exceptions.AMQPError, OSError) as exc:
             self.close()
             raise amqp_failure(exc, self._settings.amqp_url) from None
         return Outcome.DELETED
+
+    def _broke_on(self, queue: str, exc: pika.exceptions.AMQPError) -> Outcome:
+        """The broker failed inside the command for this one queue (541; RabbitMQ 4.3.6
+        answers the delete of a classic queue whose node is down so, closing the whole
+        connection). The queue is left for a later pass and the others go on: one queue the
+        broker cannot handle must not stop the janitor's work."""
+        self.close()
+        log.warning("queue %s: the broker failed on it (%s); left for a later pass", queue, exc)
+        return Outcome.UNREACHABLE
 
     def _finds_a_message(self, channel: BlockingChannel, queue: str) -> bool:
         """Consume the queue exclusively for a moment and hand back whatever comes.

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import re
 import threading
 import time
 from collections import deque
@@ -34,6 +33,7 @@ from keyq.broker.errors import (
     TopologyError,
 )
 from keyq.broker.naming import base_queue_name, incarnation_name
+from keyq.broker.queue_refusals import unreachable_queue
 from keyq.broker.settings import Settings
 from keyq.broker.topology import dead_letter_queue_arguments, keyed_queue_arguments
 from keyq.broker.urls import scrub
@@ -67,7 +67,6 @@ CONFIRM_CHECK_S = 1.0
 # hundreds of queues, no confirm at all, reconnect after reconnect). On a channel of its own it
 # freezes only itself.
 SILENT_QUEUE_IN_FLIGHT = 1
-_QUEUE_DOWN = re.compile(r"queue '(?P<queue>[^']+)' in vhost '[^']*' is down or inaccessible")
 
 NewQueues = Callable[[dict[str, str | None]], None]
 
@@ -98,6 +97,7 @@ class PublisherLink:
         self.late_confirms = 0  # events confirmed after their queue's lease ran out: sent again
         self.overdue_reconnects = 0  # reconnects because a confirm did not come in time
         self.silent_channel_resets = 0  # a silent queue's own channel reopened, likewise
+        self.reconnects = 0  # connections opened again after one was lost or closed
 
         # Shared with application threads, guarded by ``cond``.
         self.cond = threading.Condition()
@@ -286,6 +286,7 @@ class PublisherLink:
         self._next_tag = 1
         self._attempt = 0
         if self._lost_at is not None:
+            self.reconnects += 1
             log.info("reconnected to RabbitMQ; re-sending %d unconfirmed events", len(self._resend))
         self._lost_at = None
         resend, self._resend = self._resend, []
@@ -337,11 +338,10 @@ class PublisherLink:
             self._fail(error)
             self._connection.close()
             return
-        down = _QUEUE_DOWN.search(text) if code == 404 else None
-        if down is not None and base_queue_name(down.group("queue")) not in self._unreachable:
+        queue = unreachable_queue(code, text)
+        if queue and base_queue_name(queue) not in self._unreachable:
             # A queue on a node that is down (a classic queue on a cluster): its events wait
             # and it is declared again aside until its node is back; the others go on.
-            queue = down.group("queue")
             log.warning("queue %s is unavailable (%s); its events wait for it", queue, text)
             self._unreachable[base_queue_name(queue)] = queue
         # Start over on a fresh connection, re-sending what is unconfirmed.

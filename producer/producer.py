@@ -242,13 +242,15 @@ class Producer:
         """Counters: events returned or refused by the broker and sent again, events re-sent
         after a lost connection, events sent again because their confirm came after the
         queue's publish lease ran out (the queue may have been deleted meanwhile), reconnects
-        because a confirm was overdue (``confirm_timeout``), and events not yet confirmed."""
+        because a confirm was overdue (``confirm_timeout``), reconnects of any cause, and
+        events not yet confirmed."""
         return {
             "returned": self._link.returned_events,
             "resent": self._link.resent_events,
             "late_confirms": self._link.late_confirms,
             "overdue_reconnects": self._link.overdue_reconnects,
             "silent_channel_resets": self._link.silent_channel_resets,
+            "reconnects": self._link.reconnects,
             "unconfirmed": self._link.unsettled,
         }
 

@@ -112,6 +112,9 @@ class ClaimLoop:
         self._info = info
         self._view = _View()
         self._busy_until: dict[str, float] = {}
+        # Queues whose last consume was refused because their node is down: said once when
+        # that starts and once when it ends, not on every retry.
+        self._unreachable: set[str] = set()
         self._cooldown_until: dict[str, float] = {}
         self._release_requests: dict[str, str] = {}
         self._requests_lock = threading.Lock()
@@ -448,6 +451,7 @@ class ClaimLoop:
         for item, consumed in zip(claims, results, strict=True):
             if consumed.outcome is ConsumeOutcome.CONSUMING:
                 claimed.append(item.queue)
+                self._note_reachable(item.queue)
                 continue
             self._holdings.remove(item.queue, item.epoch)
             if consumed.outcome is ConsumeOutcome.NOT_TRIED:
@@ -457,9 +461,12 @@ class ClaimLoop:
             backoff = BUSY_BACKOFF_S
             if consumed.outcome is ConsumeOutcome.MISSING:
                 self._view.activity.pop(item.queue, None)
+                self._unreachable.discard(item.queue)
                 backoff = MISSING_BACKOFF_S
             elif consumed.outcome in (ConsumeOutcome.UNREACHABLE, ConsumeOutcome.FAILED):
                 backoff = UNREACHABLE_BACKOFF_S  # tried again soon: its node may be back
+                if consumed.outcome is ConsumeOutcome.UNREACHABLE:
+                    self._note_unreachable(item.queue)
             self._busy_until[item.queue] = now + backoff
         self._locks.release(refused + untried)
         self.stats.refused += len(refused)
@@ -467,6 +474,20 @@ class ClaimLoop:
         if claimed:
             self._notify("assigned", claimed, "claimed")
         return None if untried else len(claimed)
+
+    def _note_unreachable(self, queue: str) -> None:
+        if queue not in self._unreachable:
+            self._unreachable.add(queue)
+            log.warning(
+                "queue %s is unreachable (its node is down); trying it every %.0f s",
+                queue,
+                UNREACHABLE_BACKOFF_S,
+            )
+
+    def _note_reachable(self, queue: str) -> None:
+        if queue in self._unreachable:
+            self._unreachable.discard(queue)
+            log.info("queue %s is reachable again", queue)
 
     def _capacity(self) -> int:
         """The most queues this worker may hold: its setting, within what its connection's

@@ -35,6 +35,7 @@ from keyq.broker.errors import (
     KeyqError,
 )
 from keyq.broker.naming import dead_letter_queue_name
+from keyq.broker.queue_refusals import QueueRefusal, classify
 from keyq.broker.settings import Settings
 from keyq.broker.topology import dead_letter_queue_arguments
 from keyq.worker.ack_ledger import AckLedger
@@ -486,9 +487,9 @@ class ConsumerLink:
             if refusal is not None and refusal.reply_code == 403:
                 return Consumed(ConsumeOutcome.BUSY)
             if refusal is not None and refusal.reply_code == 404:
-                if "is down or inaccessible" in str(refusal.reply_text):
-                    return Consumed(ConsumeOutcome.UNREACHABLE)
-                return Consumed(ConsumeOutcome.MISSING)
+                if classify(404, str(refusal.reply_text)) is QueueRefusal.MISSING:
+                    return Consumed(ConsumeOutcome.MISSING)
+                return Consumed(ConsumeOutcome.UNREACHABLE)
             why = describe_exception(refusal) if refusal is not None else "channel closed"
             log.warning("consuming %s failed: %s", queue, why)
             return Consumed(ConsumeOutcome.FAILED)
