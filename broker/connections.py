@@ -18,6 +18,7 @@ import pika
 import pika.exceptions
 import redis
 import redis.exceptions
+from pika.adapters.utils import connection_workflow
 
 from keyq.broker.errors import (
     AuthenticationFailed,
@@ -51,7 +52,7 @@ def amqp_parameters(settings: Settings, name: str) -> pika.URLParameters:
         ) from None
     params.heartbeat = settings.amqp_heartbeat
     params.socket_timeout = settings.connect_timeout
-    params.stack_timeout = settings.connect_timeout * 2
+    params.stack_timeout = handshake_timeout(settings)
     params.blocked_connection_timeout = None
     params.connection_attempts = 1
     params.client_properties = {
@@ -61,13 +62,48 @@ def amqp_parameters(settings: Settings, name: str) -> pika.URLParameters:
     return params
 
 
+def handshake_timeout(settings: Settings) -> float:
+    """Seconds a connection attempt may take from TCP connect to an open AMQP connection
+    (pika's stack timeout): twice ``connect_timeout``, which bounds the TCP connect alone."""
+    return settings.connect_timeout * 2
+
+
 _REFUSAL = re.compile(r"\b(403|530)\b|ACCESS_REFUSED|NOT_ALLOWED")
+# What pika 1.x says when its stack timeout ends an attempt after TCP connected: a blocking
+# connection raises AMQPConnectorStackTimeout ("Timeout during AMQP handshake…", or "…while
+# setting up transport…" for TLS); an asynchronous one (the producer's) reports the
+# connection it closed itself, ConnectionOpenAborted with "Timeout while setting up AMQP…".
+_STACK_TIMEOUT = re.compile(r"Timeout (during AMQP handshake|while setting up (AMQP|transport))")
 
 
-def amqp_failure(exc: BaseException, url: str) -> KeyqError:
-    """The keyq error for a failure to connect to, or a loss of, RabbitMQ."""
+def _handshake_stalled(causes: list[BaseException]) -> str | None:
+    """Which handshake a broker that accepted TCP never completed ("AMQP" or "TLS"), if that
+    is why the attempt failed. A TCP connect that timed out is not one (nothing accepted it)."""
+    if any(isinstance(c, connection_workflow.AMQPConnectorSocketConnectError) for c in causes):
+        return None
+    for cause in causes:
+        timed_out = isinstance(cause, connection_workflow.AMQPConnectorStackTimeout) or (
+            isinstance(cause, pika.exceptions.ConnectionOpenAborted)
+            and _STACK_TIMEOUT.search(str(cause)) is not None
+        )
+        if timed_out:
+            return "TLS" if "transport" in str(cause) else "AMQP"
+    return None
+
+
+def amqp_failure(exc: BaseException, url: str, *, handshake_s: float | None = None) -> KeyqError:
+    """The keyq error for a failure to connect to, or a loss of, RabbitMQ. ``handshake_s``,
+    the attempt's stack timeout, is named when the broker accepted TCP but did not finish
+    the handshake in it."""
     causes = _flatten(exc)
     shown = redact_url(url)
+    stalled = _handshake_stalled(causes)
+    if stalled is not None:
+        within = "in time" if handshake_s is None else f"in {handshake_s:g} s"
+        return BrokerUnavailable(
+            f"RabbitMQ at {shown} accepted the connection but did not complete the {stalled} "
+            f"handshake {within} (a broker that is overloaded or stuck)"
+        )
     # pika calls any connection lost during the login "probable" refusal; only the broker's
     # own answer (403 / 530) is one. A handshake cut short (a broker starting or stopping, a
     # slow link) is the broker being unavailable, and is retried.
@@ -127,8 +163,12 @@ def open_blocking_connection(settings: Settings, name: str) -> pika.BlockingConn
         params = amqp_parameters(settings, name)
         try:
             return pika.BlockingConnection(params)
-        except (pika.exceptions.AMQPError, OSError) as exc:
-            failure = amqp_failure(exc, settings.amqp_url)
+        except (
+            pika.exceptions.AMQPError,
+            connection_workflow.AMQPConnectorException,  # e.g. the handshake's stack timeout
+            OSError,
+        ) as exc:
+            failure = amqp_failure(exc, settings.amqp_url, handshake_s=handshake_timeout(settings))
         except ValueError as exc:
             # pika raises ValueError when the socket is reset between connect() and its
             # getpeername() check: the broker went away mid-connect, not bad input.

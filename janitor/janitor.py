@@ -139,6 +139,8 @@ class Janitor:
                     # on fresh connections rather than the daemon dying.
                     expected = isinstance(exc, (KeyqError, redis.exceptions.RedisError, OSError))
                     self.stats["errors"] += 1
+                    if once and isinstance(exc, KeyqError):
+                        raise  # the command says why in one line: nothing is retried
                     if self.stats["deleted"] > deleted_before:
                         # It got somewhere before failing (a cut connection, a node going
                         # away): the broker is there, so the next pass starts soon again.

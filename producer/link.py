@@ -22,7 +22,12 @@ import pika
 import pika.exceptions
 from pika.adapters.select_connection import IOLoop
 
-from keyq.broker.connections import amqp_failure, amqp_parameters, describe_exception
+from keyq.broker.connections import (
+    amqp_failure,
+    amqp_parameters,
+    describe_exception,
+    handshake_timeout,
+)
 from keyq.broker.errors import (
     AuthenticationFailed,
     BrokerUnavailable,
@@ -299,7 +304,9 @@ class PublisherLink:
     def _on_open_error(self, connection: Any, error: BaseException) -> None:
         if connection is not None and connection is not self._connection:
             return  # a timer of an abandoned attempt: its failure was handled already
-        failure = amqp_failure(error, self._settings.amqp_url)
+        failure = amqp_failure(
+            error, self._settings.amqp_url, handshake_s=handshake_timeout(self._settings)
+        )
         if not self._ready.is_set():
             self._fail(failure)
             return
