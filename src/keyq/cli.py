@@ -245,6 +245,25 @@ def produce_command(
     show_default=True,
     help="Seconds to wait for RabbitMQ and Redis to accept connections; 0 = fail at once.",
 )
+@click.option(
+    "--mode",
+    type=click.Choice(["key", "bucket"]),
+    default="key",
+    show_default=True,
+    help="A queue per order, or a queue per hash bucket of the orders.",
+)
+@click.option(
+    "--buckets",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Buckets in bucket mode (default: the stream's, else 64).",
+)
+@click.option(
+    "--queue-type",
+    type=click.Choice(["classic", "quorum"]),
+    default=None,
+    help="Type of the stream's queues (default: KEYQ_QUEUE_TYPE, else classic).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def demo_command(
     *,
@@ -259,6 +278,9 @@ def demo_command(
     timeout: float,
     rate: float,
     wait_for_services: float,
+    mode: str,
+    buckets: int | None,
+    queue_type: str | None,
     as_json: bool,
 ) -> None:
     """Order events through real workers and a janitor, checked against what was published.
@@ -269,20 +291,23 @@ def demo_command(
     from keyq.demo import DemoOptions  # noqa: PLC0415 - keeps startup light
     from keyq.demo_cli import run_demo  # noqa: PLC0415
 
-    options = DemoOptions(
-        orders=orders,
-        events=events,
-        workers=workers,
-        chaos=chaos,
-        external_workers=external_workers,
-        stream=stream,
-        seed=seed,
-        idle_ttl=idle_ttl,
-        drain_timeout=timeout,
-        rate=rate,
-        wait_for_services=wait_for_services,
-    )
     try:
+        options = DemoOptions(
+            orders=orders,
+            events=events,
+            workers=workers,
+            chaos=chaos,
+            external_workers=external_workers,
+            stream=stream,
+            seed=seed,
+            idle_ttl=idle_ttl,
+            drain_timeout=timeout,
+            rate=rate,
+            wait_for_services=wait_for_services,
+            mode=mode,
+            buckets=buckets,
+            queue_type=queue_type,
+        )
         ok = run_demo(options, as_json=as_json)
     except KeyqError as exc:
         _fail(exc)

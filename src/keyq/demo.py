@@ -5,6 +5,11 @@ workers already running, ``--external-workers``), publishes a skewed stream of o
 optionally kills, restarts and scales workers while it runs (``--chaos``), waits until every
 order's state is committed, and compares each order's state in Redis with a plain-Python fold
 of exactly what was published. The verdict comes from that comparison.
+
+Orders go to a queue each (key mode, the default) or to a fixed number of hash buckets
+(``--mode bucket``), on classic or quorum queues (``--queue-type``). A chaos step that fails
+(a broker that does not answer, say) is logged and reported in the summary, and the next step
+goes on.
 """
 
 from __future__ import annotations
@@ -23,13 +28,21 @@ import orjson
 import pika.exceptions
 import redis
 
-from keyq.broker.connections import open_blocking_connection, open_redis
-from keyq.broker.errors import KeyqError
+from keyq.broker.connections import (
+    describe_exception,
+    open_blocking_connection,
+    open_redis,
+    redis_errors,
+)
+from keyq.broker.errors import ConfigurationError, KeyqError
 from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
+from keyq.broker.naming import Mode
 from keyq.broker.readiness import wait_for_services
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings, load_settings
+from keyq.broker.streams import StreamConfig, ensure_stream_config
+from keyq.broker.urls import scrub
 from keyq.orders import expected_states, generate_orders
 from keyq.processes import Daemon, log_folder
 from keyq.producer import Producer
@@ -37,6 +50,17 @@ from keyq.worker.state_store import StateStore
 
 PIPELINE = "keyq.orders:pipeline"
 LATENCY_SAMPLE = 200
+# Above this many orders, key mode on quorum queues is worth a warning: each quorum queue is a
+# Raft group with file descriptors and memory on every node (2,000 of them on a node allowed
+# 1,024 open files stopped it completing AMQP handshakes for over an hour).
+QUORUM_KEYS_WARNING = 500
+# Failures a chaos step meets when a service misbehaves: reported in one line, no traceback.
+SERVICE_ERRORS: tuple[type[BaseException], ...] = (
+    KeyqError,
+    redis.exceptions.RedisError,
+    pika.exceptions.AMQPError,
+    OSError,
+)
 
 log = logging.getLogger("keyq.demo")
 
@@ -55,14 +79,36 @@ class DemoOptions:
     drain_timeout: float = 600.0
     rate: float = 0.0  # events/s while publishing; 0 = as fast as possible
     wait_for_services: float = 120.0  # s for RabbitMQ and Redis to accept connections
+    mode: str = "key"  # a queue per order, or "bucket": a queue per hash bucket
+    buckets: int | None = None  # bucket mode only; None: the stream's, else DEFAULT_BUCKETS
+    queue_type: str | None = None  # "classic" or "quorum"; None: KEYQ_QUEUE_TYPE, else classic
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("key", "bucket"):
+            raise ConfigurationError(f"demo mode must be 'key' or 'bucket', not {self.mode!r}")
+        if self.mode == "key" and self.buckets is not None:
+            raise ConfigurationError("--buckets is for bucket mode (--mode bucket)")
+        if self.queue_type not in (None, "classic", "quorum"):
+            raise ConfigurationError(
+                f"queue type must be 'classic' or 'quorum', not {self.queue_type!r}"
+            )
+
+
+class DemoFailed(KeyqError):
+    """The demo could not run to its verdict (a worker that did not start, say)."""
 
 
 @dataclass
 class Chaos:
-    """What the chaos thread did: kills, restarts, scale changes, and failover durations."""
+    """What the chaos thread did: kills, restarts, scale changes, and failover durations.
+    A step that failed has ``failed`` (why) in its action."""
 
     actions: list[dict[str, Any]] = field(default_factory=list)
     failovers_s: list[float] = field(default_factory=list)
+
+    @property
+    def failed_steps(self) -> int:
+        return sum(1 for action in self.actions if "failed" in action)
 
 
 def percentile(values: list[float], share: float) -> float | None:
@@ -74,6 +120,9 @@ def percentile(values: list[float], share: float) -> float | None:
 
 class Demo:
     """One demo run; ``run()`` returns the summary (with the verdict)."""
+
+    # Seconds between two chaos steps, drawn evenly from this range.
+    chaos_pause_s: tuple[float, float] = (5.0, 10.0)
 
     def __init__(
         self,
@@ -97,12 +146,23 @@ class Demo:
         self._published = threading.Event()  # chaos runs while events are being published
         self.chaos = Chaos()
         self.run_tag = uuid.uuid4().hex[:6]
+        self.config: StreamConfig | None = None  # the stream's, recorded before anything runs
 
     # ---- processes --------------------------------------------------------------------------
 
+    def _layout_args(self) -> list[str]:
+        """The ``--mode`` (and ``--buckets``) of the workers: the stream's, as recorded."""
+        config = self.config
+        assert config is not None  # recorded before any worker starts
+        if config.mode is Mode.KEY:
+            return ["--mode", "key"]
+        return ["--mode", "bucket", "--buckets", str(config.buckets)]
+
     def _start_worker(self) -> Daemon:
         worker = Daemon(
-            "worker", ["--stream", self.stream, "--pipeline", PIPELINE, "--mode", "key"], self._logs
+            "worker",
+            ["--stream", self.stream, "--pipeline", PIPELINE, *self._layout_args()],
+            self._logs,
         )
         with self._lock:
             self._workers.append(worker)
@@ -113,71 +173,110 @@ class Demo:
         for daemon in list(self._workers):
             while not daemon.serving(members):
                 if not daemon.alive:
-                    raise RuntimeError(f"{daemon.id} exited; see {daemon.log_path}")
+                    raise DemoFailed(f"{daemon.id} exited; see {daemon.log_path}")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{daemon.id} did not start; see {daemon.log_path}")
+                    raise DemoFailed(f"{daemon.id} did not start; see {daemon.log_path}")
                 time.sleep(0.2)
 
     def _chaos_loop(self, client: redis.Redis) -> None:
+        """A step every few seconds while events are published: kill -9 (and maybe restart),
+        add or remove a worker. A step that fails is logged and kept in the summary with why
+        (``failed``), and the next step goes on: a broker that stops answering must not end
+        the chaos, nor the failovers it measures, in silence."""
         rng = random.Random(self.options.seed)
         locks = FencedLocks(client, self.stream)
         registry = QueueRegistry(client, self.stream)
         members = Membership(client, self.stream, ttl_ms=1)
-        while not self._stop.wait(rng.uniform(5.0, 10.0)) and not self._published.is_set():
-            with self._lock:
-                # Only workers that are serving count: one still starting Spark is no help.
-                alive = [w for w in self._workers if w.alive and w.serving(members)]
-            choice = rng.choice(["kill", "kill", "restart", "add", "remove"])
-            if len(alive) <= 1 and choice in ("kill", "restart", "remove"):
-                choice = "add"  # never leave the stream without a serving worker
-            if choice == "add" and len(alive) < self.options.max_workers:
-                worker = self._start_worker()
-                self.chaos.actions.append({"at": time.time(), "action": "add", "worker": worker.id})
-            elif choice == "remove" and len(alive) > 1:
-                victim = rng.choice(alive)
-                victim.stop()
-                self.chaos.actions.append(
-                    {"at": time.time(), "action": "remove", "worker": victim.id}
-                )
-            elif alive and choice in ("kill", "restart"):
-                victim = rng.choice(alive)
-                queues = list(registry.queues())
-                held = [
-                    q
-                    for q, lease in locks.holders(queues).items()
-                    if lease and lease.owner == victim.id
-                ]
-                victim.kill()
-                killed_at = time.monotonic()
-                self.chaos.actions.append(
-                    {"at": time.time(), "action": "kill -9", "worker": victim.id, "held": len(held)}
-                )
-                if choice == "restart":
-                    self._start_worker()
-                if held:
+        while (
+            not self._stop.wait(rng.uniform(*self.chaos_pause_s)) and not self._published.is_set()
+        ):
+            action: dict[str, Any] = {"at": time.time(), "action": "choose"}
+            try:
+                self._chaos_step(rng, locks, registry, members, action)
+            except Exception as exc:  # noqa: BLE001 - the chaos goes on whatever one step met
+                self._chaos_failed(action, exc)
+
+    def _chaos_step(
+        self,
+        rng: random.Random,
+        locks: FencedLocks,
+        registry: QueueRegistry,
+        members: Membership,
+        action: dict[str, Any],
+    ) -> None:
+        with self._lock:
+            # Only workers that are serving count: one still starting Spark is no help.
+            alive = [w for w in self._workers if w.alive and w.serving(members)]
+        choice = rng.choice(["kill", "kill", "restart", "add", "remove"])
+        if len(alive) <= 1 and choice in ("kill", "restart", "remove"):
+            choice = "add"  # never leave the stream without a serving worker
+        action["action"] = choice
+        if choice == "add" and len(alive) < self.options.max_workers:
+            worker = self._start_worker()
+            action["worker"] = worker.id
+            self.chaos.actions.append(action)
+        elif choice == "remove" and len(alive) > 1:
+            victim = rng.choice(alive)
+            action["worker"] = victim.id
+            victim.stop()
+            self.chaos.actions.append(action)
+        elif alive and choice in ("kill", "restart"):
+            victim = rng.choice(alive)
+            action.update(action="kill -9", worker=victim.id)
+            queues = list(registry.queues())
+            held = [
+                q
+                for q, lease in locks.holders(queues).items()
+                if lease and lease.owner == victim.id
+            ]
+            victim.kill()
+            killed_at = time.monotonic()
+            action["held"] = len(held)
+            self.chaos.actions.append(action)
+            if choice == "restart":
+                self._start_worker()
+            if held:
+                try:
                     self._measure_failover(locks, victim.id, held, killed_at)
+                except Exception as exc:  # noqa: BLE001 - the kill is done, its measure failed
+                    self._chaos_failed(action, exc, "failover not measured")
+
+    def _chaos_failed(self, action: dict[str, Any], exc: Exception, what: str = "") -> None:
+        """One line on why a chaos step failed, in the log and in the step's action."""
+        expected = isinstance(exc, SERVICE_ERRORS)
+        reason = scrub(
+            str(exc) if isinstance(exc, KeyqError) else describe_exception(exc),
+            self.settings.amqp_url,
+        )
+        action["failed"] = f"{what}: {reason}" if what else reason
+        if not any(existing is action for existing in self.chaos.actions):
+            self.chaos.actions.append(action)
+        log.warning(
+            "chaos step %s failed, going on with the next: %s",
+            action["action"],
+            action["failed"],
+            exc_info=not expected,
+        )
 
     def _measure_failover(
         self, locks: FencedLocks, dead: str, held: list[str], killed_at: float
     ) -> None:
         """Time until every queue the dead worker held is in live hands: held by another
         worker, or, with its lock gone, holding no message (a drained key-mode queue needs no
-        holder until its key speaks again). Not recorded if it takes over a minute."""
+        holder until its key speaks again). Not recorded if it takes over a minute; raises
+        what keeps it from being measured (a service that does not answer)."""
         pending = set(held)
-        try:
-            with _ReadyCounter(self.settings) as counter:
-                while time.monotonic() - killed_at < 60 and not self._stop.is_set():
-                    holders = locks.holders(sorted(pending))
-                    for queue, lease in holders.items():
-                        taken_over = lease is not None and lease.owner != dead
-                        if taken_over or (lease is None and counter.ready(queue) == 0):
-                            pending.discard(queue)
-                    if not pending:
-                        self.chaos.failovers_s.append(round(time.monotonic() - killed_at, 3))
-                        return
-                    time.sleep(0.2)  # each look may declare hundreds of queues: not too often
-        except (KeyqError, pika.exceptions.AMQPError, OSError) as exc:
-            log.warning("failover not measured: %s", exc)
+        with _ReadyCounter(self.settings) as counter:
+            while time.monotonic() - killed_at < 60 and not self._stop.is_set():
+                holders = locks.holders(sorted(pending))
+                for queue, lease in holders.items():
+                    taken_over = lease is not None and lease.owner != dead
+                    if taken_over or (lease is None and counter.ready(queue) == 0):
+                        pending.discard(queue)
+                if not pending:
+                    self.chaos.failovers_s.append(round(time.monotonic() - killed_at, 3))
+                    return
+                time.sleep(0.2)  # each look may declare hundreds of queues: not too often
 
     # ---- the run ----------------------------------------------------------------------------
 
@@ -218,6 +317,7 @@ class Demo:
         store = StateStore(client, self.stream)
         chaos_thread: threading.Thread | None = None
         try:
+            config = self._record_config(client, len(counts))
             if not options.external_workers:
                 self._prepare_spark()
                 self._janitor = Daemon(
@@ -249,7 +349,13 @@ class Demo:
                 f"publishing {len(events):,} events for {len(counts):,} orders "
                 f"to stream {self.stream}"
             )
-            with Producer(self.stream, mode="key", settings=self.settings) as producer:
+            with Producer(
+                self.stream,
+                mode=config.mode.value,
+                buckets=config.buckets,
+                queue_type=config.queue_type,
+                settings=self.settings,
+            ) as producer:
                 for number, (order, event) in enumerate(events, 1):
                     seq = seen_seq.get(order, 0) + 1
                     seen_seq[order] = seq
@@ -291,8 +397,15 @@ class Demo:
                         ("p99", percentile(latencies, 0.99)),
                     )
                 },
-                "chaos": {"actions": self.chaos.actions, "failovers_s": self.chaos.failovers_s},
-                "queues_created": len(counts),
+                "mode": config.mode.value,
+                "buckets": config.buckets,
+                "queue_type": config.queue_type,
+                "chaos": {
+                    "actions": self.chaos.actions,
+                    "failovers_s": self.chaos.failovers_s,
+                    "failed_steps": self.chaos.failed_steps,
+                },
+                "queues_created": len({config.queue_for(order) for order in counts}),
                 "queues_left": registry.count(),
                 "producer": producer_stats,
                 "verdict": verdict,
@@ -305,6 +418,33 @@ class Demo:
             if self._janitor is not None:
                 self._janitor.stop()
             client.close()
+
+    def _record_config(self, client: redis.Redis, orders: int) -> StreamConfig:
+        """Record the stream's mode, buckets and queue type before any worker or producer
+        uses it (a worker started first would fix a new stream's queues as classic); an
+        existing stream (``--external-workers``) must already be so."""
+        options = self.options
+        with redis_errors(self.settings.redis_url):
+            config = ensure_stream_config(
+                client,
+                self.stream,
+                options.mode,
+                options.buckets,
+                options.queue_type or self.settings.queue_type,
+            )
+        self.config = config
+        self._say(f"stream {self.stream}: {config.describe()}")
+        if (
+            config.mode is Mode.KEY
+            and config.queue_type == "quorum"
+            and orders > QUORUM_KEYS_WARNING
+        ):
+            self._say(
+                f"[yellow]key mode on quorum queues declares {orders:,} quorum queues, each a "
+                "Raft group on every node: mind the nodes' file descriptors and memory "
+                "(--mode bucket is the layout for quorum queues)[/yellow]"
+            )
+        return config
 
     def _watch_latency(
         self,

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import orjson
 from rich.console import Console
+from rich.logging import RichHandler
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -16,14 +20,18 @@ from keyq.demo import Demo, DemoOptions
 def run_demo(options: DemoOptions, *, as_json: bool) -> bool:
     """Run the demo; True when the verdict is clean."""
     console = Console(stderr=True)
-    with Progress(
-        TextColumn("publishing"),
-        BarColumn(),
-        TextColumn("{task.completed:,}/{task.total:,} events"),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-    ) as bar:
+    with (
+        _demo_log_on(console),
+        Progress(
+            TextColumn("publishing"),
+            BarColumn(),
+            TextColumn("{task.completed:,}/{task.total:,} events"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=True,
+            disable=not console.is_terminal,  # in a log or a pipe, a bar is only noise
+        ) as bar,
+    ):
         task = bar.add_task("publish", total=options.events)
         demo = Demo(
             load_settings(),
@@ -39,17 +47,39 @@ def run_demo(options: DemoOptions, *, as_json: bool) -> bool:
     return bool(summary["verdict"]["ok"])
 
 
+@contextmanager
+def _demo_log_on(console: Console) -> Iterator[None]:
+    """The demo's own log lines (a chaos step that failed, say) on the console, above the
+    progress bar, for as long as the demo runs."""
+    demo_log = logging.getLogger("keyq.demo")
+    handler = RichHandler(console=console, show_path=False, show_time=False)
+    handler.setLevel(logging.INFO)
+    demo_log.addHandler(handler)
+    before = demo_log.propagate, demo_log.level
+    demo_log.propagate = False
+    demo_log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        demo_log.removeHandler(handler)
+        demo_log.propagate, demo_log.level = before
+
+
 def _table(summary: dict[str, Any]) -> Table:
     verdict = summary["verdict"]
     latency = summary["latency_ms"]
     failovers = summary["chaos"]["failovers_s"]
+    actions = len(summary["chaos"]["actions"])
+    failed = summary["chaos"]["failed_steps"]
+    layout = summary["mode"] + (f", {summary['buckets']} buckets" if summary["buckets"] else "")
     table = Table(title=f"keyq demo — stream {summary['stream']}", show_header=False)
     rows = [
         ("events / orders", f"{summary['events']:,} / {summary['orders']:,}"),
+        ("mode / queue type", f"{layout} / {summary['queue_type']}"),
         ("publish rate", f"{summary['publish_events_per_s']:,} events/s"),
         ("end to end", f"{summary['end_to_end_events_per_s'] or '—'} events/s"),
         ("latency p50 / p95 / p99", f"{latency['p50']} / {latency['p95']} / {latency['p99']} ms"),
-        ("chaos actions", str(len(summary["chaos"]["actions"]))),
+        ("chaos actions", f"{actions} ({failed} failed)" if failed else str(actions)),
         ("failovers", ", ".join(f"{s:.2f}s" for s in failovers) or "—"),
         ("queues created / left", f"{summary['queues_created']:,} / {summary['queues_left']:,}"),
         ("lost", str(verdict["lost"])),
