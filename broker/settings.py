@@ -57,7 +57,12 @@ class Settings(BaseSettings):
     )
 
     amqp_heartbeat: int = Field(default=5, ge=1, le=600, description="AMQP heartbeat, seconds")
-    connect_timeout: float = Field(default=5.0, gt=0, description="per connection attempt, s")
+    connect_timeout: float = Field(
+        default=5.0,
+        gt=0,
+        description="a TCP connect, s; a whole connection attempt (AMQP handshake included) "
+        "gets twice this",
+    )
     reconnect_timeout: float = Field(
         default=30.0, ge=0, description="how long a producer retries a lost broker, s"
     )
