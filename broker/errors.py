@@ -61,9 +61,28 @@ class CommitNotReplicated(RedisUnavailable):
     commit, applies them again), and acks once a commit is confirmed."""
 
 
-class ManagementUnavailable(ConnectionFailed):
+class HttpEndpointUnavailable(ConnectionFailed):
+    """An HTTP endpoint of the broker did not answer, refused us, or answered with something
+    keyq cannot read; ``status`` is the HTTP status it answered with, if it did."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ManagementUnavailable(HttpEndpointUnavailable):
     """RabbitMQ's management API is not configured, not reachable, or refused us: what only it
     reports (file descriptors, the queue list) is unknown, and keyq carries on without it."""
+
+
+class PrometheusUnavailable(HttpEndpointUnavailable):
+    """No node's ``rabbitmq_prometheus`` endpoint answered with its metrics: the figures read
+    there (queue depths and consumers, file descriptors, the queue list) come from elsewhere
+    or are unknown, and keyq carries on without them."""
+
+
+class PrometheusFormatError(KeyqError, ValueError):
+    """A line that is not in Prometheus's text exposition format."""
 
 
 class AuthenticationFailed(ConnectionFailed):

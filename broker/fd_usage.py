@@ -2,11 +2,12 @@
 
 In key mode every classic queue that holds messages keeps files open (about one fd on queue
 version 1, two on version 2, as measured on RabbitMQ 3.10), so thousands of keys can exhaust a
-``nofile`` of 1024: queues then crash with ``emfile`` and a vhost can stop altogether. Only the
-management API reports the real figure (``fd_used`` counts the node's open fds, ``fd_total``
-is its limit); ``rabbitmq-diagnostics status`` counts only the handles RabbitMQ's own file
-handle cache tracks, which leaves queue version 2 files out. Without a reachable API the figure
-is unknown, which is reported as such and never raised.
+``nofile`` of 1024: queues then crash with ``emfile`` and a vhost can stop altogether. The node
+itself reports the real figure (its open fds and its limit), through ``rabbitmq_prometheus``
+(``KEYQ_PROMETHEUS_URL``, read first) or the management API (``KEYQ_MANAGEMENT_URL``: not on
+RabbitMQ 4.x with its metrics collection off); ``rabbitmq-diagnostics status`` counts only the
+handles RabbitMQ's own file handle cache tracks, which leaves queue version 2 files out.
+Without either the figure is unknown, which is reported as such and never raised.
 """
 
 from __future__ import annotations
@@ -15,14 +16,19 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from keyq.broker.errors import ManagementUnavailable
+from keyq.broker.errors import ManagementUnavailable, PrometheusUnavailable
 from keyq.broker.management import get_json
+from keyq.broker.prometheus_api import NodeFds, node_fds
 from keyq.broker.settings import Settings
 
 log = logging.getLogger("keyq.broker")
 
 NODES_PATH = "/api/nodes?columns=name,running,fd_used,fd_total"
-NOT_SET = "KEYQ_MANAGEMENT_URL is not set"
+NOT_SET = "neither KEYQ_PROMETHEUS_URL nor KEYQ_MANAGEMENT_URL is set"
+NO_FIGURES = (
+    "the management API reports no fd figures (yet, or at all where RabbitMQ 4.x has its "
+    "metrics collection off: KEYQ_PROMETHEUS_URL reads them from rabbitmq_prometheus)"
+)
 
 
 def near_limit(used: int, limit: int, warn_ratio: float) -> bool:
@@ -39,6 +45,7 @@ class FdUsage:
     limit: int | None = None
     node: str | None = None
     unknown_reason: str | None = None
+    source: str | None = None  # "prometheus" or "management"
 
     @property
     def known(self) -> bool:
@@ -82,6 +89,7 @@ class FdUsage:
             limit=data["fd_limit"],
             node=data["node"],
             unknown_reason=data["unknown_reason"],
+            source=data.get("source"),
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -94,33 +102,50 @@ class FdUsage:
             "warn_ratio": self.warn_ratio,
             "near_limit": self.near_limit,
             "unknown_reason": self.unknown_reason,
+            "source": self.source,
         }
 
 
 def read_fd_usage(settings: Settings) -> FdUsage:
-    """The fd use of the broker's running node closest to its limit, from the management API;
-    unknown (never an exception) when the API is not set, not reachable or not reporting."""
+    """The fd use of the broker's running node closest to its limit: from rabbitmq_prometheus
+    if it is set and answers, else from the management API; unknown (never an exception) when
+    neither is set, reachable or reporting."""
     ratio = settings.fd_warn_ratio
+    reason = NOT_SET
+    if settings.prometheus_url:
+        try:
+            nodes = node_fds(settings.prometheus_url, settings.connect_timeout)
+        except PrometheusUnavailable as exc:
+            log.debug("broker file descriptors not from rabbitmq_prometheus: %s", exc)
+            nodes, reason = [], str(exc)
+        if nodes:
+            return _closest(ratio, nodes, "prometheus")
+        if reason == NOT_SET:  # it answered, without the figures
+            reason = "rabbitmq_prometheus reports no fd figures yet"
     if not settings.management_url:
-        return FdUsage(ratio, unknown_reason=NOT_SET)
+        return FdUsage(ratio, unknown_reason=reason)
     try:
-        nodes = get_json(settings.management_url, NODES_PATH, settings.connect_timeout)
+        listed = get_json(settings.management_url, NODES_PATH, settings.connect_timeout)
     except ManagementUnavailable as exc:
         log.debug("broker file descriptors unknown: %s", exc)
         return FdUsage(ratio, unknown_reason=str(exc))
     figures = [
-        (str(node.get("name")), node["fd_used"], node["fd_total"])
-        for node in (nodes if isinstance(nodes, list) else [])
+        NodeFds(str(node.get("name")), node["fd_used"], node["fd_total"])
+        for node in (listed if isinstance(listed, list) else [])
         if isinstance(node, dict)
         and node.get("running", True)
         and _count(node.get("fd_used")) >= 0
         and _count(node.get("fd_total")) > 0
     ]
     if not figures:
-        # A node reports them a few seconds after it started.
-        return FdUsage(ratio, unknown_reason="the management API reports no fd figures yet")
-    name, used, limit = max(figures, key=lambda item: (item[1] / item[2], item[1]))
-    return FdUsage(ratio, used=used, limit=limit, node=name)
+        # A node reports them a few seconds after it started; RabbitMQ 4.x may not at all.
+        return FdUsage(ratio, unknown_reason=NO_FIGURES)
+    return _closest(ratio, figures, "management")
+
+
+def _closest(ratio: float, nodes: list[NodeFds], source: str) -> FdUsage:
+    worst = max(nodes, key=lambda fds: (fds.used / fds.limit, fds.used))
+    return FdUsage(ratio, used=worst.used, limit=worst.limit, node=worst.node, source=source)
 
 
 def _count(value: object) -> int:

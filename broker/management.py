@@ -1,25 +1,21 @@
 """RabbitMQ's management HTTP API, read-only: AMQP cannot list queues or report the node's
 file descriptors, so what needs them asks here (``KEYQ_MANAGEMENT_URL``).
 
-Credentials go in the ``Authorization`` header only; every error names the API by its
-redacted URL and never chains the library exception, which could carry them.
+Requests go through ``broker.http_get``: credentials in the ``Authorization`` header only,
+errors naming the API by its redacted URL.
 """
 
 from __future__ import annotations
 
-import base64
-import http.client
 import json
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import Any
 
 from keyq.broker.errors import ManagementUnavailable
-from keyq.broker.urls import redact_url, scrub
+from keyq.broker.http_get import http_get
+from keyq.broker.urls import redact_url
 
 DEFAULT_PORT = 15672
-HTTP_UNAUTHORIZED = 401
 HTTP_FORBIDDEN = 403
 
 
@@ -29,36 +25,23 @@ def get_json(management_url: str, path: str, timeout: float) -> Any:
     Raises ``ManagementUnavailable`` if the API does not answer, refuses us or answers with
     something that is not JSON.
     """
-    shown = redact_url(management_url)
+    body = http_get(
+        management_url,
+        path,
+        timeout,
+        what="management API",
+        error=ManagementUnavailable,
+        default_port=DEFAULT_PORT,
+        default_credentials=("guest", "guest"),
+        hints={HTTP_FORBIDDEN: "the user's tags do not allow it (node figures need 'monitoring')"},
+    )
     try:
-        parts = urllib.parse.urlsplit(management_url)
-        port = parts.port or DEFAULT_PORT
+        return json.loads(body)
     except ValueError:
-        raise ManagementUnavailable(f"management API URL {shown} is not valid") from None
-    host = parts.hostname or "localhost"
-    if ":" in host:
-        host = f"[{host}]"
-    prefix = parts.path.rstrip("/")
-    request = urllib.request.Request(f"{parts.scheme}://{host}:{port}{prefix}{path}")
-    user = urllib.parse.unquote(parts.username or "guest")
-    password = urllib.parse.unquote(parts.password or "guest")
-    token = base64.b64encode(f"{user}:{password}".encode()).decode()
-    # Not passed on if the API redirects, perhaps to another host or to plain http.
-    request.add_unredirected_header("Authorization", f"Basic {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.load(response)
-    except urllib.error.HTTPError as exc:
-        reason = f"HTTP {exc.code}"
-        if exc.code == HTTP_UNAUTHORIZED:
-            reason += ": the credentials were refused"
-        elif exc.code == HTTP_FORBIDDEN:
-            reason += ": the user's tags do not allow it (node figures need 'monitoring')"
-        exc.close()
-        raise ManagementUnavailable(f"management API at {shown} refused: {reason}") from None
-    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
-        reason = scrub(str(getattr(exc, "reason", exc)), management_url)
-        raise ManagementUnavailable(f"management API at {shown} did not answer: {reason}") from None
+        raise ManagementUnavailable(
+            f"management API at {redact_url(management_url)} answered {path.partition('?')[0]} "
+            "with something that is not JSON"
+        ) from None
 
 
 def queue_figures(

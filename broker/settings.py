@@ -7,6 +7,7 @@ of AMQP clients, because a crashed worker's keys should move within seconds.
 from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -20,6 +21,7 @@ from keyq.broker.urls import (
     check_url,
     check_urls,
     redact_url,
+    split_urls,
 )
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@localhost:5672/%2F"
@@ -54,6 +56,17 @@ class Settings(BaseSettings):
         repr=False,
         description="RabbitMQ management API (http://user:pass@host:15672): the broker's "
         "file descriptor use (status, janitor) and queues a crash left unregistered (janitor)",
+    )
+    # One URL per node of the broker, comma-separated: each node serves only its own queues'
+    # figures and its own file descriptors (broker/prometheus_api.py).
+    prometheus_url: str | None = Field(
+        default=None,
+        repr=False,
+        description="RabbitMQ's rabbitmq_prometheus listener on each node "
+        "(http://host:15692, comma-separated): queue depths and consumers (status), file "
+        "descriptors (status, janitor), queues a crash left unregistered (janitor); read "
+        "before management_url, and the only source where RabbitMQ 4.x has the management "
+        "metrics collection off",
     )
 
     amqp_heartbeat: int = Field(default=5, ge=1, le=600, description="AMQP heartbeat, seconds")
@@ -145,6 +158,21 @@ class Settings(BaseSettings):
             return None  # KEYQ_MANAGEMENT_URL= (empty) means not set
         return check_url(value, HTTP_SCHEMES, "KEYQ_MANAGEMENT_URL")
 
+    @field_validator("prometheus_url")
+    @classmethod
+    def _prometheus(cls, value: str | None) -> str | None:
+        if not value or not split_urls(value):
+            return None  # KEYQ_PROMETHEUS_URL= (empty) means not set
+        check_urls(value, HTTP_SCHEMES, "KEYQ_PROMETHEUS_URL")
+        for url in split_urls(value):
+            parts = urlsplit(url)
+            if parts.query or parts.fragment or "/metrics" in parts.path:
+                raise ConfigurationError(
+                    "KEYQ_PROMETHEUS_URL names the rabbitmq_prometheus listener, without a "
+                    f"path to its metrics (e.g. http://host:15692); got {redact_url(url)!r}"
+                )
+        return value
+
     @model_validator(mode="after")
     def _grace_outlasts_lease(self) -> Settings:
         if self.retire_grace_ms < 2 * self.publish_lease_ms:
@@ -161,6 +189,8 @@ class Settings(BaseSettings):
         shown["redis_url"] = redact_url(self.redis_url)
         if self.management_url:
             shown["management_url"] = redact_url(self.management_url)
+        if self.prometheus_url:
+            shown["prometheus_url"] = redact_url(self.prometheus_url)
         return shown
 
 

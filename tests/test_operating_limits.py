@@ -22,7 +22,7 @@ import redis
 from keyq import Producer
 from keyq.broker.connections import open_redis
 from keyq.broker.errors import ConfigurationError
-from keyq.broker.fd_usage import FdUsage, near_limit, read_fd_usage
+from keyq.broker.fd_usage import NOT_SET, FdUsage, near_limit, read_fd_usage
 from keyq.broker.redis_persistence import Persistence, judge, log_redis_persistence
 from keyq.broker.settings import Settings, load_settings
 from keyq.janitor.config import JanitorSettings
@@ -109,7 +109,8 @@ def test_without_a_reachable_api_the_figure_is_unknown_and_no_password_shows(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    assert read_fd_usage(load_settings()).unknown_reason == "KEYQ_MANAGEMENT_URL is not set"
+    unset = load_settings(management_url="", prometheus_url="")
+    assert read_fd_usage(unset).unknown_reason == NOT_SET
     closed = f"http://keyq:s3cret-pw@127.0.0.1:{free_port()}"  # nothing listens there
     usage = read_fd_usage(load_settings(management_url=closed))
     assert not usage.known and not usage.near_limit
@@ -133,12 +134,13 @@ def test_the_management_url_is_checked_and_never_shown() -> None:
 def test_status_says_unknown_without_the_api(stream: StreamFixture, producer: Producer) -> None:
     producer.publish("k", {"n": 1})
     producer.flush()
-    settings = stream.settings.model_copy(update={"management_url": None})
+    settings = stream.settings.model_copy(update={"management_url": None, "prometheus_url": None})
     status = collect_status(settings, stream.name)
     assert status["broker"]["fd_used"] is None
-    assert status["broker"]["unknown_reason"] == "KEYQ_MANAGEMENT_URL is not set"
+    assert status["broker"]["unknown_reason"] == NOT_SET
+    assert status["broker"]["source"] is None
     text = render_table(status)
-    assert "broker file descriptors unknown (KEYQ_MANAGEMENT_URL is not set)" in text
+    assert f"broker file descriptors unknown ({NOT_SET})" in text
     assert "WARNING" not in text
 
 
