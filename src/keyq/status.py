@@ -3,8 +3,9 @@ and how close the broker is to its file-descriptor limit.
 
 Everything is read, nothing is changed: Redis in three round trips (one pipeline for the
 config, the registry and the members, one MGET for every lock, one HMGET for the original
-keys), RabbitMQ in two listings of the management API when ``KEYQ_MANAGEMENT_URL`` is set (and
-its fd use from there), else by passive declares on one channel (AMQP cannot list queues).
+keys), RabbitMQ in one scrape of each node's rabbitmq_prometheus when ``KEYQ_PROMETHEUS_URL``
+is set, else in two listings of the management API when ``KEYQ_MANAGEMENT_URL`` is (its fd use
+from the same place), else by passive declares on one channel (AMQP cannot list queues).
 """
 
 from __future__ import annotations
@@ -28,11 +29,18 @@ from rich.table import Table
 
 from keyq.broker.clock import now_ms
 from keyq.broker.connections import amqp_failure, open_blocking_connection, open_redis, redis_errors
-from keyq.broker.errors import ConfigurationError, InvalidInput, KeyqError, ManagementUnavailable
+from keyq.broker.errors import (
+    ConfigurationError,
+    InvalidInput,
+    KeyqError,
+    ManagementUnavailable,
+    PrometheusUnavailable,
+)
 from keyq.broker.fd_usage import FdUsage, read_fd_usage
 from keyq.broker.locks import FencedLocks
 from keyq.broker.management import queue_figures
-from keyq.broker.naming import Mode, check_stream_name, dead_letter_queue_name
+from keyq.broker.naming import Mode, check_stream_name, dead_letter_queue_name, stream_prefix
+from keyq.broker.prometheus_api import queue_figures as prometheus_figures
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings, load_settings
@@ -47,7 +55,13 @@ TABLE_LIMIT = 50
 NOT_FOUND = 404
 PIPE_WIDTH = 400  # output to a pipe or file is never wrapped, so names stay greppable
 FD_REFRESH_S = 10.0  # --watch reads the broker's fd use at most this often
-LISTING_TIMEOUT_S = 30.0  # one management API listing of every queue of the vhost
+LISTING_TIMEOUT_S = 30.0  # one listing of every queue of the vhost (management, prometheus)
+HTTP_BAD_REQUEST = 400
+# What RabbitMQ 4.x answers /api/consumers with when its management metrics collection is off.
+METRICS_OFF_HINT = (
+    " (the broker's management metrics collection is off, as RabbitMQ 4.x allows: "
+    "KEYQ_PROMETHEUS_URL reads the figures from rabbitmq_prometheus instead)"
+)
 
 
 class StreamNotFound(KeyqError):
@@ -193,18 +207,38 @@ class StatusReader:
 
     def _figures(self, queues: list[str]) -> dict[str, tuple[int, int] | None]:
         """(ready messages, consumers) of each queue, None for one that does not exist: from
-        the management API's listings when ``KEYQ_MANAGEMENT_URL`` is set (the broker may
-        report a depth a few seconds late), else, or if the API fails, by declaring."""
-        if not self.settings.management_url:
+        rabbitmq_prometheus when ``KEYQ_PROMETHEUS_URL`` is set, else from the management
+        API's listings when ``KEYQ_MANAGEMENT_URL`` is (either may report a depth a few
+        seconds late), else, or if neither answers, by declaring. A queue they do not report
+        (declared a moment ago, or on a node not listed) is declared."""
+        settings = self.settings
+        vhost = vhost_of(settings.amqp_url)
+        if settings.prometheus_url:
+            try:
+                reported = prometheus_figures(
+                    settings.prometheus_url,
+                    vhost,
+                    LISTING_TIMEOUT_S,
+                    prefix=stream_prefix(self.stream),
+                )
+            except PrometheusUnavailable as exc:
+                fallback = "the management API" if settings.management_url else "declaring"
+                log.warning("queue figures from %s instead: %s", fallback, exc)
+            else:
+                found: dict[str, tuple[int, int] | None] = {
+                    queue: reported[queue] for queue in queues if queue in reported
+                }
+                unreported = [queue for queue in queues if queue not in reported]
+                if unreported:
+                    found.update(self._declare(unreported))
+                return found
+        if not settings.management_url:
             return self._declare(queues)
         try:
-            listed = queue_figures(
-                self.settings.management_url,
-                vhost_of(self.settings.amqp_url),
-                LISTING_TIMEOUT_S,
-            )
+            listed = queue_figures(settings.management_url, vhost, LISTING_TIMEOUT_S)
         except ManagementUnavailable as exc:
-            log.warning("queue figures by declaring instead: %s", exc)
+            hint = METRICS_OFF_HINT if exc.status == HTTP_BAD_REQUEST else ""
+            log.warning("queue figures by declaring instead: %s%s", exc, hint)
             return self._declare(queues)
         found = {queue: listed.get(queue) for queue in queues}
         # Listed without a depth: ask the queue itself.
@@ -260,7 +294,8 @@ def collect_status(settings: Settings, stream: str) -> dict[str, Any]:
     (see ``add_rates``). ``totals``: queue count, lag (sum of keyed depths), dead-letter depth,
     held/unheld/missing queues, workers. ``broker``: ``fd_used``/``fd_limit``/``fd_ratio`` of
     the broker node closest to its fd limit and ``near_limit`` (at ``settings.fd_warn_ratio``),
-    or None figures and ``unknown_reason`` without the management API. Raises
+    or None figures and ``unknown_reason`` without rabbitmq_prometheus or the management
+    API, and the ``source`` they came from. Raises
     ``StreamNotFound`` for an unused stream.
     """
     with StatusReader(settings, stream) as reader:
