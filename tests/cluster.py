@@ -1,9 +1,11 @@
 """A private 3-node RabbitMQ cluster on loopback, with node faults, for tests.
 
-The nodes run the installed release (``/usr/lib/rabbitmq/bin/rabbitmq-server``, called
-directly), as this user, in a temporary folder of their own: node names unique to the run
-(``kq<random><n>@localhost``), free AMQP and distribution ports on 127.0.0.1, their own
-``HOME`` (and so Erlang cookie), mnesia, log, env and config files, so nothing of
+The nodes run the release under test (:class:`tests.servers.Release`: the installed
+``/usr/lib/rabbitmq/bin/rabbitmq-server``, called directly, or with ``KEYQ_TEST_RABBITMQ=4``
+RabbitMQ 4.3 from the forky root, under chroot, with every deprecated feature denied and an
+epmd of the cluster's own), as this user, in a temporary folder of their own: node names unique
+to the run (``kq<random><n>@localhost``), free AMQP and distribution ports on 127.0.0.1, their
+own ``HOME`` (and so Erlang cookie), mnesia, log, env and config files, so nothing of
 ``/etc/rabbitmq`` -- the machine's own node ``rabbit@localhost`` on 5672 -- ever applies.
 Every ``rabbitmqctl`` call names one of these nodes with ``-n``.
 
@@ -26,17 +28,18 @@ Faults:
   ``stop_app`` was not chosen: it leaves the VM (and its distribution link) up, which is
   not what "the node that leads a queue is stopped" means in production.
 - ``kill(node)``: ``kill -9`` of the node's ``beam.smp`` (its OS pid is the one in its pid
-  file, checked to be this node's VM): a crash, with no shutdown at all.
+  file, checked to be this node's VM, under chroot too): a crash, with no shutdown at all.
 - ``restart(node)``: start a stopped or killed node again, with the same name and data; it
   returns once the node runs again and every other running node lists it as running.
 - ``cut(node)``: reset every client connection that came through the node's
   :class:`~tests.faults.FaultProxy` (``proxied_urls``); ``proxy(node)`` gives the proxy for
   its other faults (``pause``, ``set_delay``, ``refuse``...). Direct ``urls`` are not proxied.
 
-Nothing is left behind: close() stops every node (then kill -9 of each node's process group)
-and removes the folder; a node also stops by itself if the test process dies without
-closing (PR_SET_PDEATHSIG). The CLI's own distribution port is left to the OS, since the
-default range (35672-35682) is shared by every rabbitmqctl on the machine.
+Nothing is left behind: close() stops every node (then kill -9 of each node's process group),
+and its epmd on 4.x, and removes the folder; a node (and that epmd) also stops by itself if
+the test process dies without closing (PR_SET_PDEATHSIG). The CLI's own distribution port is
+left to the OS, since the default range (35672-35682) is shared by every rabbitmqctl on the
+machine.
 
 Restarting needs the other nodes running: a node stopped while others ran waits for them at
 boot (mnesia), so stopping every node and restarting one alone would hang for minutes.
@@ -46,12 +49,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import csv
-import ctypes
-import io
 import json
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -71,32 +70,34 @@ import pytest
 
 from tests.faults import FaultProxy
 from tests.helpers import poll_until
-from tests.servers import free_port
-
-_RABBIT_BIN = Path("/usr/lib/rabbitmq/bin")
+from tests.servers import (
+    RABBIT_BIN,
+    Epmd,
+    Release,
+    check_deprecated_features_denied,
+    die_with_parent,
+    free_port,
+    is_vm_of,
+)
 
 # Inherited variables that would point a node or the CLI somewhere else.
 _ENV_PREFIXES = ("RABBITMQ_", "ERL_")
 _ENV_NAMES = frozenset({"CONF_ENV_FILE", "NODENAME", "NODE_PORT", "NODE_IP_ADDRESS", "HOME"})
 
 NodeRef = int | str
-_QUEUE_COLUMNS = ("name", "type", "leader", "members", "online", "pid")
-# 3.10 lists a classic queue whose home node is down with its module's name as its type.
+_QUEUE_COLUMNS = ("name", "type", "leader", "members", "online")
+_LIST_COLUMNS = frozenset({"members", "online"})
+# 3.10 and 4.3 list a classic queue whose node is down with its module's name as its type.
 _QUEUE_TYPES = {
     "rabbit_classic_queue": "classic",
     "rabbit_quorum_queue": "quorum",
     "rabbit_stream_queue": "stream",
 }
-_PR_SET_PDEATHSIG = 1  # prctl(2)
-# Erlang distribution (node to node) on loopback only.
-_LOOPBACK_DIST = "-kernel inet_dist_use_interface {127,0,0,1}"
 
 
 def cluster_available() -> str | None:
-    """None if a cluster can be started here, else why not."""
-    if not (_RABBIT_BIN / "rabbitmq-server").exists():
-        return f"rabbitmq-server is not installed under {_RABBIT_BIN}"
-    return None
+    """None if a cluster of the release under test can be started here, else why not."""
+    return Release.from_environment().missing(redis_server=False)
 
 
 class ClusterError(RuntimeError):
@@ -133,7 +134,7 @@ class QueueInfo:
     name: str
     type: str  # "classic", "quorum" or "stream"
     leader: str | None  # quorum: the leader's node; classic: the node the queue lives on
-    members: list[str]  # quorum: the nodes with a replica
+    members: list[str]  # quorum: the nodes with a replica (4.x: a classic queue's node)
     online: list[str]  # quorum: the members now running
 
 
@@ -147,8 +148,10 @@ class RabbitCluster:
         size: int = 3,
         management: bool = False,
         boot_timeout: float = 180,
+        release: Release | None = None,
     ) -> None:
-        reason = cluster_available()
+        self.release = release or Release.from_environment()
+        reason = self.release.missing(redis_server=False)
         if reason is not None:
             raise ClusterError(reason)
         if size < 1:
@@ -156,7 +159,7 @@ class RabbitCluster:
         # Our own folder inside ``folder`` (or the system temp dir), removed on close.
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
-        self.folder = Path(tempfile.mkdtemp(prefix="kq-cluster-", dir=folder))
+        self.folder = Path(tempfile.mkdtemp(prefix="kq-cluster-", dir=folder)).resolve()
         self.boot_timeout = boot_timeout
         self.timings: dict[str, float] = {}
         self._closed = False
@@ -167,13 +170,18 @@ class RabbitCluster:
         cookie = home / ".erlang.cookie"
         cookie.write_text(secrets.token_hex(20).upper())
         cookie.chmod(0o400)
-        base_env = {
+        # 4.x: an epmd of the cluster's own (started with the nodes), not the machine's.
+        self._epmd = Epmd(self.release) if self.release.root is not None else None
+        inherited = {
             k: v
             for k, v in os.environ.items()
             if not k.startswith(_ENV_PREFIXES) and k not in _ENV_NAMES
         }
+        base_env = self.release.environment(inherited)
+        if self._epmd is not None:
+            base_env["ERL_EPMD_PORT"] = str(self._epmd.port)
         base_env.update(
-            HOME=str(home),
+            HOME=str(home.resolve()),
             ERL_EPMD_ADDRESS="127.0.0.1",
             # The CLI's own distribution port: any free one. Its default range, 35672-35682,
             # is shared by every rabbitmqctl on the machine and runs out under parallel calls.
@@ -188,7 +196,7 @@ class RabbitCluster:
             node_folder = self.folder / f"n{index + 1}"
             node_folder.mkdir()
             port, dist_port = free_port(), free_port()
-            config = f"listeners.tcp.default = 127.0.0.1:{port}\n"
+            config = f"listeners.tcp.default = 127.0.0.1:{port}\n" + self.release.rabbit_config()
             plugins = "[]"
             management_port = None
             if management:
@@ -213,7 +221,8 @@ class RabbitCluster:
                 "RABBITMQ_CONFIG_FILE": str(node_folder / "rabbitmq.conf"),
                 "RABBITMQ_ENABLED_PLUGINS_FILE": str(node_folder / "enabled_plugins"),
                 "RABBITMQ_PID_FILE": str(node_folder / "pid"),
-                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": _LOOPBACK_DIST,
+                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": self.release.erl_args(),
+                "ERL_CRASH_DUMP": str(node_folder / "erl_crash.dump"),
             }
             self._nodes.append(
                 _Node(index, name, node_folder, port, dist_port, env, management_port)
@@ -281,16 +290,20 @@ class RabbitCluster:
     def ctl(self, node: NodeRef, *args: str, timeout: float = 60) -> str:
         """``rabbitmqctl -n <node> args...``; its stdout, or ClusterError with its output."""
         target = self._node(node)
-        command = [str(_RABBIT_BIN / "rabbitmqctl"), "-n", target.name, *args]
+        command = ["rabbitmqctl", "-n", target.name, *args]
         try:
             done = subprocess.run(
-                command, env=self._ctl_env, capture_output=True, text=True, timeout=timeout
+                self.release.command([str(RABBIT_BIN / command[0]), *command[1:]], [self.folder]),
+                env=self._ctl_env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
             )
         except subprocess.TimeoutExpired as exc:
-            raise ClusterError(f"{' '.join(command[1:])}: no answer in {timeout:.0f}s") from exc
+            raise ClusterError(f"{' '.join(command)}: no answer in {timeout:.0f}s") from exc
         if done.returncode != 0:
             raise ClusterError(
-                f"{' '.join(command[1:])} exited {done.returncode}: "
+                f"{' '.join(command)} exited {done.returncode}: "
                 f"{(done.stdout + done.stderr).strip()[-2000:]}"
             )
         return done.stdout
@@ -322,11 +335,15 @@ class RabbitCluster:
     def start(self) -> RabbitCluster:
         """Start every node in parallel, join the others to the first, wait for all."""
         began = time.monotonic()
+        if self._epmd is not None:
+            self._epmd.start(self._spawner)
         for node in self._nodes:
             self._spawner.submit(self._spawn, node).result()
         self._parallel([partial(self._await_boot, n) for n in self._nodes])
         self.timings["start"] = time.monotonic() - began
         self._check_guest(self._nodes[0])
+        if self.release.rabbitmq_major >= 4:
+            check_deprecated_features_denied(partial(self.ctl, 0))
         began = time.monotonic()
         first = self._nodes[0]
         for node in self._nodes[1:]:
@@ -347,8 +364,12 @@ class RabbitCluster:
             with contextlib.suppress(Exception):
                 proxy.stop()
         began = time.monotonic()
+        # 4.x: a node holding durable classic queues records them stopped in the metadata store
+        # (Khepri) as it stops, and waits 30 s for a quorum that the other nodes, stopping at
+        # the same time, no longer give: a few seconds, then kill -9 (the data goes anyway).
+        grace = 90 if self.release.rabbitmq_major < 4 else 8
         self._parallel(
-            [partial(self._stop_node, n) for n in self._nodes if n.process is not None],
+            [partial(self._stop_node, n, grace) for n in self._nodes if n.process is not None],
             swallow=True,
         )
         self._kill_all()
@@ -413,61 +434,71 @@ class RabbitCluster:
 
     # -- queues --------------------------------------------------------------------------
 
+    def list_queues(
+        self, *columns: str, vhost: str = "/", via: NodeRef | None = None
+    ) -> list[dict[str, Any]]:
+        """``rabbitmqctl list_queues <columns>`` on ``via`` (default: a node that is up), one
+        dict per queue. JSON, since 4.x's CSV formatter fails on list-valued columns
+        (``members``, ``online``); a list column of a queue that has none is ``[]``."""
+        target = self._node(via) if via is not None else self._any_up()
+        out = self.ctl(
+            target.index, "list_queues", "-q", "-p", vhost, *columns, "--formatter", "json"
+        )
+        rows = json.loads(out) if out.strip() else []
+        for row in rows:
+            for column in _LIST_COLUMNS.intersection(row):
+                row[column] = _node_list(row[column])
+        return [dict(row) for row in rows]
+
     def queue_info(self, queue: str, vhost: str = "/", via: NodeRef | None = None) -> QueueInfo:
         """What ``via`` (default: a node that is up) now says of ``queue`` (``list_queues``)."""
         target = self._node(via) if via is not None else self._any_up()
-        out = self.ctl(
-            target.index, "list_queues", "-p", vhost, *_QUEUE_COLUMNS, "--formatter", "csv"
-        )
-        for row in csv.DictReader(io.StringIO(out)):
+        for row in self.list_queues(*_QUEUE_COLUMNS, vhost=vhost, via=target.index):
             if row.get("name") != queue:
                 continue
-            if row["type"] == "quorum":
-                leader = row["leader"] or None
-            else:  # a classic queue's pid carries its home node: <kq..1@localhost.1.2.0>
-                match = re.fullmatch(r"<(.+@[^.]+)(?:\.\d+)+>", row["pid"])
-                leader = match.group(1) if match else None
-            return QueueInfo(
-                queue,
-                _QUEUE_TYPES.get(row["type"], row["type"]),
-                leader,
-                _node_list(row["members"]),
-                _node_list(row["online"]),
-            )
+            kind = _QUEUE_TYPES.get(row["type"], row["type"])
+            leader = row["leader"] or None
+            if kind == "classic" and leader is None:
+                # 4.x names a running classic queue's node as its leader; 3.10 never does,
+                # and neither lists the node of one whose node is down: ask the metadata.
+                leader = self.home_node(queue, vhost, via=target.index)
+            return QueueInfo(queue, kind, leader, row["members"], row["online"])
         raise KeyError(f"no queue {queue!r} in vhost {vhost!r}")
+
+    def home_node(self, queue: str, vhost: str = "/", via: NodeRef | None = None) -> str | None:
+        """The node a classic queue lives on, from the cluster's metadata (so also while that
+        node is down), or None if there is no such queue."""
+        target = self._node(via) if via is not None else self._any_up()
+        # 4.x keeps the record of a queue whose node is down where lookup finds it; 3.10 only
+        # in its durable table (mnesia, which 4.x's Khepri metadata store no longer has).
+        name = f"rabbit_misc:r({_erlang_binary(vhost)}, queue, {_erlang_binary(queue)})"
+        expression = (
+            f"case rabbit_amqqueue:lookup({name}) of {{ok, Q}} -> node(amqqueue:get_pid(Q)); "
+            f"_ -> case catch mnesia:dirty_read(rabbit_durable_queue, {name}) of "
+            "[D] -> node(amqqueue:get_pid(D)); _ -> none end end."
+        )
+        answer = self.ctl(target.index, "eval", expression).strip().strip("'")
+        return None if answer == "none" else answer
 
     def leaders(self, prefix: str = "", vhost: str = "/") -> dict[str, str]:
         """Every quorum queue named ``prefix...`` and its leader now, in one listing."""
-        out = self.ctl(
-            self._any_up().index, "list_queues", "-p", vhost, "name", "leader", "--formatter", "csv"
-        )
         return {
             row["name"]: row["leader"]
-            for row in csv.DictReader(io.StringIO(out))
-            if row.get("name", "").startswith(prefix) and row.get("leader")
+            for row in self.list_queues("name", "type", "leader", vhost=vhost)
+            if row["name"].startswith(prefix)
+            and _QUEUE_TYPES.get(row["type"], row["type"]) == "quorum"
+            and row["leader"]
         }
 
     def offline_replicas(self, prefix: str = "", vhost: str = "/") -> dict[str, list[str]]:
         """Every quorum queue named ``prefix...`` with a member that is not online now, and
         those members, in one listing (empty when every replica of every such queue runs)."""
-        out = self.ctl(
-            self._any_up().index,
-            "list_queues",
-            "-p",
-            vhost,
-            "name",
-            "type",
-            "members",
-            "online",
-            "--formatter",
-            "csv",
-        )
         missing: dict[str, list[str]] = {}
-        for row in csv.DictReader(io.StringIO(out)):
-            name, kind = row.get("name", ""), row.get("type", "")
+        for row in self.list_queues("name", "type", "members", "online", vhost=vhost):
+            name, kind = row["name"], row["type"]
             if not name.startswith(prefix) or _QUEUE_TYPES.get(kind, kind) != "quorum":
                 continue
-            offline = sorted(set(_node_list(row["members"])) - set(_node_list(row["online"])))
+            offline = sorted(set(row["members"]) - set(row["online"]))
             if offline:
                 missing[name] = offline
         return missing
@@ -523,18 +554,20 @@ class RabbitCluster:
     # -- internals -----------------------------------------------------------------------
 
     def _spawn(self, node: _Node) -> None:
-        """Start ``node``'s VM; on the spawner thread, which outlives it (_die_with_parent)."""
+        """Start ``node``'s VM; on the spawner thread, which lives until close(): the node
+        gets SIGTERM if that thread ends first, i.e. if the test process dies without closing
+        (tests.servers.die_with_parent)."""
         node.pid_file.unlink(missing_ok=True)  # a kill -9 leaves it behind
         console = (node.folder / "console.log").open("ab")
         try:
             node.process = subprocess.Popen(
-                [str(_RABBIT_BIN / "rabbitmq-server")],
+                self.release.command([str(RABBIT_BIN / "rabbitmq-server")], [self.folder]),
                 env=node.env,
                 stdin=subprocess.DEVNULL,
                 stdout=console,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: killable as a whole
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl, no locks
+                preexec_fn=die_with_parent,  # noqa: PLW1509 - only prctl, no locks
             )
         finally:
             console.close()
@@ -575,14 +608,14 @@ class RabbitCluster:
 
         _wait(all_running, self.boot_timeout, f"cluster_status to list {sorted(expected)}")
 
-    def _stop_node(self, node: _Node) -> None:
+    def _stop_node(self, node: _Node, timeout: float = 90) -> None:
         node.up = False
         process = node.process
         if process is None:
             return
         try:
             if process.poll() is None:
-                self.ctl(node.index, "stop", str(node.pid_file), timeout=90)
+                self.ctl(node.index, "stop", str(node.pid_file), timeout=timeout)
             process.wait(30)
         except (ClusterError, subprocess.TimeoutExpired):
             _kill_group(process)
@@ -594,16 +627,13 @@ class RabbitCluster:
             if node.process is not None:
                 _kill_group(node.process)
                 node.process = None
+        if self._epmd is not None:
+            self._epmd.stop()
 
     @staticmethod
     def _is_vm_of(pid: int, node: _Node) -> bool:
         """``pid`` is a live beam.smp started with ``node``'s environment."""
-        try:
-            exe = os.readlink(f"/proc/{pid}/exe")
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            return False
-        return "beam" in Path(exe).name and f"RABBITMQ_NODENAME={node.name}".encode() in environ
+        return is_vm_of(pid, node.name)
 
     def _parallel(self, jobs: list[Callable[[], object]], *, swallow: bool = False) -> None:
         if not jobs:
@@ -615,17 +645,17 @@ class RabbitCluster:
             raise errors[0]  # type: ignore[misc]
 
 
-def _node_list(text: str) -> list[str]:
-    """``[kq..1@localhost, kq..2@localhost]`` (a list column in CSV) as a sorted list."""
-    return sorted(name.strip() for name in text.strip("[]").split(",") if name.strip())
+def _node_list(value: object) -> list[str]:
+    """A list column of ``list_queues`` in JSON (a list, or ``""`` when there is none) as a
+    sorted list of node names."""
+    if isinstance(value, list):
+        return sorted(str(name) for name in value)
+    return sorted(name.strip() for name in str(value or "").strip("[]").split(",") if name.strip())
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGTERM (a clean stop) when the thread that started it ends, so a test
-    process that dies without cleaning up (kill -9) leaves no node behind. Hence every node
-    is started from the cluster's own spawner thread, which lives until close()."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _erlang_binary(text: str) -> str:
+    """``text`` as an Erlang binary expression, whatever characters it holds."""
+    return f"list_to_binary({list(text.encode())})"
 
 
 def _alive(pid: int) -> bool:

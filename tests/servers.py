@@ -1,26 +1,85 @@
 """Private RabbitMQ and Redis servers that a test starts, owns and may restart.
 
 The shared services are never restarted by a test (other tests and sessions use them); a test
-that needs a broker or Redis restart starts its own from the locally installed binaries, on
-free loopback ports, with its data in a temporary folder, and restarts those.
+that needs a broker or Redis restart starts its own, on free loopback ports, with its data in a
+temporary folder, and restarts those.
+
+Which release they run is the environment's choice (:class:`Release`): the locally installed
+RabbitMQ (3.10 here) and redis-server by default; with ``KEYQ_TEST_RABBITMQ=4``, RabbitMQ 4.3 and
+Valkey 9 from the Debian forky root that ``scripts/rabbitmq4.sh setup`` makes
+(``KEYQ_FORKY_ROOT``, default ``/var/cache/keyq-forky``). Programs of that root need its own
+libc, so they run under ``chroot``, each in a mount namespace of its own (``unshare``) where
+/proc and the server's folders are mounted: no mount is ever left on the host, and the folders
+have the same paths inside the root as outside. A 4.x node has every deprecated feature denied
+and an epmd of its own, so it never touches the machine's (port 4369).
+
+Every server process dies with the test process (PR_SET_PDEATHSIG, set from a thread that lives
+as long as the process): a session killed with -9 leaves no node, epmd or Redis behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import json
 import os
 import secrets
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import pika
 import redis
 
-_RABBIT_BIN = Path("/usr/lib/rabbitmq/bin")
+# The same path on the host and inside a forky root.
+RABBIT_BIN = Path("/usr/lib/rabbitmq/bin")
+_RABBIT_BIN = RABBIT_BIN  # its old name
+
+TEST_RABBITMQ_VARIABLE = "KEYQ_TEST_RABBITMQ"
+FORKY_ROOT_VARIABLE = "KEYQ_FORKY_ROOT"
+DEFAULT_FORKY_ROOT = Path("/var/cache/keyq-forky")
+
+# Every deprecated feature of RabbitMQ 4.3 (``rabbitmqctl list_deprecated_features``). A 4.x
+# node of the tests denies them all, so a test that uses one fails now, as it will when the
+# next major release removes it; a node that lists one more fails to start (see
+# :func:`check_deprecated_features_denied`), so that this list is kept whole.
+DEPRECATED_FEATURES = (
+    "amqp_address_v1",
+    "amqp_filter_set_bug",
+    "classic_queue_mirroring",
+    "global_qos",
+    "management_metrics_collection",
+    "queue_master_locator",
+    "ram_node_type",
+    "transient_nonexcl_queues",
+)
+
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+# Erlang distribution (node to node, and the CLI to a node) on loopback only.
+LOOPBACK_DIST = "-kernel inet_dist_use_interface {127,0,0,1}"
+
+# Run inside a fresh mount namespace (unshare --mount, private propagation): /proc for the
+# root, a tmpfs on its /tmp for the mount points of folders under /tmp, each folder bound at
+# its own path, then chroot. Every mount goes away with the namespace's last process.
+_IN_ROOT = r"""
+root=$1; shift
+mountpoint -q "$root/proc" || mount -t proc proc "$root/proc" || exit 125
+mount -t tmpfs -o mode=1777 keyq-tmp "$root/tmp" || exit 125
+while [ "$1" != -- ]; do
+    mkdir -p "$root$1" && mount --bind "$1" "$root$1" || exit 125
+    shift
+done
+shift
+exec chroot "$root" "$@"
+"""
 
 
 def free_port() -> int:
@@ -42,48 +101,268 @@ def _wait_for(check: object, timeout: float, what: str) -> None:
     raise RuntimeError(f"{what} did not come up in {timeout:.0f}s: {last}")
 
 
+@dataclass(frozen=True)
+class Release:
+    """Where the private servers' programs come from.
+
+    ``root`` None: the machine's own RabbitMQ (``/usr/lib/rabbitmq/bin``) and ``redis-server``,
+    run as they are. Otherwise a Debian forky root holding RabbitMQ 4.x and ``valkey-server``,
+    whose programs run under chroot (:meth:`command`); folders a program uses must be named to
+    :meth:`command` so that they are mounted at the same paths inside.
+    """
+
+    root: Path | None = None
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> Release:
+        """``KEYQ_TEST_RABBITMQ``: unset, ``3`` or ``3.x`` for the installed release; ``4`` or
+        ``4.x`` for the forky root at ``KEYQ_FORKY_ROOT``."""
+        environ = os.environ if environ is None else environ
+        wanted = environ.get(TEST_RABBITMQ_VARIABLE, "").strip()
+        if wanted in ("", "3") or wanted.startswith("3."):
+            return cls(None)
+        if wanted == "4" or wanted.startswith("4."):
+            root = environ.get(FORKY_ROOT_VARIABLE, "").strip() or DEFAULT_FORKY_ROOT
+            return cls(Path(root).resolve())
+        raise ValueError(
+            f"{TEST_RABBITMQ_VARIABLE}={wanted!r}: expected 3 (the installed RabbitMQ) or 4 "
+            "(RabbitMQ 4 from the forky root of scripts/rabbitmq4.sh)"
+        )
+
+    @property
+    def rabbitmq_major(self) -> int:
+        return 3 if self.root is None else 4
+
+    @property
+    def redis_server(self) -> str:
+        return "redis-server" if self.root is None else "valkey-server"
+
+    def describe(self) -> str:
+        if self.root is None:
+            return f"the installed RabbitMQ ({RABBIT_BIN}) and redis-server"
+        return f"RabbitMQ 4 and Valkey from the forky root {self.root}"
+
+    def missing(self, *, redis_server: bool = True) -> str | None:
+        """None if nodes (and, with ``redis_server``, a Redis) can be started, else why not."""
+        if self.root is None:
+            if redis_server and shutil.which("redis-server") is None:
+                return "redis-server is not installed"
+            if not (RABBIT_BIN / "rabbitmq-server").exists():
+                return f"rabbitmq-server is not installed under {RABBIT_BIN}"
+            return None
+        for program in ("usr/lib/rabbitmq/bin/rabbitmq-server", "usr/bin/epmd") + (
+            ("usr/bin/valkey-server",) if redis_server else ()
+        ):
+            if not (self.root / program).exists():
+                return f"no /{program} in {self.root}: run `scripts/rabbitmq4.sh setup` (as root)"
+        if os.geteuid() != 0:
+            return f"the servers of {self.root} run under chroot, which needs root"
+        if shutil.which("unshare") is None:
+            return "unshare (util-linux) is not installed"
+        return None
+
+    def environment(self, inherited: Mapping[str, str], **variables: str) -> dict[str, str]:
+        """A program's environment: ``inherited`` for the installed release; for a root only
+        what its programs need (the caller's PATH or virtual environment mean nothing there)."""
+        if self.root is None:
+            return {**inherited, **variables}
+        return {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", **variables}
+
+    def command(self, argv: Sequence[str], folders: Sequence[Path] = ()) -> list[str]:
+        """``argv`` as run for this release: unchanged, or under chroot with ``folders`` (which
+        must exist) mounted at their own paths inside the root."""
+        if self.root is None:
+            return list(argv)
+        mounts = [str(Path(folder).resolve()) for folder in folders]
+        for mount in mounts:
+            if not Path(mount).is_dir():
+                raise FileNotFoundError(f"no folder {mount} to mount in {self.root}")
+        return [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "--",
+            "/bin/sh",
+            "-c",
+            _IN_ROOT,
+            "in-root",
+            str(self.root),
+            *mounts,
+            "--",
+            *argv,
+        ]
+
+    def rabbit_config(self) -> str:
+        """What a node's rabbitmq.conf adds for this release: on 4.x, every deprecated feature
+        denied."""
+        if self.root is None:
+            return ""
+        return "".join(
+            f"deprecated_features.permit.{name} = false\n" for name in DEPRECATED_FEATURES
+        )
+
+    def erl_args(self) -> str:
+        """A node's extra VM arguments: distribution on loopback; on 4.x it uses the epmd of its
+        own that the caller started (ERL_EPMD_PORT), and never starts one that would outlive it."""
+        return LOOPBACK_DIST if self.root is None else f"{LOOPBACK_DIST} -start_epmd false"
+
+
 def private_servers_available() -> str | None:
     """None if both servers can be started here, else why not."""
-    if shutil.which("redis-server") is None:
-        return "redis-server is not installed"
-    if not (_RABBIT_BIN / "rabbitmq-server").exists():
-        return f"rabbitmq-server is not installed under {_RABBIT_BIN}"
-    return None
+    return Release.from_environment().missing()
+
+
+def check_deprecated_features_denied(ctl: Callable[..., str]) -> None:
+    """On a 4.x node (``ctl`` runs its rabbitmqctl): every deprecated feature it knows is
+    denied, or RuntimeError naming those that are not (add them to DEPRECATED_FEATURES)."""
+    listed = json.loads(ctl("list_deprecated_features", "--formatter", "json", "-q"))
+    permitted = sorted(str(f["name"]) for f in listed if f.get("state") != "denied")
+    if permitted:
+        raise RuntimeError(
+            f"deprecated features still permitted on this node: {permitted} "
+            "(add them to tests.servers.DEPRECATED_FEATURES)"
+        )
+
+
+def is_vm_of(pid: int, node: str) -> bool:
+    """``pid`` is a live beam.smp started as RabbitMQ node ``node`` (under chroot too)."""
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return "beam" in Path(exe).name and f"RABBITMQ_NODENAME={node}".encode() in environ
+
+
+def die_with_parent() -> None:
+    """In a child before exec: SIGTERM (a clean stop) when the thread that started it ends, so a
+    test process that dies without cleaning up (kill -9) leaves no server behind. Hence servers
+    are started from a thread that outlives them (:func:`spawn`)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+_spawner_lock = threading.Lock()
+_spawner: ThreadPoolExecutor | None = None
+
+
+def spawn(
+    command: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    stdout: IO[bytes] | int | None = None,
+    new_session: bool = False,
+    thread: ThreadPoolExecutor | None = None,
+) -> subprocess.Popen[bytes]:
+    """Popen ``command`` from ``thread`` (default: one of this module that lives as long as
+    the process), so that PDEATHSIG fires when the process ends, not when the caller's thread
+    does (a restart runs in a background thread of the soak, for one)."""
+    global _spawner
+    if thread is None:
+        with _spawner_lock:
+            if _spawner is None:
+                _spawner = ThreadPoolExecutor(1, thread_name_prefix="kq-server-spawner")
+            thread = _spawner
+
+    def start() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            list(command),
+            env=dict(env) if env is not None else None,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=subprocess.STDOUT if stdout is not None else None,
+            start_new_session=new_session,
+            preexec_fn=die_with_parent,  # noqa: PLW1509 - only prctl, no locks
+        )
+
+    return thread.submit(start).result()
+
+
+def end_process(process: subprocess.Popen[bytes], *, group: bool = False) -> None:
+    """kill -9 of ``process`` (and, with ``group``, its whole process group), then reap it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if group:
+            os.killpg(process.pid, signal.SIGKILL)
+        else:
+            process.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(10)
+
+
+class Epmd:
+    """An epmd of a 4.x node or cluster's own, on a free loopback port (``port``), run in the
+    foreground so that it ends with :meth:`stop` or with the test process."""
+
+    def __init__(self, release: Release) -> None:
+        self.release = release
+        self.port = free_port()
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self, thread: ThreadPoolExecutor | None = None) -> Epmd:
+        if self._process is not None and self._process.poll() is None:
+            return self
+        command = ["epmd", "-port", str(self.port), "-address", "127.0.0.1"]
+        self._process = spawn(
+            self.release.command(command),
+            env=self.release.environment(os.environ),
+            stdout=subprocess.DEVNULL,
+            thread=thread,
+        )
+
+        def answers() -> bool:
+            with socket.create_connection(("127.0.0.1", self.port), 1):
+                return True
+
+        _wait_for(answers, 20, f"epmd on port {self.port}")
+        return self
+
+    def stop(self) -> None:
+        if self._process is not None:
+            end_process(self._process)
+            self._process = None
 
 
 class PrivateRedis:
-    """A redis-server that keeps every write on disk (AOF, fsync always), so it can be killed
-    and restarted without losing committed state, as a production Redis for keyq must."""
+    """A redis-server (Valkey on 4.x) that keeps every write on disk (AOF, fsync always), so it
+    can be killed and restarted without losing committed state, as a production Redis for keyq
+    must."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, release: Release | None = None) -> None:
+        self.release = release or Release.from_environment()
         self.folder = folder
         self.folder.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._process: subprocess.Popen[bytes] | None = None
 
+    @property
+    def pid(self) -> int | None:
+        """The server's OS pid (the server itself, under chroot too), while it runs."""
+        return self._process.pid if self._process is not None else None
+
     def start(self) -> PrivateRedis:
-        log = (self.folder / "redis.log").open("ab")
-        self._process = subprocess.Popen(
-            [
-                "redis-server",
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--dir",
-                str(self.folder),
-                "--save",
-                "",
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "always",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        log.close()
+        command = [
+            self.release.redis_server,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self.folder.resolve()),
+            "--save",
+            "",
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+        ]
+        with (self.folder / "redis.log").open("ab") as log:
+            self._process = spawn(
+                self.release.command(command, [self.folder]),
+                env=self.release.environment(os.environ),
+                stdout=log,
+            )
         _wait_for(lambda: redis.Redis.from_url(self.url).ping(), 20, "private Redis")
         return self
 
@@ -103,16 +382,27 @@ class PrivateRedis:
 
 
 class PrivateRabbit:
-    """A second RabbitMQ node of the installed release, on its own ports, run as this user.
+    """A second RabbitMQ node of the release under test (:class:`Release`), on its own ports,
+    run as this user.
 
     ``management`` enables the management plugin on a free port of its own (``management_url``,
-    statistics refreshed every second); ``nofile`` starts the node with that file-descriptor
-    limit (soft and hard), as a systemd ``LimitNOFILE=`` would.
+    statistics refreshed every second); ``prometheus`` enables rabbitmq_prometheus on another
+    (``prometheus_port``, ``prometheus_url``: ``/metrics``, ``/metrics/per-object``...);
+    ``nofile`` starts the node with that file-descriptor limit (soft and hard), as a systemd
+    ``LimitNOFILE=`` would. A 4.x node denies every deprecated feature (so with ``management``
+    its metrics collection is off: ``/api/consumers`` answers 400 there).
     """
 
     def __init__(
-        self, folder: Path, *, management: bool = False, nofile: int | None = None
+        self,
+        folder: Path,
+        *,
+        management: bool = False,
+        nofile: int | None = None,
+        prometheus: bool = False,
+        release: Release | None = None,
     ) -> None:
+        self.release = release or Release.from_environment()
         self.folder = folder
         self.folder.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -120,39 +410,61 @@ class PrivateRabbit:
         self.url = f"amqp://guest:guest@127.0.0.1:{self.port}/%2F"
         self.nofile = nofile
         self.management_url: str | None = None
+        self.prometheus_port: int | None = None
+        self.prometheus_url: str | None = None
         config = f"listeners.tcp.default = 127.0.0.1:{self.port}\nloopback_users = none\n"
-        plugins = "[]"
+        plugins = []
         if management:
             management_port = free_port()
             self.management_url = f"http://guest:guest@127.0.0.1:{management_port}"
-            plugins = "[rabbitmq_management]"
+            plugins.append("rabbitmq_management")
             config += (
                 f"management.tcp.ip = 127.0.0.1\nmanagement.tcp.port = {management_port}\n"
                 "collect_statistics_interval = 1000\n"
             )
-        (self.folder / "enabled_plugins").write_text(f"{plugins}.\n")
+        if prometheus:
+            self.prometheus_port = free_port()
+            self.prometheus_url = f"http://127.0.0.1:{self.prometheus_port}"
+            plugins.append("rabbitmq_prometheus")
+            config += (
+                f"prometheus.tcp.ip = 127.0.0.1\nprometheus.tcp.port = {self.prometheus_port}\n"
+            )
+        config += self.release.rabbit_config()
+        (self.folder / "enabled_plugins").write_text(f"[{','.join(plugins)}].\n")
         (self.folder / "rabbitmq.conf").write_text(config)
+        (self.folder / "rabbitmq-env.conf").write_text("")
         cookie = self.folder / ".erlang.cookie"
         if not cookie.exists():
             cookie.write_text(secrets.token_hex(16).upper())
             cookie.chmod(0o400)
-        self._env = {
-            **os.environ,
-            "HOME": str(self.folder),
-            "RABBITMQ_NODENAME": self.node,
-            "RABBITMQ_NODE_PORT": str(self.port),
-            "RABBITMQ_DIST_PORT": str(free_port()),
-            "RABBITMQ_MNESIA_BASE": str(self.folder / "mnesia"),
-            "RABBITMQ_LOG_BASE": str(self.folder / "log"),
-            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.folder / "enabled_plugins"),
-            "RABBITMQ_CONFIG_FILE": str(self.folder / "rabbitmq.conf"),
-            "RABBITMQ_PID_FILE": str(self.folder / "pid"),
-        }
+        self._epmd = Epmd(self.release) if self.release.root is not None else None
+        home = str(self.folder.resolve())
+        self._env = self.release.environment(
+            os.environ,
+            HOME=home,
+            RABBITMQ_NODENAME=self.node,
+            RABBITMQ_NODE_PORT=str(self.port),
+            RABBITMQ_DIST_PORT=str(free_port()),
+            RABBITMQ_MNESIA_BASE=f"{home}/mnesia",
+            RABBITMQ_LOG_BASE=f"{home}/log",
+            RABBITMQ_ENABLED_PLUGINS_FILE=f"{home}/enabled_plugins",
+            RABBITMQ_CONFIG_FILE=f"{home}/rabbitmq.conf",
+            RABBITMQ_CONF_ENV_FILE=f"{home}/rabbitmq-env.conf",
+            RABBITMQ_PID_FILE=f"{home}/pid",
+            RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS=self.release.erl_args(),
+            ERL_CRASH_DUMP=f"{home}/erl_crash.dump",
+        )
+        if self._epmd is not None:
+            self._env.update(ERL_EPMD_PORT=str(self._epmd.port), ERL_EPMD_ADDRESS="127.0.0.1")
+        self._process: subprocess.Popen[bytes] | None = None
+        self._checked = False
 
     def ctl(self, *args: str, timeout: float = 90) -> str:
         """``rabbitmqctl -n`` this node; its output."""
         done = subprocess.run(
-            [str(_RABBIT_BIN / "rabbitmqctl"), "-n", self.node, *args],
+            self.release.command(
+                [str(RABBIT_BIN / "rabbitmqctl"), "-n", self.node, *args], [self.folder]
+            ),
             env=self._env,
             check=True,
             capture_output=True,
@@ -161,33 +473,64 @@ class PrivateRabbit:
         )
         return done.stdout
 
+    @property
+    def os_pid(self) -> int | None:
+        """The OS pid of the node's VM (beam.smp), from its pid file, while it runs."""
+        with contextlib.suppress(OSError, ValueError):
+            return int((self.folder / "pid").read_text().strip())
+        return None
+
     def start(self) -> PrivateRabbit:
-        command = [str(_RABBIT_BIN / "rabbitmq-server"), "-detached"]
+        if self._epmd is not None:
+            self._epmd.start()
+        (self.folder / "pid").unlink(missing_ok=True)
+        command = self.release.command([str(RABBIT_BIN / "rabbitmq-server")], [self.folder])
         if self.nofile is not None:
             command = ["prlimit", f"--nofile={self.nofile}:{self.nofile}", *command]
-        subprocess.run(
-            command,
-            env=self._env,
-            check=True,
-            capture_output=True,
-            timeout=30,
-        )
-        self.ctl("wait", str(self.folder / "pid"), "--timeout", "90", timeout=120)
+        with (self.folder / "console.log").open("ab") as console:
+            # In the foreground, as a child of this process: it dies with it (see spawn).
+            self._process = spawn(command, env=self._env, stdout=console, new_session=True)
+        process = self._process
 
-        def answers() -> bool:
-            pika.BlockingConnection(pika.URLParameters(self.url)).close()
-            return True
+        def booted() -> bool:
+            if process.poll() is not None:
+                raise RuntimeError(f"{self.node} exited {process.returncode} while booting")
+            return (self.folder / "pid").exists()
 
-        _wait_for(answers, 30, "private RabbitMQ")
+        try:
+            _wait_for(booted, 90, f"the pid file of {self.node}")
+            self.ctl("wait", str((self.folder / "pid").resolve()), "--timeout", "90", timeout=120)
+
+            def answers() -> bool:
+                pika.BlockingConnection(pika.URLParameters(self.url)).close()
+                return True
+
+            _wait_for(answers, 30, "private RabbitMQ")
+            if not self._checked and self.release.rabbitmq_major >= 4:
+                check_deprecated_features_denied(self.ctl)
+                self._checked = True
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:
         """A clean stop: durable queues and persistent messages are kept for the next start."""
+        process, self._process = self._process, None
         with contextlib.suppress(subprocess.SubprocessError, OSError):
-            self.ctl("stop", str(self.folder / "pid"), timeout=60)
-        with contextlib.suppress(OSError, ValueError):  # it would not stop: end it
-            os.kill(int((self.folder / "pid").read_text().strip()), signal.SIGKILL)
+            self.ctl("stop", str((self.folder / "pid").resolve()), timeout=60)
+        if process is not None:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:  # it would not stop: end it
+                end_process(process, group=True)
+        pid = self.os_pid
+        if pid is not None and is_vm_of(pid, self.node):  # its VM outlived the script
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         (self.folder / "pid").unlink(missing_ok=True)
+        if self._epmd is not None:
+            self._epmd.stop()
 
     def restart(self) -> None:
         self.stop()
