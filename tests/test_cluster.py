@@ -32,7 +32,7 @@ from tests.conftest import TEST_STREAM_PREFIX, StreamFixture
 from tests.helpers import drain
 from tests.workers import wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.services]
+pytestmark = [pytest.mark.slow, pytest.mark.services, pytest.mark.broker_versions]
 
 rabbit_cluster = cluster_fixture(scope="module")
 
