@@ -264,15 +264,19 @@ PRIVATE_RABBIT_NOFILE = 512
 
 @pytest.fixture(scope="session")
 def private_rabbit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A RabbitMQ node of the tests' own (management API, ``nofile`` 512; ~10 s to start),
-    for what must not be done to a shared node: alarms, vhosts, filling it with queues."""
+    """A RabbitMQ node of the tests' own (management API, rabbitmq_prometheus, ``nofile``
+    512; ~10 s to start), for what must not be done to a shared node: alarms, vhosts, filling
+    it with queues."""
     from tests.servers import PrivateRabbit, private_servers_available
 
     missing = private_servers_available()
     if missing:
         pytest.skip(missing)
     rabbit = PrivateRabbit(
-        tmp_path_factory.mktemp("private-rabbit"), management=True, nofile=PRIVATE_RABBIT_NOFILE
+        tmp_path_factory.mktemp("private-rabbit"),
+        management=True,
+        prometheus=True,
+        nofile=PRIVATE_RABBIT_NOFILE,
     )
     rabbit.start()
     try:

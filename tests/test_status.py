@@ -4,6 +4,7 @@ Redis, in-process and from the shell (table, JSON, ``--watch``, errors)."""
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ import orjson
 import pika
 import pytest
 
+import keyq.status as status_module
 from keyq import Producer
 from keyq.broker.locks import FencedLocks, Lease
 from keyq.broker.membership import Membership
@@ -330,14 +332,28 @@ def test_a_running_worker_shows_its_real_host_and_pid(
     assert "-:-" not in table.stdout
 
 
-def test_with_the_management_api_the_figures_come_from_its_listings(
-    stream: Any, private_rabbit: Any, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.broker_versions
+@pytest.mark.parametrize("source", ["prometheus", "management", "both"])
+def test_with_a_listing_the_figures_come_from_it(
+    source: str,
+    stream: Any,
+    private_rabbit: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A status of 100,000 queues cannot declare each one: with ``KEYQ_MANAGEMENT_URL`` the
-    depths and consumers come from the API's listings, and agree with the queues themselves."""
+    """A status of 100,000 queues cannot declare each one: with ``KEYQ_PROMETHEUS_URL`` or
+    ``KEYQ_MANAGEMENT_URL`` the depths and consumers come from the broker's own listing, and
+    agree with the queues themselves. rabbitmq_prometheus comes first; a queue it does not
+    report (the ghost, never declared) is declared. On RabbitMQ 4.x, whose management metrics
+    collection is off here, the management API alone answers 400: every queue is declared,
+    with a warning that says what to set; with rabbitmq_prometheus too, nothing is said."""
+    prometheus = source in ("prometheus", "both")
+    management = source in ("management", "both")
+    metrics_off = private_rabbit.release.rabbitmq_major >= 4
     settings = load_settings(
         amqp_url=private_rabbit.url,
-        management_url=private_rabbit.management_url,
+        prometheus_url=private_rabbit.prometheus_url if prometheus else "",
+        management_url=private_rabbit.management_url if management else "",
         member_ttl_ms=MEMBER_TTL_MS,
     )
     queues, ghost = publish_and_register_a_ghost(stream, settings)
@@ -349,9 +365,22 @@ def test_with_the_management_api_the_figures_come_from_its_listings(
         declared.extend(names)
         return real_declare(reader, names)
 
+    listings: list[str] = []
+    real_listing = status_module.queue_figures
+
+    def listing(*args: Any) -> dict[str, tuple[int, int] | None]:
+        listings.append("management")
+        return real_listing(*args)
+
     monkeypatch.setattr(StatusReader, "_declare", counted)
+    monkeypatch.setattr(status_module, "queue_figures", listing)
+    caplog.set_level(logging.WARNING, logger="keyq")
     amqp = pika.BlockingConnection(pika.URLParameters(private_rabbit.url))
     consumed = queues["sensor-b"]
+    # Declared at each status: what the listing does not report, or everything.
+    expected = [ghost] if prometheus else []
+    if not prometheus and metrics_off:
+        expected = [*queues.values(), ghost, dlq]
     try:
         holder = amqp.channel()  # a worker's consumer: one of its two events unacked
         holder.basic_qos(prefetch_count=1)
@@ -363,11 +392,12 @@ def test_with_the_management_api_the_figures_come_from_its_listings(
             declared.clear()
             status = collect_status(settings, stream.name)
             depths = {row["name"]: row["depth"] for row in status["queues"]}
-            assert depths == real  # declared or listed, always the queues' own figures
             consumers = {row["name"]: row["consumers"] for row in status["queues"]}
-            return None if declared or consumers[consumed] != 1 else status
+            settled = sorted(declared) == sorted(expected) and consumers[consumed] == 1
+            return status if settled and depths == real else None
 
-        # A new queue's figures reach the API within seconds; till then it is declared.
+        # A new queue's figures reach the listing within seconds (till then it is declared),
+        # and a listing's figures are as old as the queue's last statistics.
         status = wait_until(listed, 20, "the listing to give every queue's figures", every=0.5)
     finally:
         amqp.close()
@@ -376,13 +406,21 @@ def test_with_the_management_api_the_figures_come_from_its_listings(
             cleanup.channel().queue_delete(queue)
         cleanup.close()
     rows = {row["name"]: row for row in status["queues"]}
-    assert declared == []  # every figure came from the listings
+    assert sorted(declared) == sorted(expected)
     assert {name: row["depth"] for name, row in rows.items()} == real
     assert real[queues["sensor-a"]] == PUBLISHED["sensor-a"]
     assert rows[ghost]["missing"] is True
     assert rows[consumed]["consumers"] == 1
     assert all(row["consumers"] == 0 for name, row in rows.items() if name not in (ghost, consumed))
     assert status["totals"]["lag"] == sum(PUBLISHED.values()) - 1  # one event is unacked
+    assert bool(listings) == (source == "management")  # rabbitmq_prometheus comes first
+    warnings = [r.getMessage() for r in caplog.records if r.name.startswith("keyq")]
+    if source == "management" and metrics_off:
+        assert warnings and all("KEYQ_PROMETHEUS_URL" in warning for warning in warnings)
+        assert all("HTTP 400" in warning for warning in warnings), warnings
+    else:
+        assert warnings == []
+    assert all("guest:guest" not in warning for warning in warnings)
 
 
 def test_a_management_api_that_does_not_answer_falls_back_to_declaring(
