@@ -24,8 +24,9 @@ class JanitorSettings(Settings):
     janitor_lease_ms: int = Field(
         default=30_000, ge=1000, description="leadership lease of a stream's janitor"
     )
-    # management_url (queues left unregistered by a crash; without it rabbitmqctl is used
-    # when present) and fd_warn_ratio are shared settings: keyq status reads them too.
+    # prometheus_url and management_url (the queue list, for queues a crash left
+    # unregistered; with neither, that step is skipped) and fd_warn_ratio are shared
+    # settings: keyq status reads them too.
     fd_warn_every_s: float = Field(
         default=600.0,
         gt=0,

@@ -33,7 +33,6 @@ from keyq.broker.registry import QueueRegistry
 from keyq.broker.retirement import RetirementFence
 from keyq.broker.settings import load_settings
 from keyq.broker.streams import load_stream_config
-from keyq.broker.urls import vhost_of
 from keyq.janitor.cluster_probe import unreachable_nodes
 from keyq.janitor.config import JanitorSettings
 from keyq.janitor.deleter import Outcome, QueueDeleter
@@ -101,7 +100,7 @@ class Janitor:
         self.stats: Counter[str] = Counter()
         self._stop = threading.Event()
         self._adopted_at = 0.0
-        self._inventory_warned = False
+        self._inventory_said: str | None = None  # why the queue list was not read, if said
         self.fd_watch = FdWatch(self.settings, self.settings.fd_warn_every_s)
         # Nodes of KEYQ_AMQP_URL that did not answer, probed once per pass when a quorum
         # stream has queues to delete (None: not probed yet in this pass).
@@ -401,12 +400,13 @@ class Janitor:
             return
         self._adopted_at = time.monotonic()
         try:
-            names = list_queues(self.settings.management_url, vhost_of(self.settings.amqp_url))
+            names = list_queues(self.settings)
         except InventoryUnavailable as exc:
-            if not self._inventory_warned:
+            if str(exc) != self._inventory_said:  # said once, not every pass
                 log.info("not looking for unregistered queues: %s", exc)
-                self._inventory_warned = True
+                self._inventory_said = str(exc)
             return
+        self._inventory_said = None
         for stream in streams:
             prefixes = (f"keyq.{stream}.k.", f"keyq.{stream}.h.")
             ours = [name for name in names if name.startswith(prefixes)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import random
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -27,8 +28,10 @@ from keyq.broker.retirement import RetirementFence
 from keyq.broker.settings import Settings, load_settings
 from keyq.broker.streams import ensure_stream_config
 from keyq.broker.topology import keyed_queue_arguments
+from keyq.janitor import janitor as janitor_module
 from keyq.janitor.config import JanitorSettings
 from keyq.janitor.deleter import Outcome
+from keyq.janitor.inventory import NOT_SET, list_queues
 from keyq.janitor.janitor import Janitor
 from keyq.worker.state_store import StateStore
 from tests.conftest import StreamFixture
@@ -221,14 +224,6 @@ def test_repairs_bad_states(stream: StreamFixture, amqp: pika.BlockingConnection
     ghost = key_queue_name(stream.name, "ghost")
     registry.register({ghost: "ghost"}, announce=False)
     assert queue_depth(amqp, ghost) is None
-    # A keyq queue on the broker that nobody registered (a crash between the two).
-    leftover = f"keyq.{stream.name}.k.leftover"
-    stream.track(leftover)
-    channel = amqp.channel()
-    channel.queue_declare(leftover, durable=True, arguments=keyed_queue_arguments(stream.name))
-    channel.close()
-    assert queue_depth(amqp, leftover) == 0
-    assert leftover not in registry.queues()
     # A worker that stopped heartbeating a minute ago, and one that is alive.
     keys = stream.keys
     stream.redis.zadd(keys.members, {"dead-worker": now_ms() - 60_000})
@@ -239,7 +234,6 @@ def test_repairs_bad_states(stream: StreamFixture, amqp: pika.BlockingConnection
     janitor = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-repair")
     janitor.run(once=True)
     stats = janitor.stats
-    assert stats["adopted"] == 1, stats
     assert stats["members_pruned"] == 1, stats
     assert ghost not in registry.queues()
     assert registry.original_keys([ghost]) == {ghost: None}
@@ -248,16 +242,96 @@ def test_repairs_bad_states(stream: StreamFixture, amqp: pika.BlockingConnection
     assert not stream.redis.hexists(keys.member_info, "dead-worker")
     assert stream.redis.zscore(keys.members, "live-worker") is not None
     assert stream.redis.hexists(keys.member_info, "live-worker")
-
-    janitor.run(once=True)  # the adopted queue is reclaimed like any other, by now
-    assert queue_depth(amqp, leftover) is None
     assert registry.queues() == {}
-    assert RetirementFence(stream.redis, stream.name).marked([ghost, leftover]) == []
-    assert stats["adopted"] == 1 and stats["members_pruned"] == 1, stats
-    assert stats["forgotten"] == 2 and stats["errors"] == 0, stats
+    assert RetirementFence(stream.redis, stream.name).marked([ghost]) == []
+    assert stats["forgotten"] == 1 and stats["errors"] == 0, stats
     # RabbitMQ answers queue.delete of a missing queue with delete-ok (3.10) or 404 (others):
-    # either way both entries are gone, and counted once.
-    assert stats["deleted"] + stats["already_gone"] == 2, stats
+    # either way the entry is gone, and counted once.
+    assert stats["deleted"] + stats["already_gone"] == 1, stats
+
+
+@pytest.mark.broker_versions
+@pytest.mark.parametrize("source", ["prometheus", "management"])
+def test_queues_a_crash_left_unregistered_are_found_on_the_brokers_own_listing(
+    source: str, stream: StreamFixture, private_rabbit: Any
+) -> None:
+    """A keyq queue on the broker that nobody registered (a crash between declare and
+    register) is adopted from the listing of the broker of KEYQ_AMQP_URL: its
+    rabbitmq_prometheus or, on 3.x and 4.x alike (``/api/queues`` answers with the metrics
+    collection off), its management API; the next pass reclaims it like any other."""
+    settings = janitor_settings(
+        amqp_url=private_rabbit.url,
+        prometheus_url=private_rabbit.prometheus_url if source == "prometheus" else "",
+        management_url=private_rabbit.management_url if source == "management" else "",
+    )
+    ensure_stream_config(stream.redis, stream.name, "key")
+    registry = QueueRegistry(stream.redis, stream.name)
+    leftover = key_queue_name(stream.name, "leftover")
+    elsewhere = key_queue_name(f"{stream.name}-other", "leftover")  # another stream's
+    node = pika.BlockingConnection(pika.URLParameters(private_rabbit.url))
+    try:
+        channel = node.channel()
+        for queue in (leftover, elsewhere):
+            channel.queue_declare(queue, durable=True, arguments=keyed_queue_arguments(stream.name))
+        # The broker lists a queue once it has reported on it (within a second here).
+        wait_until(lambda: leftover in list_queues(settings), 15, "the queue to be listed")
+        janitor = Janitor([stream.name], settings=settings, janitor_id=f"janitor-{source}")
+        janitor.run(once=True)
+        assert janitor.stats["adopted"] == 1, janitor.stats
+        janitor.run(once=True)  # adopted, it is reclaimed like any other (by now)
+        assert queue_depth(node, leftover) is None
+        assert queue_depth(node, elsewhere) == 0
+        assert registry.queues() == {}
+        assert janitor.stats["deleted"] == 1 and janitor.stats["errors"] == 0, janitor.stats
+    finally:
+        channel = node.channel()
+        for queue in (leftover, elsewhere):
+            channel.queue_delete(queue)
+        node.close()
+
+
+def test_without_a_listing_the_janitor_reads_no_other_broker(
+    stream: StreamFixture,
+    amqp: pika.BlockingConnection,
+    private_rabbit: Any,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pointed at one broker without KEYQ_PROMETHEUS_URL or KEYQ_MANAGEMENT_URL, the janitor
+    skips looking for unregistered queues and says why, once: it lists no other broker, not
+    even this machine's own node (which ``rabbitmqctl`` reads), where this stream has a
+    leftover queue."""
+    ensure_stream_config(stream.redis, stream.name, "key")
+    leftover = key_queue_name(stream.name, "leftover")
+    stream.track(leftover)
+    channel = amqp.channel()  # the shared broker, this machine's default node
+    channel.queue_declare(leftover, durable=True, arguments=keyed_queue_arguments(stream.name))
+    channel.close()
+    commands: list[str] = []
+    real_run, real_popen = subprocess.run, subprocess.Popen
+
+    def run(args: Any, *more: Any, **options: Any) -> Any:
+        commands.append(str(args))
+        return real_run(args, *more, **options)
+
+    def popen(args: Any, *more: Any, **options: Any) -> Any:
+        commands.append(str(args))
+        return real_popen(args, *more, **options)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    monkeypatch.setattr(janitor_module, "ADOPT_EVERY_S", 0.0)  # look at every pass
+    caplog.set_level(logging.INFO, logger="keyq.janitor")
+    settings = janitor_settings(amqp_url=private_rabbit.url, prometheus_url="", management_url="")
+    janitor = Janitor([stream.name], settings=settings, janitor_id="janitor-unlisted")
+    for _ in range(3):
+        janitor.run(once=True)
+    assert janitor.stats["adopted"] == 0, janitor.stats
+    assert leftover not in QueueRegistry(stream.redis, stream.name).queues()
+    assert queue_depth(amqp, leftover) == 0
+    said = [r.getMessage() for r in caplog.records if "unregistered" in r.getMessage()]
+    assert said == [f"not looking for unregistered queues: {NOT_SET}"]
+    assert [command for command in commands if "rabbitmqctl" in command] == []
 
 
 def test_bucket_mode_queues_are_never_deleted(
