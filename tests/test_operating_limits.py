@@ -22,7 +22,7 @@ import redis
 from keyq import Producer
 from keyq.broker.connections import open_redis
 from keyq.broker.errors import ConfigurationError
-from keyq.broker.fd_usage import NOT_SET, FdUsage, near_limit, read_fd_usage
+from keyq.broker.fd_usage import NO_FIGURES, NOT_SET, FdUsage, near_limit, read_fd_usage
 from keyq.broker.redis_persistence import Persistence, judge, log_redis_persistence
 from keyq.broker.settings import Settings, load_settings
 from keyq.janitor.config import JanitorSettings
@@ -154,13 +154,10 @@ def managed_rabbit(private_rabbit: PrivateRabbit) -> PrivateRabbit:
 
 
 def _node_settings(rabbit: PrivateRabbit, kind: type[Settings] = Settings, **extra: Any) -> Any:
-    return load_settings(
-        kind,
-        amqp_url=rabbit.url,
-        management_url=rabbit.management_url,
-        fd_warn_ratio=WARN_RATIO,
-        **extra,
-    )
+    """Settings for the private node: its rabbitmq_prometheus and its management API (the
+    figures come from the first; on 4.x the second has none)."""
+    urls = {"prometheus_url": rabbit.prometheus_url, "management_url": rabbit.management_url}
+    return load_settings(kind, amqp_url=rabbit.url, fd_warn_ratio=WARN_RATIO, **(urls | extra))
 
 
 def _reported(settings: Settings, check: Any, what: str) -> FdUsage:
@@ -174,10 +171,22 @@ def _reported(settings: Settings, check: Any, what: str) -> FdUsage:
     return found
 
 
-def test_the_figures_are_the_nodes_own(managed_rabbit: PrivateRabbit) -> None:
-    usage = _reported(_node_settings(managed_rabbit), lambda u: True, "fd figures")
+@pytest.mark.broker_versions
+@pytest.mark.parametrize("source", ["prometheus", "management"])
+def test_the_figures_are_the_nodes_own(source: str, managed_rabbit: PrivateRabbit) -> None:
+    """From rabbitmq_prometheus, or the management API; on RabbitMQ 4.x, whose management
+    metrics collection is off here, the API has none, and says what to set instead."""
+    other = "management_url" if source == "prometheus" else "prometheus_url"
+    settings = _node_settings(managed_rabbit, **{other: ""})
+    if source == "management" and managed_rabbit.release.rabbitmq_major >= 4:
+        usage = read_fd_usage(settings)
+        assert not usage.known and usage.unknown_reason == NO_FIGURES
+        assert "KEYQ_PROMETHEUS_URL" in NO_FIGURES
+        return
+    usage = _reported(settings, lambda u: True, "fd figures")
     pid = int((managed_rabbit.folder / "pid").read_text())
     open_now = len(os.listdir(f"/proc/{pid}/fd"))
+    assert usage.source == source
     assert usage.node == managed_rabbit.node
     assert usage.limit == NOFILE
     assert usage.used is not None and abs(usage.used - open_now) <= 10
@@ -186,7 +195,8 @@ def test_the_figures_are_the_nodes_own(managed_rabbit: PrivateRabbit) -> None:
 
 def _status(settings: Settings, stream: str, *args: str) -> subprocess.CompletedProcess[str]:
     extra = {
-        "KEYQ_MANAGEMENT_URL": str(settings.management_url),
+        "KEYQ_PROMETHEUS_URL": settings.prometheus_url or "",
+        "KEYQ_MANAGEMENT_URL": settings.management_url or "",
         "KEYQ_FD_WARN_RATIO": str(settings.fd_warn_ratio),
     }
     return subprocess.run(
@@ -199,6 +209,7 @@ def _status(settings: Settings, stream: str, *args: str) -> subprocess.Completed
     )
 
 
+@pytest.mark.broker_versions
 def test_many_keys_bring_the_warning_to_status_and_the_janitor(
     managed_rabbit: PrivateRabbit, stream: StreamFixture, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -218,6 +229,7 @@ def test_many_keys_bring_the_warning_to_status_and_the_janitor(
     assert broker["fd_used"] >= WARN_RATIO * NOFILE
     assert broker["node"] == managed_rabbit.node
     assert broker["unknown_reason"] is None
+    assert broker["source"] == "prometheus"
     table = _status(settings, stream.name)
     assert table.returncode == 0, table.stderr
     [warning] = [line for line in table.stdout.splitlines() if line.startswith("WARNING")]
@@ -230,7 +242,7 @@ def test_many_keys_bring_the_warning_to_status_and_the_janitor(
     janitor.run(once=True)  # a second pass within the minute: no second warning
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "file descriptors open" in warnings[0], warnings
-    assert janitor.stats["adopted"] == 0  # the queue list came from the same API
+    assert janitor.stats["adopted"] == 0  # listed by the same rabbitmq_prometheus, registered
     families = {metric.name: metric for metric in janitor_metrics(janitor)}
     [(labels, used)] = families["keyq_janitor_broker_fd_used"].samples
     assert labels["node"] == managed_rabbit.node and used >= WARN_RATIO * NOFILE
