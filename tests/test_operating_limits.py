@@ -112,7 +112,7 @@ def test_without_a_reachable_api_the_figure_is_unknown_and_no_password_shows(
     unset = load_settings(management_url="", prometheus_url="")
     assert read_fd_usage(unset).unknown_reason == NOT_SET
     closed = f"http://keyq:s3cret-pw@127.0.0.1:{free_port()}"  # nothing listens there
-    usage = read_fd_usage(load_settings(management_url=closed))
+    usage = read_fd_usage(load_settings(management_url=closed, prometheus_url=""))
     assert not usage.known and not usage.near_limit
     assert usage.unknown_reason is not None and "did not answer" in usage.unknown_reason
     shown = str(usage.as_dict()) + usage.summary() + caplog.text

@@ -267,13 +267,13 @@ def test_fd_figures_come_from_prometheus_first(endpoint: _Endpoint) -> None:
     assert (usage.used, usage.limit, usage.node) == (42, 20000, "kqprom@localhost")
     assert usage.source == "prometheus" and usage.as_dict()["source"] == "prometheus"
     endpoint.body = QUEUES_43  # answering, without the node's figures
-    usage = read_fd_usage(load_settings(prometheus_url=endpoint.url))
+    usage = read_fd_usage(load_settings(prometheus_url=endpoint.url, management_url=""))
     assert not usage.known and usage.unknown_reason == (
         "rabbitmq_prometheus reports no fd figures yet"
     )
     usage = read_fd_usage(load_settings(prometheus_url=closed, management_url=closed))
     assert not usage.known and "management API" in str(usage.unknown_reason)
-    usage = read_fd_usage(load_settings(prometheus_url=closed))
+    usage = read_fd_usage(load_settings(prometheus_url=closed, management_url=""))
     assert not usage.known and "rabbitmq_prometheus" in str(usage.unknown_reason)
 
 

@@ -82,8 +82,13 @@ def world(stream: Any) -> World:
     return World(stream.name, queues, ghost, owned, orphaned, dead_letter_queue_name(stream.name))
 
 
+# Every figure by a declare, exact at once, whatever the environment sets: a listing's figures
+# are as old as the queue's last statistics (see test_with_a_listing_the_figures_come_from_it).
+UNLISTED = {"prometheus_url": "", "management_url": ""}
+
+
 def status_settings() -> Settings:
-    return load_settings(member_ttl_ms=MEMBER_TTL_MS)
+    return load_settings(member_ttl_ms=MEMBER_TTL_MS, **UNLISTED)
 
 
 def check_against_world(
@@ -200,7 +205,8 @@ def test_the_table_shows_queues_owners_and_at_most_the_deepest_queues(world: Wor
 
 
 def status_env(settings: Settings) -> dict[str, str]:
-    return keyq_environment(settings, {"KEYQ_MEMBER_TTL_MS": str(MEMBER_TTL_MS)})
+    unlisted = {f"KEYQ_{name.upper()}": value for name, value in UNLISTED.items()}
+    return keyq_environment(settings, {"KEYQ_MEMBER_TTL_MS": str(MEMBER_TTL_MS), **unlisted})
 
 
 def keyq_status(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
@@ -423,10 +429,13 @@ def test_with_a_listing_the_figures_come_from_it(
     assert all("guest:guest" not in warning for warning in warnings)
 
 
-def test_a_management_api_that_does_not_answer_falls_back_to_declaring(
-    world: World, amqp: Any
+@pytest.mark.parametrize("listing", ["prometheus_url", "management_url"])
+def test_a_listing_that_does_not_answer_falls_back_to_declaring(
+    listing: str, world: World, amqp: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    settings = load_settings(
-        member_ttl_ms=MEMBER_TTL_MS, management_url=f"http://guest:guest@127.0.0.1:{free_port()}"
-    )
+    closed = f"http://guest:guest@127.0.0.1:{free_port()}"
+    settings = load_settings(member_ttl_ms=MEMBER_TTL_MS, **(UNLISTED | {listing: closed}))
     check_against_world(collect_status(settings, world.stream), world, amqp)
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "keyq.status"]
+    assert warning.startswith("queue figures by declaring instead: ")
+    assert "did not answer" in warning and "guest:guest" not in warning

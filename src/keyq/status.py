@@ -222,8 +222,8 @@ class StatusReader:
                     prefix=stream_prefix(self.stream),
                 )
             except PrometheusUnavailable as exc:
-                fallback = "the management API" if settings.management_url else "declaring"
-                log.warning("queue figures from %s instead: %s", fallback, exc)
+                fallback = "from the management API" if settings.management_url else "by declaring"
+                log.warning("queue figures %s instead: %s", fallback, exc)
             else:
                 found: dict[str, tuple[int, int] | None] = {
                     queue: reported[queue] for queue in queues if queue in reported
