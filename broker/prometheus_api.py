@@ -153,7 +153,8 @@ def node_fds_in(found: Exposition) -> NodeFds | None:
 def _queue_query(vhost: str, prefix: str | None) -> list[tuple[str, str]]:
     query = [("vhost", vhost), *(("family", family) for family in QUEUE_FAMILIES)]
     if prefix:
-        # RabbitMQ 4.x filters by name on the node (3.x ignores it; queues are picked here).
+        # RabbitMQ 4.3 filters by name on the node (earlier releases ignore it; queues are
+        # picked here too).
         query.append(("queue", "^" + re.escape(prefix)))
     return query
 
