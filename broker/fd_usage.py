@@ -26,8 +26,8 @@ log = logging.getLogger("keyq.broker")
 NODES_PATH = "/api/nodes?columns=name,running,fd_used,fd_total"
 NOT_SET = "neither KEYQ_PROMETHEUS_URL nor KEYQ_MANAGEMENT_URL is set"
 NO_FIGURES = (
-    "the management API reports no fd figures (yet, or at all where RabbitMQ 4.x has its "
-    "metrics collection off: KEYQ_PROMETHEUS_URL reads them from rabbitmq_prometheus)"
+    "the management API reports no fd figures: not yet, or not at all where RabbitMQ 4.x has "
+    "its metrics collection off (KEYQ_PROMETHEUS_URL reads them from rabbitmq_prometheus)"
 )
 
 

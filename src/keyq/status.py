@@ -59,8 +59,8 @@ LISTING_TIMEOUT_S = 30.0  # one listing of every queue of the vhost (management,
 HTTP_BAD_REQUEST = 400
 # What RabbitMQ 4.x answers /api/consumers with when its management metrics collection is off.
 METRICS_OFF_HINT = (
-    " (the broker's management metrics collection is off, as RabbitMQ 4.x allows: "
-    "KEYQ_PROMETHEUS_URL reads the figures from rabbitmq_prometheus instead)"
+    "; the broker's management metrics collection is off, as RabbitMQ 4.x allows: "
+    "KEYQ_PROMETHEUS_URL reads the figures from rabbitmq_prometheus instead"
 )
 
 
