@@ -93,6 +93,8 @@ _QUEUE_TYPES = {
     "rabbit_quorum_queue": "quorum",
     "rabbit_stream_queue": "stream",
 }
+# Its old name here, which other fixtures of the tests import.
+_die_with_parent = die_with_parent
 
 
 def cluster_available() -> str | None:
