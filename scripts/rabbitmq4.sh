@@ -12,7 +12,9 @@
 #             management  $KEYQ4_MGMT_PORT        (15703, guest/guest)
 #             prometheus  $KEYQ4_PROMETHEUS_PORT  (15702: /metrics, /metrics/per-object...)
 #             Valkey      $KEYQ4_VALKEY_PORT      (6392, AOF on)
-#           distribution $KEYQ4_DIST_PORT (25702), its own epmd on $KEYQ4_EPMD_PORT (4370).
+#           distribution $KEYQ4_DIST_PORT (25702), its own epmd on $KEYQ4_EPMD_PORT (4370);
+#           data, configuration and logs in the root's $KEYQ4_DATA (/var/lib/keyq4). Another
+#           pair can run beside it with other ports, KEYQ4_DATA and KEYQ4_NODE (keyq4).
 #           Every deprecated feature of the release is denied (deprecated_features.permit.*
 #           = false), so what 4.x deprecates fails here as it will in the next major.
 #   stop    stop both, with the epmd; nothing of them keeps running.
@@ -34,9 +36,9 @@ PROMETHEUS_PORT=${KEYQ4_PROMETHEUS_PORT:-15702}
 DIST_PORT=${KEYQ4_DIST_PORT:-25702}
 EPMD_PORT=${KEYQ4_EPMD_PORT:-4370}
 VALKEY_PORT=${KEYQ4_VALKEY_PORT:-6392}
-NODE=keyq4@localhost
+NODE=${KEYQ4_NODE:-keyq4}@localhost
 # Inside the root: the node's and Valkey's data, configuration and logs.
-DATA=/var/lib/keyq4
+DATA=${KEYQ4_DATA:-/var/lib/keyq4}
 PACKAGES="rabbitmq-server valkey-server util-linux ca-certificates"
 
 say() { echo "keyq rabbitmq4: $*"; }
@@ -104,16 +106,15 @@ in_root() {
     local user=$1
     shift
     ${TIMEOUT:+timeout "$TIMEOUT"} unshare --mount --propagation private -- /bin/sh -ec '
-        root=$1; user=$2; shift 2
+        root=$1; user=$2; epmd=$3; home=$4; shift 4
         mountpoint -q "$root/proc" || mount -t proc proc "$root/proc"
         mountpoint -q "$root/sys" || mount -t sysfs sys "$root/sys"
         mountpoint -q "$root/dev" || mount --rbind /dev "$root/dev"
         exec chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 \
-            HOME=/var/lib/keyq4/home ERL_EPMD_PORT="$EPMD" ERL_EPMD_ADDRESS=127.0.0.1 \
+            HOME="$home" ERL_EPMD_PORT="$epmd" ERL_EPMD_ADDRESS=127.0.0.1 \
             setpriv --reuid="$user" --regid="$user" --init-groups -- "$@"
-    ' sh "$ROOT" "$user" "$@"
+    ' in-root "$ROOT" "$user" "$EPMD_PORT" "$DATA/home" "$@"
 }
-export EPMD=$EPMD_PORT
 
 node_env() {
     echo RABBITMQ_NODENAME=$NODE RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 \
@@ -266,7 +267,7 @@ case "${1:-}" in
         ;;
     reset) reset ;;
     _serve) serve ;;
-    -h | --help | help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//' ;;
+    -h | --help | help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//' ;;
     *)
         echo "usage: $0 setup|start|stop|status|env|ctl ARGS...|reset" >&2
         exit 2
