@@ -85,7 +85,8 @@ setup() {
     printf '#!/bin/sh\nexit 101\n' >"$ROOT/usr/sbin/policy-rc.d"
     chmod +x "$ROOT/usr/sbin/policy-rc.d"
     # The mirror's forky Release file may be past its Valid-Until date: do not check it.
-    in_root root /bin/sh -c "apt-get -o Acquire::Check-Valid-Until=false update -qq &&
+    in_root root /bin/sh -c "export DEBIAN_FRONTEND=noninteractive
+        apt-get -o Acquire::Check-Valid-Until=false update -qq &&
         apt-get install -y -qq --no-install-recommends $PACKAGES >/dev/null"
     # Erlang resolves "localhost" in node names: the root needs a hosts file saying it.
     [[ -s $ROOT/etc/hosts ]] || cp /etc/hosts "$ROOT/etc/hosts"
