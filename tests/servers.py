@@ -41,7 +41,6 @@ import redis
 
 # The same path on the host and inside a forky root.
 RABBIT_BIN = Path("/usr/lib/rabbitmq/bin")
-_RABBIT_BIN = RABBIT_BIN  # its old name
 
 TEST_RABBITMQ_VARIABLE = "KEYQ_TEST_RABBITMQ"
 FORKY_ROOT_VARIABLE = "KEYQ_FORKY_ROOT"
@@ -68,7 +67,8 @@ LOOPBACK_DIST = "-kernel inet_dist_use_interface {127,0,0,1}"
 
 # Run inside a fresh mount namespace (unshare --mount, private propagation): /proc for the
 # root, a tmpfs on its /tmp for the mount points of folders under /tmp, each folder bound at
-# its own path, then chroot. Every mount goes away with the namespace's last process.
+# its own path, then chroot. Every mount goes away with the namespace's last process, and so
+# do the mount points under /tmp (a folder elsewhere leaves an empty one in the root).
 _IN_ROOT = r"""
 root=$1; shift
 mountpoint -q "$root/proc" || mount -t proc proc "$root/proc" || exit 125
@@ -136,11 +136,6 @@ class Release:
     @property
     def redis_server(self) -> str:
         return "redis-server" if self.root is None else "valkey-server"
-
-    def describe(self) -> str:
-        if self.root is None:
-            return f"the installed RabbitMQ ({RABBIT_BIN}) and redis-server"
-        return f"RabbitMQ 4 and Valkey from the forky root {self.root}"
 
     def missing(self, *, redis_server: bool = True) -> str | None:
         """None if nodes (and, with ``redis_server``, a Redis) can be started, else why not."""
