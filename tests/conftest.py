@@ -161,6 +161,12 @@ class StreamFixture:
     def track(self, *queues: str) -> None:
         self.extra_queues.update(queues)
 
+    def own(self) -> StreamFixture:
+        """Mark the stream as a running test's: another session's sweep of leftovers (at its
+        end, on the same Redis) must not delete its locks and state under the test."""
+        self.redis.set(_live_marker(self.name), os.getpid(), ex=LIVE_MARKER_TTL_S)
+        return self
+
     def cleanup(self) -> None:
         registered = [str(q) for q in self.redis.zrange(self.keys.registry, 0, -1)]
         queues = set(registered) | self.extra_queues | {dead_letter_queue_name(self.name)}
@@ -168,6 +174,7 @@ class StreamFixture:
         for pattern in self.keys.all_patterns():
             for key in self.redis.scan_iter(match=pattern, count=1000):
                 self.redis.delete(key)
+        self.redis.delete(_live_marker(self.name))
 
 
 @pytest.fixture
@@ -186,12 +193,9 @@ def redis_client(settings: Settings) -> Iterator[redis.Redis]:
 def stream(settings: Settings, redis_client: redis.Redis) -> Iterator[StreamFixture]:
     fixture = StreamFixture(
         name=f"{TEST_STREAM_PREFIX}{uuid.uuid4().hex[:12]}", settings=settings, redis=redis_client
-    )
-    marker = _live_marker(fixture.name)
-    redis_client.set(marker, os.getpid(), ex=LIVE_MARKER_TTL_S)
+    ).own()
     yield fixture
     fixture.cleanup()
-    redis_client.delete(marker)
 
 
 @pytest.fixture

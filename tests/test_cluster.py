@@ -273,7 +273,7 @@ def test_a_quorum_stream_loses_nothing_when_a_leader_node_and_a_worker_are_kille
     cluster = rabbit_cluster
     name = f"{TEST_STREAM_PREFIX}quorum-{mode}-{uuid.uuid4().hex[:8]}"
     every_node = ",".join(cluster.urls)
-    stream = StreamFixture(name, load_settings(amqp_url=cluster.urls[0]), redis_client)
+    stream = StreamFixture(name, load_settings(amqp_url=cluster.urls[0]), redis_client).own()
     env = {"KEYQ_AMQP_URL": every_node, "KEYQ_QUEUE_TYPE": "quorum"}
     keys = [f"acct-{index:02d}" for index in range(KEYS)]
     poison = {(keys[3], 17), (keys[10], 40), (keys[20], 5)}
@@ -365,7 +365,7 @@ def test_a_classic_stream_serves_live_nodes_keys_while_another_node_is_down(
     the others' events wait, and all of them are applied once the node is back."""
     cluster = rabbit_cluster
     name = f"{TEST_STREAM_PREFIX}classic-down-{uuid.uuid4().hex[:8]}"
-    stream = StreamFixture(name, load_settings(amqp_url=cluster.urls[0]), redis_client)
+    stream = StreamFixture(name, load_settings(amqp_url=cluster.urls[0]), redis_client).own()
     live_nodes = f"{cluster.urls[0]},{cluster.urls[2]}"  # clients never connect to node 1
     down_keys, live_keys = ["down-a", "down-b"], ["live-a", "live-b", "live-c"]
     # The down keys' queues and the dead-letter queue live on node 1.
@@ -444,7 +444,7 @@ def test_a_quorum_queue_that_cannot_commit_does_not_hold_up_the_producers_other_
     their own once its confirm is overdue, and the other keys' events are confirmed."""
     cluster = rabbit_cluster
     name = f"{TEST_STREAM_PREFIX}no-quorum-{uuid.uuid4().hex[:8]}"
-    stream = StreamFixture(name, load_settings(amqp_url=cluster.urls[0]), redis_client)
+    stream = StreamFixture(name, load_settings(amqp_url=cluster.urls[0]), redis_client).own()
     stuck = key_queue_name(name, "stuck")
     connection = _connect(cluster.urls[0])
     try:
