@@ -63,6 +63,7 @@ class _Lane:
         self._name = name
         self._connection: pika.BlockingConnection | None = None
         self._channel: BlockingChannel | None = None
+        self._look_first = False  # see _broke_on
 
     def connect(self) -> None:
         try:
@@ -89,6 +90,7 @@ class _Lane:
             return self._delete_once(queue, checked)
 
     def _delete_once(self, queue: str, checked: bool) -> Outcome:
+        looked = checked or self._look_first  # a passive declare answered before the delete
         try:
             channel = self._open_channel()
             if checked:
@@ -112,6 +114,8 @@ class _Lane:
                     )
                 log.debug("queue %s: checked and deleted", queue)
             else:
+                if looked:  # a 404 for a queue whose node is down closes only the channel
+                    channel.queue_declare(queue, passive=True)
                 channel.queue_delete(queue, if_unused=True, if_empty=True)
         except pika.exceptions.ChannelClosedByBroker as exc:
             self._channel = None
@@ -119,7 +123,7 @@ class _Lane:
                 missing = classify(exc.reply_code, exc.reply_text) is QueueRefusal.MISSING
                 return Outcome.GONE if missing else Outcome.UNREACHABLE
             if exc.reply_code == INTERNAL_ERROR:
-                return self._broke_on(queue, exc)
+                return self._broke_on(queue, exc, looked)
             if exc.reply_code == 406:
                 return Outcome.NOT_EMPTY if "not empty" in exc.reply_text else Outcome.IN_USE
             if exc.reply_code == 403 and checked:
@@ -128,19 +132,26 @@ class _Lane:
         except pika.exceptions.ConnectionClosedByBroker as exc:
             self.close()
             if exc.reply_code == INTERNAL_ERROR:
-                return self._broke_on(queue, exc)
+                return self._broke_on(queue, exc, looked)
             raise amqp_failure(exc, self._settings.amqp_url) from None
         except (pika.exceptions.AMQPError, OSError) as exc:
             self.close()
             raise amqp_failure(exc, self._settings.amqp_url) from None
         return Outcome.DELETED
 
-    def _broke_on(self, queue: str, exc: pika.exceptions.AMQPError) -> Outcome:
-        """The broker failed inside the command for this one queue (541; RabbitMQ 4.3.6
-        answers the delete of a classic queue whose node is down so, closing the whole
-        connection). The queue is left for a later pass and the others go on: one queue the
-        broker cannot handle must not stop the janitor's work."""
+    def _broke_on(self, queue: str, exc: pika.exceptions.AMQPError, looked: bool) -> Outcome:
+        """The broker failed inside the command (541, which closes the whole connection).
+
+        RabbitMQ 4.3.6 answers so the delete of a classic queue whose node is down: that
+        queue is left for a later pass and the others go on, and from then on this lane looks
+        each queue up first, since such a queue answers a passive declare with a 404 that
+        closes only the channel (not one connection per queue). A 541 for a queue that did
+        answer the look-up is the broker failing, not the queue's node: the pass fails and
+        backs off, as for a broker that is down."""
         self.close()
+        if looked:
+            raise amqp_failure(exc, self._settings.amqp_url) from None
+        self._look_first = True
         log.warning("queue %s: the broker failed on it (%s); left for a later pass", queue, exc)
         return Outcome.UNREACHABLE
 

@@ -192,16 +192,20 @@ def test_cut_drops_one_nodes_proxied_clients_only(rabbit_cluster: RabbitCluster)
 def test_the_janitor_keeps_a_queue_whose_node_is_down(
     rabbit_cluster: RabbitCluster, stream: StreamFixture
 ) -> None:
-    """A 404 "home node … is down or inaccessible" is not "gone": the janitor must not forget
-    the queue, or its confirmed events would sit unclaimed once the node is back."""
+    """A 404 for a queue whose node is down (3.10: "home node … is down or inaccessible";
+    4.3: "… process is stopped by supervisor", and a 541 for its delete) is not "gone": the
+    janitor must not forget the queues, or their confirmed events would sit unclaimed once
+    the node is back. Two such queues: after the broker failed on one, the rest are looked
+    up first."""
     cluster = rabbit_cluster
     home = cluster.nodes[2]
     on_home = load_settings(amqp_url=cluster.url(home), publish_lease_ms=200)
     with Producer(stream.name, mode="key", settings=on_home) as producer:
         producer.publish("parked", {"n": 1})
+        producer.publish("parked-too", {"n": 1})
         producer.flush()
-    queue = key_queue_name(stream.name, "parked")
-    assert cluster.leader_of(queue) == home
+    queue, queue_too = (key_queue_name(stream.name, key) for key in ("parked", "parked-too"))
+    assert cluster.leader_of(queue) == cluster.leader_of(queue_too) == home
     # Drained idle queues on a live node: the same pass must delete them, whatever the broker
     # answers for the unreachable one (4.3.6 closes the connection with 541 INTERNAL_ERROR).
     on_live = load_settings(amqp_url=cluster.urls[0], publish_lease_ms=200)
@@ -229,25 +233,27 @@ def test_the_janitor_keeps_a_queue_whose_node_is_down(
     cluster.stop(home)
     try:
         janitor.run(once=True)
-        assert janitor.stats["skipped_unreachable"] == 1, janitor.stats
+        assert janitor.stats["skipped_unreachable"] == 2, janitor.stats
         assert janitor.stats["errors"] == 0, janitor.stats
         assert janitor.stats["forgotten"] == len(drained), janitor.stats  # only those deleted
         registered = QueueRegistry(stream.redis, stream.name).queues()
-        assert queue in registered
+        assert {queue, queue_too} <= set(registered)
         assert not set(drained) & set(registered), janitor.stats
         assert janitor.stats["deleted"] >= len(drained), janitor.stats
     finally:
         cluster.restart(home)
     connection = _connect(cluster.urls[0])
     try:
-        method, _, body = connection.channel().basic_get(queue, auto_ack=False)
-        assert method is not None and b'"n":1' in body.replace(b" ", b"")
+        for kept in (queue, queue_too):
+            method, _, body = connection.channel().basic_get(kept, auto_ack=False)
+            assert method is not None and b'"n":1' in body.replace(b" ", b"")
     finally:
         _close(connection)
-    # The stream fixture deletes its queues through the shared broker; this one is ours.
+    # The stream fixture deletes its queues through the shared broker; these are ours.
     connection = _connect(cluster.urls[0])
     try:
-        connection.channel().queue_delete(queue)
+        for kept in (queue, queue_too):
+            connection.channel().queue_delete(kept)
     finally:
         _close(connection)
 

@@ -284,9 +284,9 @@ def test_queues_a_crash_left_unregistered_are_found_on_the_brokers_own_listing(
         assert registry.queues() == {}
         assert janitor.stats["deleted"] == 1 and janitor.stats["errors"] == 0, janitor.stats
     finally:
-        channel = node.channel()
-        for queue in (leftover, elsewhere):
-            channel.queue_delete(queue)
+        for queue in (leftover, elsewhere):  # a channel each: 4.x answers a missing one 404
+            with suppress(pika.exceptions.ChannelClosedByBroker):
+                node.channel().queue_delete(queue)
         node.close()
 
 

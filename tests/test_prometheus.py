@@ -2,7 +2,8 @@
 RabbitMQ 3.10 and 4.3 answer (tests/data, as they sent it), the HTTP side
 against a stand-in endpoint, and the setting.
 
-The same readings against real nodes are in tests/test_broker_figures.py.
+The same readings against real nodes are in tests/test_status.py, tests/test_operating_limits.py
+and tests/test_janitor.py.
 """
 
 from __future__ import annotations

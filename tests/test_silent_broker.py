@@ -246,8 +246,9 @@ def test_the_producer_constructor_raises_broker_unavailable_in_bounded_time(
     with pytest.raises(BrokerUnavailable) as raised:
         Producer(stream.name, mode="key", settings=settings)
     took = time.monotonic() - started
-    # The handshake has 1 s; the constructor gives up waiting after 3 connect timeouts + 1 s.
-    assert took < CONNECT_TIMEOUT * 3 + 1 + 1, took
+    # The handshake has 1 s; the constructor gives up waiting after 3 connect timeouts + 1 s
+    # (with room for a busy machine: the point is a bound, where the old code had none).
+    assert took < CONNECT_TIMEOUT * 3 + 1 + 5, took
     message = str(raised.value)
     assert HANDSHAKE.search(message), message
     assert "amqp://guest:***@127.0.0.1:" in message
