@@ -14,7 +14,8 @@ from keyq.orders import expected_states, generate_orders
 from keyq.worker.state_store import StateStore
 from tests.workers import FAST, REPO, keyq_environment
 
-pytestmark = pytest.mark.slow
+# Also run on RabbitMQ 4.3 in CI: the core of keyq end to end on a current broker.
+pytestmark = [pytest.mark.slow, pytest.mark.broker_versions]
 
 ORDERS, EVENTS, SEED = 80, 3000, 11
 

@@ -17,6 +17,9 @@ from keyq.broker.topology import keyed_queue_arguments
 from keyq.worker.state_store import StateStore
 from tests.helpers import queue_depth
 
+# Quorum queues ignore exclusive consumers and changed defaults on 4.x: run on 4.3 in CI too.
+pytestmark = pytest.mark.broker_versions
+
 
 def test_a_second_consumer_of_a_quorum_keyed_queue_waits_for_the_first(
     stream: Any, settings: Any

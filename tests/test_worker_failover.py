@@ -13,7 +13,8 @@ from keyq import Producer
 from keyq.worker.state_store import StateStore
 from tests.workers import held_by, wait_until
 
-pytestmark = pytest.mark.slow
+# Also run on RabbitMQ 4.3 in CI: the core of keyq end to end on a current broker.
+pytestmark = [pytest.mark.slow, pytest.mark.broker_versions]
 
 
 class Publisher(threading.Thread):

@@ -31,7 +31,8 @@ from keyq.worker.state_store import StateStore
 from tests.conftest import StreamFixture
 from tests.helpers import Landed, drain, queue_depth
 
-pytestmark = pytest.mark.slow
+# Also run on RabbitMQ 4.3 in CI: the core of keyq end to end on a current broker.
+pytestmark = [pytest.mark.slow, pytest.mark.broker_versions]
 
 
 def fast_settings(**overrides: Any) -> WorkerSettings:
