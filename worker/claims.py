@@ -479,7 +479,8 @@ class ClaimLoop:
         if queue not in self._unreachable:
             self._unreachable.add(queue)
             log.warning(
-                "queue %s is unreachable (its node or queue process is down); trying it every %.0f s",
+                "queue %s is unreachable (its node or queue process is down); trying it "
+                "every %.0f s",
                 queue,
                 UNREACHABLE_BACKOFF_S,
             )
