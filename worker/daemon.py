@@ -41,6 +41,7 @@ from keyq.broker.redis_topology import connected_replicas
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import load_settings
 from keyq.broker.streams import StreamConfig, ensure_stream_config, load_stream_config
+from keyq.broker.worker_report import GapReport, WorkerReport
 from keyq.worker.abandoned_gaps import AbandonedGaps
 from keyq.worker.batches import BatchProcessor, BatchStats
 from keyq.worker.claims import ClaimLoop, client_name
@@ -147,44 +148,49 @@ class Worker:
         return sorted(self._holdings.queues())
 
     def stats(self) -> dict[str, Any]:
+        """``report()`` as plain values (what the heartbeat stores)."""
+        return self.report().to_dict()
+
+    def report(self) -> WorkerReport:
+        """What this worker reports about itself: its counters and what it waits on now."""
         batch = self._processor.stats if self._processor else None
         claims = self._claims.stats if self._claims else None
-        return {
-            "worker": self.worker_id,
-            "stream": self.stream,
-            "ready": self._claims.ready if self._claims else False,
-            "started_ms": self._started_ms,
-            "held": len(self._holdings),
-            "batches": batch.batches if batch else 0,
-            "events": batch.events if batch else 0,
-            "skipped": batch.skipped if batch else 0,
-            "dead_lettered": batch.dead_lettered if batch else 0,
-            "commits_refused": batch.commits_refused if batch else 0,
-            "commits_unreplicated": batch.commits_unreplicated if batch else 0,
-            "pipeline_failures": batch.pipeline_failures if batch else 0,
-            "spark_seconds": round(batch.spark_seconds, 3) if batch else 0.0,
-            "last_spark_seconds": round(batch.last_spark_seconds, 3) if batch else 0.0,
-            "stage_seconds": (
+        return WorkerReport(
+            worker=self.worker_id,
+            stream=self.stream,
+            ready=self._claims.ready if self._claims else False,
+            started_ms=self._started_ms,
+            held=len(self._holdings),
+            batches=batch.batches if batch else 0,
+            events=batch.events if batch else 0,
+            skipped=batch.skipped if batch else 0,
+            dead_lettered=batch.dead_lettered if batch else 0,
+            commits_refused=batch.commits_refused if batch else 0,
+            commits_unreplicated=batch.commits_unreplicated if batch else 0,
+            pipeline_failures=batch.pipeline_failures if batch else 0,
+            spark_seconds=round(batch.spark_seconds, 3) if batch else 0.0,
+            last_spark_seconds=round(batch.last_spark_seconds, 3) if batch else 0.0,
+            stage_seconds=(
                 {stage: round(value, 3) for stage, value in batch.stage_seconds.items()}
                 if batch
                 else {}
             ),
-            "claims": claims.claims if claims else 0,
-            "lost": claims.lost if claims else 0,
-            "released": self.released,
-            "peers_reaped": claims.peers_reaped if claims else 0,
-            "reconnects": self._link.reconnects if self._link else 0,
-            "late": batch.late if batch else 0,
-            "gaps_skipped": batch.gaps_skipped if batch else 0,
-            "gap_reopens": self._stuck.reopens if self._stuck else 0,
-            "waiting": self._buffer.parked(),
+            claims=claims.claims if claims else 0,
+            lost=claims.lost if claims else 0,
+            released=self.released,
+            peers_reaped=claims.peers_reaped if claims else 0,
+            reconnects=self._link.reconnects if self._link else 0,
+            late=batch.late if batch else 0,
+            gaps_skipped=batch.gaps_skipped if batch else 0,
+            gap_reopens=self._stuck.reopens if self._stuck else 0,
+            waiting=self._buffer.parked(),
             **self._gap_report(),
-        }
+        )
 
     def _gap_report(self) -> dict[str, Any]:
         """The sequence gaps this worker waits on now, the oldest first (at most five)."""
         if self._processor is None:
-            return {"gaps_open": 0, "oldest_gap_s": 0.0, "gaps": []}
+            return {"gaps_open": 0, "oldest_gap_s": 0.0, "gaps": ()}
         now = time.monotonic()
         gaps = sorted(
             (
@@ -197,16 +203,16 @@ class Worker:
         return {
             "gaps_open": len(gaps),
             "oldest_gap_s": round(now - gaps[0].since, 3) if gaps else 0.0,
-            "gaps": [
-                {
-                    "key": gap.key,
-                    "producer": gap.producer,
-                    "first": gap.first,
-                    "last": gap.last,
-                    "waited_s": round(now - gap.since, 3),
-                }
+            "gaps": tuple(
+                GapReport(
+                    key=gap.key,
+                    producer=gap.producer,
+                    first=gap.first,
+                    last=gap.last,
+                    waited_s=round(now - gap.since, 3),
+                )
                 for gap in gaps[:5]
-            ],
+            ),
         }
 
     # ---- the loop -------------------------------------------------------------------------
