@@ -1,4 +1,5 @@
-"""The queues this worker holds: each with its fenced lease and its consumer's epoch."""
+"""The index of held queues: each with its fenced lease and its consumer's epoch (kept by
+``keyq.worker.held_queues.HeldQueues``, which owns their life cycle)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ class Held:
     lease: Lease
     epoch: int
     since: float = field(default_factory=time.monotonic)
+    prefetch: int | None = None  # a consumer reopened wider than the setting's prefetch
 
 
 class Holdings:

@@ -1,0 +1,311 @@
+"""The one owner of a held queue's life cycle: its holding, its consumer, its buffered
+deliveries and its fenced lock, ended in one order whichever thread ends it.
+
+Threads: the claim loop claims queues, stops those whose lock it finds lost, and settles the
+losses the I/O thread reports; the batch loop reopens queues, hands them back at a batch
+boundary, stops those a refused commit found lost, and hands everything back at stop; the
+AMQP I/O thread reports consumers the broker took away. That thread never waits on Redis: a
+loss it reports is fenced in memory at once, and its lock is released by the claim loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import queue as queue_module
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import redis.exceptions
+
+from keyq.broker.connections import FAILING_OVER
+from keyq.broker.errors import KeyqError
+from keyq.broker.locks import FencedLocks, Lease
+from keyq.broker.log_context import about_queues
+from keyq.broker.registry import QueueRegistry
+from keyq.worker.consumer import Consumed, ConsumeOutcome, ConsumerLink
+from keyq.worker.deliveries import Delivery, DeliveryBuffer
+from keyq.worker.holdings import Held, Holdings
+
+log = logging.getLogger("keyq.worker.held")
+
+# Report(kind, queues, reason): kind is "assigned" or "revoked"; the batch loop runs the
+# user's callbacks for it.
+Report = Callable[[str, list[str], str], None]
+_SERVICE_ERRORS: tuple[type[BaseException], ...] = (
+    redis.exceptions.RedisError,
+    OSError,
+    *FAILING_OVER,
+)
+
+
+class LockFate(enum.Enum):
+    """What becomes of a queue's lock when its holding ends."""
+
+    RELEASE = "release"  # ours: let it go now, so that a peer can claim the queue at once
+    LOST = "lost"  # not ours any more: leave it, and register the queue again
+    DEFERRED = (
+        "deferred"  # ours, but this thread must not wait on Redis: the claim loop releases it
+    )
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A claim's outcome: ``held`` is set when the queue is consumed and held now."""
+
+    lease: Lease
+    consumed: Consumed
+    held: Held | None
+
+
+class HeldQueues:
+    """Holds queues for one worker; every verb is safe from any of the worker's threads."""
+
+    def __init__(
+        self,
+        *,
+        link: ConsumerLink,
+        buffer: DeliveryBuffer,
+        locks: FencedLocks,
+        registry: QueueRegistry,
+        report: Report,
+        prefetch: int,
+    ) -> None:
+        self._link = link
+        self._prefetch = prefetch
+        self._buffer = buffer
+        self._locks = locks
+        self._registry = registry
+        self._report = report
+        self._holdings = Holdings()
+        # Losses the I/O thread reported, whose locks the claim loop releases.
+        self._gone: queue_module.SimpleQueue[tuple[Lease, str]] = queue_module.SimpleQueue()
+        self._counts_lock = threading.Lock()
+        self.lost = 0  # holdings ended without handing the queue back
+        self.released = 0  # queues handed back while running (idle, rebalance)
+
+    # ---- what is held ----------------------------------------------------------------------
+
+    def get(self, queue: str) -> Held | None:
+        return self._holdings.get(queue)
+
+    def lease_for(self, queue: str, epoch: int) -> Lease | None:
+        """The lease a delivery of consumer ``epoch`` may be committed under, if any."""
+        return self._holdings.lease_for(queue, epoch)
+
+    def room_of(self, queue: str) -> int | None:
+        """The prefetch of ``queue``'s current consumer; None if it is not held."""
+        held = self._holdings.get(queue)
+        if held is None:
+            return None
+        return held.prefetch if held.prefetch is not None else self._prefetch
+
+    def all(self) -> list[Held]:
+        return self._holdings.all()
+
+    def queues(self) -> list[str]:
+        return self._holdings.queues()
+
+    def __len__(self) -> int:
+        return len(self._holdings)
+
+    def __contains__(self, queue: object) -> bool:
+        return queue in self._holdings
+
+    # ---- beginning and renewing a holding --------------------------------------------------
+
+    def claim(self, leases: Sequence[Lease], budget_s: float) -> list[Claimed]:
+        """Consume the queues of ``leases`` (locked already). Each is held before its consumer
+        opens, since its first deliveries may reach the batch loop before the call returns;
+        the locks of those not consumed are released. A connection failure releases every
+        lock of the call and raises (no consumer of it outlives that connection)."""
+        claims = [
+            Held(queue=lease.queue, lease=lease, epoch=self._link.new_epoch()) for lease in leases
+        ]
+        for held in claims:
+            self._holdings.add(held)
+        try:
+            results = self._link.consume_many(
+                [(held.queue, held.epoch) for held in claims], budget_s=budget_s
+            )
+        except KeyqError:
+            for held in claims:
+                self._holdings.remove(held.queue, held.epoch)
+            self._locks.release(list(leases))
+            raise
+        outcomes: list[Claimed] = []
+        not_held: list[Lease] = []
+        for held, consumed in zip(claims, results, strict=True):
+            if consumed.outcome is ConsumeOutcome.CONSUMING:
+                outcomes.append(Claimed(held.lease, consumed, held))
+                continue
+            self._holdings.remove(held.queue, held.epoch)
+            not_held.append(held.lease)
+            outcomes.append(Claimed(held.lease, consumed, None))
+        self._locks.release(not_held)
+        consuming = [c.lease.queue for c in outcomes if c.held is not None]
+        if consuming:
+            self._report("assigned", consuming, "claimed")
+        return outcomes
+
+    def reopen(self, queue: str, prefetch: int | None = None) -> bool:
+        """Close ``queue``'s consumer, which hands every unacked delivery back in order, and
+        consume it again at once under the same lock, with ``prefetch`` or the one it had.
+        Its waiting events keep their waiting time. False if it is not held (any more)."""
+        held = self._holdings.get(queue)
+        if held is None:
+            return False
+        if prefetch is None:
+            prefetch = held.prefetch
+        self._link.close_queue(queue, held.epoch)
+        self._buffer.drop(queue, held.epoch, keep_waits=True)
+        again = Held(
+            queue=queue,
+            lease=held.lease,
+            epoch=self._link.new_epoch(),
+            since=held.since,
+            prefetch=prefetch,
+        )
+        self._holdings.add(again)
+        consumed = self._link.consume(queue, again.epoch, prefetch=prefetch)
+        if consumed.outcome is ConsumeOutcome.CONSUMING:
+            return True
+        self._end(again, f"reopening it failed: {consumed.outcome}", LockFate.RELEASE, close=False)
+        return False
+
+    def put_back(self, deliveries: Iterable[Delivery]) -> None:
+        """Return a batch's unsettled deliveries to the buffer, those of queues still held
+        under the same consumer. The others' consumers are closed if still open, so that the
+        broker hands those deliveries out again, in order: never keep a consumer whose
+        deliveries were let go."""
+        still_held: list[Delivery] = []
+        orphaned: set[tuple[str, int]] = set()
+        for delivery in deliveries:
+            if self._holdings.lease_for(delivery.queue, delivery.channel_epoch):
+                still_held.append(delivery)
+            else:
+                orphaned.add((delivery.queue, delivery.channel_epoch))
+        self._buffer.put_back(still_held)
+        for queue, epoch in orphaned:
+            self._link.close_queue(queue, epoch)
+
+    # ---- ending a holding -------------------------------------------------------------------
+
+    def release(self, requests: dict[str, str], *, busy: Callable[[str], bool]) -> list[str]:
+        """Hand queues back at a batch boundary (``requests``: queue -> reason); an idle one
+        that ``busy`` says has work again is kept. Returns the queues handed back."""
+        ended = [
+            held
+            for queue, reason in requests.items()
+            if (held := self._holdings.get(queue)) is not None
+            and not (reason == "idle" and busy(queue))
+        ]
+        for held in ended:
+            self._fence(held, close=True)
+        if not ended:
+            return []
+        queues = [held.queue for held in ended]
+        try:
+            self._locks.release([held.lease for held in ended])
+        except _SERVICE_ERRORS as exc:
+            # The consumers are closed already: the locks just run out their ttl.
+            log.warning("handing back %d queues: locks left to expire: %s", len(ended), exc)
+        with self._counts_lock:
+            self.released += len(ended)
+        log.info("handed back %d queues", len(ended))
+        self._report("revoked", queues, "released")
+        return queues
+
+    def lose(self, lease: Lease, reason: str) -> None:
+        """Stop a queue whose lock is no longer ours (found lost by a renewal or a refused
+        commit), at once: nothing of it is committed or acked from now on. A newer holding
+        of the queue is left alone."""
+        held = self._holdings.get(lease.queue)
+        if held is not None and held.lease == lease:
+            self._end(held, reason, LockFate.LOST, close=True)
+
+    def consumer_gone(self, queue: str, epoch: int, reason: str) -> None:
+        """The broker took consumer ``epoch`` of ``queue`` away (its channel or connection
+        closed): called on the I/O thread, so its lock is left to the claim loop."""
+        held = self._holdings.get(queue)
+        if held is not None and held.epoch == epoch:
+            self._end(held, reason, LockFate.DEFERRED, close=False)
+
+    def settle_gone(self) -> int:
+        """On the claim loop: release the locks of the consumers the broker took away, in one
+        round trip, and report them revoked. A Redis failure leaves them to expire."""
+        gone: list[tuple[Lease, str]] = []
+        while True:
+            try:
+                gone.append(self._gone.get_nowait())
+            except queue_module.Empty:
+                break
+        if not gone:
+            return 0
+        with contextlib.suppress(*_SERVICE_ERRORS):  # they expire by themselves
+            self._locks.release([lease for lease, _reason in gone])
+        by_reason: dict[str, list[str]] = {}
+        for lease, reason in gone:
+            by_reason.setdefault(reason, []).append(lease.queue)
+        for reason, queues in by_reason.items():
+            self._report("revoked", queues, reason)
+        return len(gone)
+
+    def release_all(self) -> list[Held]:
+        """At stop: close every consumer, then hand every lock back in one round trip (a
+        failure leaves them to expire). Returns what was held."""
+        held = self._holdings.all()
+        for item in held:
+            self._fence(item, close=True)
+        self.settle_gone()
+        try:
+            self._locks.release([item.lease for item in held])
+        except _SERVICE_ERRORS:
+            log.warning("could not release locks at shutdown; they expire by themselves")
+        if held:
+            self._report("revoked", [item.queue for item in held], "shutdown")
+        return held
+
+    def _end(self, held: Held, reason: str, fate: LockFate, *, close: bool) -> None:
+        """End a holding that was not handed back (lost): fence, close, drop, then the lock."""
+        if not self._fence(held, close=close):
+            return
+        with self._counts_lock:
+            self.lost += 1
+        if fate is LockFate.DEFERRED:
+            self._gone.put((held.lease, reason))
+            return
+        with about_queues([held.queue]):
+            log.warning("lost %s (%s): stopping it", held.queue, reason)
+        if fate is LockFate.RELEASE:
+            with contextlib.suppress(*_SERVICE_ERRORS):  # it expires by itself
+                self._locks.release([held.lease])
+        else:
+            # A lock is lost with the queue's registration when Redis fails over to a replica
+            # that had neither: register it again, or its messages, back in the queue now,
+            # would wait for a producer to use the key again before any worker claimed them.
+            with contextlib.suppress(*_SERVICE_ERRORS):
+                self._registry.register({held.queue: None})
+        self._report("revoked", [held.queue], reason)
+
+    def _fence(self, held: Held, *, close: bool) -> bool:
+        """The order every ending follows; False if that holding had ended already.
+
+        1. Forget the holding: no batch takes a lease for its deliveries from now on, so
+           nothing of it is committed or acked.
+        2. Close its consumer's channel (never cancel first: the queue would look unused
+           while it still holds our unacked deliveries, and a janitor's delete(if_empty,
+           if_unused) would take them). Closing hands them back to the queue, in order.
+        3. Drop its buffered deliveries: after the close none of that consumer can arrive,
+           so nothing of it is left behind to be processed.
+        Only then may the lock go (the caller's part): a peer that claims the queue finds
+        it with every unsettled event back, and no consumer of ours on it.
+        """
+        if self._holdings.remove(held.queue, held.epoch) is None:
+            return False
+        if close:
+            self._link.close_queue(held.queue, held.epoch)
+        self._buffer.drop(held.queue, held.epoch)
+        return True

@@ -1,0 +1,187 @@
+"""The batch loop of a serving worker: take deliveries, process a batch, and act on what it
+reports, between batches handing queues back, reopening consumers and giving up gaps.
+
+A ``Session`` exists only while the worker serves, so every part it needs is there: the
+AMQP link, the held queues, the claim loop, the batch processor and the gap watchers.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue as queue_module
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from keyq.broker.connections import redis_errors
+from keyq.broker.errors import KeyqError
+from keyq.worker.abandoned_gaps import AbandonedGaps
+from keyq.worker.batches import BatchProcessor
+from keyq.worker.claims import ClaimLoop
+from keyq.worker.config import WorkerSettings
+from keyq.worker.consumer import ConsumerLink
+from keyq.worker.deliveries import Delivery, DeliveryBuffer
+from keyq.worker.handbacks import HandBacks
+from keyq.worker.held_queues import HeldQueues
+from keyq.worker.stuck_gaps import StuckGaps
+
+log = logging.getLogger("keyq.worker")
+
+QueueCallback = Callable[[list[str]], None]
+# (kind, queues, reason): "assigned" or "revoked", reported by ``HeldQueues``.
+QueueEvents = queue_module.SimpleQueue[tuple[str, list[str], str]]
+ERROR_BACKOFF_S = 1.0
+MAX_PREFETCH = 65535
+BATCH_WAIT_SPARK_FACTOR = 2.0
+BATCH_WAIT_MAX_S = 2.0
+
+
+def batch_wait(settings: WorkerSettings, last_batch_events: int, last_spark_s: float) -> float:
+    """How long a batch may wait to fill, from its first event. Under light load (the last
+    batch under half of ``batch_max_events``) only ``batch_max_ms``, 0 by default: a batch
+    starts as soon as the previous job ends and events are ready, and the events that arrive
+    during a job make the next batch. Under heavy load up to twice the last Spark job (at
+    most 2 s): every job has a fixed cost, so a loaded worker runs fewer, larger jobs."""
+    floor = settings.batch_max_ms / 1000
+    if last_batch_events * 2 < settings.batch_max_events:
+        return floor
+    return min(max(floor, BATCH_WAIT_SPARK_FACTOR * last_spark_s), BATCH_WAIT_MAX_S)
+
+
+@dataclass
+class Session:
+    """What a serving worker runs with; used by the batch loop's thread (its parts say
+    which of them other threads use)."""
+
+    settings: WorkerSettings
+    buffer: DeliveryBuffer
+    link: ConsumerLink
+    held: HeldQueues
+    handbacks: HandBacks
+    claims: ClaimLoop
+    processor: BatchProcessor
+    stuck: StuckGaps
+    abandoned: AbandonedGaps
+    events: QueueEvents
+    stop: threading.Event
+    on_assigned: QueueCallback | None = None
+    on_revoked: QueueCallback | None = None
+
+    def serve(self, until_idle: float | None, ready: threading.Event, started: str) -> None:
+        """Run batches until stopped (or idle for ``until_idle`` seconds, if given)."""
+        last_work = time.monotonic()
+        while not self.stop.is_set():
+            if self.link.failure is not None:
+                raise self.link.failure
+            if not ready.is_set() and self.claims.ready:
+                ready.set()
+                log.info(started)
+            self.fire_events()
+            self.hand_back(self.handbacks.take())
+            self.give_up_abandoned_gaps()
+            self.reopen_stuck_gaps()
+            stats = self.processor.stats
+            wait = batch_wait(self.settings, stats.last_batch_events, stats.last_spark_seconds)
+            batch = self.buffer.take(self.settings.batch_max_events, wait, 0.1)
+            if batch:
+                self.process(batch)
+                last_work = time.monotonic()
+            elif until_idle is not None and time.monotonic() - last_work >= until_idle:
+                return
+
+    def process(self, batch: list[Delivery]) -> None:
+        """Process one batch and act on its outcome: park what waits for an earlier seq,
+        stop the queues whose locks moved on, and put back what was not settled."""
+        outcome = self.processor.process(batch)
+        if outcome.interrupted is not None:
+            self.stop.wait(ERROR_BACKOFF_S)
+        self.park(outcome.waiting)
+        for lease in outcome.lost:
+            self.held.lose(lease, "commit refused: the lock moved on")
+        if outcome.unsettled:
+            self.held.put_back(outcome.unsettled)
+
+    def park(self, waiting: list[Delivery]) -> None:
+        """Set aside what waits for an earlier seq. A consumer whose whole prefetch waits
+        would never be sent the events that fill the gap: it is reopened with room for more
+        (closing hands every unacked delivery back, in order)."""
+        if not waiting:
+            return
+        fresh = [d for d in waiting if self.held.lease_for(d.queue, d.channel_epoch)]
+        self.buffer.park(fresh)
+        for queue in {d.queue for d in fresh}:
+            room = self.held.room_of(queue)
+            if room is None:
+                continue
+            parked = self.buffer.parked(queue)
+            if parked < room or room >= MAX_PREFETCH:
+                continue
+            wider = min(MAX_PREFETCH, parked + self.settings.prefetch)
+            log.info(
+                "queue %s: all %d unacked events wait for an earlier seq; reopening it with a "
+                "prefetch of %d",
+                queue,
+                parked,
+                wider,
+            )
+            self.held.reopen(queue, wider)
+
+    def give_up_abandoned_gaps(self) -> None:
+        """Gaps whose producer is gone need not wait out their timeout once nothing more is
+        in their queue (``keyq.worker.abandoned_gaps``); a service error only postpones it."""
+        if not self.buffer.parked():
+            return
+        try:
+            with redis_errors(self.settings.redis_url):
+                self.abandoned.check()
+        except KeyqError as exc:
+            log.debug("checking for abandoned sequence gaps failed (retried): %s", exc)
+
+    def reopen_stuck_gaps(self) -> None:
+        """Reopen the consumers of queues whose gap stays open (``keyq.worker.stuck_gaps``)."""
+        if not self.buffer.parked():
+            return
+        for queue in self.stuck.due():
+            log.warning(
+                "queue %s: a sequence gap has stayed open for %.0f s; reopening its consumer so "
+                "that the broker hands back anything it counts as delivered here",
+                queue,
+                self.stuck.reopen_after_s,
+            )
+            self.reopen_for_gap(queue)
+
+    def reopen_for_gap(self, queue: str) -> None:
+        self.stuck.note_reopened(queue)
+        self.held.reopen(queue)
+
+    def hand_back(self, requests: dict[str, str]) -> None:
+        """Hand back the queues the claim loop asked for, at this batch boundary."""
+        if not requests:
+            return
+        queues = self.held.release(requests, busy=lambda queue: self.buffer.depth(queue) > 0)
+        self.handbacks.handed_back(queues)
+        self.fire_events()
+
+    def fire_events(self) -> None:
+        """Run the user's ``on_assigned`` / ``on_revoked`` callbacks, on this thread."""
+        while True:
+            try:
+                kind, queues, _reason = self.events.get_nowait()
+            except queue_module.Empty:
+                return
+            callback = self.on_assigned if kind == "assigned" else self.on_revoked
+            if callback is not None:
+                try:
+                    callback(list(queues))
+                except Exception:
+                    log.exception("%s callback failed", kind)
+
+    def shut_down(self) -> list[str]:
+        """Take nothing new, close every consumer and hand every lock back; returns what
+        was held."""
+        self.claims.stop_claiming()  # it renews the locks until they are handed back
+        held = self.held.release_all()
+        self.claims.stop()
+        self.fire_events()
+        return [item.queue for item in held]
