@@ -72,8 +72,19 @@ class WorkerReport:
         return orjson.dumps(self.to_dict()).decode()
 
     @classmethod
-    def parse(cls, raw: str | bytes | None) -> WorkerReport | None:
-        """The report in ``raw``, or None if it is missing, not JSON, or not a report."""
+    def parse(
+        cls,
+        raw: str | bytes | None,
+        *,
+        worker: str | None = None,
+        stream: str | None = None,
+    ) -> WorkerReport | None:
+        """The report in ``raw``, or None if it is missing, not JSON, or not a report.
+
+        ``worker`` and ``stream`` stand in for an identity the record does not carry: a
+        reader of a stream's members knows both, and a heartbeat written by hand (a test's,
+        a stand-in's) may name neither. A record that names them keeps its own.
+        """
         if raw is None:
             return None
         try:
@@ -82,8 +93,10 @@ class WorkerReport:
             return None
         if not isinstance(data, dict):
             return None
-        worker, stream = data.get("worker"), data.get("stream")
-        if not isinstance(worker, str) or not isinstance(stream, str):
+        named_worker, named_stream = data.get("worker"), data.get("stream")
+        worker = named_worker if isinstance(named_worker, str) else worker
+        stream = named_stream if isinstance(named_stream, str) else stream
+        if worker is None or stream is None:
             return None
         values: dict[str, Any] = {"worker": worker, "stream": stream}
         for spec in dataclasses.fields(cls):
@@ -104,11 +117,9 @@ _FLOATS = frozenset(f.name for f in dataclasses.fields(WorkerReport) if f.type =
 def _typed(name: str, value: object) -> object | None:
     """``value`` if it has the type field ``name`` holds, else None (the default is kept)."""
     if name in _INTS:
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
+        return _int(value)
     if name in _FLOATS:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        return None
+        return _float(value)
     if name == "ready":
         return value if isinstance(value, bool) else None
     if name == "host":
@@ -116,13 +127,22 @@ def _typed(name: str, value: object) -> object | None:
     if name == "stage_seconds":
         if not isinstance(value, dict):
             return None
-        return {
-            str(stage): float(seconds)
-            for stage, seconds in value.items()
-            if isinstance(seconds, int | float) and not isinstance(seconds, bool)
-        }
+        stages = ((str(stage), _float(seconds)) for stage, seconds in value.items())
+        return {stage: seconds for stage, seconds in stages if seconds is not None}
     if name == "gaps":
         return tuple(gap for gap in map(_gap, value if isinstance(value, list) else []) if gap)
+    return None
+
+
+def _int(value: object) -> int | None:
+    """An int that JSON wrote as one (a bool is not a count)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _float(value: object) -> float | None:
+    """A number as a float: a writer may well have written 2.0 as 2."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
     return None
 
 
@@ -130,13 +150,13 @@ def _gap(value: object) -> GapReport | None:
     if not isinstance(value, dict):
         return None
     key, producer = value.get("key"), value.get("producer")
-    first, last, waited = value.get("first"), value.get("last"), value.get("waited_s", 0.0)
-    if not isinstance(key, str) or not isinstance(first, int):
+    first, last, waited = _int(value.get("first")), _int(value.get("last")), value.get("waited_s")
+    if not isinstance(key, str) or first is None:
         return None
     return GapReport(
         key=key,
         producer=producer if isinstance(producer, str) else "",
         first=first,
-        last=last if isinstance(last, int) else first,
-        waited_s=float(waited) if isinstance(waited, int | float) else 0.0,
+        last=first if last is None else last,
+        waited_s=_float(waited) or 0.0,
     )
