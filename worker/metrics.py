@@ -1,5 +1,8 @@
-"""A worker's Prometheus metrics: its ``stats()`` counters as metric families, labelled with
-``stream`` and ``worker``, and a batch-latency histogram.
+"""A worker's Prometheus metrics: the numbers of its ``report()`` as metric families, labelled
+with ``stream`` and ``worker``, and a batch-latency histogram.
+
+Each family reads one typed field of ``WorkerReport``, so a field renamed is a type error
+here, not a family that silently reads 0.
 
 Serve them with ``MetricsServer(port, collect=lambda: worker_metrics(worker)).start()``.
 """
@@ -9,10 +12,11 @@ from __future__ import annotations
 import bisect
 import threading
 import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 from keyq.broker.metrics import Histogram, Metric
+from keyq.broker.worker_report import WorkerReport
 
 if TYPE_CHECKING:
     from keyq.worker.daemon import Worker
@@ -33,95 +37,128 @@ BATCH_SECONDS_BUCKETS: tuple[float, ...] = (
     60.0,
 )
 
-# (key in Worker.stats(), family name, help): all cumulative since the worker started.
-COUNTERS: tuple[tuple[str, str, str], ...] = (
-    (
-        "events",
+
+class Figure(NamedTuple):
+    """One metric family read from a worker's report: its name, help and how to read it."""
+
+    name: str
+    help: str
+    read: Callable[[WorkerReport], float]
+
+
+# All cumulative since the worker started.
+COUNTERS: tuple[Figure, ...] = (
+    Figure(
         "keyq_worker_events_processed_total",
         "Events applied by this worker's committed batches (exactly once).",
+        lambda report: report.events,
     ),
-    (
-        "skipped",
+    Figure(
         "keyq_worker_events_skipped_total",
         "Duplicate events skipped: redeliveries and re-sends that were already applied.",
+        lambda report: report.skipped,
     ),
-    ("batches", "keyq_worker_batches_total", "Micro-batches committed."),
-    (
-        "spark_seconds",
+    Figure("keyq_worker_batches_total", "Micro-batches committed.", lambda report: report.batches),
+    Figure(
         "keyq_worker_spark_seconds_total",
         "Seconds spent running the pipeline's Spark jobs.",
+        lambda report: report.spark_seconds,
     ),
-    ("claims", "keyq_worker_claims_total", "Queues claimed (a lock taken and a consumer opened)."),
-    (
-        "released",
+    Figure(
+        "keyq_worker_claims_total",
+        "Queues claimed (a lock taken and a consumer opened).",
+        lambda report: report.claims,
+    ),
+    Figure(
         "keyq_worker_releases_total",
         "Queues handed back while running (idle, or to rebalance).",
+        lambda report: report.released,
     ),
-    (
-        "lost",
+    Figure(
         "keyq_worker_queues_lost_total",
         "Queues lost without handing them back: lock lost or moved on, consumer cancelled.",
+        lambda report: report.lost,
     ),
-    ("dead_lettered", "keyq_worker_dead_lettered_total", "Messages sent to the dead-letter queue."),
-    (
-        "commits_refused",
+    Figure(
+        "keyq_worker_dead_lettered_total",
+        "Messages sent to the dead-letter queue.",
+        lambda report: report.dead_lettered,
+    ),
+    Figure(
         "keyq_worker_commits_refused_total",
         "Batch commits refused because a queue's lock had moved on.",
+        lambda report: report.commits_refused,
     ),
-    (
-        "commits_unreplicated",
+    Figure(
         "keyq_worker_commits_unreplicated_total",
         "Batch commits not confirmed by the required Redis replicas in time (run again).",
+        lambda report: report.commits_unreplicated,
     ),
-    (
-        "peers_reaped",
+    Figure(
         "keyq_worker_peers_reaped_total",
         "Dead peer workers whose locks and membership this worker released.",
+        lambda report: report.peers_reaped,
     ),
-    (
-        "pipeline_failures",
+    Figure(
         "keyq_worker_pipeline_failures_total",
         "Failed pipeline runs (each retry and each isolation step counts).",
+        lambda report: report.pipeline_failures,
     ),
-    ("reconnects", "keyq_worker_reconnects_total", "Reconnections to RabbitMQ."),
-    (
-        "gaps_skipped",
+    Figure(
+        "keyq_worker_reconnects_total",
+        "Reconnections to RabbitMQ.",
+        lambda report: report.reconnects,
+    ),
+    Figure(
         "keyq_worker_sequence_gaps_skipped_total",
         "Sequence gaps given up after waiting sequence_gap_timeout_ms: the events behind "
         "them were applied without the missing ones.",
+        lambda report: report.gaps_skipped,
     ),
-    (
-        "gap_reopens",
+    Figure(
         "keyq_worker_gap_reopens_total",
         "Consumers reopened because a sequence gap stayed open, so that the broker hands "
         "back anything it counts as delivered to them.",
+        lambda report: report.gap_reopens,
     ),
-    (
-        "late",
+    Figure(
         "keyq_worker_events_late_total",
         "Events that arrived after their gap was given up, dead-lettered as late.",
+        lambda report: report.late,
     ),
 )
 
-# (key in Worker.stats(), family name, help): what the worker waits on now.
-GAUGES: tuple[tuple[str, str, str], ...] = (
-    ("held", "keyq_worker_queues_held", "Queues this worker holds now."),
-    (
-        "waiting",
+# What the worker holds and waits on now, and when it started.
+GAUGES: tuple[Figure, ...] = (
+    Figure("keyq_worker_queues_held", "Queues this worker holds now.", lambda report: report.held),
+    Figure(
         "keyq_worker_events_waiting",
         "Events held back, unacked, until an earlier seq of their key and producer arrives.",
+        lambda report: report.waiting,
     ),
-    (
-        "gaps_open",
+    Figure(
         "keyq_worker_sequence_gaps_open",
         "Sequence gaps this worker waits on now.",
+        lambda report: report.gaps_open,
     ),
-    (
-        "oldest_gap_s",
+    Figure(
         "keyq_worker_sequence_gap_oldest_seconds",
         "How long the oldest open sequence gap has been waited on.",
+        lambda report: report.oldest_gap_s,
+    ),
+    Figure(
+        "keyq_worker_start_time_seconds",
+        "When this worker started, in seconds since the epoch.",
+        lambda report: report.started_ms / 1000,
     ),
 )
+
+# The report's numbers that are no metric family, each with why: a field added to
+# WorkerReport belongs in a table above or here (a unit test holds every field to that).
+UNEXPORTED: dict[str, str] = {
+    "last_spark_seconds": "the last batch alone: keyq_worker_batch_seconds has every batch",
+    "pid": "which process, not a figure: Prometheus knows its target",
+}
 
 
 class BatchLatency:
@@ -186,24 +223,16 @@ def batch_latency(worker: Worker) -> Histogram:
 
 def worker_metrics(worker: Worker) -> list[Metric]:
     """The worker's metric families, each with one sample labelled ``stream`` and ``worker``."""
-    stats = worker.stats()
-    labels = {"stream": str(stats["stream"]), "worker": str(stats["worker"])}
+    report = worker.report()
+    labels = {"stream": report.stream, "worker": report.worker}
     metrics = [
-        Metric(name, "counter", help_text, [(labels, stats.get(key, 0))])
-        for key, name, help_text in COUNTERS
+        Metric(figure.name, "counter", figure.help, [(labels, figure.read(report))])
+        for figure in COUNTERS
     ]
     metrics += [
-        Metric(name, "gauge", help_text, [(labels, stats.get(key, 0))])
-        for key, name, help_text in GAUGES
+        Metric(figure.name, "gauge", figure.help, [(labels, figure.read(report))])
+        for figure in GAUGES
     ]
-    metrics.append(
-        Metric(
-            "keyq_worker_start_time_seconds",
-            "gauge",
-            "When this worker started, in seconds since the epoch.",
-            [(labels, stats.get("started_ms", 0) / 1000)],
-        )
-    )
     metrics.append(
         Metric(
             "keyq_worker_batch_seconds",
