@@ -1,0 +1,288 @@
+"""HeldQueues and HandBacks as units: the order every ending of a holding follows, who
+releases a lock, and which queues are asked back. The broker, Redis and the consumer link
+are stand-ins that record what was asked of them; what those services do is proven by the
+worker tests against the real ones."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, cast
+
+from keyq.broker.locks import FencedLocks, Lease
+from keyq.broker.registry import QueueRegistry
+from keyq.worker.consumer import Consumed, ConsumeOutcome, ConsumerLink
+from keyq.worker.deliveries import Delivery, DeliveryBuffer
+from keyq.worker.handbacks import RELEASE_COOLDOWN_S, HandBacks
+from keyq.worker.held_queues import HeldQueues
+from keyq.worker.holdings import Held
+
+
+class Journal:
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, ...]] = []
+        self.threads: dict[str, set[str]] = {}
+
+    def note(self, *entry: str) -> None:
+        self.entries.append(entry)
+        self.threads.setdefault(entry[0], set()).add(threading.current_thread().name)
+
+
+class StandInLink:
+    def __init__(self, journal: Journal, outcomes: dict[str, ConsumeOutcome] | None = None):
+        self.journal = journal
+        self.outcomes = outcomes or {}
+        self.epochs = iter(range(1, 1000))
+        self.held_at_consume: list[bool] = []
+        self.held: HeldQueues | None = None
+
+    def new_epoch(self) -> int:
+        return next(self.epochs)
+
+    def consume_many(self, claims: Sequence[tuple[str, int]], *, budget_s: float) -> list[Consumed]:
+        results = []
+        for queue, epoch in claims:
+            assert self.held is not None
+            self.held_at_consume.append(queue in self.held)
+            self.journal.note("consume", queue, str(epoch))
+            results.append(Consumed(self.outcomes.get(queue, ConsumeOutcome.CONSUMING), epoch))
+        return results
+
+    def consume(self, queue: str, epoch: int, prefetch: int | None = None) -> Consumed:
+        self.journal.note("consume", queue, str(epoch), str(prefetch))
+        return Consumed(self.outcomes.get(queue, ConsumeOutcome.CONSUMING), epoch)
+
+    def close_queue(self, queue: str, epoch: int | None = None) -> None:
+        self.journal.note("close", queue, str(epoch))
+
+
+class StandInLocks:
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self.calls: list[list[str]] = []
+
+    def release(self, leases: Sequence[Lease]) -> int:
+        if leases:
+            self.calls.append([lease.queue for lease in leases])
+            self.journal.note("release", *(lease.queue for lease in leases))
+        return len(leases)
+
+
+class StandInRegistry:
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+
+    def register(self, queues: dict[str, str | None]) -> None:
+        self.journal.note("register", *queues)
+
+
+class RecordingBuffer(DeliveryBuffer):
+    def __init__(self, journal: Journal) -> None:
+        super().__init__()
+        self.journal = journal
+
+    def drop(
+        self, queue: str, channel_epoch: int | None = None, *, keep_waits: bool = False
+    ) -> int:
+        self.journal.note("drop", queue, str(channel_epoch), "keep" if keep_waits else "")
+        return super().drop(queue, channel_epoch, keep_waits=keep_waits)
+
+
+def make(outcomes: dict[str, ConsumeOutcome] | None = None) -> tuple[HeldQueues, Journal, Any]:
+    journal = Journal()
+    link = StandInLink(journal, outcomes)
+    locks = StandInLocks(journal)
+    reports: list[tuple[str, list[str], str]] = []
+    held = HeldQueues(
+        link=cast(ConsumerLink, link),
+        buffer=RecordingBuffer(journal),
+        locks=cast(FencedLocks, locks),
+        registry=cast(QueueRegistry, StandInRegistry(journal)),
+        report=lambda kind, queues, reason: reports.append((kind, queues, reason)),
+        prefetch=10,
+    )
+    link.held = held
+
+    class Parts:
+        pass
+
+    parts = Parts()
+    parts.link, parts.locks, parts.reports = link, locks, reports  # type: ignore[attr-defined]
+    return held, journal, parts
+
+
+def lease(queue: str, token: int = 1) -> Lease:
+    return Lease(queue=queue, owner="me", token=token)
+
+
+def delivery(queue: str, epoch: int, tag: int) -> Delivery:
+    return Delivery(
+        queue=queue,
+        channel_epoch=epoch,
+        delivery_tag=tag,
+        redelivered=False,
+        headers={},
+        content_type=None,
+        message_id=None,
+        body=b"{}",
+    )
+
+
+def test_a_claimed_queue_is_held_before_its_consumer_opens_and_refusals_let_their_locks_go() -> (
+    None
+):
+    held, _journal, parts = make({"q-busy": ConsumeOutcome.BUSY})
+    outcomes = held.claim([lease("q-a"), lease("q-busy")], budget_s=1.0)
+    assert parts.link.held_at_consume == [True, True]
+    assert [o.held is not None for o in outcomes] == [True, False]
+    assert held.queues() == ["q-a"]
+    assert parts.locks.calls == [["q-busy"]]
+    assert parts.reports == [("assigned", ["q-a"], "claimed")]
+
+
+def test_losing_a_lock_fences_then_closes_then_drops_and_never_releases() -> None:
+    held, journal, parts = make()
+    held.claim([lease("q-a")], budget_s=1.0)
+    journal.entries.clear()
+    held.lose(lease("q-a"), "lock lost")
+    assert "q-a" not in held
+    assert [entry[0] for entry in journal.entries] == ["close", "drop", "register"]
+    assert parts.locks.calls == []  # not ours any more: never released by us
+    assert held.lost == 1
+    assert parts.reports[-1] == ("revoked", ["q-a"], "lock lost")
+
+
+def test_a_lost_lease_of_an_older_holding_leaves_the_newer_one_alone() -> None:
+    held, _journal, _parts = make()
+    held.claim([lease("q-a", token=2)], budget_s=1.0)
+    held.lose(lease("q-a", token=1), "commit refused")
+    assert "q-a" in held and held.lost == 0
+
+
+def test_a_consumer_the_broker_took_away_is_fenced_at_once_and_its_lock_released_later() -> None:
+    held, journal, parts = make()
+    held.claim([lease(f"q-{n}") for n in range(3)], budget_s=1.0)
+    epoch = held.get("q-1")
+    assert epoch is not None
+    journal.entries.clear()
+    for item in held.all():
+        held.consumer_gone(item.queue, item.epoch, "connection lost")
+    assert len(held) == 0 and held.lost == 3
+    assert [entry[0] for entry in journal.entries] == ["drop", "drop", "drop"]  # no close, no Redis
+    assert parts.locks.calls == []
+    assert held.settle_gone() == 3
+    assert parts.locks.calls == [["q-0", "q-1", "q-2"]]  # one round trip for all
+    assert parts.reports[-1] == ("revoked", ["q-0", "q-1", "q-2"], "connection lost")
+    assert held.settle_gone() == 0
+
+
+def test_a_stale_consumer_loss_is_ignored() -> None:
+    held, _journal, _parts = make()
+    held.claim([lease("q-a")], budget_s=1.0)
+    item = held.get("q-a")
+    assert item is not None
+    held.consumer_gone("q-a", item.epoch + 100, "channel closed")
+    assert "q-a" in held and held.settle_gone() == 0
+
+
+def test_handing_back_closes_before_dropping_and_releases_all_in_one_call() -> None:
+    held, journal, parts = make()
+    held.claim([lease("q-a"), lease("q-b"), lease("q-c")], budget_s=1.0)
+    held._buffer.add(delivery("q-c", held.get("q-c").epoch, 1))  # type: ignore[union-attr]
+    journal.entries.clear()
+    handed = held.release(
+        {"q-a": "rebalance", "q-b": "idle", "q-c": "idle"},
+        busy=lambda queue: held._buffer.depth(queue) > 0,
+    )
+    assert handed == ["q-a", "q-b"]  # q-c has work again: kept
+    assert [entry[:2] for entry in journal.entries] == [
+        ("close", "q-a"),
+        ("drop", "q-a"),
+        ("close", "q-b"),
+        ("drop", "q-b"),
+        ("release", "q-a"),
+    ]
+    assert parts.locks.calls == [["q-a", "q-b"]]
+    assert held.released == 2 and held.lost == 0
+    assert parts.reports[-1] == ("revoked", ["q-a", "q-b"], "released")
+
+
+def test_reopening_keeps_the_lock_and_the_waits_and_remembers_a_wider_prefetch() -> None:
+    held, journal, _parts = make()
+    held.claim([lease("q-a")], budget_s=1.0)
+    before = held.get("q-a")
+    assert before is not None and held.room_of("q-a") == 10
+    assert held.reopen("q-a", 40)
+    after = held.get("q-a")
+    assert after is not None
+    assert after.lease == before.lease and after.epoch > before.epoch
+    assert held.room_of("q-a") == 40
+    assert ("drop", "q-a", str(before.epoch), "keep") in journal.entries
+    assert held.reopen("q-a")  # the wider prefetch is kept
+    assert journal.entries[-1] == ("consume", "q-a", str(after.epoch + 1), "40")
+    assert held.room_of("q-missing") is None and not held.reopen("q-missing")
+
+
+def test_a_reopen_the_broker_refuses_ends_the_holding_and_releases_its_lock() -> None:
+    held, _journal, parts = make()
+    held.claim([lease("q-a")], budget_s=1.0)
+    parts.link.outcomes["q-a"] = ConsumeOutcome.FAILED
+    assert not held.reopen("q-a")
+    assert "q-a" not in held and held.lost == 1
+    assert parts.locks.calls == [["q-a"]]
+
+
+def test_put_back_keeps_what_is_held_and_closes_consumers_whose_deliveries_were_let_go() -> None:
+    held, journal, _parts = make()
+    held.claim([lease("q-a")], budget_s=1.0)
+    item = held.get("q-a")
+    assert item is not None
+    journal.entries.clear()
+    held.put_back([delivery("q-a", item.epoch, 1), delivery("q-gone", 7, 1)])
+    assert held._buffer.depth("q-a") == 1 and held._buffer.depth("q-gone") == 0
+    assert journal.entries == [("close", "q-gone", "7")]
+
+
+def test_release_all_closes_every_consumer_and_settles_the_losses_too() -> None:
+    held, _journal, parts = make()
+    held.claim([lease("q-a"), lease("q-b")], budget_s=1.0)
+    item = held.get("q-b")
+    assert item is not None
+    held.consumer_gone("q-b", item.epoch, "channel closed by the broker")
+    ended = held.release_all()
+    assert [h.queue for h in ended] == ["q-a"]
+    assert parts.locks.calls == [["q-b"], ["q-a"]]
+    assert parts.reports[-1] == ("revoked", ["q-a"], "shutdown")
+
+
+def test_handbacks_ask_the_least_busy_surplus_once_and_cool_down_what_went_back() -> None:
+    buffer = DeliveryBuffer()
+    for tag in range(3):
+        buffer.add(delivery("q-deep", 1, tag))
+    handbacks = HandBacks(buffer)
+    handbacks.ask_surplus({"q-deep", "q-empty", "q-other"}, 1)
+    handbacks.ask_surplus({"q-deep", "q-empty", "q-other"}, 1)  # already asked for
+    taken = handbacks.take()
+    assert len(taken) == 1 and "q-deep" not in taken
+    assert set(taken.values()) == {"rebalance"}
+    assert handbacks.take() == {}
+    now = time.monotonic()
+    handbacks.handed_back(["q-empty"])
+    assert handbacks.cooling("q-empty", now)
+    assert not handbacks.cooling("q-empty", now + RELEASE_COOLDOWN_S + 0.1)
+    assert not handbacks.cooling("q-other", now)
+
+
+def test_handbacks_ask_idle_queues_with_nothing_buffered() -> None:
+    buffer = DeliveryBuffer()
+    buffer.add(delivery("q-busy", 1, 1))
+    handbacks = HandBacks(buffer)
+    long_ago = time.monotonic() - 60
+    held = [
+        Held(queue=queue, lease=lease(queue), epoch=1, since=long_ago)
+        for queue in ("q-busy", "q-idle")
+    ]
+    held.append(Held(queue="q-new", lease=lease("q-new"), epoch=1))
+    handbacks.ask_idle(held, idle_after_s=30)
+    assert handbacks.take() == {"q-idle": "idle"}
