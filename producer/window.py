@@ -1,0 +1,147 @@
+"""The confirm window: what application threads and the producer's I/O thread share.
+
+Application threads hand events over through ``outbox`` and wait on ``cond`` for room among
+the unconfirmed events; the I/O thread settles them and wakes the waiters. Everything here is
+guarded by ``cond`` (the I/O thread reads ``silent`` and ``blocked`` without it: it is their
+only writer).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from keyq.broker.errors import KeyqError, ProducerClosed, PublishTimeout
+from keyq.producer.outgoing import Outgoing
+
+# Unconfirmed events a queue that RabbitMQ keeps refusing may hold: past that, publishing to
+# it waits (and times out), so one broken queue cannot fill the window every key shares.
+REFUSING_QUEUE_ROOM = 100
+
+
+class ConfirmWindow:
+    """Unconfirmed events, overall and by queue, under a limit every key shares."""
+
+    def __init__(self, size: int, wake: Callable[[], None]) -> None:
+        self.size = size
+        self._wake = wake  # has the I/O thread drain ``outbox`` (from any thread)
+        self.cond = threading.Condition()
+        self.outbox: deque[Outgoing] = deque()
+        self.unsettled = 0
+        self.by_queue: dict[str, int] = {}
+        self.refusing: set[str] = set()  # queues refused over and over, until one confirm
+        self.silent: set[str] = set()  # queues whose confirm was overdue, until one confirm
+        self.wake_scheduled = False
+        self.blocked = False
+        self.failure: KeyqError | None = None
+
+    # ----------------------------------------------------------- application threads
+    def submit(self, message: Outgoing, deadline: float) -> None:
+        """Queue an event for the I/O thread, waiting while the window is full or the
+        broker blocks publishers. Call with ``cond`` held."""
+        while True:
+            if self.failure is not None:
+                raise ProducerClosed(f"producer failed: {self.failure}") from self.failure
+            queue = message.queue
+            waiting_here = self.by_queue.get(queue, 0)
+            crowded = (
+                queue in self.refusing or queue in self.silent
+            ) and waiting_here >= REFUSING_QUEUE_ROOM
+            if self.unsettled < self.size and not self.blocked and not crowded:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if self.blocked:
+                    why = "RabbitMQ is blocking publishers (flow control)"
+                elif crowded and queue in self.refusing:
+                    why = (
+                        f"RabbitMQ keeps refusing events for {queue}: {waiting_here} of its "
+                        f"events await confirmation (other keys are not held up)"
+                    )
+                elif crowded:
+                    why = (
+                        f"RabbitMQ stopped confirming events for {queue}: {waiting_here} of "
+                        f"its events await confirmation (other keys are not held up)"
+                    )
+                else:
+                    why = f"{self.unsettled} events await confirmation (window {self.size})"
+                raise PublishTimeout(f"publish timed out: {why}")
+            self.cond.wait(remaining)
+        self.unsettled += 1
+        self.by_queue[message.queue] = self.by_queue.get(message.queue, 0) + 1
+        self.outbox.append(message)
+        if not self.wake_scheduled:
+            self.wake_scheduled = True
+            self._wake()
+
+    def wait_settled(self, deadline: float | None) -> None:
+        """Block until every submitted event is confirmed (or raise why not)."""
+        with self.cond:
+            while self.unsettled:
+                if self.failure is not None:
+                    raise ProducerClosed(
+                        f"producer failed with {self.unsettled} events unconfirmed: {self.failure}"
+                    ) from self.failure
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise PublishTimeout(f"flush timed out: {self.unsettled} events unconfirmed")
+                self.cond.wait(remaining if remaining is not None else 1.0)
+
+    def unsettled_by_queue(self) -> dict[str, int]:
+        with self.cond:
+            return dict(self.by_queue)
+
+    # ----------------------------------------------------------------- I/O thread
+    def fail(self, failure: KeyqError) -> None:
+        """The first failure stands; every waiter wakes to raise it."""
+        with self.cond:
+            if self.failure is None:
+                self.failure = failure
+            self.cond.notify_all()
+
+    def set_blocked(self, blocked: bool) -> None:
+        with self.cond:
+            self.blocked = blocked
+            if not blocked:
+                self.cond.notify_all()
+
+    def draining(self) -> None:
+        """The I/O thread drains ``outbox`` now: the next submit wakes it again."""
+        with self.cond:
+            self.wake_scheduled = False
+
+    def drain_again(self) -> None:
+        """``outbox`` was left non-empty: drain it again in a later turn of the loop."""
+        with self.cond:
+            if not self.wake_scheduled:
+                self.wake_scheduled = True
+                self._wake()
+
+    def settle(self, published: list[str]) -> set[str]:
+        """Count one event of each entry of ``published`` (queue names) as confirmed; those
+        queues refuse no more and are silent no more. Returns the silent ones heard again."""
+        with self.cond:
+            heard_again = set(published) & self.silent
+            self.unsettled -= len(published)
+            for queue in published:
+                left = self.by_queue[queue] - 1
+                if left:
+                    self.by_queue[queue] = left
+                else:
+                    del self.by_queue[queue]
+                self.refusing.discard(queue)
+            self.silent -= heard_again
+            self.cond.notify_all()
+        return heard_again
+
+    def mark_silent(self, queues: set[str]) -> None:
+        """Publishing to these waits once each holds its room, until one confirms."""
+        with self.cond:
+            self.silent |= queues
+
+    def mark_refusing(self, queue: str) -> None:
+        """Publishing to ``queue`` waits once it holds its room, until it confirms."""
+        with self.cond:
+            self.refusing.add(queue)
