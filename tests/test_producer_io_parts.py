@@ -1,0 +1,354 @@
+"""Unit tests of the producer link's I/O-thread parts together on a fake loop, connection and
+channels: sends and confirms, recoveries, leases, silent queues on their own channels, the
+overdue watch and the probes of unreachable queues. No service; the real broker's side is in
+tests/test_producer_order.py, tests/test_connection_failures.py and tests/test_cluster.py."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pika
+import pytest
+
+from keyq.broker.settings import load_settings
+from keyq.producer.lanes import ParkReason
+from keyq.producer.link import PublisherLink
+from keyq.producer.outgoing import Outgoing
+from keyq.producer.overdue import CONFIRM_CHECK_S
+from keyq.producer.probes import PROBE_DELAYS
+
+Callback = Callable[..., Any]
+
+
+class FakeLoop:
+    """Runs nothing by itself: the test fires what is due."""
+
+    def __init__(self) -> None:
+        self.later: list[tuple[float, Callback]] = []
+        self.soon: list[Callback] = []
+
+    def call_later(self, delay: float, callback: Callback) -> None:
+        self.later.append((delay, callback))
+
+    def add_callback_threadsafe(self, callback: Callback) -> None:
+        self.soon.append(callback)
+
+    def run_soon(self) -> None:
+        while self.soon:
+            self.soon.pop(0)()
+
+    def fire(self, delay: float) -> None:
+        """Run (once) the callbacks asked for after ``delay``."""
+        due = [callback for wait, callback in self.later if wait == delay]
+        self.later = [(wait, callback) for wait, callback in self.later if wait != delay]
+        for callback in due:
+            callback()
+
+    def delays(self) -> list[float]:
+        return [wait for wait, _callback in self.later]
+
+
+@dataclass(eq=False)
+class FakeChannel:
+    is_open: bool = True
+    published: list[str] = field(default_factory=list)  # queue names, in order
+    declared: list[str] = field(default_factory=list)
+    on_close: list[Callback] = field(default_factory=list)
+    declare_callbacks: list[Callback] = field(default_factory=list)
+    confirm: Callback | None = None
+    confirm_ok: Callback | None = None
+
+    def basic_publish(
+        self, exchange: str, routing_key: str, body: bytes, properties: Any, mandatory: bool
+    ) -> None:
+        assert exchange == "" and mandatory
+        self.published.append(routing_key)
+
+    def queue_declare(self, queue: str, **kwargs: Any) -> None:
+        self.declared.append(queue)
+        if kwargs.get("callback") is not None:
+            self.declare_callbacks.append(kwargs["callback"])
+
+    def add_on_close_callback(self, callback: Callback) -> None:
+        self.on_close.append(callback)
+
+    def add_on_return_callback(self, callback: Callback) -> None:
+        pass
+
+    def confirm_delivery(self, ack_nack_callback: Callback, callback: Callback) -> None:
+        self.confirm, self.confirm_ok = ack_nack_callback, callback
+
+    def close(self, reason: BaseException | None = None) -> None:
+        self.is_open = False
+        for callback in self.on_close:
+            callback(self, reason or RuntimeError("closed"))
+
+
+class FakeConnection:
+    def __init__(self) -> None:
+        self.is_open = True
+        self.is_closing = False
+        self.is_closed = False
+        self.closes = 0
+        self.opening: list[tuple[FakeChannel, Callback]] = []
+
+    def channel(self, on_open_callback: Callback) -> FakeChannel:
+        opened = FakeChannel()
+        self.opening.append((opened, on_open_callback))
+        return opened
+
+    def open_channels(self) -> list[FakeChannel]:
+        opening, self.opening = self.opening, []
+        for opened, on_open in opening:
+            on_open(opened)
+        return [opened for opened, _ in opening]
+
+    def close(self) -> None:
+        self.closes += 1
+        self.is_closing = True
+
+
+@dataclass
+class Harness:
+    link: PublisherLink
+    loop: FakeLoop
+    connection: FakeConnection
+    channel: FakeChannel
+    leases_asked: list[str]
+    new_queues: list[dict[str, str | None]]
+    numbers: int = 0
+
+    def publish(self, queue: str) -> Outgoing:
+        self.numbers += 1
+        number = self.numbers
+        message = Outgoing(
+            number, queue, f"key-{queue}", b"{}", pika.BasicProperties(message_id=f"p:{number}")
+        )
+        with self.link.cond:
+            self.link.submit(message, time.monotonic())
+        self.loop.run_soon()
+        return message
+
+    def grant(self, *queues: str, incarnation: int | None = 0) -> None:
+        self.link.leases.applied(dict.fromkeys(queues, incarnation), time.monotonic())
+
+
+def ack(tag: int, *, multiple: bool = False, nack: bool = False) -> Any:
+    kind = pika.spec.Basic.Nack if nack else pika.spec.Basic.Ack
+    return SimpleNamespace(method=kind(delivery_tag=tag, multiple=multiple))
+
+
+@pytest.fixture
+def harness() -> Harness:
+    settings = load_settings(confirm_window=100, confirm_timeout=15.0, publish_lease_ms=2000)
+    asked: list[str] = []
+    new_queues: list[dict[str, str | None]] = []
+    link = PublisherLink(
+        settings,
+        "s",
+        "s.dead",
+        "classic",
+        on_new_queues=new_queues.append,
+        request_lease=asked.append,
+    )
+    link.ioloop.close()
+    loop = FakeLoop()
+    link.ioloop = loop  # type: ignore[assignment]
+    connection = FakeConnection()
+    channel = FakeChannel()
+    link.connector.connection = connection  # type: ignore[assignment]
+    link.connector.channel = channel
+    return Harness(link, loop, connection, channel, asked, new_queues)
+
+
+# ---------------------------------------------------------------------- send, confirm
+def test_events_wait_for_a_lease_then_go_in_order_and_settle(harness: Harness) -> None:
+    link = harness.link
+    first, second = harness.publish("q"), harness.publish("q")
+    lane = link.sender.lanes["q"]
+    assert lane.reasons == {ParkReason.HELD} and list(lane.parked) == [first, second]
+    assert harness.leases_asked == ["q"]  # asked once
+    harness.grant("q")
+    assert not lane.waiting and lane.inflight == 2
+    assert harness.channel.declared == ["q"] and harness.channel.published == ["q", "q"]
+    assert [first.tag, second.tag] == [1, 2]
+    link.sender.on_confirm(ack(2, multiple=True))
+    assert link.unsettled == 0 and link.unsettled_by_queue() == {}
+    assert harness.new_queues == [{"q": "key-q"}]  # registered once
+    assert not link.sender.inflight and lane.quiet
+
+
+def test_a_returned_event_goes_again_before_newer_ones(harness: Harness) -> None:
+    link, channel = harness.link, harness.channel
+    harness.publish("q")
+    harness.grant("q")
+    returned = harness.publish("q")
+    link.sender.on_return(None, None, returned.properties, b"")
+    lane = link.sender.lanes["q"]
+    assert lane.parked_for(ParkReason.RECOVERING)
+    newer = harness.publish("q")  # parks behind the recovery
+    assert list(lane.parked) == [newer]
+    link.sender.on_confirm(ack(2, multiple=True))  # the first published, the second returned
+    # Declared again, then the returned event, then the newer one.
+    assert channel.declared == ["q", "q"] and channel.published == ["q", "q", "q", "q"]
+    assert [m.number for m in link.sender.inflight] == [2, 3]
+    assert link.returned_events == 1 and not lane.waiting
+    assert link.unsettled == 2
+
+
+def test_a_lost_connection_collects_every_unconfirmed_event_in_order(harness: Harness) -> None:
+    link = harness.link
+    harness.publish("a")
+    harness.publish("b")
+    harness.grant("a")  # "b" stays held
+    harness.publish("a")
+    link.sender.collect_unsettled()
+    assert [m.number for m in link.sender.resend] == [1, 2, 3]
+    assert not (link.sender.lanes or link.sender.inflight or link.sender.by_number)
+    link.sender.resend_collected()
+    assert link.resent_events == 3 and link.sender.next_tag == 1
+    assert set(link.sender.lanes) == {"a", "b"}  # new lanes, held until leased again
+
+
+def test_a_retired_queue_holds_its_events_and_asks_again(harness: Harness) -> None:
+    link = harness.link
+    harness.publish("q")
+    harness.grant("q", incarnation=None)
+    lane = link.sender.lanes["q"]
+    assert lane.parked_for(ParkReason.HELD) and not lane.declared and lane.lease_until == 0.0
+    retry = link.leases.lease_s / 4
+    assert retry in harness.loop.delays()
+    harness.loop.fire(retry)
+    assert harness.leases_asked == ["q", "q"]
+    harness.grant("q", incarnation=1)
+    assert harness.channel.declared == ["q~1"] and harness.channel.published == ["q~1"]
+
+
+def test_a_lease_is_renewed_ahead_while_events_are_in_flight(harness: Harness) -> None:
+    link = harness.link
+    harness.publish("q")
+    harness.grant("q")
+    assert harness.leases_asked == ["q"]
+    lane = link.sender.lanes["q"]
+    lane.lease_until = time.monotonic() + link.leases.lease_s / 4
+    harness.publish("q")  # in the lease's second half: renewed, nothing held
+    assert harness.leases_asked == ["q", "q"] and lane.leasing and not lane.waiting
+    harness.publish("q")
+    assert harness.leases_asked == ["q", "q"]  # one request at a time
+
+
+# -------------------------------------------------------------------- silent queues
+def test_a_silent_queue_sends_one_event_at_a_time_on_its_own_channel(harness: Harness) -> None:
+    link, connection = harness.link, harness.connection
+    link.window.mark_silent({"quiet"})
+    first, second = harness.publish("quiet"), harness.publish("quiet")
+    harness.grant("quiet")
+    [aside] = connection.open_channels()
+    assert aside.confirm_ok is not None and aside.confirm is not None
+    aside.confirm_ok(None)  # confirm mode on: the first goes, declared there too
+    assert aside.declared == ["quiet"] and aside.published == ["quiet"] and first.tag == 1
+    assert list(link.sender.lanes["quiet"].parked) == [second]
+    aside.confirm(ack(1))  # heard again: its channel closes, the rest goes on the main one
+    assert "quiet" not in link.window.silent and not aside.is_open
+    assert not link.silent.asides
+    assert harness.channel.published == ["quiet"] and second.tag == 1
+    assert link.unsettled == 1 and harness.new_queues == [{"quiet": "key-quiet"}]
+
+
+def test_a_silent_channel_overdue_is_reset_and_its_event_parks_again(harness: Harness) -> None:
+    link, connection = harness.link, harness.connection
+    link.window.mark_silent({"quiet"})
+    sent = harness.publish("quiet")
+    harness.grant("quiet")
+    [aside] = connection.open_channels()
+    assert aside.confirm_ok is not None
+    aside.confirm_ok(None)
+    link.silent.reset_overdue(sent.sent_at + 14.9)
+    assert aside.is_open
+    link.silent.reset_overdue(sent.sent_at + 15.0)
+    assert not aside.is_open and link.silent_channel_resets == 1
+    lane = link.sender.lanes["quiet"]
+    assert list(lane.parked) == [sent] and lane.inflight == 0
+    assert 1.0 in harness.loop.delays()  # opened again a moment later
+
+
+# ------------------------------------------------------------------------ the watch
+def test_an_overdue_confirm_makes_its_queues_silent_and_reconnects(harness: Harness) -> None:
+    link = harness.link
+    harness.publish("a")
+    harness.grant("a")
+    oldest = link.sender.inflight[0]
+    link.watch.check(oldest.sent_at + 14.0)
+    assert harness.connection.closes == 0
+    link.window.set_blocked(True)  # flow control delays confirms on purpose
+    link.watch.check(oldest.sent_at + 20.0)
+    assert harness.connection.closes == 0
+    link.window.set_blocked(False)
+    link.watch.check(oldest.sent_at + 20.0)
+    assert harness.connection.closes == 1 and link.overdue_reconnects == 1
+    assert link.window.silent == {"a"}
+    assert link.settings.connect_timeout in harness.loop.delays()  # dropped if not closed
+
+
+def test_the_watch_runs_every_second_until_stopping(harness: Harness) -> None:
+    link = harness.link
+    link.watch.start()
+    assert harness.loop.delays() == [CONFIRM_CHECK_S]
+    harness.loop.fire(CONFIRM_CHECK_S)
+    assert harness.loop.delays() == [CONFIRM_CHECK_S]
+    link.connector.stopping = True
+    harness.loop.fire(CONFIRM_CHECK_S)
+    assert harness.loop.delays() == []
+
+
+# ------------------------------------------------------------------------- probes
+def test_an_unreachable_queue_waits_until_its_probe_is_answered(harness: Harness) -> None:
+    link, connection = harness.link, harness.connection
+    link.probes.mark_unreachable("q", "404 down")
+    message = harness.publish("q")
+    lane = link.sender.lanes["q"]
+    assert lane.unreachable and list(lane.parked) == [message]
+    harness.grant("q")
+    assert list(lane.parked) == [message]  # still unreachable
+    link.probes.probe("q", link.queue_args)
+    [probe] = connection.open_channels()
+    assert probe.declared == ["q"]
+    probe.declare_callbacks[0](None)
+    assert not lane.waiting and lane.declared and not probe.is_open
+    assert "q" not in link.probes.unreachable and "q" not in link.probes.probing
+    assert harness.channel.published == ["q"] and harness.channel.declared == []
+
+
+def test_a_refused_probe_is_retried_with_growing_delays(harness: Harness) -> None:
+    link, connection = harness.link, harness.connection
+    link.probes.mark_unreachable("q", "404 down")
+    link.probes.probe("q", link.queue_args)
+    for delay in PROBE_DELAYS[:3]:
+        [probe] = connection.open_channels()
+        probe.close()  # 404: the channel closes
+        assert harness.loop.delays() == [delay]
+        harness.loop.fire(delay)
+    assert len(connection.opening) == 1
+
+
+def test_a_newer_probe_supersedes_a_chain_cut_off(harness: Harness) -> None:
+    link, connection = harness.link, harness.connection
+    link.probes.mark_unreachable("q", "404 down")
+    link.probes.probe("q", link.queue_args)
+    [cut] = [opened for opened, _ in connection.opening]
+    connection.opening.clear()
+    link.probes.probe("q", link.queue_args)  # a new connection's chain
+    cut.close()  # the older chain's channel, closed before it opened
+    harness.loop.fire(PROBE_DELAYS[0])
+    assert len(connection.opening) == 1  # only the newer chain's channel
+
+
+def test_a_queue_marked_unreachable_keeps_the_first_incarnation_seen(harness: Harness) -> None:
+    probes = harness.link.probes
+    probes.mark_unreachable("q~2", "404")
+    probes.mark_unreachable("q~3", "404")
+    assert probes.unreachable == {"q": "q~2"} and probes.is_unreachable("q")

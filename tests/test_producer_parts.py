@@ -1,0 +1,307 @@
+"""Unit tests of the producer link's pure parts: a queue's lane and its park reasons, the
+confirm window's accounting, the overdue watch's timing and the backoff schedules. No service;
+the real broker's side is in tests/test_producer_order.py and tests/test_connection_failures.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import pika
+import pytest
+
+from keyq.broker.errors import ProducerClosed, PublishError, PublishTimeout
+from keyq.producer.connector import RECONNECT_DELAYS, reconnect_delay
+from keyq.producer.lanes import ParkReason, QueueLane, forget_quiet, parked_counts
+from keyq.producer.outgoing import Outgoing
+from keyq.producer.overdue import StallClock, overdue_oldest
+from keyq.producer.probes import PROBE_DELAYS, probe_delay
+from keyq.producer.silent import SILENT_QUEUE_IN_FLIGHT, AsideChannel
+from keyq.producer.window import REFUSING_QUEUE_ROOM, ConfirmWindow
+
+
+def event(number: int, queue: str = "q", *, sent_at: float = 0.0) -> Outgoing:
+    message = Outgoing(number, queue, "k", b"{}", pika.BasicProperties(message_id=f"p:{number}"))
+    message.sent_at = sent_at
+    return message
+
+
+# ------------------------------------------------------------------------------ lanes
+def test_a_lane_waits_while_any_reason_holds_it() -> None:
+    lane = QueueLane(key="k")
+    assert not lane.waiting
+    lane.park(ParkReason.HELD)
+    lane.park(ParkReason.UNREACHABLE)
+    assert lane.waiting
+    assert lane.parked_for(ParkReason.HELD) and not lane.parked_for(ParkReason.RECOVERING)
+    lane.unpark(ParkReason.HELD)
+    assert lane.waiting  # still unreachable
+    lane.unpark(ParkReason.UNREACHABLE)
+    lane.unpark(ParkReason.UNREACHABLE)  # twice is harmless
+    assert not lane.waiting and lane.reasons == set()
+
+
+def test_unreachable_reads_and_sets_its_reason() -> None:
+    lane = QueueLane(key="k")
+    lane.unreachable = True
+    assert lane.reasons == {ParkReason.UNREACHABLE} and lane.unreachable
+    lane.unreachable = False
+    assert not lane.reasons and not lane.unreachable
+
+
+def test_declaring_names_the_queue_while_it_holds_the_lane() -> None:
+    lane = QueueLane(key="k")
+    lane.start_declaring("q~1")
+    assert lane.declaring == "q~1" and lane.waiting and not lane.quiet
+    lane.stop_declaring()
+    assert lane.declaring is None and not lane.waiting and lane.quiet
+
+
+@pytest.mark.parametrize(
+    ("change", "quiet"),
+    [
+        (lambda lane: None, True),
+        (lambda lane: setattr(lane, "inflight", 1), False),
+        (lambda lane: lane.park(ParkReason.RECOVERING), False),
+        (lambda lane: lane.returned.append(event(1)), False),
+        (lambda lane: lane.parked.append(event(1)), False),
+        (lambda lane: setattr(lane, "leasing", True), False),
+        (lambda lane: lane.start_declaring("q"), False),
+        # Held or unreachable with nothing parked: nothing to lose by forgetting it.
+        (lambda lane: lane.park(ParkReason.HELD), True),
+        (lambda lane: lane.park(ParkReason.UNREACHABLE), True),
+    ],
+)
+def test_a_lane_is_quiet_with_nothing_in_flight_or_on_its_way(change: object, quiet: bool) -> None:
+    lane = QueueLane(key="k")
+    change(lane)  # type: ignore[operator]
+    assert lane.quiet is quiet
+
+
+def test_parked_events_are_released_only_when_nothing_holds_them() -> None:
+    lane = QueueLane(key="k")
+    lane.parked.extend([event(1), event(2)])
+    lane.park(ParkReason.HELD)
+    assert not lane.take_releasable() and len(lane.parked) == 2
+    lane.unpark(ParkReason.HELD)
+    assert [m.number for m in lane.take_releasable()] == [1, 2]
+    assert not lane.parked
+
+
+def test_events_taken_back_go_in_front_of_the_parked_ones_in_order() -> None:
+    lane = QueueLane(key="k", inflight=2)
+    lane.parked.extend([event(5), event(7)])
+    lane.take_back([event(6), event(3)])
+    assert [m.number for m in lane.parked] == [3, 5, 6, 7]
+    assert lane.inflight == 0
+
+
+def test_a_recovery_resends_returned_events_in_order_then_the_parked() -> None:
+    lane = QueueLane(key="k", declared=True, registered=True)
+    lane.park(ParkReason.RECOVERING)
+    lane.park(ParkReason.HELD)
+    lane.returned.extend([event(4), event(2)])
+    lane.parked.append(event(9))
+    returned, parked = lane.begin_recovery()
+    assert [m.number for m in returned] == [2, 4]
+    assert [m.number for m in parked] == [9]
+    assert lane.reasons == {ParkReason.HELD}  # only the recovery is over
+    assert not (lane.declared or lane.registered or lane.returned or lane.parked)
+
+
+def test_parked_counts_by_reason() -> None:
+    held = QueueLane(key="a", parked=deque([event(1), event(2)]))
+    held.park(ParkReason.HELD)
+    recovering = QueueLane(key="b", parked=deque([event(3)]), returned=[event(0)])
+    recovering.park(ParkReason.RECOVERING)
+    free = QueueLane(key="c", parked=deque([event(4)]))
+    lanes = [held, recovering, free]
+    assert parked_counts(lanes, ParkReason.HELD) == (2, 1)
+    assert parked_counts(lanes, ParkReason.RECOVERING) == (2, 1)  # returned ones count
+    assert parked_counts(lanes, ParkReason.UNREACHABLE) == (0, 0)
+
+
+def test_forget_quiet_keeps_lanes_with_something_on_its_way() -> None:
+    lanes = {"a": QueueLane(key="a"), "b": QueueLane(key="b", inflight=1)}
+    forget_quiet(lanes)
+    assert list(lanes) == ["b"]
+
+
+# ----------------------------------------------------------------------------- window
+class Wakes:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self) -> None:
+        self.count += 1
+
+
+def submit(window: ConfirmWindow, message: Outgoing, wait_s: float = 0.0) -> None:
+    with window.cond:
+        window.submit(message, time.monotonic() + wait_s)
+
+
+def test_submitting_counts_the_event_and_wakes_the_io_thread_once() -> None:
+    wakes = Wakes()
+    window = ConfirmWindow(10, wakes)
+    submit(window, event(1, "a"))
+    submit(window, event(2, "a"))
+    submit(window, event(3, "b"))
+    assert window.unsettled == 3
+    assert window.unsettled_by_queue() == {"a": 2, "b": 1}
+    assert [m.number for m in window.outbox] == [1, 2, 3]
+    assert wakes.count == 1  # until it drains
+    window.draining()
+    submit(window, event(4, "a"))
+    assert wakes.count == 2
+    window.drain_again()  # already scheduled
+    assert wakes.count == 2
+
+
+def test_drain_again_wakes_when_no_drain_is_scheduled() -> None:
+    wakes = Wakes()
+    window = ConfirmWindow(10, wakes)
+    window.drain_again()
+    window.drain_again()
+    assert wakes.count == 1
+
+
+def test_a_full_window_times_out_saying_so() -> None:
+    window = ConfirmWindow(2, Wakes())
+    submit(window, event(1))
+    submit(window, event(2))
+    with pytest.raises(PublishTimeout, match=r"2 events await confirmation \(window 2\)"):
+        submit(window, event(3))
+
+
+def test_settling_makes_room_for_a_waiting_publisher() -> None:
+    window = ConfirmWindow(1, Wakes())
+    submit(window, event(1, "a"))
+    done = threading.Event()
+
+    def publish() -> None:
+        submit(window, event(2, "b"), wait_s=5)
+        done.set()
+
+    waiter = threading.Thread(target=publish)
+    waiter.start()
+    time.sleep(0.05)
+    assert not done.is_set()
+    assert window.settle(["a"]) == set()
+    waiter.join(5)
+    assert done.is_set() and window.unsettled_by_queue() == {"b": 1}
+
+
+def test_blocked_publishers_time_out_saying_so() -> None:
+    window = ConfirmWindow(10, Wakes())
+    window.set_blocked(True)
+    with pytest.raises(PublishTimeout, match="blocking publishers"):
+        submit(window, event(1))
+    window.set_blocked(False)
+    submit(window, event(1))
+
+
+@pytest.mark.parametrize(
+    ("mark", "says"), [("refusing", "keeps refusing"), ("silent", "stopped confirming")]
+)
+def test_a_crowded_queue_waits_alone(mark: str, says: str) -> None:
+    window = ConfirmWindow(10 * REFUSING_QUEUE_ROOM, Wakes())
+    if mark == "refusing":
+        window.mark_refusing("bad")
+    else:
+        window.mark_silent({"bad"})
+    for number in range(REFUSING_QUEUE_ROOM):
+        submit(window, event(number, "bad"))
+    with pytest.raises(PublishTimeout, match=says):
+        submit(window, event(REFUSING_QUEUE_ROOM, "bad"))
+    submit(window, event(REFUSING_QUEUE_ROOM, "good"))  # other keys are not held up
+
+
+def test_settling_a_silent_or_refusing_queue_clears_it() -> None:
+    window = ConfirmWindow(10, Wakes())
+    for number, queue in enumerate(["a", "a", "b", "c"]):
+        submit(window, event(number, queue))
+    window.mark_silent({"a", "b"})
+    window.mark_refusing("c")
+    assert window.settle(["a", "c"]) == {"a"}
+    assert window.silent == {"b"} and window.refusing == set()
+    assert window.unsettled == 2 and window.unsettled_by_queue() == {"a": 1, "b": 1}
+
+
+def test_a_failure_stands_and_every_waiter_raises_it() -> None:
+    window = ConfirmWindow(10, Wakes())
+    submit(window, event(1))
+    first = PublishError("first")
+    window.fail(first)
+    window.fail(PublishError("second"))
+    assert window.failure is first
+    with pytest.raises(ProducerClosed, match="first"):
+        submit(window, event(2))
+    with pytest.raises(ProducerClosed, match="1 events unconfirmed: first"):
+        window.wait_settled(None)
+
+
+def test_wait_settled_times_out_or_returns_once_settled() -> None:
+    window = ConfirmWindow(10, Wakes())
+    window.wait_settled(time.monotonic())  # nothing owed
+    submit(window, event(1, "a"))
+    with pytest.raises(PublishTimeout, match="flush timed out: 1 events unconfirmed"):
+        window.wait_settled(time.monotonic() + 0.05)
+    window.settle(["a"])
+    window.wait_settled(time.monotonic())
+
+
+# ------------------------------------------------------------------- overdue watch timing
+def test_overdue_oldest_is_the_first_unsettled_past_the_timeout() -> None:
+    first, second = event(1, sent_at=100.0), event(2, "r", sent_at=103.0)
+    assert overdue_oldest([], 200.0, 15.0) is None
+    assert overdue_oldest([first, second], 114.0, 15.0) is None
+    assert overdue_oldest([first, second], 115.0, 15.0) == (first, 15.0)
+    first.settled = True
+    assert overdue_oldest([first, second], 115.0, 15.0) is None
+    assert overdue_oldest([first, second], 120.0, 15.0) == (second, 17.0)
+
+
+def test_a_stall_is_reported_after_twice_the_timeout_then_once_per_timeout() -> None:
+    clock = StallClock(10.0, now=1000.0)
+    assert clock.due(1019.0, unsettled=5) is None
+    assert clock.due(1020.0, unsettled=5) == 20.0
+    assert clock.due(1025.0, unsettled=5) is None  # reported 5 s ago
+    assert clock.due(1030.0, unsettled=5) == 30.0
+    clock.settled(1031.0)
+    assert clock.due(1045.0, unsettled=5) is None  # quiet for 14 s only
+    assert clock.due(1051.0, unsettled=5) == 20.0
+
+
+def test_with_nothing_owed_the_stall_starts_with_the_next_event() -> None:
+    clock = StallClock(10.0, now=0.0)
+    assert clock.due(500.0, unsettled=0) is None
+    assert clock.due(515.0, unsettled=1) is None
+    assert clock.due(520.0, unsettled=1) == 20.0
+
+
+# ------------------------------------------------------------------ backoff schedules
+def test_probe_and_reconnect_delays_grow_then_stay_at_their_last() -> None:
+    assert [probe_delay(attempt) for attempt in range(6)] == [*PROBE_DELAYS, 4.0, 4.0]
+    assert [reconnect_delay(attempt) for attempt in range(7)] == [*RECONNECT_DELAYS, 2.0, 2.0]
+
+
+# --------------------------------------------------------------------- aside channels
+class OpenChannel:
+    is_open = True
+
+
+def test_an_aside_channel_has_room_for_one_event_once_ready() -> None:
+    aside = AsideChannel()
+    assert not aside.has_room()  # not open yet
+    aside.channel = OpenChannel()
+    assert not aside.has_room()  # confirm mode not on yet
+    aside.ready = True
+    assert aside.has_room()
+    for number in range(SILENT_QUEUE_IN_FLIGHT):
+        aside.track(event(number + 1))
+    assert not aside.has_room()
+    assert [m.tag for m in aside.inflight] == list(range(1, SILENT_QUEUE_IN_FLIGHT + 1))
+    assert aside.next_tag == SILENT_QUEUE_IN_FLIGHT + 1
