@@ -175,8 +175,8 @@ def open_blocking_connection(settings: Settings, name: str) -> pika.BlockingConn
             failure = amqp_failure(
                 OSError(f"connection reset while connecting: {exc}"), settings.amqp_url
             )
-        if isinstance(failure, AuthenticationFailed):
-            break
+        if not failure.retryable:
+            break  # refused credentials: the next node would refuse them too
     assert failure is not None  # split_urls of a validated setting is never empty
     raise failure
 

@@ -1,14 +1,21 @@
 """One error tree for keyq.
 
 Library errors (pika, redis) are wrapped at the boundary into these, so callers catch
-``KeyqError`` and never see a credential in a message.
+``KeyqError`` and never see a credential in a message. The tree says what a retry can cure:
+a retry loop catches ``ServiceUnavailable`` (or asks ``exc.retryable``), never
+``ConnectionFailed``, so refused credentials are never retried forever.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 
 class KeyqError(Exception):
     """Base of every error keyq raises on purpose."""
+
+    retryable: ClassVar[bool] = False
+    """Whether the same call may succeed later without anything being changed."""
 
 
 class ConfigurationError(KeyqError, ValueError):
@@ -44,14 +51,23 @@ class MessageTooLarge(InvalidInput):
 
 
 class ConnectionFailed(KeyqError):
-    """A service could not be reached or dropped us; the message names it without password."""
+    """A service could not be reached, dropped us, or refused us; the message names it without
+    password. Whether to retry depends on the subclass: ``ServiceUnavailable`` is retryable,
+    ``AuthenticationFailed`` is not."""
 
 
-class BrokerUnavailable(ConnectionFailed):
+class ServiceUnavailable(ConnectionFailed):
+    """A service is down, dropped us, or is too slow to answer: it may be back later, so this
+    (and only this) kind of connection failure is retried."""
+
+    retryable: ClassVar[bool] = True
+
+
+class BrokerUnavailable(ServiceUnavailable):
     """RabbitMQ could not be reached, or the connection was lost and not recovered in time."""
 
 
-class RedisUnavailable(ConnectionFailed):
+class RedisUnavailable(ServiceUnavailable):
     """Redis could not be reached or answered with a connection-level error."""
 
 
@@ -61,7 +77,7 @@ class CommitNotReplicated(RedisUnavailable):
     commit, applies them again), and acks once a commit is confirmed."""
 
 
-class HttpEndpointUnavailable(ConnectionFailed):
+class HttpEndpointUnavailable(ServiceUnavailable):
     """An HTTP endpoint of the broker did not answer, refused us, or answered with something
     keyq cannot read; ``status`` is the HTTP status it answered with, if it did."""
 
@@ -86,7 +102,8 @@ class PrometheusFormatError(KeyqError, ValueError):
 
 
 class AuthenticationFailed(ConnectionFailed):
-    """The service refused the credentials or the vhost; retrying will not help."""
+    """The service refused the credentials or the vhost; retrying will not help, so it is a
+    ``ConnectionFailed`` but not a ``ServiceUnavailable``."""
 
 
 class TopologyError(KeyqError):
@@ -125,5 +142,5 @@ class CommitRefused(LockLost):
         self.lost = lost
 
 
-class SparkUnavailable(ConnectionFailed):
+class SparkUnavailable(ServiceUnavailable):
     """The Spark session or cluster is gone; batches wait for it and are never blamed."""

@@ -21,7 +21,7 @@ nothing of the others.
 from __future__ import annotations
 
 from keyq.broker.connections import open_blocking_connection
-from keyq.broker.errors import AuthenticationFailed, ConnectionFailed
+from keyq.broker.errors import ServiceUnavailable
 from keyq.broker.settings import Settings
 from keyq.broker.urls import redact_url, split_urls
 
@@ -40,8 +40,6 @@ def unreachable_nodes(settings: Settings, timeout: float = PROBE_TIMEOUT_S) -> l
         )
         try:
             open_blocking_connection(node, "janitor-probe").close()
-        except AuthenticationFailed:
-            raise
-        except ConnectionFailed:
+        except ServiceUnavailable:  # refused credentials are no node down: they propagate
             down.append(redact_url(url))
     return down
