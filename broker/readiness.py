@@ -12,10 +12,12 @@ import math
 import time
 from collections.abc import Callable
 
+from keyq.broker.backoff import Backoff
 from keyq.broker.connections import open_blocking_connection, open_redis
 from keyq.broker.errors import BrokerUnavailable, ConfigurationError, RedisUnavailable
 from keyq.broker.settings import Settings
 
+FIRST_PAUSE_S = 0.1
 MAX_PAUSE_S = 2.0
 
 
@@ -37,7 +39,7 @@ def wait_for_services(
         raise ConfigurationError(f"a wait for the services must be 0 s or more, not {timeout}")
     started = time.monotonic()
     deadline = started + timeout
-    pause = 0.1
+    pauses = Backoff(FIRST_PAUSE_S, MAX_PAUSE_S)
     told: set[str] = set()
     while True:
         try:
@@ -54,7 +56,6 @@ def wait_for_services(
             if service not in told:
                 told.add(service)
                 say(f"waiting up to {timeout:.0f} s for {service}: {exc}")
-            time.sleep(min(pause, remaining))
-            pause = min(pause * 2, MAX_PAUSE_S)
+            time.sleep(min(pauses.next(), remaining))
             continue
         return time.monotonic() - started

@@ -22,6 +22,7 @@ from typing import Any
 import redis
 import redis.exceptions
 
+from keyq.broker.backoff import Backoff
 from keyq.broker.clock import now_ms
 from keyq.broker.connections import open_redis, redis_errors
 from keyq.broker.errors import AuthenticationFailed, ConfigurationError, KeyqError
@@ -42,6 +43,7 @@ from keyq.janitor.leader import Leadership
 
 log = logging.getLogger("keyq.janitor")
 
+INITIAL_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
 ADOPT_EVERY_S = 60.0
 # A mark outlives the grace period by this much, in case the janitor dies mid-pass.
@@ -113,8 +115,8 @@ class Janitor:
 
     def run(self, *, once: bool = False) -> None:
         """Pass over the streams until stopped (or once). Services that are down are waited
-        for with backoff; only bad configuration raises."""
-        backoff = 1.0
+        for with jittered backoff; only bad configuration and refused credentials raise."""
+        backoff = Backoff(INITIAL_BACKOFF_S, MAX_BACKOFF_S)
         client: redis.Redis | None = None
         deleter: QueueDeleter | None = None
         try:
@@ -129,9 +131,9 @@ class Janitor:
                         )
                     with redis_errors(self.settings.redis_url):
                         self.run_pass(client, deleter)
-                    backoff = 1.0
+                    backoff.reset()
                 except (ConfigurationError, AuthenticationFailed):
-                    raise
+                    raise  # no wait cures either: not retried
                 except Exception as exc:  # a daemon survives a failed pass
                     # Anything but these is unexpected (pika can fail inside its own loop on a
                     # broken socket): logged with its traceback, and the next pass starts over
@@ -143,10 +145,11 @@ class Janitor:
                     if self.stats["deleted"] > deleted_before:
                         # It got somewhere before failing (a cut connection, a node going
                         # away): the broker is there, so the next pass starts soon again.
-                        backoff = 1.0
+                        backoff.reset()
+                    delay = backoff.next()
                     log.warning(
-                        "janitor pass failed, retrying in %.0fs: %s",
-                        backoff,
+                        "janitor pass failed, retrying in %.1fs: %s",
+                        delay,
                         exc,
                         exc_info=not expected,
                     )
@@ -155,9 +158,8 @@ class Janitor:
                     if not expected and deleter is not None:
                         deleter.close()
                         deleter = None
-                    if self._stop.wait(backoff):
+                    if self._stop.wait(delay):
                         break
-                    backoff = min(backoff * 2, MAX_BACKOFF_S)
                     continue
                 if once or self._stop.wait(self.settings.janitor_interval_s):
                     break
