@@ -35,6 +35,16 @@ metrics_port_option = click.option(
     help="Serve Prometheus metrics on this port (KEYQ_METRICS_PORT).",
 )
 
+# Checked here, so a misspelt level is a usage error naming the levels (exit 2), not a
+# traceback from the logging module once the daemon has started; any case is accepted.
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+log_level_option = click.option(
+    "--log-level",
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+    default="info",
+    show_default=True,
+)
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "KEYQ"})
 @click.version_option(package_name="keyq")
@@ -92,7 +102,7 @@ def publish(
 )
 @click.option("--worker-id", default=None, help="Name in membership and locks (default host-pid).")
 @metrics_port_option
-@click.option("--log-level", default="INFO", show_default=True)
+@log_level_option
 def worker_command(
     *,
     stream: str,
@@ -161,7 +171,7 @@ def spark_cache_command() -> None:
 @click.option("--once", is_flag=True, help="One pass, then exit (for cron and tests).")
 @click.option("--janitor-id", default=None, help="Name in the leadership lease.")
 @metrics_port_option
-@click.option("--log-level", default="INFO", show_default=True)
+@log_level_option
 def janitor_command(
     *,
     streams: tuple[str, ...],
