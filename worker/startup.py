@@ -15,12 +15,12 @@ from typing import TypeVar
 import redis
 import redis.exceptions
 
+from keyq.broker.backoff import Backoff
 from keyq.broker.connections import open_blocking_connection, open_redis, redis_errors
 from keyq.broker.errors import (
-    AuthenticationFailed,
-    ConnectionFailed,
     KeyqError,
     RedisUnavailable,
+    ServiceUnavailable,
     StreamConfigMismatch,
 )
 from keyq.broker.naming import Mode
@@ -41,7 +41,7 @@ def wait_for_services(
     settings: WorkerSettings, worker_id: str, stop: threading.Event
 ) -> redis.Redis | None:
     """Reach Redis and RabbitMQ before Spark starts; None if stopped while waiting."""
-    backoff = 0.5
+    backoff = Backoff(0.5, 5.0)
     while True:
         try:
             client = open_redis(settings, client_name=client_name(worker_id))
@@ -51,13 +51,11 @@ def wait_for_services(
                 client.close()
                 raise
             return client
-        except AuthenticationFailed:
-            raise
-        except ConnectionFailed as exc:
-            log.warning("waiting for the services, retrying in %.1fs: %s", backoff, exc)
-            if stop.wait(backoff):
+        except ServiceUnavailable as exc:
+            delay = backoff.next()
+            log.warning("waiting for the services, retrying in %.1fs: %s", delay, exc)
+            if stop.wait(delay):
                 return None
-            backoff = min(backoff * 2, 5.0)
 
 
 def while_redis_is_away(
@@ -65,15 +63,15 @@ def while_redis_is_away(
 ) -> _T | None:
     """Run a start-up step, waiting with backoff while Redis is away (cut or restarting
     after the services check passed). None if stopped while waiting."""
-    backoff = 0.5
+    backoff = Backoff(0.5, 5.0)
     while not stop.is_set():
         try:
             with redis_errors(settings.redis_url):
                 return step()
         except RedisUnavailable as exc:
-            log.warning("%s: retrying in %.1fs: %s", what, backoff, exc)
-            stop.wait(backoff)
-            backoff = min(backoff * 2, 5.0)
+            delay = backoff.next()
+            log.warning("%s: retrying in %.1fs: %s", what, delay, exc)
+            stop.wait(delay)
     return None
 
 
