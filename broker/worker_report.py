@@ -58,14 +58,22 @@ class WorkerReport:
     gaps_open: int = 0
     oldest_gap_s: float = 0.0
     gaps: tuple[GapReport, ...] = ()  # the oldest open gaps, at most five
+    # Where the worker runs: added to the heartbeat by Membership, so read back, not reported.
     host: str | None = None
     pid: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The report as plain JSON-ready values (what ``Worker.stats()`` returns)."""
+        """The report as plain JSON-ready values (what ``Worker.stats()`` returns).
+
+        A host or pid the report does not know is left out rather than None: the heartbeat
+        stores this dict over the host and pid Membership writes, and a None would erase them.
+        """
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         values["gaps"] = [dataclasses.asdict(gap) for gap in self.gaps]
         values["stage_seconds"] = dict(self.stage_seconds)
+        for where in ("host", "pid"):
+            if values[where] is None:
+                del values[where]
         return values
 
     def to_json(self) -> str:

@@ -64,6 +64,15 @@ def test_the_plain_form_is_json_ready_and_names_every_field() -> None:
     assert orjson.loads(orjson.dumps(plain)) == plain
 
 
+def test_a_report_keeps_the_host_and_pid_the_heartbeat_adds() -> None:
+    """Membership writes host and pid, then the worker's plain report over them: a report
+    that does not know them must not erase them (status showed no host for a live worker)."""
+    report = WorkerReport(worker="w", stream="s", events=3)
+    assert "host" not in report.to_dict() and "pid" not in report.to_dict()
+    stored = orjson.dumps({"host": "host-1", "pid": 4242, **report.to_dict()})
+    assert WorkerReport.parse(stored) == dataclasses.replace(report, host="host-1", pid=4242)
+
+
 def test_a_fresh_report_survives_its_json() -> None:
     fresh = WorkerReport(worker="w", stream="s")
     assert WorkerReport.parse(fresh.to_json()) == fresh
