@@ -10,39 +10,33 @@ Orders go to a queue each (key mode, the default) or to a fixed number of hash b
 (``--mode bucket``), on classic or quorum queues (``--queue-type``). A chaos step that fails
 (a broker that does not answer, say) is logged and reported in the summary, and the next step
 goes on.
+
+This module runs the demo; its chaos steps are ``keyq.demo_chaos``'s, and what it measures
+and proves from Redis (latency, drain, verdict) is ``keyq.demo_proof``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import random
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import orjson
-import pika.exceptions
 import redis
 
-from keyq.broker.connections import (
-    describe_exception,
-    open_blocking_connection,
-    open_redis,
-    redis_errors,
-)
+from keyq.broker.connections import open_redis, redis_errors
 from keyq.broker.errors import ConfigurationError, KeyqError
-from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
 from keyq.broker.naming import Mode
 from keyq.broker.readiness import wait_for_services
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings, load_settings
 from keyq.broker.streams import StreamConfig, ensure_stream_config
-from keyq.broker.urls import scrub
+from keyq.demo_chaos import Chaos, ChaosMonkey
+from keyq.demo_proof import percentile, verdict, wait_drained, watch_latency
 from keyq.orders import expected_states, generate_orders
 from keyq.processes import Daemon, log_folder
 from keyq.producer import Producer
@@ -54,15 +48,6 @@ LATENCY_SAMPLE = 200
 # Raft group with file descriptors and memory on every node (2,000 of them on a node allowed
 # 1,024 open files stopped it completing AMQP handshakes for over an hour).
 QUORUM_KEYS_WARNING = 500
-# Failures a chaos step meets when a service misbehaves: reported in one line, no traceback.
-SERVICE_ERRORS: tuple[type[BaseException], ...] = (
-    KeyqError,
-    redis.exceptions.RedisError,
-    pika.exceptions.AMQPError,
-    OSError,
-)
-
-log = logging.getLogger("keyq.demo")
 
 
 @dataclass
@@ -96,26 +81,6 @@ class DemoOptions:
 
 class DemoFailed(KeyqError):
     """The demo could not run to its verdict (a worker that did not start, say)."""
-
-
-@dataclass
-class Chaos:
-    """What the chaos thread did: kills, restarts, scale changes, and failover durations.
-    A step that failed has ``failed`` (why) in its action."""
-
-    actions: list[dict[str, Any]] = field(default_factory=list)
-    failovers_s: list[float] = field(default_factory=list)
-
-    @property
-    def failed_steps(self) -> int:
-        return sum(1 for action in self.actions if "failed" in action)
-
-
-def percentile(values: list[float], share: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
 
 
 class Demo:
@@ -178,105 +143,26 @@ class Demo:
                     raise DemoFailed(f"{daemon.id} did not start; see {daemon.log_path}")
                 time.sleep(0.2)
 
-    def _chaos_loop(self, client: redis.Redis) -> None:
-        """A step every few seconds while events are published: kill -9 (and maybe restart),
-        add or remove a worker. A step that fails is logged and kept in the summary with why
-        (``failed``), and the next step goes on: a broker that stops answering must not end
-        the chaos, nor the failovers it measures, in silence."""
-        rng = random.Random(self.options.seed)
-        locks = FencedLocks(client, self.stream)
-        registry = QueueRegistry(client, self.stream)
-        members = Membership(client, self.stream, ttl_ms=1)
-        while (
-            not self._stop.wait(rng.uniform(*self.chaos_pause_s)) and not self._published.is_set()
-        ):
-            action: dict[str, Any] = {"at": time.time(), "action": "choose"}
-            try:
-                self._chaos_step(rng, locks, registry, members, action)
-            except Exception as exc:  # noqa: BLE001 - the chaos goes on whatever one step met
-                self._chaos_failed(action, exc)
-
-    def _chaos_step(
-        self,
-        rng: random.Random,
-        locks: FencedLocks,
-        registry: QueueRegistry,
-        members: Membership,
-        action: dict[str, Any],
-    ) -> None:
+    def _serving_workers(self, members: Membership) -> list[Daemon]:
+        """The workers alive and serving: one still starting Spark is no help."""
         with self._lock:
-            # Only workers that are serving count: one still starting Spark is no help.
-            alive = [w for w in self._workers if w.alive and w.serving(members)]
-        choice = rng.choice(["kill", "kill", "restart", "add", "remove"])
-        if len(alive) <= 1 and choice in ("kill", "restart", "remove"):
-            choice = "add"  # never leave the stream without a serving worker
-        action["action"] = choice
-        if choice == "add" and len(alive) < self.options.max_workers:
-            worker = self._start_worker()
-            action["worker"] = worker.id
-            self.chaos.actions.append(action)
-        elif choice == "remove" and len(alive) > 1:
-            victim = rng.choice(alive)
-            action["worker"] = victim.id
-            victim.stop()
-            self.chaos.actions.append(action)
-        elif alive and choice in ("kill", "restart"):
-            victim = rng.choice(alive)
-            action.update(action="kill -9", worker=victim.id)
-            queues = list(registry.queues())
-            held = [
-                q
-                for q, lease in locks.holders(queues).items()
-                if lease and lease.owner == victim.id
-            ]
-            victim.kill()
-            killed_at = time.monotonic()
-            action["held"] = len(held)
-            self.chaos.actions.append(action)
-            if choice == "restart":
-                self._start_worker()
-            if held:
-                try:
-                    self._measure_failover(locks, victim.id, held, killed_at)
-                except Exception as exc:  # noqa: BLE001 - the kill is done, its measure failed
-                    self._chaos_failed(action, exc, "failover not measured")
+            return [w for w in self._workers if w.alive and w.serving(members)]
 
-    def _chaos_failed(self, action: dict[str, Any], exc: Exception, what: str = "") -> None:
-        """One line on why a chaos step failed, in the log and in the step's action."""
-        expected = isinstance(exc, SERVICE_ERRORS)
-        reason = scrub(
-            str(exc) if isinstance(exc, KeyqError) else describe_exception(exc),
-            self.settings.amqp_url,
-        )
-        action["failed"] = f"{what}: {reason}" if what else reason
-        if not any(existing is action for existing in self.chaos.actions):
-            self.chaos.actions.append(action)
-        log.warning(
-            "chaos step %s failed, going on with the next: %s",
-            action["action"],
-            action["failed"],
-            exc_info=not expected,
-        )
-
-    def _measure_failover(
-        self, locks: FencedLocks, dead: str, held: list[str], killed_at: float
-    ) -> None:
-        """Time until every queue the dead worker held is in live hands: held by another
-        worker, or, with its lock gone, holding no message (a drained key-mode queue needs no
-        holder until its key speaks again). Not recorded if it takes over a minute; raises
-        what keeps it from being measured (a service that does not answer)."""
-        pending = set(held)
-        with _ReadyCounter(self.settings) as counter:
-            while time.monotonic() - killed_at < 60 and not self._stop.is_set():
-                holders = locks.holders(sorted(pending))
-                for queue, lease in holders.items():
-                    taken_over = lease is not None and lease.owner != dead
-                    if taken_over or (lease is None and counter.ready(queue) == 0):
-                        pending.discard(queue)
-                if not pending:
-                    self.chaos.failovers_s.append(round(time.monotonic() - killed_at, 3))
-                    return
-                time.sleep(0.2)  # each look may declare hundreds of queues: not too often
+    def _chaos_loop(self, client: redis.Redis) -> None:
+        """The chaos thread: kills, restarts and scale changes while events are published
+        (see ``ChaosMonkey``), recorded in ``self.chaos``."""
+        ChaosMonkey(
+            self.settings,
+            self.stream,
+            self.chaos,
+            seed=self.options.seed,
+            max_workers=self.options.max_workers,
+            pause_s=self.chaos_pause_s,
+            serving_workers=self._serving_workers,
+            start_worker=self._start_worker,
+            stop=self._stop,
+            published=self._published,
+        ).run(client)
 
     # ---- the run ----------------------------------------------------------------------------
 
@@ -342,7 +228,9 @@ class Demo:
             started = time.monotonic()
             latencies: list[float] = []
             watcher = threading.Thread(
-                target=self._watch_latency, args=(store, sample, sent, latencies), daemon=True
+                target=watch_latency,
+                args=(store, sample, sent, latencies, self._stop),
+                daemon=True,
             )
             watcher.start()
             self._say(
@@ -374,12 +262,12 @@ class Demo:
             self._published.set()
             published_s = time.monotonic() - started
             self._say("published; waiting until every order is committed")
-            drained_s = self._wait_drained(store, counts, started)
+            drained_s = wait_drained(store, counts, started, options.drain_timeout)
             self._stop.set()
             watcher.join(5)
             if chaos_thread is not None:
                 chaos_thread.join(30)
-            verdict = self._verdict(store, expected, counts)
+            outcome = verdict(store, expected, counts)
             registry = QueueRegistry(client, self.stream)
             return {
                 "stream": self.stream,
@@ -408,7 +296,7 @@ class Demo:
                 "queues_created": len({config.queue_for(order) for order in counts}),
                 "queues_left": registry.count(),
                 "producer": producer_stats,
-                "verdict": verdict,
+                "verdict": outcome,
                 "logs": str(self._logs),
             }
         finally:
@@ -445,103 +333,3 @@ class Demo:
                 "(--mode bucket is the layout for quorum queues)[/yellow]"
             )
         return config
-
-    def _watch_latency(
-        self,
-        store: StateStore,
-        sample: set[str],
-        sent: dict[tuple[str, int], float],
-        latencies: list[float],
-    ) -> None:
-        """Publish-to-commit latency of a sample of orders: poll their marks and note when
-        each sent seq is first seen applied."""
-        applied: dict[str, int] = dict.fromkeys(sample, 0)
-        orders = sorted(sample)
-        while not self._stop.is_set():
-            now = time.monotonic()
-            marks = store.marks(orders)
-            for order in orders:
-                top = max(marks[order].seqs.values(), default=0)
-                for seq in range(applied[order] + 1, top + 1):
-                    at = sent.get((order, seq))
-                    if at is not None:
-                        latencies.append(now - at)
-                applied[order] = max(applied[order], top)
-            time.sleep(0.05)
-
-    def _wait_drained(
-        self, store: StateStore, counts: dict[str, int], started: float
-    ) -> float | None:
-        orders = sorted(counts)
-        deadline = time.monotonic() + self.options.drain_timeout
-        while time.monotonic() < deadline:
-            states = store.states(orders)
-            done = sum(
-                1
-                for order in orders
-                if order in states and _applied(states[order]) >= counts[order]
-            )
-            if done == len(orders):
-                return time.monotonic() - started
-            time.sleep(0.25)
-        return None
-
-    def _verdict(
-        self, store: StateStore, expected: dict[str, Any], counts: dict[str, int]
-    ) -> dict[str, Any]:
-        """Lost, applied twice, reordered: from each order's committed state and marks."""
-        orders = sorted(counts)
-        raw = store.states(orders)
-        marks = store.marks(orders)
-        lost = twice = reordered = 0
-        wrong: list[str] = []
-        for order in orders:
-            state = None if order not in raw else orjson.loads(raw[order])
-            applied = 0 if state is None else int(state["events_applied"])
-            lost += max(0, counts[order] - applied)
-            twice += max(0, applied - counts[order])
-            if applied == counts[order] and state != expected.get(order):
-                reordered += 1
-            if state != expected.get(order):
-                wrong.append(order)
-            if marks[order].applied not in (0, applied):
-                twice += abs(marks[order].applied - applied)
-        return {
-            "lost": lost,
-            "applied_twice": twice,
-            "reordered": reordered,
-            "orders_checked": len(orders),
-            "orders_wrong": wrong[:20],
-            "ok": lost == twice == reordered == 0 and not wrong,
-        }
-
-
-def _applied(raw: str) -> int:
-    return int(orjson.loads(raw).get("events_applied", 0))
-
-
-class _ReadyCounter:
-    """Messages ready in a queue, by passive declare on a connection of its own."""
-
-    def __init__(self, settings: Settings) -> None:
-        self._connection = open_blocking_connection(settings, "keyq-demo-failover")
-        self._channel = self._connection.channel()
-
-    def __enter__(self) -> _ReadyCounter:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        with contextlib.suppress(Exception):  # a broken connection: dropped either way
-            self._connection.close()
-
-    def ready(self, queue: str) -> int:
-        """0 for a queue that no longer exists (the janitor took it)."""
-        if not self._channel.is_open:
-            self._channel = self._connection.channel()
-        try:
-            declared = self._channel.queue_declare(queue, passive=True)
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code == 404:
-                return 0
-            raise
-        return int(declared.method.message_count)
