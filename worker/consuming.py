@@ -1,0 +1,220 @@
+"""The queues a worker's connection consumes: a channel each, opened in pipelined rounds.
+
+Runs on the connection's I/O thread only (``keyq.worker.amqp_thread``). Each held queue gets
+its own channel: an exclusive consume that the broker refuses (403) closes only that channel,
+and closing a queue's channel hands its unacked messages back, in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pika
+import pika.exceptions
+from pika.adapters.blocking_connection import BlockingChannel
+
+from keyq.broker.acks import buffer_ack, flush_acks
+from keyq.broker.connections import describe_exception
+from keyq.broker.consume_rounds import ConsumeReply, ConsumeRequest, OnMessage, open_consumers
+from keyq.broker.consumers import close_keeping_consumers
+from keyq.worker.ack_ledger import AckLedger
+from keyq.worker.consume_outcomes import (
+    Consumed,
+    ConsumeOutcome,
+    first_burst,
+    next_burst,
+    refused,
+)
+from keyq.worker.deliveries import Delivery, DeliveryBuffer
+
+log = logging.getLogger("keyq.worker.amqp")
+
+
+class QueueConsumers:
+    """Each consumed queue's channel and consumer epoch, and its delivery tags not yet
+    acked. ``on_queue_lost(queue, epoch, why)`` is called, on the I/O thread, for a consumer
+    the broker cancelled or whose channel it closed."""
+
+    def __init__(
+        self,
+        *,
+        connection: Callable[[], pika.BlockingConnection | None],
+        buffer: DeliveryBuffer,
+        on_queue_lost: Callable[[str, int, str], None],
+    ) -> None:
+        self._connection = connection
+        self._buffer = buffer
+        self._on_queue_lost = on_queue_lost
+        self._channels: dict[str, tuple[int, BlockingChannel]] = {}
+        # Per consumer (queue, epoch): its delivery tags not yet acked.
+        self._unacked: dict[tuple[str, int], AckLedger] = {}
+
+    def held(self) -> dict[str, int]:
+        """Queues with a live consumer, and their epochs."""
+        return {q: e for q, (e, _c) in self._channels.items()}
+
+    def consume_all(
+        self, claims: Sequence[tuple[str, int]], prefetch: int, until: float | None
+    ) -> list[Consumed]:
+        """Every claim's outcome; one that fails does not hide the others' (a queue already
+        consuming must be known as held, or its lock would be let go under it). Claims go to
+        the broker pipelined, in bursts of at most ``PIPELINE_DEPTH``, each sized to fit the
+        time left; the first burst is always tried, so that a slow I/O thread still makes
+        progress."""
+        results: dict[int, Consumed] = {}
+        todo: dict[str, int] = {}  # queue -> index of its first claim in this round
+        for index, (queue, _epoch) in enumerate(claims):
+            if queue not in self._channels:
+                todo.setdefault(queue, index)
+        indexes = list(todo.values())
+        start, size = 0, first_burst(until is not None)
+        while start < len(indexes):
+            if start and until is not None and time.monotonic() >= until:
+                results.update(
+                    (index, Consumed(ConsumeOutcome.NOT_TRIED)) for index in indexes[start:]
+                )
+                break
+            batch = indexes[start : start + size]
+            began = time.monotonic()
+            outcomes = self._consume_pipelined([claims[index] for index in batch], prefetch)
+            results.update(zip(batch, outcomes, strict=True))
+            start += len(batch)
+            if until is not None:
+                now = time.monotonic()
+                size = next_burst(now - began, len(batch), until - now)
+        for index, (queue, _epoch) in enumerate(claims):
+            held = self._channels.get(queue)
+            if index not in results and held is not None:  # held already, or claimed twice
+                results[index] = Consumed(ConsumeOutcome.CONSUMING, held[0])
+        return [results.get(index, Consumed(ConsumeOutcome.FAILED)) for index in range(len(claims))]
+
+    def _consume_pipelined(
+        self, claims: Sequence[tuple[str, int]], prefetch: int
+    ) -> list[Consumed]:
+        connection = self._connection()
+        if connection is None or not connection.is_open:
+            return [Consumed(ConsumeOutcome.FAILED)] * len(claims)
+        ledgers = [AckLedger() for _ in claims]
+        requests = [
+            ConsumeRequest(queue, prefetch, self._receiver(queue, epoch, ledger))
+            for (queue, epoch), ledger in zip(claims, ledgers, strict=True)
+        ]
+        try:
+            replies = open_consumers(connection, requests)
+        except (pika.exceptions.AMQPError, OSError) as exc:
+            # A connection failure takes this round's channels with it: nothing to record.
+            log.warning("consuming %d queue(s) failed: %s", len(claims), describe_exception(exc))
+            return [Consumed(ConsumeOutcome.FAILED)] * len(claims)
+        return [
+            self._consumed(queue, epoch, ledger, reply)
+            for (queue, epoch), ledger, reply in zip(claims, ledgers, replies, strict=True)
+        ]
+
+    def _receiver(self, queue: str, epoch: int, ledger: AckLedger) -> OnMessage:
+        buffer = self._buffer
+
+        def on_message(
+            _channel: BlockingChannel,
+            method: Any,
+            properties: pika.BasicProperties,
+            body: bytes,
+        ) -> None:
+            ledger.delivered(method.delivery_tag)
+            buffer.add(
+                Delivery(
+                    queue=queue,
+                    channel_epoch=epoch,
+                    delivery_tag=method.delivery_tag,
+                    redelivered=bool(method.redelivered),
+                    headers=dict(properties.headers or {}),
+                    content_type=properties.content_type,
+                    message_id=properties.message_id,
+                    body=body,
+                )
+            )
+
+        return on_message
+
+    def _consumed(self, queue: str, epoch: int, ledger: AckLedger, reply: ConsumeReply) -> Consumed:
+        channel = reply.channel
+        if channel is None:
+            refusal = reply.refusal
+            outcome = refused(refusal)
+            if outcome is ConsumeOutcome.FAILED:
+                why = describe_exception(refusal) if refusal is not None else "channel closed"
+                log.warning("consuming %s failed: %s", queue, why)
+            return Consumed(outcome)
+        channel.add_on_cancel_callback(lambda _frame: self._cancelled(queue, epoch))
+        self._channels[queue] = (epoch, channel)
+        self._unacked[(queue, epoch)] = ledger
+        return Consumed(ConsumeOutcome.CONSUMING, epoch)
+
+    def _cancelled(self, queue: str, epoch: int) -> None:
+        held = self._channels.get(queue)
+        if held is not None and held[0] == epoch:
+            del self._channels[queue]
+            self._unacked.pop((queue, epoch), None)
+            with contextlib.suppress(Exception):  # already closing
+                close_keeping_consumers(held[1])
+            self._on_queue_lost(queue, epoch, "the broker cancelled the consumer")
+
+    def check(self) -> None:
+        """Report the consumers whose channel the broker closed since the last check."""
+        for queue, (epoch, channel) in list(self._channels.items()):
+            if channel.is_closed:
+                del self._channels[queue]
+                self._unacked.pop((queue, epoch), None)
+                self._on_queue_lost(queue, epoch, "channel closed by the broker")
+
+    def close(self, queue: str, epoch: int | None) -> None:
+        """Stop consuming ``queue`` (only consumer ``epoch``, if given)."""
+        held = self._channels.get(queue)
+        if held is None or (epoch is not None and held[0] != epoch):
+            return
+        del self._channels[queue]
+        self._unacked.pop((queue, held[0]), None)
+        # Never cancel first: the queue would look unused while it still holds our unacked
+        # deliveries, and a janitor's delete(if_empty, if_unused) would take them with it.
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            close_keeping_consumers(held[1])
+
+    def ack(self, acks: Sequence[tuple[str, int, Sequence[int]]]) -> int:
+        """One ``ack(multiple)`` for the oldest run of tags being settled; the tags past a
+        delivery still waiting (for an earlier seq), or past a tag that never reached us
+        (``keyq.worker.ack_ledger``), are acked one by one."""
+        done = 0
+        for queue, epoch, tags in acks:
+            held = self._channels.get(queue)
+            if held is None or held[0] != epoch or not held[1].is_open:
+                self._unacked.pop((queue, epoch), None)
+                continue  # that consumer is gone: the broker has requeued these already
+            ledger = self._unacked.get((queue, epoch))
+            if ledger is None:
+                continue
+            upto, singles = ledger.settle(tags)
+            if upto:
+                buffer_ack(held[1], upto, multiple=True)
+            for tag in singles:
+                buffer_ack(held[1], tag, multiple=False)
+            done += 1
+        connection = self._connection()
+        if done and connection is not None:
+            flush_acks(connection)  # one write for the whole batch (keyq.broker.acks)
+        return done
+
+    def drop(self, connection: pika.BlockingConnection | None) -> list[tuple[str, int]]:
+        """Forget every consumer (their connection is going) and return them as (queue,
+        epoch). On a connection still open, each channel is closed as in ``close``: never
+        cancelled first."""
+        lost = list(self._channels.items())
+        self._channels.clear()
+        self._unacked.clear()
+        if connection is not None:
+            for _queue, (_epoch, channel) in lost:
+                with contextlib.suppress(Exception):
+                    close_keeping_consumers(channel)
+        return [(queue, epoch) for queue, (epoch, _channel) in lost]

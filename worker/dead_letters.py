@@ -1,0 +1,121 @@
+"""Moving messages to a stream's dead-letter queue: copies with the reason, confirmed.
+
+Runs on the connection's I/O thread (``keyq.worker.amqp_thread``), on a confirming channel of
+its own opened with each connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import pika
+import pika.exceptions
+from pika.adapters.blocking_connection import BlockingChannel
+
+from keyq.broker.envelope import HEADER_ATTEMPTS, HEADER_DEAD_QUEUE, HEADER_DEAD_REASON
+from keyq.broker.errors import BrokerUnavailable
+from keyq.broker.naming import dead_letter_queue_name
+from keyq.broker.topology import dead_letter_queue_arguments
+from keyq.worker.deliveries import Delivery
+
+log = logging.getLogger("keyq.worker.amqp")
+
+MAX_REASON_CHARS = 1000
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A message to move to the stream's dead-letter queue, and why."""
+
+    delivery: Delivery
+    reason: str
+    attempts: int
+
+
+def dead_letter_properties(letter: DeadLetter) -> pika.BasicProperties:
+    """The copy's properties: persistent, the original headers plus why, from which queue,
+    after how many attempts (the reason cut to ``MAX_REASON_CHARS``)."""
+    delivery = letter.delivery
+    headers = dict(delivery.headers)
+    headers[HEADER_DEAD_REASON] = letter.reason[:MAX_REASON_CHARS]
+    headers[HEADER_DEAD_QUEUE] = delivery.queue
+    headers[HEADER_ATTEMPTS] = letter.attempts
+    return pika.BasicProperties(
+        delivery_mode=pika.DeliveryMode.Persistent,
+        headers=headers,
+        content_type=delivery.content_type,
+        message_id=delivery.message_id,
+    )
+
+
+class DeadLetterPublisher:
+    """The dead-letter queue of one stream, declared on each connection, and the confirming
+    channel that publishes to it."""
+
+    def __init__(
+        self,
+        *,
+        stream: str,
+        queue_type: str,
+        connection: Callable[[], pika.BlockingConnection | None],
+    ) -> None:
+        self._queue_type = queue_type  # the stream's, for its dead-letter queue
+        self._connection = connection
+        self.queue = dead_letter_queue_name(stream)
+        self._channel: BlockingChannel | None = None
+        self._ready = False  # the dead-letter queue was declared on this connection
+
+    def open(self) -> None:
+        """On a new connection: open the confirming channel, declare the queue. Raises
+        pika's errors if the connection fails meanwhile."""
+        connection = self._connection()
+        assert connection is not None
+        channel = connection.channel()
+        channel.confirm_delivery()
+        self._ready = self._declare()
+        self._channel = channel
+
+    def close(self) -> None:
+        """The connection is going: its channel with it."""
+        self._channel = None
+
+    def _declare(self) -> bool:
+        """Declare the stream's dead-letter queue on a channel of its own. On a cluster, a
+        classic dead-letter queue whose node is down answers 404: the worker serves on (keys
+        on live nodes must not stop for it) and dead letters wait until it is back."""
+        connection = self._connection()
+        assert connection is not None
+        channel = connection.channel()
+        try:
+            channel.queue_declare(
+                self.queue, durable=True, arguments=dead_letter_queue_arguments(self._queue_type)
+            )
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code != 404:
+                raise
+            log.warning(
+                "dead-letter queue %s is unavailable (%s); serving on, dead letters wait for it",
+                self.queue,
+                exc.reply_text,
+            )
+            return False
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            channel.close()
+        return True
+
+    def publish(self, letters: Sequence[DeadLetter]) -> None:
+        """Publish each letter's copy, confirmed (pika raises if one is not); declares the
+        queue first if it was unavailable so far."""
+        channel = self._channel
+        if channel is None:
+            raise BrokerUnavailable("not connected to RabbitMQ")
+        if not self._ready:
+            self._ready = self._declare()
+            if not self._ready:
+                raise BrokerUnavailable(f"dead-letter queue {self.queue} is unavailable")
+        for letter in letters:
+            properties = dead_letter_properties(letter)
+            channel.basic_publish("", self.queue, letter.delivery.body, properties, mandatory=True)
