@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import pika
 import pika.exceptions
 
+from keyq.broker.backoff import Backoff
 from keyq.broker.connections import amqp_failure, describe_exception, open_blocking_connection
 from keyq.broker.errors import (
     AuthenticationFailed,
@@ -47,8 +48,9 @@ class AmqpThread:
     from other threads, the hooks and the callbacks they make) held every other operation
     back that long. A test reads it to show how long the thread was stalled; it measures,
     never changes, what the thread does. ``reset_loop_gap`` starts a new measurement (a gap
-    under way when it is called still counts once it ends). Time spent reconnecting is not a
-    gap: the measurement starts over with each connection.
+    under way when it is called still counts once it ends). The reports of a lost
+    connection's queues count as a gap too: the thread reconnects only once they are done.
+    Time spent reconnecting is not a gap: the measurement starts over with each connection.
     """
 
     def __init__(
@@ -125,7 +127,7 @@ class AmqpThread:
 
     def _pump(self) -> None:
         started = time.monotonic()
-        backoff = 0.1
+        backoff = Backoff(0.1, 5.0)
         while not self._stopping.is_set():
             try:
                 self._connect()
@@ -141,16 +143,16 @@ class AmqpThread:
                     self._fatal = exc
                     log.error("worker cannot connect to RabbitMQ: %s", exc)
                     return
-                log.warning("RabbitMQ refused a reconnect, retrying in %.1fs: %s", backoff, exc)
-                self._stopping.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                delay = backoff.next()
+                log.warning("RabbitMQ refused a reconnect, retrying in %.1fs: %s", delay, exc)
+                self._stopping.wait(delay)
                 continue
             except KeyqError as exc:  # unreachable: a daemon waits for its broker
-                log.warning("RabbitMQ unavailable, retrying in %.1fs: %s", backoff, exc)
-                self._stopping.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                delay = backoff.next()
+                log.warning("RabbitMQ unavailable, retrying in %.1fs: %s", delay, exc)
+                self._stopping.wait(delay)
                 continue
-            backoff = 0.1
+            backoff.reset()
             self._lost_at = None
             reason = self._serve()
             self._teardown(reason)
@@ -179,8 +181,8 @@ class AmqpThread:
         last_iteration: float | None = None
         while not self._stopping.is_set():
             now = time.monotonic()
-            if last_iteration is not None and now - last_iteration > self.max_loop_gap_s:
-                self.max_loop_gap_s = now - last_iteration
+            if last_iteration is not None:
+                self._note_gap(now - last_iteration)
             last_iteration = now
             if not self.connection.is_open:  # lost inside a call made on this thread
                 return "connection to RabbitMQ lost"
@@ -213,7 +215,12 @@ class AmqpThread:
             if not future.done():
                 future.set_exception(BrokerUnavailable(reason or "the worker is stopping"))
         if reason is not None:
+            began = time.monotonic()
             report()
+            self._note_gap(time.monotonic() - began)
+
+    def _note_gap(self, seconds: float) -> None:
+        self.max_loop_gap_s = max(self.max_loop_gap_s, seconds)
 
     # ---- calls from other threads ---------------------------------------------------------
 
