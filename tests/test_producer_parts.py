@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import pika
 import pytest
@@ -74,9 +75,11 @@ def test_declaring_names_the_queue_while_it_holds_the_lane() -> None:
         (lambda lane: lane.park(ParkReason.UNREACHABLE), True),
     ],
 )
-def test_a_lane_is_quiet_with_nothing_in_flight_or_on_its_way(change: object, quiet: bool) -> None:
+def test_a_lane_is_quiet_with_nothing_in_flight_or_on_its_way(
+    change: Callable[[QueueLane], object], quiet: bool
+) -> None:
     lane = QueueLane(key="k")
-    change(lane)  # type: ignore[operator]
+    change(lane)
     assert lane.quiet is quiet
 
 
