@@ -1,0 +1,208 @@
+"""One attempt at a group of deliveries, stage by stage: decode and order them, run the
+pipeline and stage its output, dead-letter and commit fenced by the queues' locks, ack,
+then keep the open gaps and the stats current.
+
+Nothing is acked before the commit, and nothing is committed under a lock that moved on;
+a dead letter is safe in its queue before the marks move past it."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from keyq.broker.locks import Lease
+from keyq.broker.registry import QueueRegistry
+from keyq.worker.batch_failures import Stale
+from keyq.worker.batch_outcome import BatchProgress
+from keyq.worker.batch_plan import RunPlan, plan_run
+from keyq.worker.batch_stats import BatchStats, StageClock
+from keyq.worker.consumer import ConsumerLink, DeadLetter
+from keyq.worker.decoding import Undecodable
+from keyq.worker.deliveries import Delivery
+from keyq.worker.fenced_commit import FencedCommit
+from keyq.worker.pipeline_job import PipelineJob
+from keyq.worker.sequencing import Gap
+from keyq.worker.state_store import StateStore
+
+log = logging.getLogger("keyq.worker.batch")
+
+
+class LeaseLookup(Protocol):
+    """The worker's held queues, as a batch sees them."""
+
+    def lease_for(self, queue: str, epoch: int) -> Lease | None:
+        """The lease a delivery of consumer ``epoch`` may be committed under, if any."""
+
+
+@dataclass(frozen=True)
+class _Computed:
+    """What the pipeline made of a run's events."""
+
+    states: dict[str, str]
+    staged: str | None  # the output, staged in the sink until the commit
+    spark_seconds: float
+
+
+class BatchAttempt:
+    """Runs attempts for one worker; used only by the batch loop's thread."""
+
+    def __init__(
+        self,
+        *,
+        worker_id: str,
+        job: PipelineJob,
+        output: FencedCommit,
+        store: StateStore,
+        registry: QueueRegistry,
+        link: ConsumerLink,
+        holdings: LeaseLookup,
+        keys_of_queues: Callable[[Collection[str]], Mapping[str, str | None]],
+        gap_timeout_ms: int,
+        stats: BatchStats,
+    ) -> None:
+        self._worker_id = worker_id
+        self._job = job
+        self._output = output
+        self._store = store
+        self._registry = registry
+        self._link = link
+        self._holdings = holdings
+        self._keys_of_queues = keys_of_queues
+        self._gap_timeout_ms = gap_timeout_ms
+        self._stats = stats
+        self._batch_numbers = itertools.count(1)
+        # Sequence gaps still open, per (key, producer), with the queue their events wait in.
+        self.open_gaps: dict[tuple[str, str], tuple[Gap, str]] = {}
+
+    def run(
+        self, deliveries: list[Delivery], attempt: int, dead: str | None, progress: BatchProgress
+    ) -> None:
+        """Run ``deliveries`` once; with ``dead``, dead-letter their events with that reason.
+        What it settles, the leases it uses and what waits are noted in ``progress``."""
+        clock = StageClock()
+        leases = self._leases(deliveries, progress)
+        run = self._plan(deliveries, dead)
+        if not run.settling:
+            self._note_gaps(run)
+            progress.waiting.extend(run.waiting)
+            return  # everything here waits for an earlier seq: nothing to commit or ack
+        clock.lap()  # decode
+        batch_id = f"{self._worker_id}-{next(self._batch_numbers)}"
+        computed = self._compute(batch_id, run, leases, attempt)
+        clock.lap()  # spark
+        self._dead_letter(run.letters, attempt)
+        self._output.commit(batch_id, leases, run.plan.marks, computed.states, computed.staged)
+        clock.lap()  # commit
+        self._ack(run.settling, progress)
+        clock.lap()  # ack
+        progress.waiting.extend(run.waiting)
+        self._note_gaps(run)
+        self._touch(leases)
+        clock.lap()  # touch
+        self._note_committed(run, computed, clock)
+
+    # ---- the stages, in order ----------------------------------------------------------------
+
+    def _leases(self, deliveries: Sequence[Delivery], progress: BatchProgress) -> dict[str, Lease]:
+        """The lease of each queue, for its consumer's epoch; raises ``Stale`` if any is
+        gone (its deliveries are the broker's again)."""
+        leases: dict[str, Lease] = {}
+        lost: set[str] = set()
+        for delivery in deliveries:
+            if delivery.queue in leases or delivery.queue in lost:
+                continue
+            lease = self._holdings.lease_for(delivery.queue, delivery.channel_epoch)
+            if lease is None:
+                lost.add(delivery.queue)
+            else:
+                leases[delivery.queue] = lease
+        if lost:
+            raise Stale(frozenset(lost))
+        progress.leases.update(leases)
+        return leases
+
+    def _plan(self, deliveries: Sequence[Delivery], dead: str | None) -> RunPlan:
+        # The queues' declared keys are asked for all at once: a worker that has just taken
+        # over a thousand queues must not make a thousand round trips before its first batch.
+        return plan_run(
+            deliveries,
+            self._keys_of_queues({delivery.queue for delivery in deliveries}),
+            self._store.marks,
+            now=time.monotonic,
+            gap_timeout_s=self._gap_timeout_ms / 1000,
+            dead=dead,
+        )
+
+    def _compute(
+        self, batch_id: str, run: RunPlan, leases: dict[str, Lease], attempt: int
+    ) -> _Computed:
+        if not run.events:
+            return _Computed({}, None, 0.0)
+        started = time.monotonic()
+        states, output = self._job.run(batch_id, run.events, run.keys, list(leases), attempt)
+        spark_seconds = time.monotonic() - started
+        return _Computed(states, self._output.stage(batch_id, output), spark_seconds)
+
+    def _dead_letter(self, letters: Sequence[Undecodable], attempt: int) -> None:
+        # Before the commit: once the marks move past a dead event, a redelivery would skip
+        # it, so its copy must be safe in the dead-letter queue first.
+        if letters:
+            self._link.dead_letter(
+                [DeadLetter(letter.delivery, letter.reason, attempt) for letter in letters]
+            )
+
+    def _ack(self, deliveries: Sequence[Delivery], progress: BatchProgress) -> None:
+        """Settle ``deliveries``; the link acks each channel's contiguous run in one
+        ``ack(multiple)`` and anything past a waiting delivery one by one."""
+        tags: dict[tuple[str, int], list[int]] = {}
+        for delivery in deliveries:
+            tags.setdefault((delivery.queue, delivery.channel_epoch), []).append(
+                delivery.delivery_tag
+            )
+        progress.settle(deliveries)
+        self._link.ack([(queue, epoch, found) for (queue, epoch), found in tags.items()])
+
+    def _note_gaps(self, run: RunPlan) -> None:
+        """Keep the open gaps of this run's keys current, and report the given-up ones."""
+        done = set(run.keys)
+        for slot in [slot for slot in self.open_gaps if slot[0] in done]:
+            del self.open_gaps[slot]
+        items = run.ordered
+        queue_of = {
+            (items[i].key, items[i].producer): items[i].delivery.queue for i in run.plan.waiting
+        }
+        for gap in run.plan.open_gaps:
+            self.open_gaps[(gap.key, gap.producer)] = (gap, queue_of[(gap.key, gap.producer)])
+        for gap in run.plan.skipped_gaps:
+            self._stats.gaps_skipped += 1
+            log.warning(
+                "gave up waiting for seq %d..%d of producer %s on key %r after %.0f ms: "
+                "applying what follows (a late arrival will be dead-lettered)",
+                gap.first,
+                gap.last,
+                gap.producer,
+                gap.key,
+                self._gap_timeout_ms,
+            )
+
+    def _touch(self, leases: Mapping[str, Lease]) -> None:
+        try:
+            self._registry.touch(leases)
+        except Exception:
+            log.debug("registry touch failed", exc_info=True)
+
+    def _note_committed(self, run: RunPlan, computed: _Computed, clock: StageClock) -> None:
+        self._stats.note_committed(
+            events=len(run.events),
+            skipped=run.skipped,
+            dead_lettered=len(run.letters),
+            late=len(run.plan.late),
+            spark_seconds=computed.spark_seconds,
+            clock=clock,
+        )
+        for letter in run.letters:
+            log.warning("dead-lettered a message of %s: %s", letter.delivery.queue, letter.reason)
