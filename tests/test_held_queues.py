@@ -286,3 +286,30 @@ def test_handbacks_ask_idle_queues_with_nothing_buffered() -> None:
     held.append(Held(queue="q-new", lease=lease("q-new"), epoch=1))
     handbacks.ask_idle(held, idle_after_s=30)
     assert handbacks.take() == {"q-idle": "idle"}
+
+
+def test_refused_claims_wait_by_reason_and_say_unreachable_once(caplog: Any) -> None:
+    from keyq.worker.refused_claims import (
+        BUSY_BACKOFF_S,
+        MISSING_BACKOFF_S,
+        UNREACHABLE_BACKOFF_S,
+        RefusedClaims,
+    )
+
+    refused = RefusedClaims()
+    now = 1000.0
+    refused.refused("q-busy", ConsumeOutcome.BUSY, now)
+    refused.refused("q-gone", ConsumeOutcome.MISSING, now)
+    with caplog.at_level("INFO", logger="keyq.worker.claims"):
+        refused.refused("q-down", ConsumeOutcome.UNREACHABLE, now)
+        refused.refused("q-down", ConsumeOutcome.UNREACHABLE, now)
+        refused.consumed("q-down")
+        refused.consumed("q-down")
+    assert refused.waiting("q-busy", now + BUSY_BACKOFF_S - 0.01)
+    assert not refused.waiting("q-busy", now + BUSY_BACKOFF_S + 0.01)
+    assert refused.waiting("q-gone", now + MISSING_BACKOFF_S - 0.01)
+    assert not refused.waiting("q-down", now + UNREACHABLE_BACKOFF_S + 0.01)
+    assert not refused.waiting("q-never", now)
+    said = [record.getMessage() for record in caplog.records]
+    assert sum("is unreachable" in line for line in said) == 1
+    assert sum("reachable again" in line for line in said) == 1

@@ -34,6 +34,7 @@ from keyq.worker.held_queues import HeldQueues
 from keyq.worker.holdings import Held
 from keyq.worker.peer_reaper import CLIENT_NAME_PREFIX, PeerReaper, client_name
 from keyq.worker.queue_news import QueueNews
+from keyq.worker.refused_claims import RefusedClaims
 
 log = logging.getLogger("keyq.worker.claims")
 
@@ -45,11 +46,6 @@ __all__ = [
     "client_name",
 ]
 
-# Queues that refused us (another consumer still attached) are left alone this long.
-BUSY_BACKOFF_S = 1.0
-# A registered queue that does not exist (deleted; the janitor forgets it) is left alone longer.
-MISSING_BACKOFF_S = 30.0
-UNREACHABLE_BACKOFF_S = 2.0
 # Idle unheld queues looked into per scan (a passive declare each, ~1 ms), so a backlog left
 # while no worker held its queue is found within seconds even among thousands of queues.
 PROBES_PER_SCAN = 200
@@ -104,10 +100,7 @@ class ClaimLoop:
         self._handbacks = handbacks
         self._info = info
         self._view = _View()
-        self._busy_until: dict[str, float] = {}
-        # Queues whose last consume was refused because their node is down: said once when
-        # that starts and once when it ends, not on every retry.
-        self._unreachable: set[str] = set()
+        self._refused = RefusedClaims()
         self._members: list[str] = []
         self._probe_cursor = 0
         self._stop = threading.Event()
@@ -311,7 +304,7 @@ class ClaimLoop:
         candidates = [
             q
             for q in unheld
-            if self._busy_until.get(q, 0) <= now and not self._handbacks.cooling(q, now)
+            if not self._refused.waiting(q, now) and not self._handbacks.cooling(q, now)
         ]
         if len(candidates) < len(unheld):
             self._more_to_claim = True  # look again next tick: a wait ends, not a scan
@@ -352,41 +345,16 @@ class ClaimLoop:
             queue, outcome = item.lease.queue, item.consumed.outcome
             if outcome is ConsumeOutcome.CONSUMING:
                 claimed += 1
-                self._note_reachable(queue)
+                self._refused.consumed(queue)
             elif outcome is ConsumeOutcome.NOT_TRIED:
                 untried += 1  # claimed next tick, after the renewal
             else:
                 self.stats.refused += 1
-                self._busy_until[queue] = now + self._refusal_backoff(queue, outcome)
+                self._refused.refused(queue, outcome, now)
+                if outcome is ConsumeOutcome.MISSING:
+                    self._view.activity.pop(queue, None)
         self.stats.claims += claimed
         return None if untried else claimed
-
-    def _refusal_backoff(self, queue: str, outcome: ConsumeOutcome) -> float:
-        """How long a queue whose consume was refused is left alone."""
-        if outcome is ConsumeOutcome.MISSING:
-            self._view.activity.pop(queue, None)
-            self._unreachable.discard(queue)
-            return MISSING_BACKOFF_S
-        if outcome in (ConsumeOutcome.UNREACHABLE, ConsumeOutcome.FAILED):
-            if outcome is ConsumeOutcome.UNREACHABLE:
-                self._note_unreachable(queue)
-            return UNREACHABLE_BACKOFF_S  # tried again soon: its node may be back
-        return BUSY_BACKOFF_S
-
-    def _note_unreachable(self, queue: str) -> None:
-        if queue not in self._unreachable:
-            self._unreachable.add(queue)
-            log.warning(
-                "queue %s is unreachable (its node or queue process is down); trying it "
-                "every %.0f s",
-                queue,
-                UNREACHABLE_BACKOFF_S,
-            )
-
-    def _note_reachable(self, queue: str) -> None:
-        if queue in self._unreachable:
-            self._unreachable.discard(queue)
-            log.info("queue %s is reachable again", queue)
 
     def _capacity(self) -> int:
         """The most queues this worker may hold: its setting, within what its connection's
