@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pika
 import pika.exceptions
 
+from keyq.broker.backoff import Backoff
 from keyq.broker.connections import (
     amqp_failure,
     amqp_parameters,
@@ -37,12 +38,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("keyq.producer")
 
-RECONNECT_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0)
-
-
-def reconnect_delay(attempt: int) -> float:
-    """The wait before connecting again after ``attempt`` (from 0) failed attempts."""
-    return RECONNECT_DELAYS[min(attempt, len(RECONNECT_DELAYS) - 1)]
+# Waits before connecting again: from 0.1 s, doubling up to 2 s, with jitter so that the
+# producers of many processes that lost the broker together do not come back in lockstep.
+RECONNECT_FIRST_S = 0.1
+RECONNECT_MAX_S = 2.0
 
 
 class Connector:
@@ -55,7 +54,7 @@ class Connector:
         self.declarers: Declarers | None = None
         self.stopping = False
         self.lost_at: float | None = None  # when the connection was lost, until it is back
-        self._attempt = 0
+        self._delays = Backoff(RECONNECT_FIRST_S, RECONNECT_MAX_S)
         self.ready = threading.Event()  # connected once, or failed
         self.reconnects = 0  # connections opened again after one was lost or closed
 
@@ -113,7 +112,7 @@ class Connector:
     def _on_confirm_ok(self, _frame: Any) -> None:
         link = self._link
         link.probes.probe_all()
-        self._attempt = 0
+        self._delays.reset()
         if self.lost_at is not None:
             self.reconnects += 1
             log.info(
@@ -185,9 +184,7 @@ class Connector:
             self.fail(BrokerUnavailable(f"RabbitMQ unreachable for over {limit:.0f} s: {failure}"))
             link.ioloop.stop()
             return
-        delay = reconnect_delay(self._attempt)
-        self._attempt += 1
-        link.ioloop.call_later(delay, self._connect)
+        link.ioloop.call_later(self._delays.next(), self._connect)
 
     def fail(self, failure: KeyqError) -> None:
         self._link.window.fail(failure)

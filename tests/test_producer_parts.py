@@ -14,7 +14,6 @@ import pika
 import pytest
 
 from keyq.broker.errors import ProducerClosed, PublishError, PublishTimeout
-from keyq.producer.connector import RECONNECT_DELAYS, reconnect_delay
 from keyq.producer.lanes import ParkReason, QueueLane, forget_quiet, parked_counts
 from keyq.producer.outgoing import Outgoing
 from keyq.producer.overdue import StallClock, overdue_oldest
@@ -286,9 +285,8 @@ def test_with_nothing_owed_the_stall_starts_with_the_next_event() -> None:
 
 
 # ------------------------------------------------------------------ backoff schedules
-def test_probe_and_reconnect_delays_grow_then_stay_at_their_last() -> None:
+def test_probe_delays_grow_then_stay_at_their_last() -> None:
     assert [probe_delay(attempt) for attempt in range(6)] == [*PROBE_DELAYS, 4.0, 4.0]
-    assert [reconnect_delay(attempt) for attempt in range(7)] == [*RECONNECT_DELAYS, 2.0, 2.0]
 
 
 # --------------------------------------------------------------------- aside channels
