@@ -1,0 +1,179 @@
+"""The serving session as a unit: what the batch loop does with a batch's outcome, when a
+consumer whose whole prefetch waits is reopened wider, and how hand-backs and callbacks run.
+The processor and the held queues are stand-ins that record what they were asked; the worker
+tests prove the same against RabbitMQ, Redis and Spark."""
+
+from __future__ import annotations
+
+import queue as queue_module
+import threading
+import time
+from typing import Any, cast
+
+import pytest
+
+from keyq.broker.locks import Lease
+from keyq.broker.settings import load_settings
+from keyq.worker.abandoned_gaps import AbandonedGaps
+from keyq.worker.batch_outcome import BatchOutcome
+from keyq.worker.batches import BatchProcessor
+from keyq.worker.claims import ClaimLoop
+from keyq.worker.config import WorkerSettings
+from keyq.worker.consumer import ConsumerLink
+from keyq.worker.deliveries import Delivery, DeliveryBuffer
+from keyq.worker.handbacks import HandBacks
+from keyq.worker.held_queues import HeldQueues
+from keyq.worker.serving import MAX_PREFETCH, Session, batch_wait
+from keyq.worker.stuck_gaps import StuckGaps
+
+
+def delivery(queue: str, tag: int, epoch: int = 1) -> Delivery:
+    return Delivery(
+        queue=queue,
+        channel_epoch=epoch,
+        delivery_tag=tag,
+        redelivered=False,
+        headers={},
+        content_type=None,
+        message_id=None,
+        body=b"{}",
+    )
+
+
+class StandInProcessor:
+    def __init__(self, outcome: BatchOutcome) -> None:
+        self.outcome = outcome
+
+    def process(self, batch: list[Delivery]) -> BatchOutcome:
+        return self.outcome
+
+
+class StandInHeld:
+    def __init__(self, room: int | None = 10) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.room = room
+
+    def lose(self, lease: Lease, reason: str) -> None:
+        self.calls.append(("lose", lease.queue, reason))
+
+    def put_back(self, deliveries: list[Delivery]) -> None:
+        self.calls.append(("put_back", [d.delivery_tag for d in deliveries]))
+
+    def lease_for(self, queue: str, epoch: int) -> Lease | None:
+        return Lease(queue=queue, owner="me", token=1)
+
+    def room_of(self, queue: str) -> int | None:
+        return self.room
+
+    def reopen(self, queue: str, prefetch: int | None = None) -> bool:
+        self.calls.append(("reopen", queue, prefetch))
+        return True
+
+    def release(self, requests: dict[str, str], *, busy: Any) -> list[str]:
+        self.calls.append(("release", dict(requests)))
+        return [queue for queue in requests if not busy(queue)]
+
+
+def session(
+    outcome: BatchOutcome | None = None, held: StandInHeld | None = None, **callbacks: Any
+) -> tuple[Session, StandInHeld, DeliveryBuffer, HandBacks, threading.Event]:
+    settings = load_settings(WorkerSettings, prefetch=10)
+    buffer = DeliveryBuffer()
+    held = held or StandInHeld()
+    handbacks = HandBacks(buffer)
+    stop = threading.Event()
+    events: queue_module.SimpleQueue[tuple[str, list[str], str]] = queue_module.SimpleQueue()
+    made = Session(
+        settings=settings,
+        buffer=buffer,
+        link=cast(ConsumerLink, None),
+        held=cast(HeldQueues, held),
+        handbacks=handbacks,
+        claims=cast(ClaimLoop, None),
+        processor=cast(BatchProcessor, StandInProcessor(outcome or BatchOutcome([], [], []))),
+        stuck=cast(StuckGaps, None),
+        abandoned=cast(AbandonedGaps, None),
+        events=events,
+        stop=stop,
+        **callbacks,
+    )
+    return made, held, buffer, handbacks, stop
+
+
+def test_a_batch_outcome_parks_stops_lost_queues_and_puts_back_the_rest() -> None:
+    lost = Lease(queue="q-b", owner="me", token=3)
+    outcome = BatchOutcome(
+        unsettled=[delivery("q-a", 1)], waiting=[delivery("q-c", 2)], lost=[lost]
+    )
+    made, held, buffer, _handbacks, stop = session(outcome)
+    stop.set()  # an interrupted batch would wait here: it must not
+    made.process([delivery("q-a", 1), delivery("q-c", 2)])
+    assert held.calls == [
+        ("lose", "q-b", "commit refused: the lock moved on"),
+        ("put_back", [1]),
+    ]
+    assert buffer.parked("q-c") == 1
+
+
+def test_an_interrupted_batch_backs_off_before_the_next() -> None:
+    outcome = BatchOutcome(unsettled=[delivery("q-a", 1)], waiting=[], lost=[], interrupted="x")
+    made, held, _buffer, _handbacks, stop = session(outcome)
+    waits: list[float | None] = []
+    original = stop.wait
+
+    def recording_wait(timeout: float | None = None) -> bool:
+        waits.append(timeout)
+        return original(0)
+
+    made.stop = cast(threading.Event, type("E", (), {"wait": staticmethod(recording_wait)})())
+    made.process([delivery("q-a", 1)])
+    assert waits and waits[0] is not None and waits[0] > 0
+    assert held.calls == [("put_back", [1])]
+
+
+def test_a_consumer_whose_whole_prefetch_waits_is_reopened_wider() -> None:
+    made, held, _buffer, _handbacks, _stop = session(held=StandInHeld(room=3))
+    made.park([delivery("q-a", tag) for tag in range(1, 3)])
+    assert not [c for c in held.calls if c[0] == "reopen"]  # 2 of 3: room left
+    made.park([delivery("q-a", 3)])
+    assert ("reopen", "q-a", 3 + made.settings.prefetch) in held.calls
+    held.room = MAX_PREFETCH
+    held.calls.clear()
+    made.park([delivery("q-a", 4)])
+    assert held.calls == []  # as wide as it gets
+
+
+def test_hand_backs_skip_busy_idle_queues_and_cool_down_what_went() -> None:
+    made, held, buffer, handbacks, _stop = session()
+    buffer.add(delivery("q-busy", 1))
+    made.hand_back({"q-idle": "idle", "q-busy": "idle"})
+    assert held.calls == [("release", {"q-idle": "idle", "q-busy": "idle"})]
+
+    assert handbacks.cooling("q-idle", time.monotonic())
+    assert not handbacks.cooling("q-busy", time.monotonic())
+
+
+def test_callbacks_run_on_the_batch_thread_and_a_failing_one_does_not_stop_the_loop(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    seen: list[tuple[str, list[str]]] = []
+
+    def assigned(queues: list[str]) -> None:
+        seen.append(("assigned", queues))
+        raise RuntimeError("user code failed")
+
+    made, _held, _buffer, _handbacks, _stop = session(
+        on_assigned=assigned, on_revoked=lambda queues: seen.append(("revoked", queues))
+    )
+    made.events.put(("assigned", ["q-a"], "claimed"))
+    made.events.put(("revoked", ["q-a"], "released"))
+    made.fire_events()
+    assert seen == [("assigned", ["q-a"]), ("revoked", ["q-a"])]
+    assert "assigned callback failed" in caplog.text
+
+
+def test_batches_wait_longer_only_under_load() -> None:
+    settings = load_settings(WorkerSettings, batch_max_events=100, batch_max_ms=0)
+    assert batch_wait(settings, 10, 1.0) == 0.0
+    assert batch_wait(settings, 60, 0.3) == pytest.approx(0.6)
+    assert batch_wait(settings, 60, 5.0) == 2.0
