@@ -8,6 +8,7 @@ thread may do to a held queue is ``keyq.worker.held_queues``'s to say.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue as queue_module
@@ -49,6 +50,7 @@ from keyq.worker.serving import (
     QueueCallback,
     QueueEvents,
     Session,
+    reopen_for_gap,
 )
 from keyq.worker.serving import batch_wait as _batch_wait
 from keyq.worker.sinks import ParquetSink, open_sink
@@ -303,10 +305,6 @@ class Worker:
         )
         stuck = StuckGaps(self._buffer, settings.sequence_gap_timeout_ms / 1000)
 
-        def reopen_for_gap(queue: str) -> None:
-            stuck.note_reopened(queue)
-            held.reopen(queue)
-
         abandoned = AbandonedGaps(
             self._buffer,
             alive=ProducerPresence(client, self.stream).alive,
@@ -314,7 +312,7 @@ class Worker:
             room_of=held.room_of,
             confirm_gone_s=settings.producer_ttl_ms / 2000,
             reopened_at=stuck.reopened_at,
-            reopen=reopen_for_gap,
+            reopen=functools.partial(reopen_for_gap, stuck, held),
         )
         return Session(
             settings=settings,

@@ -49,6 +49,12 @@ def batch_wait(settings: WorkerSettings, last_batch_events: int, last_spark_s: f
     return min(max(floor, BATCH_WAIT_SPARK_FACTOR * last_spark_s), BATCH_WAIT_MAX_S)
 
 
+def reopen_for_gap(stuck: StuckGaps, held: HeldQueues, queue: str) -> None:
+    """Reopen ``queue``'s consumer for a sequence gap, and note when (``StuckGaps``)."""
+    stuck.note_reopened(queue)
+    held.reopen(queue)
+
+
 @dataclass
 class Session:
     """What a serving worker runs with; used by the batch loop's thread (its parts say
@@ -149,11 +155,7 @@ class Session:
                 queue,
                 self.stuck.reopen_after_s,
             )
-            self.reopen_for_gap(queue)
-
-    def reopen_for_gap(self, queue: str) -> None:
-        self.stuck.note_reopened(queue)
-        self.held.reopen(queue)
+            reopen_for_gap(self.stuck, self.held, queue)
 
     def hand_back(self, requests: dict[str, str]) -> None:
         """Hand back the queues the claim loop asked for, at this batch boundary."""
