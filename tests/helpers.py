@@ -12,6 +12,7 @@ import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 
 from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
+from keyq.worker.deliveries import Delivery
 
 
 @dataclass(frozen=True)
@@ -90,3 +91,9 @@ def poll_until(
             last = exc
         time.sleep(every)
     raise failure(last)
+
+
+def plain_delivery(queue: str, tag: int, epoch: int = 1) -> Delivery:
+    """A delivery of consumer ``epoch`` of ``queue`` with no headers, for buffer and
+    held-queue units."""
+    return Delivery(queue, epoch, tag, False, {}, None, None, b"{}")

@@ -13,10 +13,11 @@ from typing import Any, cast
 from keyq.broker.locks import FencedLocks, Lease
 from keyq.broker.registry import QueueRegistry
 from keyq.worker.consumer import Consumed, ConsumeOutcome, ConsumerLink
-from keyq.worker.deliveries import Delivery, DeliveryBuffer
+from keyq.worker.deliveries import DeliveryBuffer
 from keyq.worker.handbacks import RELEASE_COOLDOWN_S, HandBacks
 from keyq.worker.held_queues import HeldQueues
 from keyq.worker.holdings import Held
+from tests.helpers import plain_delivery
 
 
 class Journal:
@@ -116,19 +117,6 @@ def lease(queue: str, token: int = 1) -> Lease:
     return Lease(queue=queue, owner="me", token=token)
 
 
-def delivery(queue: str, epoch: int, tag: int) -> Delivery:
-    return Delivery(
-        queue=queue,
-        channel_epoch=epoch,
-        delivery_tag=tag,
-        redelivered=False,
-        headers={},
-        content_type=None,
-        message_id=None,
-        body=b"{}",
-    )
-
-
 def test_a_claimed_queue_is_held_before_its_consumer_opens_and_refusals_let_their_locks_go() -> (
     None
 ):
@@ -189,7 +177,7 @@ def test_a_stale_consumer_loss_is_ignored() -> None:
 def test_handing_back_closes_before_dropping_and_releases_all_in_one_call() -> None:
     held, journal, parts = make()
     held.claim([lease("q-a"), lease("q-b"), lease("q-c")], budget_s=1.0)
-    held._buffer.add(delivery("q-c", held.get("q-c").epoch, 1))  # type: ignore[union-attr]
+    held._buffer.add(plain_delivery("q-c", 1, held.get("q-c").epoch))  # type: ignore[union-attr]
     journal.entries.clear()
     handed = held.release(
         {"q-a": "rebalance", "q-b": "idle", "q-c": "idle"},
@@ -239,7 +227,7 @@ def test_put_back_keeps_what_is_held_and_closes_consumers_whose_deliveries_were_
     item = held.get("q-a")
     assert item is not None
     journal.entries.clear()
-    held.put_back([delivery("q-a", item.epoch, 1), delivery("q-gone", 7, 1)])
+    held.put_back([plain_delivery("q-a", 1, item.epoch), plain_delivery("q-gone", 1, 7)])
     assert held._buffer.depth("q-a") == 1 and held._buffer.depth("q-gone") == 0
     assert journal.entries == [("close", "q-gone", "7")]
 
@@ -259,7 +247,7 @@ def test_release_all_closes_every_consumer_and_settles_the_losses_too() -> None:
 def test_handbacks_ask_the_least_busy_surplus_once_and_cool_down_what_went_back() -> None:
     buffer = DeliveryBuffer()
     for tag in range(3):
-        buffer.add(delivery("q-deep", 1, tag))
+        buffer.add(plain_delivery("q-deep", tag))
     handbacks = HandBacks(buffer)
     handbacks.ask_surplus({"q-deep", "q-empty", "q-other"}, 1)
     handbacks.ask_surplus({"q-deep", "q-empty", "q-other"}, 1)  # already asked for
@@ -276,7 +264,7 @@ def test_handbacks_ask_the_least_busy_surplus_once_and_cool_down_what_went_back(
 
 def test_handbacks_ask_idle_queues_with_nothing_buffered() -> None:
     buffer = DeliveryBuffer()
-    buffer.add(delivery("q-busy", 1, 1))
+    buffer.add(plain_delivery("q-busy", 1))
     handbacks = HandBacks(buffer)
     long_ago = time.monotonic() - 60
     held = [

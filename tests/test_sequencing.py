@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from keyq.worker.dedup import KeyMarks
-from keyq.worker.deliveries import Delivery, DeliveryBuffer
+from keyq.worker.deliveries import DeliveryBuffer
 from keyq.worker.sequencing import Identified, plan_batch
+from tests.helpers import plain_delivery
 
 
 def event(seq: int, key: str = "k", producer: str = "p", since: float | None = None) -> Identified:
@@ -155,22 +156,18 @@ def test_any_delivery_order_split_in_any_batches_applies_each_event_once_in_orde
     assert parked == []
 
 
-def delivery(queue: str, tag: int, epoch: int = 1) -> Delivery:
-    return Delivery(queue, epoch, tag, False, {}, None, None, b"{}")
-
-
 def test_parked_deliveries_do_not_crowd_out_the_events_they_wait_for() -> None:
     buffer = DeliveryBuffer(gap_timeout_s=60.0)
     for tag in range(1, 4):
-        buffer.add(delivery("q", tag))
+        buffer.add(plain_delivery("q", tag))
     waiting = buffer.take(3, 0.0, 0.0)
     parked_at = time.monotonic()
     buffer.park(waiting, now=parked_at)
     assert len(buffer) == 0 and buffer.parked() == 3 and buffer.depth("q") == 3
     assert buffer.take(2, 0.0, 0.0) == []  # nothing ready, and no gap due yet
 
-    buffer.add(delivery("q", 4))
-    buffer.add(delivery("q", 5))
+    buffer.add(plain_delivery("q", 4))
+    buffer.add(plain_delivery("q", 5))
     again = buffer.take(1, 0.0, 0.0)
     # The parked three rejoin their queue, beside the one ready event the quota allows.
     assert [d.delivery_tag for d in again] == [1, 2, 3, 4]
@@ -180,7 +177,7 @@ def test_parked_deliveries_do_not_crowd_out_the_events_they_wait_for() -> None:
 
 def test_a_due_gap_brings_its_parked_deliveries_back_on_their_own() -> None:
     buffer = DeliveryBuffer(gap_timeout_s=0.05)
-    buffer.add(delivery("q", 1))
+    buffer.add(plain_delivery("q", 1))
     buffer.park(buffer.take(1, 0.0, 0.0))
     assert buffer.take(5, 0.0, 0.0) == []
     back = buffer.take(5, 0.0, 1.0)  # waits for the gap to come due, not for the 1 s
@@ -189,9 +186,9 @@ def test_a_due_gap_brings_its_parked_deliveries_back_on_their_own() -> None:
 
 def test_dropping_a_queue_forgets_its_parked_deliveries_of_that_consumer() -> None:
     buffer = DeliveryBuffer()
-    buffer.add(delivery("q", 1, epoch=1))
+    buffer.add(plain_delivery("q", 1, epoch=1))
     buffer.park(buffer.take(1, 0.0, 0.0))
-    buffer.add(delivery("q", 1, epoch=2))
+    buffer.add(plain_delivery("q", 1, epoch=2))
     buffer.park(buffer.take(1, 0.0, 0.0))
     assert buffer.drop("q", channel_epoch=1) == 1
     assert buffer.parked("q") == 1

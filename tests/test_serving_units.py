@@ -25,19 +25,7 @@ from keyq.worker.handbacks import HandBacks
 from keyq.worker.held_queues import HeldQueues
 from keyq.worker.serving import MAX_PREFETCH, Session, batch_wait
 from keyq.worker.stuck_gaps import StuckGaps
-
-
-def delivery(queue: str, tag: int, epoch: int = 1) -> Delivery:
-    return Delivery(
-        queue=queue,
-        channel_epoch=epoch,
-        delivery_tag=tag,
-        redelivered=False,
-        headers={},
-        content_type=None,
-        message_id=None,
-        body=b"{}",
-    )
+from tests.helpers import plain_delivery
 
 
 class StandInProcessor:
@@ -103,11 +91,11 @@ def session(
 def test_a_batch_outcome_parks_stops_lost_queues_and_puts_back_the_rest() -> None:
     lost = Lease(queue="q-b", owner="me", token=3)
     outcome = BatchOutcome(
-        unsettled=[delivery("q-a", 1)], waiting=[delivery("q-c", 2)], lost=[lost]
+        unsettled=[plain_delivery("q-a", 1)], waiting=[plain_delivery("q-c", 2)], lost=[lost]
     )
     made, held, buffer, _handbacks, stop = session(outcome)
     stop.set()  # an interrupted batch would wait here: it must not
-    made.process([delivery("q-a", 1), delivery("q-c", 2)])
+    made.process([plain_delivery("q-a", 1), plain_delivery("q-c", 2)])
     assert held.calls == [
         ("lose", "q-b", "commit refused: the lock moved on"),
         ("put_back", [1]),
@@ -116,7 +104,9 @@ def test_a_batch_outcome_parks_stops_lost_queues_and_puts_back_the_rest() -> Non
 
 
 def test_an_interrupted_batch_backs_off_before_the_next() -> None:
-    outcome = BatchOutcome(unsettled=[delivery("q-a", 1)], waiting=[], lost=[], interrupted="x")
+    outcome = BatchOutcome(
+        unsettled=[plain_delivery("q-a", 1)], waiting=[], lost=[], interrupted="x"
+    )
     made, held, _buffer, _handbacks, stop = session(outcome)
     waits: list[float | None] = []
     original = stop.wait
@@ -126,26 +116,26 @@ def test_an_interrupted_batch_backs_off_before_the_next() -> None:
         return original(0)
 
     made.stop = cast(threading.Event, type("E", (), {"wait": staticmethod(recording_wait)})())
-    made.process([delivery("q-a", 1)])
+    made.process([plain_delivery("q-a", 1)])
     assert waits and waits[0] is not None and waits[0] > 0
     assert held.calls == [("put_back", [1])]
 
 
 def test_a_consumer_whose_whole_prefetch_waits_is_reopened_wider() -> None:
     made, held, _buffer, _handbacks, _stop = session(held=StandInHeld(room=3))
-    made.park([delivery("q-a", tag) for tag in range(1, 3)])
+    made.park([plain_delivery("q-a", tag) for tag in range(1, 3)])
     assert not [c for c in held.calls if c[0] == "reopen"]  # 2 of 3: room left
-    made.park([delivery("q-a", 3)])
+    made.park([plain_delivery("q-a", 3)])
     assert ("reopen", "q-a", 3 + made.settings.prefetch) in held.calls
     held.room = MAX_PREFETCH
     held.calls.clear()
-    made.park([delivery("q-a", 4)])
+    made.park([plain_delivery("q-a", 4)])
     assert held.calls == []  # as wide as it gets
 
 
 def test_hand_backs_skip_busy_idle_queues_and_cool_down_what_went() -> None:
     made, held, buffer, handbacks, _stop = session()
-    buffer.add(delivery("q-busy", 1))
+    buffer.add(plain_delivery("q-busy", 1))
     made.hand_back({"q-idle": "idle", "q-busy": "idle"})
     assert held.calls == [("release", {"q-idle": "idle", "q-busy": "idle"})]
 
