@@ -18,7 +18,7 @@ from keyq.broker.naming import key_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.worker.state_store import StateStore
 from tests.conftest import StreamFixture
-from tests.workers import held_by, wait_until
+from tests.workers import held_by, wait_until, wait_until_members_see_each_other
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,8 @@ def test_a_paused_worker_is_fenced_out_when_it_resumes(
     suffix = uuid.uuid4().hex[:8]
     # Both start at once (Spark takes a while to start on a busy machine). Member ranks are
     # sorted ids, so with one queue the zombie-to-be ("w-a-…") is the one whose fair share it
-    # is, and the successor ("w-b-…") takes nothing until the zombie stops heartbeating.
+    # is, and the successor ("w-b-…") takes nothing until the zombie stops heartbeating, once
+    # each has seen the other (one ready first would otherwise claim as if alone).
     zombie = workers(
         stream.name,
         name=f"w-a-{suffix}",
@@ -64,6 +65,9 @@ def test_a_paused_worker_is_fenced_out_when_it_resumes(
     successor = workers(stream.name, name=f"w-b-{suffix}", mode="key")
     zombie.wait_ready()
     successor.wait_ready()
+    wait_until_members_see_each_other(
+        stream.redis, stream.name, [zombie.worker_id, successor.worker_id]
+    )
 
     first = 20
     publish(producer, range(1, first + 1))

@@ -16,6 +16,7 @@ import redis
 
 from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
+from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.redis_topology import connect, parse_redis_url
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings
@@ -255,3 +256,25 @@ def held_by(client: redis.Redis, stream: str) -> dict[str, list[str]]:
         if lease is not None:
             owners.setdefault(lease.owner, []).append(queue)
     return owners
+
+
+def wait_until_members_see_each_other(
+    client: redis.Redis, stream: str, worker_ids: list[str], timeout: float = 30
+) -> None:
+    """Until each worker has heartbeated twice since this call: its claim loop reads the live
+    members in the tick that heartbeats, so after two each counts all the others in its fair
+    share (one that got ready before another joined may still share as if alone)."""
+    members = StreamKeys(stream).members
+
+    def stamps() -> dict[str, float]:
+        return {w: float(client.zscore(members, w) or 0.0) for w in worker_ids}
+
+    seen = {w: [stamp] for w, stamp in stamps().items()}
+
+    def risen_twice() -> bool:
+        for worker, stamp in stamps().items():
+            if stamp > seen[worker][-1]:
+                seen[worker].append(stamp)
+        return all(len(history) >= 3 for history in seen.values())
+
+    wait_until(risen_twice, timeout, f"workers {worker_ids} to see each other", every=0.05)
