@@ -16,6 +16,8 @@ HEADER_PUBLISHED_AT = "x-keyq-published-at"
 HEADER_DEAD_REASON = "x-keyq-dead-reason"
 HEADER_DEAD_QUEUE = "x-keyq-dead-queue"
 HEADER_ATTEMPTS = "x-keyq-attempts"
+HEADER_DEAD_AT = "x-keyq-dead-at"  # when it was dead-lettered (ms since epoch)
+HEADER_REDRIVE_ID = "x-keyq-redrive-id"  # set on an event put back from the dead letters
 
 CONTENT_JSON = "application/json"
 CONTENT_BYTES = "application/octet-stream"

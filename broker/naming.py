@@ -103,6 +103,22 @@ def dead_letter_queue_name(stream: str) -> str:
     return f"{stream_prefix(stream)}dlq"
 
 
+def key_digest(key: str) -> str:
+    """A short, fixed-length name for ``key`` inside queue names (any key fits)."""
+    return hashlib.sha256(encode_key(key)).hexdigest()[:32]
+
+
+def aside_queue_name(stream: str, key: str, token: str) -> str:
+    """A queue ``key``'s events are set aside in while it is paused or parked (``token`` is
+    new each time: a deleted quorum queue's name is never declared again)."""
+    return f"{stream_prefix(stream)}a.{key_digest(key)}.{token}"
+
+
+def redrive_queue_name(stream: str, key: str, token: str) -> str:
+    """The queue one redrive puts ``key``'s dead letters back in, ahead of its other events."""
+    return f"{stream_prefix(stream)}r.{key_digest(key)}.{token}"
+
+
 def is_stream_queue(stream: str, queue: str) -> bool:
     """Whether ``queue`` is one of the stream's keyed queues (not its dead-letter queue)."""
     prefix = stream_prefix(stream)

@@ -105,6 +105,38 @@ class StreamKeys:
         return f"{self._base}:commits"
 
     @property
+    def paused_keys(self) -> str:
+        """Hash: key -> when an operator paused it (ms since epoch)."""
+        return f"{self._base}:paused"
+
+    @property
+    def parked_keys(self) -> str:
+        """Hash: key -> JSON of the poison event it is parked at (``key_control.ParkedKey``)."""
+        return f"{self._base}:parked"
+
+    @property
+    def aside(self) -> str:
+        """Hash: key -> JSON list of the queues its events wait in, drained head first, before
+        any of its events in its own queue (``key_control``)."""
+        return f"{self._base}:aside"
+
+    @property
+    def policy(self) -> str:
+        """Hash: the stream's operator settings (poison policy, rate limit, paused)."""
+        return f"{self._base}:policy"
+
+    @property
+    def redrives(self) -> str:
+        """Hash: redrive queue -> key, recorded before the queue is declared, so that a queue
+        a killed redrive left behind is found and deleted by the next one."""
+        return f"{self._base}:redrives"
+
+    @property
+    def redrive_lock(self) -> str:
+        """String with a ttl: the redrive or drop working through the dead-letter queue."""
+        return f"{self._base}:dlq-lock"
+
+    @property
     def janitor_lease(self) -> str:
         return f"{self._base}:janitor"
 
