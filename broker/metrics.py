@@ -1,201 +1,54 @@
-"""A small Prometheus endpoint: the text exposition format 0.0.4, on the standard library only.
+"""The daemons' HTTP endpoint: Prometheus metrics and health probes, from a daemon thread.
 
-``MetricsServer`` serves ``GET /metrics`` (and ``GET /healthz``) from a daemon thread, and
-calls ``collect()`` on every scrape, so the numbers are read when Prometheus asks for them.
-``Metric`` is one metric family; ``render`` turns families into the text format.
+``/metrics`` renders the daemon's own ``prometheus_client`` registry (one per daemon, so
+several workers in one process keep their numbers apart). ``/livez`` answers 200 while the
+daemon's loop keeps turning, ``/readyz`` 200 while it serves, and 503 otherwise; ``/healthz``
+is ``/livez`` under its older name. Each probe is a callable the daemon provides, read on
+every request.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import math
-import re
 import socket
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 log = logging.getLogger("keyq.metrics")
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-Kind = Literal["counter", "gauge", "summary", "histogram"]
-KINDS: frozenset[str] = frozenset({"counter", "gauge", "summary", "histogram"})
-
-_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
-_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
-_RESERVED_LABEL = {"histogram": "le", "summary": "quantile"}
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-@dataclass(frozen=True, slots=True)
-class Histogram:
-    """One histogram child: ``buckets`` are (upper bound, cumulative count) in ascending
-    order, without ``+Inf`` (its count is ``count``); ``sum`` is the sum of observations."""
-
-    buckets: Sequence[tuple[float, int]]
-    count: int
-    sum: float
-
-
-@dataclass(frozen=True, slots=True)
-class Summary:
-    """One summary child: (quantile in [0, 1], value) pairs, the count and sum of
-    observations (both cumulative)."""
-
-    quantiles: Sequence[tuple[float, float]]
-    count: int
-    sum: float
-
-
-Value = float | Histogram | Summary
-Sample = tuple[Mapping[str, str], Value]
+def _always() -> bool:
+    return True
 
 
 @dataclass(frozen=True)
-class Metric:
-    """A metric family: its name, kind, help text and samples, each (labels, value).
+class Health:
+    """What the probes answer: ``live`` (the daemon's loop turns) and ``ready`` (it serves)."""
 
-    Counters and gauges take numbers; histograms take ``Histogram`` values and summaries
-    ``Summary`` values. Counter names end in ``_total``. Checked on construction, so a bad
-    family fails where it is built, not in the middle of a scrape.
-    """
-
-    name: str
-    kind: Kind
-    help: str
-    samples: list[Sample] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not _METRIC_NAME.match(self.name):
-            raise ValueError(f"invalid metric name {self.name!r}")
-        if self.kind not in KINDS:
-            raise ValueError(f"{self.name}: unknown kind {self.kind!r}")
-        if self.kind == "counter" and not self.name.endswith("_total"):
-            raise ValueError(f"{self.name}: counter names end in _total")
-        seen: set[frozenset[tuple[str, str]]] = set()
-        for labels, value in self.samples:
-            self._check_labels(labels)
-            self._check_value(value)
-            identity = frozenset(labels.items())
-            if identity in seen:
-                raise ValueError(f"{self.name}: duplicate labels {dict(labels)}")
-            seen.add(identity)
-
-    def _check_labels(self, labels: Mapping[str, str]) -> None:
-        for name, value in labels.items():
-            if not _LABEL_NAME.match(name) or name.startswith("__"):
-                raise ValueError(f"{self.name}: invalid label name {name!r}")
-            if name == _RESERVED_LABEL.get(self.kind):
-                raise ValueError(f"{self.name}: label {name!r} is reserved for a {self.kind}")
-            if not isinstance(value, str):
-                raise TypeError(f"{self.name}: label {name} must be a string, not {value!r}")
-
-    def _check_value(self, value: Value) -> None:
-        if self.kind == "histogram":
-            if not isinstance(value, Histogram):
-                raise TypeError(f"{self.name}: a histogram sample takes a Histogram")
-            bounds = [bound for bound, _count in value.buckets]
-            counts = [count for _bound, count in value.buckets]
-            if any(not math.isfinite(b) for b in bounds) or bounds != sorted(set(bounds)):
-                raise ValueError(f"{self.name}: bucket bounds must be finite and ascending")
-            if counts != sorted(counts) or any(c < 0 or c > value.count for c in counts):
-                raise ValueError(f"{self.name}: bucket counts must be cumulative, <= count")
-        elif self.kind == "summary":
-            if not isinstance(value, Summary):
-                raise TypeError(f"{self.name}: a summary sample takes a Summary")
-            if any(not 0 <= q <= 1 for q, _v in value.quantiles):
-                raise ValueError(f"{self.name}: quantiles lie in [0, 1]")
-        else:
-            if isinstance(value, Histogram | Summary) or not isinstance(value, int | float):
-                raise TypeError(f"{self.name}: a {self.kind} sample takes a number")
-            if self.kind == "counter" and not value >= 0:
-                raise ValueError(f"{self.name}: a counter cannot be {value}")
-
-
-# ---- the text format ---------------------------------------------------------------------
-
-
-def format_value(value: float) -> str:
-    """A sample value as the text format writes it (``+Inf``, ``-Inf``, ``NaN``)."""
-    if isinstance(value, int):
-        return str(int(value))  # int(): True is 1, not "True"
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
-
-
-def escape_label_value(value: str) -> str:
-    """Backslash, double quote and newline, escaped as the text format demands."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def escape_help(text: str) -> str:
-    """Backslash and newline, escaped (a HELP line leaves quotes alone)."""
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _labels(labels: Mapping[str, str], extra: tuple[str, str] | None = None) -> str:
-    pairs = [*labels.items(), *([extra] if extra else [])]
-    if not pairs:
-        return ""
-    return "{" + ",".join(f'{k}="{escape_label_value(v)}"' for k, v in pairs) + "}"
-
-
-def _sample_lines(metric: Metric, labels: Mapping[str, str], value: Value) -> list[str]:
-    name = metric.name
-    if isinstance(value, Histogram):
-        lines = [
-            f"{name}_bucket{_labels(labels, ('le', format_value(float(bound))))} {count}"
-            for bound, count in value.buckets
-        ]
-        lines.append(f"{name}_bucket{_labels(labels, ('le', '+Inf'))} {value.count}")
-        lines.append(f"{name}_sum{_labels(labels)} {format_value(value.sum)}")
-        lines.append(f"{name}_count{_labels(labels)} {value.count}")
-        return lines
-    if isinstance(value, Summary):
-        lines = [
-            f"{name}{_labels(labels, ('quantile', format_value(float(q))))} {format_value(v)}"
-            for q, v in value.quantiles
-        ]
-        lines.append(f"{name}_sum{_labels(labels)} {format_value(value.sum)}")
-        lines.append(f"{name}_count{_labels(labels)} {value.count}")
-        return lines
-    return [f"{name}{_labels(labels)} {format_value(value)}"]
-
-
-def render(metrics: Iterable[Metric]) -> str:
-    """The families in the text format 0.0.4; each family name may appear once."""
-    lines: list[str] = []
-    names: set[str] = set()
-    for metric in metrics:
-        if metric.name in names:
-            raise ValueError(f"metric family {metric.name} given twice")
-        names.add(metric.name)
-        lines.append(f"# HELP {metric.name} {escape_help(metric.help)}")
-        lines.append(f"# TYPE {metric.name} {metric.kind}")
-        for labels, value in metric.samples:
-            lines.extend(_sample_lines(metric, labels, value))
-    return "".join(line + "\n" for line in lines)
-
-
-# ---- the server --------------------------------------------------------------------------
-
-Collect = Callable[[], Iterable[Metric]]
+    live: Callable[[], bool] = _always
+    ready: Callable[[], bool] = _always
 
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], collect: Collect) -> None:
+    def __init__(
+        self, address: tuple[str, int], registry: CollectorRegistry, health: Health
+    ) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
-        self.collect = collect
+        self.registry = registry
+        self.health = health
         super().__init__(address, _Handler)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -211,16 +64,26 @@ class _Handler(BaseHTTPRequestHandler):
         path = urlsplit(self.path).path
         if path == "/metrics":
             try:
-                body = render(self.server.collect()).encode()
+                body = generate_latest(self.server.registry)
             except Exception:  # a broken collector must not take the endpoint down
                 log.exception("collecting metrics failed")
                 self._reply(500, b"collecting metrics failed\n")
                 return
             self._reply(200, body, CONTENT_TYPE)
-        elif path == "/healthz":
-            self._reply(200, b"ok")
+        elif path in ("/livez", "/healthz"):
+            self._probe(self.server.health.live, b"live\n", b"not live: the loop stopped turning\n")
+        elif path == "/readyz":
+            self._probe(self.server.health.ready, b"ready\n", b"not ready\n")
         else:
-            self._reply(404, b"not found: try /metrics\n")
+            self._reply(404, b"not found: try /metrics, /livez or /readyz\n")
+
+    def _probe(self, check: Callable[[], bool], yes: bytes, no: bytes) -> None:
+        try:
+            ok = check()
+        except Exception:  # a probe that fails says "no", it does not take the server down
+            log.exception("health probe failed")
+            ok = False
+        self._reply(200 if ok else 503, yes if ok else no)
 
     def _reply(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
         self.send_response(status)
@@ -233,7 +96,14 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s " + format, self.address_string(), *args)
 
 
-def start_first_free(port: int, span: int, host: str, *, collect: Collect) -> MetricsServer:
+def start_first_free(
+    port: int,
+    span: int,
+    host: str,
+    *,
+    registry: CollectorRegistry,
+    health: Health | None = None,
+) -> MetricsServer:
     """Serve on the first port of ``port`` .. ``port + span - 1`` that is free: replicas that
     share one network (host networking, several daemons on a machine) each find one, and
     say which, instead of failing in a restart loop. Port 0 lets the system choose.
@@ -243,7 +113,7 @@ def start_first_free(port: int, span: int, host: str, *, collect: Collect) -> Me
     """
     last = port if port == 0 else min(port + max(span, 1) - 1, 65535)
     for candidate in range(port, last + 1):
-        server = MetricsServer(candidate, host, collect=collect)
+        server = MetricsServer(candidate, host, registry=registry, health=health)
         try:
             server.start()
         except OSError as exc:
@@ -264,15 +134,23 @@ def start_first_free(port: int, span: int, host: str, *, collect: Collect) -> Me
 
 
 class MetricsServer:
-    """Serves ``/metrics`` (from ``collect()``) and ``/healthz`` on ``host:port`` in a
-    daemon thread. Port 0 picks a free port; ``port`` tells which, once started."""
+    """Serves ``/metrics`` (from ``registry``), ``/livez``, ``/healthz`` and ``/readyz`` on
+    ``host:port`` in a daemon thread. Port 0 picks a free port; ``port`` tells which."""
 
-    def __init__(self, port: int, host: str = "0.0.0.0", *, collect: Collect) -> None:
+    def __init__(
+        self,
+        port: int,
+        host: str = "0.0.0.0",
+        *,
+        registry: CollectorRegistry,
+        health: Health | None = None,
+    ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"invalid metrics port {port}")
         self._host = host
         self._port = port
-        self._collect = collect
+        self._registry = registry
+        self._health = health or Health()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -291,7 +169,7 @@ class MetricsServer:
         """Bind and serve; raises ``OSError`` if the port cannot be bound."""
         if self._server is not None:
             raise RuntimeError("the metrics server is already started")
-        server = _Server((self._host, self._port), self._collect)
+        server = _Server((self._host, self._port), self._registry, self._health)
         thread = threading.Thread(
             target=server.serve_forever,
             kwargs={"poll_interval": 0.5},

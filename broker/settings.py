@@ -121,6 +121,12 @@ class Settings(BaseSettings):
         ),
     )
 
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description="daemon logs as text lines, or as one JSON object per line (json) "
+        "for log collectors",
+    )
+
     fd_warn_ratio: float = Field(
         default=0.8,
         gt=0,
@@ -150,6 +156,11 @@ class Settings(BaseSettings):
         if parse_redis_url(value).kind == "server":
             check_url(value, REDIS_SCHEMES, "KEYQ_REDIS_URL")
         return value
+
+    @field_validator("log_format", mode="before")
+    @classmethod
+    def _log_format(cls, value: object) -> object:
+        return value.strip().lower() if isinstance(value, str) else value
 
     @field_validator("management_url")
     @classmethod

@@ -40,6 +40,7 @@ from keyq.janitor.deleter import Outcome, QueueDeleter
 from keyq.janitor.fd_watch import FdWatch
 from keyq.janitor.inventory import InventoryUnavailable, list_queues
 from keyq.janitor.leader import Leadership
+from keyq.janitor.stream_gauges import StreamGauges
 
 log = logging.getLogger("keyq.janitor")
 
@@ -70,9 +71,23 @@ class Janitor:
         # Nodes of KEYQ_AMQP_URL that did not answer, probed once per pass when a quorum
         # stream has queues to delete (None: not probed yet in this pass).
         self._nodes_down: list[str] | None = None
+        self.gauges = StreamGauges(self.settings, self.janitor_id)
+        self._turned_at: float | None = None  # monotonic: the loop's last sign of life
+        self._passed = False  # the last pass reached Redis and RabbitMQ
 
     def stop(self) -> None:
         self._stop.set()
+
+    def is_live(self) -> bool:
+        """True while the loop turns: it started a pass or a stream within three pass
+        intervals (at least a minute, as deleting a chunk waits out the retirement grace)."""
+        turned = self._turned_at
+        within = max(3 * self.settings.janitor_interval_s, 60.0)
+        return turned is None or time.monotonic() - turned <= within
+
+    def is_ready(self) -> bool:
+        """True while connected: the last pass reached Redis and RabbitMQ."""
+        return self._passed and not self._stop.is_set()
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -85,6 +100,7 @@ class Janitor:
         try:
             while not self._stop.is_set():
                 deleted_before = self.stats["deleted"]
+                self._turned_at = time.monotonic()
                 try:
                     if client is None:
                         client = open_redis(self.settings)
@@ -94,6 +110,7 @@ class Janitor:
                         )
                     with redis_errors(self.settings.redis_url):
                         self.run_pass(client, deleter)
+                    self._passed = True
                     backoff.reset()
                 except (ConfigurationError, AuthenticationFailed):
                     raise  # no wait cures either: not retried
@@ -103,6 +120,7 @@ class Janitor:
                     # on fresh connections rather than the daemon dying.
                     expected = isinstance(exc, (KeyqError, redis.exceptions.RedisError, OSError))
                     self.stats["errors"] += 1
+                    self._passed = False
                     if once and isinstance(exc, KeyqError):
                         raise  # the command says why in one line: nothing is retried
                     if self.stats["deleted"] > deleted_before:
@@ -127,6 +145,7 @@ class Janitor:
                 if once or self._stop.wait(self.settings.janitor_interval_s):
                     break
         finally:
+            self.gauges.close()
             if deleter is not None:
                 deleter.close()
             if client is not None:
@@ -149,14 +168,21 @@ class Janitor:
             deleter.release()
 
     def _pass_stream(self, client: redis.Redis, deleter: QueueDeleter, stream: str) -> None:
+        self._turned_at = time.monotonic()
         pruned = Membership(client, stream, 1).prune()
         self.stats["members_pruned"] += len(pruned)
         config = load_stream_config(client, stream)
-        if config is None or config.mode is not Mode.KEY:
+        if config is None:
             return
+        # Every stream has a leader, which measures it; only key-mode streams lose queues.
         leader = Leadership(client, stream, self.janitor_id, self.settings.janitor_lease_ms)
         if not leader.hold():
-            self.stats["not_leader"] += 1
+            self.gauges.forget(stream)
+            if config.mode is Mode.KEY:
+                self.stats["not_leader"] += 1
+            return
+        self.gauges.measure(client, stream, config)
+        if config.mode is not Mode.KEY:
             return
         registry = QueueRegistry(client, stream)
         cutoff = now_ms() - int(self.settings.idle_ttl_s * 1000)

@@ -1,14 +1,22 @@
-"""A janitor's Prometheus metrics: its ``stats`` counters as metric families, labelled with
-``janitor``, and the broker's file descriptors as it last saw them (when known).
+"""A janitor's Prometheus metrics, in a registry of its own: its ``stats`` counters,
+labelled ``janitor``; the broker's file descriptors as it last saw them (when known); and
+the stream gauges of the streams it leads (``keyq.janitor.stream_gauges``), labelled
+``stream`` and ``janitor``. All are read at each scrape.
 
-Serve them with ``MetricsServer(port, collect=lambda: janitor_metrics(janitor)).start()``.
+Serve them with ``MetricsServer(port, registry=JanitorMetrics(janitor).registry)``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from keyq.broker.metrics import Metric
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from keyq.broker.metrics import Health
+from keyq.janitor.stream_gauges import StreamFigures
 
 if TYPE_CHECKING:
     from keyq.janitor.janitor import Janitor
@@ -61,40 +69,110 @@ SKIP_REASONS: tuple[tuple[str, str], ...] = (
 )
 
 
-def janitor_metrics(janitor: Janitor) -> list[Metric]:
-    """The janitor's metric families, labelled ``janitor`` (and ``reason`` for skips)."""
-    stats = janitor.stats
-    labels = {"janitor": janitor.janitor_id}
-    metrics = [
-        Metric(name, "counter", help_text, [(labels, stats.get(key, 0))])
-        for key, name, help_text in COUNTERS
-    ]
-    metrics.append(
-        Metric(
+# (family name, help, how to read it): one sample per stream led, when measured.
+STREAM_GAUGES: tuple[tuple[str, str, Callable[[StreamFigures], float | None]], ...] = (
+    (
+        "keyq_stream_dead_letters",
+        "Messages in the stream's dead-letter queue.",
+        lambda figures: figures.dead_letters,
+    ),
+    (
+        "keyq_stream_ready_events",
+        "Events ready in the stream's queues, not yet delivered to a worker: the lag.",
+        lambda figures: figures.ready_events,
+    ),
+    (
+        "keyq_stream_oldest_event_age_seconds",
+        "Age of the oldest event at the head of a queue that no worker consumes (0 when "
+        "nothing is ready; peeked on a bounded number of queues per pass).",
+        lambda figures: figures.oldest_event_age_s,
+    ),
+    (
+        "keyq_stream_parked_keys",
+        "Keys parked at a poison event, waiting for an operator.",
+        lambda figures: figures.parked_keys,
+    ),
+    (
+        "keyq_stream_paused_keys",
+        "Keys an operator paused.",
+        lambda figures: figures.paused_keys,
+    ),
+    (
+        "keyq_stream_live_workers",
+        "Workers whose membership heartbeat is current.",
+        lambda figures: figures.live_workers,
+    ),
+)
+
+
+class JanitorCollector(Collector):
+    """The janitor's families, read from it at each scrape."""
+
+    def __init__(self, janitor: Janitor) -> None:
+        self._janitor = janitor
+
+    def describe(self) -> list[Metric]:
+        return []  # the names are fixed above; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        janitor = self._janitor
+        stats = janitor.stats
+        labels = ["janitor"]
+        me = [janitor.janitor_id]
+        for key, name, help_text in COUNTERS:
+            counter = CounterMetricFamily(name, help_text, labels=labels)
+            counter.add_metric(me, stats.get(key, 0))
+            yield counter
+        skipped = CounterMetricFamily(
             "keyq_janitor_skipped_total",
-            "counter",
             "Idle queues not deleted, by reason: held by a worker, not empty, in use "
             "(a consumer attached), unreachable, or their retirement mark lapsed before "
             "the delete.",
-            [({**labels, "reason": reason}, stats.get(key, 0)) for reason, key in SKIP_REASONS],
+            labels=["janitor", "reason"],
         )
-    )
-    usage = janitor.fd_watch.latest
-    if usage is not None and usage.used is not None and usage.limit is not None:
-        node = {**labels, "node": usage.node or ""}
-        metrics += [
-            Metric(
-                "keyq_janitor_broker_fd_used",
-                "gauge",
-                "Open file descriptors of the broker node closest to its limit, at the last "
-                "check (needs KEYQ_MANAGEMENT_URL).",
-                [(node, usage.used)],
-            ),
-            Metric(
-                "keyq_janitor_broker_fd_limit",
-                "gauge",
-                "That node's file descriptor limit.",
-                [(node, usage.limit)],
-            ),
-        ]
-    return metrics
+        for reason, key in SKIP_REASONS:
+            skipped.add_metric([*me, reason], stats.get(key, 0))
+        yield skipped
+        yield from self._broker_fds()
+        yield from self._streams()
+
+    def _broker_fds(self) -> Iterator[Metric]:
+        janitor = self._janitor
+        usage = janitor.fd_watch.latest
+        if usage is None or usage.used is None or usage.limit is None:
+            return
+        labels = ["janitor", "node"]
+        values = [janitor.janitor_id, usage.node or ""]
+        used = GaugeMetricFamily(
+            "keyq_janitor_broker_fd_used",
+            "Open file descriptors of the broker node closest to its limit, at the last "
+            "check (needs KEYQ_PROMETHEUS_URL or KEYQ_MANAGEMENT_URL).",
+            labels=labels,
+        )
+        used.add_metric(values, usage.used)
+        limit = GaugeMetricFamily(
+            "keyq_janitor_broker_fd_limit", "That node's file descriptor limit.", labels=labels
+        )
+        limit.add_metric(values, usage.limit)
+        yield used
+        yield limit
+
+    def _streams(self) -> Iterator[Metric]:
+        janitor = self._janitor
+        latest = dict(janitor.gauges.latest)  # a copy: the janitor's thread replaces entries
+        for name, help_text, read in STREAM_GAUGES:
+            gauge = GaugeMetricFamily(name, help_text, labels=["stream", "janitor"])
+            for stream, figures in sorted(latest.items()):
+                value = read(figures)
+                if value is not None:
+                    gauge.add_metric([stream, janitor.janitor_id], value)
+            yield gauge
+
+
+class JanitorMetrics:
+    """A janitor's registry and health probes."""
+
+    def __init__(self, janitor: Janitor) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(JanitorCollector(janitor))
+        self.health = Health(live=janitor.is_live, ready=janitor.is_ready)

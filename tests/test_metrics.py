@@ -1,275 +1,69 @@
-"""The Prometheus endpoint: the text format (parsed back line by line), the HTTP server
-(scraped over real HTTP), and real scrapes of a janitor and a worker on the real services."""
+"""The Prometheus endpoint: the HTTP server (scraped over real HTTP, read back with
+prometheus_client's parser), and real scrapes of a janitor and a worker on the real
+services."""
 
 from __future__ import annotations
 
 import errno
 import logging
-import re
 import socket
 import threading
 import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import pika
 import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from keyq import Producer
-from keyq.broker.metrics import (
-    CONTENT_TYPE,
-    Histogram,
-    Metric,
-    MetricsServer,
-    Summary,
-    format_value,
-    render,
-    start_first_free,
-)
+from keyq.broker.metrics import Health, MetricsServer, start_first_free
 from keyq.broker.settings import load_settings
 from keyq.janitor.config import JanitorSettings
 from keyq.janitor.janitor import Janitor
-from keyq.janitor.metrics import janitor_metrics
+from keyq.janitor.metrics import JanitorMetrics
 from keyq.worker.config import WorkerSettings
 from keyq.worker.daemon import Worker
-from keyq.worker.metrics import BatchLatency, worker_metrics
+from keyq.worker.metrics import WorkerMetrics
 from tests.conftest import StreamFixture
 from tests.helpers import queue_depth
+from tests.scrapes import Family, scrape, scrape_families
 from tests.workers import wait_until
 
-# ---- a parser of the text format, independent of the renderer -----------------------------
-
-_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})? (\S+)\Z")
-_LABEL_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"(,|\})')
-_SUFFIXES = {"histogram": ("_bucket", "_sum", "_count"), "summary": ("", "_sum", "_count")}
-
-
-def _unescape(text: str) -> str:
-    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), text)
-
-
-def _parse_labels(text: str | None) -> dict[str, str]:
-    if not text:
-        return {}
-    labels: dict[str, str] = {}
-    position = 1  # after "{"
-    while position < len(text):
-        match = _LABEL_PAIR.match(text, position)
-        assert match, f"bad labels at {text[position:]!r}"
-        assert match.group(1) not in labels, f"label {match.group(1)} twice"
-        labels[match.group(1)] = _unescape(match.group(2))
-        position = match.end()
-    assert text.endswith("}")
-    return labels
-
-
-def _parse_value(text: str) -> float:
-    return float(text)  # also reads +Inf, -Inf and NaN
-
-
-@dataclass
-class Family:
-    help: str = ""
-    kind: str = ""
-    samples: list[tuple[str, dict[str, str], float]] = field(default_factory=list)
-
-    def value(self, name: str | None = None, **labels: str) -> float:
-        """The one sample named ``name`` (the family's own by default) whose labels include
-        ``labels``."""
-        hits = [
-            value
-            for sample, have, value in self.samples
-            if (name is None or sample == name) and labels.items() <= have.items()
-        ]
-        assert len(hits) == 1, f"{len(hits)} samples of {name} with {labels}"
-        return hits[0]
-
-
-def parse(text: str) -> dict[str, Family]:
-    """The families of an exposition, checking its structure on the way."""
-    assert text == "" or text.endswith("\n")
-    families: dict[str, Family] = {}
-    current: str | None = None
-    for line in text.splitlines():
-        assert line, "no blank lines"
-        if line.startswith("# HELP "):
-            name, _, help_text = line[len("# HELP ") :].partition(" ")
-            assert name not in families, f"family {name} twice"
-            families[name] = Family(help=_unescape(help_text))
-            current = name
-        elif line.startswith("# TYPE "):
-            name, _, kind = line[len("# TYPE ") :].partition(" ")
-            assert name == current and kind in {"counter", "gauge", "summary", "histogram"}
-            families[name].kind = kind
-        else:
-            match = _SAMPLE.match(line)
-            assert match and current is not None, f"bad sample line {line!r}"
-            sample = match.group(1)
-            family = families[current]
-            suffixes = _SUFFIXES.get(family.kind, ("",))
-            assert any(sample == current + suffix for suffix in suffixes), line
-            if family.kind == "counter":
-                assert sample.endswith("_total")
-            family.samples.append(
-                (sample, _parse_labels(match.group(2)), _parse_value(match.group(3)))
-            )
-    return families
-
-
-def scrape(port: int, path: str = "/metrics") -> tuple[int, str, str]:
-    """(status, content type, body) of a GET on the local server."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
-            return response.status, response.headers["Content-Type"], response.read().decode()
-    except urllib.error.HTTPError as exc:
-        with exc:
-            return exc.code, exc.headers["Content-Type"], exc.read().decode()
-
-
-def scrape_families(port: int) -> dict[str, Family]:
-    status, content_type, body = scrape(port)
-    assert status == 200 and content_type == CONTENT_TYPE
-    return parse(body)
-
-
-# ---- the text format ------------------------------------------------------------------------
-
-TRICKY = 'say "hi"\\there\nnext line'
-
-
-def test_render_round_trips_help_types_labels_and_escapes() -> None:
-    text = render(
-        [
-            Metric(
-                "keyq_things_total",
-                "counter",
-                "Things, with a back\\slash\nand a newline.",
-                [({"stream": TRICKY, "worker": "w-1"}, 7), ({"stream": "plain", "worker": ""}, 0)],
-            ),
-            Metric("keyq_level", "gauge", "A level.", [({}, 2.5), ({"k": "v"}, float("inf"))]),
-            Metric(
-                "keyq_latency_seconds",
-                "histogram",
-                "Latency.",
-                [({"s": "x"}, Histogram(buckets=[(0.1, 1), (1, 3)], count=4, sum=5.25))],
-            ),
-            Metric(
-                "keyq_size",
-                "summary",
-                "Sizes.",
-                [({}, Summary(quantiles=[(0.5, 2.0), (0.99, 9.0)], count=10, sum=30.0))],
-            ),
-            Metric("keyq_empty_total", "counter", "No samples yet."),
-        ]
-    )
-    assert '{stream="say \\"hi\\"\\\\there\\nnext line",worker="w-1"} 7\n' in text
-    families = parse(text)
-    assert list(families) == [
-        "keyq_things_total",
-        "keyq_level",
-        "keyq_latency_seconds",
-        "keyq_size",
-        "keyq_empty_total",
-    ]
-    things = families["keyq_things_total"]
-    assert things.kind == "counter"
-    assert things.help == "Things, with a back\\slash\nand a newline."
-    assert things.value(stream=TRICKY) == 7
-    assert things.value(stream="plain", worker="") == 0
-    level = families["keyq_level"]
-    assert level.kind == "gauge"
-    assert level.samples == [("keyq_level", {}, 2.5), ("keyq_level", {"k": "v"}, float("inf"))]
-    latency = families["keyq_latency_seconds"]
-    assert latency.kind == "histogram"
-    assert [(s, labels["le"], v) for s, labels, v in latency.samples[:3]] == [
-        ("keyq_latency_seconds_bucket", "0.1", 1),
-        ("keyq_latency_seconds_bucket", "1.0", 3),
-        ("keyq_latency_seconds_bucket", "+Inf", 4),
-    ]
-    assert latency.value("keyq_latency_seconds_sum", s="x") == 5.25
-    assert latency.value("keyq_latency_seconds_count", s="x") == 4
-    size = families["keyq_size"]
-    assert size.value("keyq_size", quantile="0.99") == 9.0
-    assert size.value("keyq_size_count") == 10
-    assert families["keyq_empty_total"].samples == []
-
-
-def test_values_are_written_as_the_format_wants() -> None:
-    assert format_value(3) == "3"
-    assert format_value(True) == "1"
-    assert format_value(0.25) == "0.25"
-    assert format_value(float("inf")) == "+Inf"
-    assert format_value(float("-inf")) == "-Inf"
-    assert format_value(float("nan")) == "NaN"
-    assert render([]) == ""
-
-
-@pytest.mark.parametrize(
-    ("build", "problem"),
-    [
-        (lambda: Metric("9bad", "gauge", "h"), "invalid metric name"),
-        (lambda: Metric("keyq_things", "counter", "h"), "end in _total"),
-        (lambda: Metric("m", "meter", "h"), "unknown kind"),  # type: ignore[arg-type]
-        (lambda: Metric("m", "gauge", "h", [({"__x": "v"}, 1)]), "invalid label name"),
-        (lambda: Metric("m", "gauge", "h", [({"a-b": "v"}, 1)]), "invalid label name"),
-        (lambda: Metric("m", "gauge", "h", [({"a": "1"}, 1), ({"a": "1"}, 2)]), "duplicate"),
-        (lambda: Metric("m_total", "counter", "h", [({}, -1)]), "cannot be"),
-        (lambda: Metric("m", "gauge", "h", [({}, Histogram([], 0, 0))]), "takes a number"),
-        (lambda: Metric("m", "histogram", "h", [({}, 1.0)]), "takes a Histogram"),
-        (
-            lambda: Metric("m", "histogram", "h", [({"le": "1"}, Histogram([], 0, 0))]),
-            "reserved",
-        ),
-        (
-            lambda: Metric("m", "histogram", "h", [({}, Histogram([(1, 2), (0.5, 3)], 3, 1))]),
-            "ascending",
-        ),
-        (
-            lambda: Metric("m", "histogram", "h", [({}, Histogram([(1, 2), (2, 1)], 3, 1))]),
-            "cumulative",
-        ),
-        (lambda: Metric("m", "summary", "h", [({}, Summary([(1.5, 1)], 1, 1))]), "quantiles"),
-        (lambda: render([Metric("m", "gauge", "h"), Metric("m", "gauge", "h")]), "twice"),
-    ],
-)
-def test_bad_families_are_refused_where_they_are_built(build: Any, problem: str) -> None:
-    with pytest.raises((ValueError, TypeError), match=problem):
-        build()
-
-
-def test_batch_latency_observes_each_duration_once() -> None:
-    latency = BatchLatency(bounds=(0.1, 1.0))
-    window = [0.05, 0.5]
-    latency.update(window)
-    latency.update(window)  # nothing new
-    window.append(2.0)
-    latency.update(window)
-    del window[:2]  # the processor's window scrolled
-    window.append(0.07)
-    latency.update(window)
-    snapshot = latency.snapshot()
-    assert snapshot.buckets == [(0.1, 2), (1.0, 3)]
-    assert snapshot.count == 4
-    assert snapshot.sum == pytest.approx(2.62)
-    latency.update([0.2])  # a new window (a new processor): all of it is new
-    assert latency.snapshot().count == 5
-
+EMPTY = CollectorRegistry()
 
 # ---- the server -----------------------------------------------------------------------------
 
 
-def test_server_serves_metrics_and_health_over_http() -> None:
-    calls: list[int] = []
-    broken = threading.Event()
+class _Counting(Collector):
+    """A collector counting its scrapes, or failing when told to."""
 
-    def collect() -> list[Metric]:
-        if broken.is_set():
+    def __init__(self) -> None:
+        self.calls = 0
+        self.broken = threading.Event()
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        if self.broken.is_set():
             raise RuntimeError("collector broke")
-        calls.append(1)
-        return [Metric("keyq_scrapes_total", "counter", "Scrapes.", [({"n": "x"}, len(calls))])]
+        self.calls += 1
+        family = CounterMetricFamily("keyq_scrapes", "Scrapes.", labels=["n"])
+        family.add_metric(["x"], self.calls)
+        yield family
 
-    server = MetricsServer(0, "127.0.0.1", collect=collect)
+
+def test_server_serves_metrics_and_health_over_http() -> None:
+    counting = _Counting()
+    registry = CollectorRegistry()
+    registry.register(counting)
+    live, ready = threading.Event(), threading.Event()
+    live.set()
+    health = Health(live=live.is_set, ready=ready.is_set)
+    server = MetricsServer(0, "127.0.0.1", registry=registry, health=health)
     assert server.port == 0
     with server:
         port = server.port
@@ -277,12 +71,18 @@ def test_server_serves_metrics_and_health_over_http() -> None:
         assert scrape_families(port)["keyq_scrapes_total"].value(n="x") == 1
         assert scrape_families(port)["keyq_scrapes_total"].value(n="x") == 2
         assert scrape(port, "/metrics?name[]=x")[0] == 200
-        assert scrape(port, "/healthz")[::2] == (200, "ok")
+        assert scrape(port, "/healthz")[::2] == (200, "live\n")
+        assert scrape(port, "/livez")[0] == 200
+        assert scrape(port, "/readyz")[0] == 503
+        ready.set()
+        assert scrape(port, "/readyz")[::2] == (200, "ready\n")
+        live.clear()
+        assert scrape(port, "/livez")[0] == 503 and scrape(port, "/healthz")[0] == 503
         assert scrape(port, "/nothing")[0] == 404
-        broken.set()
+        counting.broken.set()
         status, _type, body = scrape(port)
         assert status == 500 and "failed" in body
-        broken.clear()
+        counting.broken.clear()
         assert scrape(port)[0] == 200  # still serving
         with pytest.raises(RuntimeError, match="already started"):
             server.start()
@@ -292,8 +92,8 @@ def test_server_serves_metrics_and_health_over_http() -> None:
 
 
 def test_a_taken_port_fails_at_start() -> None:
-    with MetricsServer(0, "127.0.0.1", collect=list) as first, pytest.raises(OSError):
-        MetricsServer(first.port, "127.0.0.1", collect=list).start()
+    with MetricsServer(0, "127.0.0.1", registry=EMPTY) as first, pytest.raises(OSError):
+        MetricsServer(first.port, "127.0.0.1", registry=EMPTY).start()
 
 
 def _listening(port: int) -> socket.socket | None:
@@ -311,26 +111,26 @@ def _listening(port: int) -> socket.socket | None:
 def test_a_taken_port_moves_to_the_next_free_one_of_its_span(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with MetricsServer(0, "127.0.0.1", collect=list) as first:
+    with MetricsServer(0, "127.0.0.1", registry=EMPTY) as first:
         caplog.set_level(logging.WARNING, logger="keyq.metrics")
-        second = start_first_free(first.port, 4, "127.0.0.1", collect=list)
+        second = start_first_free(first.port, 4, "127.0.0.1", registry=EMPTY)
         try:
             assert first.port < second.port < first.port + 4
-            assert scrape(second.port, "/healthz")[::2] == (200, "ok")
+            assert scrape(second.port, "/healthz")[::2] == (200, "live\n")
             assert f"metrics port {first.port} is taken; serving on {second.port}" in caplog.text
         finally:
             second.stop()
 
 
 def test_a_span_with_every_port_taken_fails_naming_the_span() -> None:
-    with MetricsServer(0, "127.0.0.1", collect=list) as first:
+    with MetricsServer(0, "127.0.0.1", registry=EMPTY) as first:
         # The next port is taken by this test, or by someone else: taken either way.
         blocker = _listening(first.port + 1)
         try:
             with pytest.raises(OSError, match=rf"ports {first.port}-{first.port + 1} are all"):
-                start_first_free(first.port, 2, "127.0.0.1", collect=list)
+                start_first_free(first.port, 2, "127.0.0.1", registry=EMPTY)
             with pytest.raises(OSError, match=rf"port {first.port} is taken"):
-                start_first_free(first.port, 1, "127.0.0.1", collect=list)
+                start_first_free(first.port, 1, "127.0.0.1", registry=EMPTY)
         finally:
             if blocker is not None:
                 blocker.close()
@@ -339,7 +139,7 @@ def test_a_span_with_every_port_taken_fails_naming_the_span() -> None:
 def test_a_bind_failure_that_is_no_clash_is_not_passed_over() -> None:
     # An address this machine does not have: no port of the span could ever be bound.
     with pytest.raises(OSError) as failure:
-        start_first_free(47_000, 5, "192.0.2.123", collect=list)
+        start_first_free(47_000, 5, "192.0.2.123", registry=EMPTY)
     assert failure.value.errno == errno.EADDRNOTAVAIL
 
 
@@ -367,7 +167,8 @@ def test_a_janitor_scrape_counts_its_deletions(
             JanitorSettings, idle_ttl_s=0, publish_lease_ms=LEASE_MS, retire_grace_ms=GRACE_MS
         ),
     )
-    with MetricsServer(0, "127.0.0.1", collect=lambda: janitor_metrics(janitor)) as server:
+    registry = JanitorMetrics(janitor).registry
+    with MetricsServer(0, "127.0.0.1", registry=registry) as server:
         before = scrape_families(server.port)
         assert before["keyq_janitor_deletions_total"].value(janitor=janitor.janitor_id) == 0
         janitor.run(once=True)
@@ -428,7 +229,8 @@ def test_a_worker_scrape_counts_its_events(stream: StreamFixture, spark_engine: 
         return families["keyq_worker_events_processed_total"].value(**labels)
 
     runner = threading.Thread(target=worker.run, kwargs={"until_idle": 2}, daemon=True)
-    with MetricsServer(0, "127.0.0.1", collect=lambda: worker_metrics(worker)) as server:
+    registry = WorkerMetrics(worker).registry
+    with MetricsServer(0, "127.0.0.1", registry=registry) as server:
         assert events(scrape_families(server.port)) == 0  # served before the worker runs
         runner.start()
         try:

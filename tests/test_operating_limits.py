@@ -28,7 +28,7 @@ from keyq.broker.settings import Settings, load_settings
 from keyq.janitor.config import JanitorSettings
 from keyq.janitor.fd_watch import FdWatch
 from keyq.janitor.janitor import Janitor
-from keyq.janitor.metrics import janitor_metrics
+from keyq.janitor.metrics import JanitorMetrics
 from keyq.status import collect_status, render_table
 from tests.conftest import PRIVATE_RABBIT_NOFILE, StreamFixture
 from tests.servers import PrivateRabbit, PrivateRedis, free_port, private_servers_available
@@ -243,10 +243,11 @@ def test_many_keys_bring_the_warning_to_status_and_the_janitor(
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "file descriptors open" in warnings[0], warnings
     assert janitor.stats["adopted"] == 0  # listed by the same rabbitmq_prometheus, registered
-    families = {metric.name: metric for metric in janitor_metrics(janitor)}
-    [(labels, used)] = families["keyq_janitor_broker_fd_used"].samples
-    assert labels["node"] == managed_rabbit.node and used >= WARN_RATIO * NOFILE
-    assert families["keyq_janitor_broker_fd_limit"].samples[0][1] == NOFILE
+    registry = JanitorMetrics(janitor).registry
+    families = {metric.name: metric for metric in registry.collect()}
+    [sample] = families["keyq_janitor_broker_fd_used"].samples
+    assert sample.labels["node"] == managed_rabbit.node and sample.value >= WARN_RATIO * NOFILE
+    assert families["keyq_janitor_broker_fd_limit"].samples[0].value == NOFILE
 
 
 # ---- Redis persistence, said once when a worker starts -------------------------------------

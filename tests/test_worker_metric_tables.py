@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from keyq.broker.metrics import Histogram, render
+from prometheus_client import CollectorRegistry, generate_latest
+
 from keyq.broker.worker_report import WorkerReport
-from keyq.worker.metrics import COUNTERS, GAUGES, UNEXPORTED, Figure, worker_metrics
+from keyq.worker.metrics import COUNTERS, GAUGES, UNEXPORTED, Figure, ReportCollector
+from tests.scrapes import parse
 
 FIGURES: tuple[Figure, ...] = (*COUNTERS, *GAUGES)
 
@@ -58,37 +60,23 @@ def test_counters_are_totals_and_names_are_unique() -> None:
     assert all(figure.help.endswith(".") for figure in FIGURES)
 
 
-class _Reporting:
-    """A stand-in worker: what ``worker_metrics`` asks of one."""
-
-    def __init__(self, report: WorkerReport) -> None:
-        self._report = report
-
-    def report(self) -> WorkerReport:
-        return self._report
-
-    def batch_seconds(self) -> list[float]:
-        return [0.02, 0.3]
-
-
 def test_the_families_carry_the_report_s_values_and_labels() -> None:
     report = WorkerReport(
         worker="w-1", stream="orders", events=42, spark_seconds=1.25, held=3, started_ms=1500
     )
-    metrics = worker_metrics(typing.cast(typing.Any, _Reporting(report)))
-    by_name = {metric.name: metric for metric in metrics}
-    assert list(by_name) == [*(f.name for f in FIGURES), "keyq_worker_batch_seconds"]
+    registry = CollectorRegistry()
+    registry.register(ReportCollector(lambda: report))
+    text = generate_latest(registry).decode()
+    families = parse(text)
+    assert list(families) == [f.name for f in FIGURES]
     labels = {"stream": "orders", "worker": "w-1"}
-    for metric in metrics:
-        [(sample_labels, _value)] = metric.samples
-        assert dict(sample_labels) == labels
-    values = {name: metric.samples[0][1] for name, metric in by_name.items()}
+    for family in families.values():
+        [(_name, sample_labels, _value)] = family.samples
+        assert sample_labels == labels
+    values = {name: family.samples[0][2] for name, family in families.items()}
     assert values["keyq_worker_events_processed_total"] == 42
     assert values["keyq_worker_spark_seconds_total"] == 1.25
     assert values["keyq_worker_queues_held"] == 3
     assert values["keyq_worker_start_time_seconds"] == 1.5
     assert values["keyq_worker_batches_total"] == 0
-    latency = values["keyq_worker_batch_seconds"]
-    assert isinstance(latency, Histogram) and latency.count == 2
-    text = render(metrics)
-    assert 'keyq_worker_events_processed_total{stream="orders",worker="w-1"} 42' in text
+    assert 'keyq_worker_events_processed_total{stream="orders",worker="w-1"} 42.0' in text

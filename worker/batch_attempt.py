@@ -203,6 +203,7 @@ class BatchAttempt:
             late=len(run.plan.late),
             spark_seconds=computed.spark_seconds,
             clock=clock,
+            published_at_ms=[event.published_at_ms for event in run.events],
         )
         for letter in run.letters:
             log.warning("dead-lettered a message of %s: %s", letter.delivery.queue, letter.reason)

@@ -15,6 +15,7 @@ import queue as queue_module
 import re
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Collection
 from typing import Any
@@ -34,6 +35,7 @@ from keyq.broker.settings import load_settings
 from keyq.broker.streams import StreamConfig
 from keyq.broker.worker_report import WorkerReport
 from keyq.worker.abandoned_gaps import AbandonedGaps
+from keyq.worker.batch_stats import BatchListener
 from keyq.worker.batches import BatchProcessor, BatchStats
 from keyq.worker.claims import ClaimLoop
 from keyq.worker.config import WorkerSettings
@@ -119,6 +121,9 @@ class Worker:
         self._session: Session | None = None  # while serving
         self.config: StreamConfig | None = None
         self.ready = threading.Event()
+        # Told of every committed batch (the metrics' histograms); kept across sessions.
+        self.batch_listeners: list[BatchListener] = []
+        self._claim_tick_at: float | None = None  # monotonic: the claim loop's last heartbeat
 
     # ---- control --------------------------------------------------------------------------
 
@@ -131,6 +136,33 @@ class Worker:
         """Durations of the most recent batches (up to 1,000), oldest first."""
         session = self._session
         return list(session.processor.stats.batch_seconds) if session else []
+
+    def is_live(self) -> bool:
+        """True unless the claim loop stopped turning: its last heartbeat began within the
+        lock ttl (and three ticks). Starting up, before the loop runs, counts as live."""
+        ticked = self._claim_tick_at
+        if ticked is None or self._session is None:
+            return True
+        settings = self.settings
+        within = max(settings.lock_ttl_ms, 3 * settings.tick_ms) / 1000
+        return time.monotonic() - ticked <= within
+
+    def is_ready(self) -> bool:
+        """True while serving: connected to RabbitMQ, the first claim round done, not
+        stopping."""
+        session = self._session
+        return (
+            session is not None
+            and not self._stop.is_set()
+            and session.claims.ready
+            and session.link.connected
+        )
+
+    def _heartbeat_info(self) -> dict[str, Any]:
+        """What the claim loop's heartbeat stores; asked once per heartbeat, so also when
+        the loop last turned."""
+        self._claim_tick_at = time.monotonic()
+        return self.stats()
 
     @property
     def held(self) -> list[str]:
@@ -287,7 +319,7 @@ class Worker:
             link=link,
             held=held,
             handbacks=handbacks,
-            info=self.stats,
+            info=self._heartbeat_info,
         )
         processor = BatchProcessor(
             settings=settings,
@@ -303,6 +335,7 @@ class Worker:
             keys_of_queues=lambda queues: self._keys_of(registry, queues),
             stopping=self._stop,
         )
+        processor.stats.listeners = self.batch_listeners
         stuck = StuckGaps(self._buffer, settings.sequence_gap_timeout_ms / 1000)
 
         abandoned = AbandonedGaps(

@@ -1,25 +1,29 @@
-"""A worker's Prometheus metrics: the numbers of its ``report()`` as metric families, labelled
-with ``stream`` and ``worker``, and a batch-latency histogram.
+"""A worker's Prometheus metrics, in a registry of its own: the numbers of its ``report()``
+as counters and gauges, read at each scrape, and two histograms observed as batches commit
+(batch duration, and each applied event's time from publish to commit).
 
-Each family reads one typed field of ``WorkerReport``, so a field renamed is a type error
-here, not a family that silently reads 0.
+Each report family reads one typed field of ``WorkerReport``, so a field renamed is a type
+error here, not a family that silently reads 0. All families carry ``stream`` and ``worker``.
 
-Serve them with ``MetricsServer(port, collect=lambda: worker_metrics(worker)).start()``.
+Serve them with ``MetricsServer(port, registry=WorkerMetrics(worker).registry)``.
 """
 
 from __future__ import annotations
 
-import bisect
-import threading
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from keyq.broker.metrics import Histogram, Metric
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from keyq.broker.metrics import Health
 from keyq.broker.worker_report import WorkerReport
 
 if TYPE_CHECKING:
     from keyq.worker.daemon import Worker
+
+LABELS = ("stream", "worker")
 
 # Batches run a Spark job each: tens of milliseconds when idle, seconds under load.
 BATCH_SECONDS_BUCKETS: tuple[float, ...] = (
@@ -35,6 +39,25 @@ BATCH_SECONDS_BUCKETS: tuple[float, ...] = (
     10.0,
     30.0,
     60.0,
+)
+
+# Publish to commit: a batch's wait and duration when keeping up, minutes when behind.
+END_TO_END_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
 )
 
 
@@ -161,84 +184,60 @@ UNEXPORTED: dict[str, str] = {
 }
 
 
-class BatchLatency:
-    """A cumulative histogram of batch durations, fed from the processor's window of the
-    last (at most 1000) durations: each call observes the entries appended since the last.
+class ReportCollector(Collector):
+    """The report's counters and gauges, read from a fresh report at each scrape."""
 
-    New entries are told apart by object identity (each duration is a fresh float, and the
-    last one seen is kept alive here). Batches that scrolled out of the window between two
-    scrapes (over 1000 of them) are not observed.
-    """
+    def __init__(self, report: Callable[[], WorkerReport]) -> None:
+        self._report = report
 
-    def __init__(self, bounds: Sequence[float] = BATCH_SECONDS_BUCKETS) -> None:
-        self.bounds = tuple(bounds)
-        self._lock = threading.Lock()
-        self._per_bucket = [0] * (len(self.bounds) + 1)  # the last one is +Inf only
-        self._count = 0
-        self._sum = 0.0
-        self._last_seen: float | None = None
+    def describe(self) -> list[Metric]:
+        return []  # nothing to check at registration: the names are fixed above
 
-    def update(self, window: Sequence[float]) -> None:
-        with self._lock:
-            start = 0
-            if self._last_seen is not None:
-                for index in range(len(window) - 1, -1, -1):
-                    if window[index] is self._last_seen:
-                        start = index + 1
-                        break
-            for seconds in window[start:]:
-                self._per_bucket[bisect.bisect_left(self.bounds, seconds)] += 1
-                self._count += 1
-                self._sum += seconds
-            if window:
-                self._last_seen = window[-1]
-
-    def snapshot(self) -> Histogram:
-        with self._lock:
-            cumulative, buckets = 0, []
-            for bound, count in zip(self.bounds, self._per_bucket, strict=False):
-                cumulative += count
-                buckets.append((bound, cumulative))
-            return Histogram(buckets=buckets, count=self._count, sum=self._sum)
+    def collect(self) -> Iterator[Metric]:
+        report = self._report()
+        values = [report.stream, report.worker]
+        for figure in COUNTERS:
+            counter = CounterMetricFamily(figure.name, figure.help, labels=LABELS)
+            counter.add_metric(values, figure.read(report))
+            yield counter
+        for figure in GAUGES:
+            gauge = GaugeMetricFamily(figure.name, figure.help, labels=LABELS)
+            gauge.add_metric(values, figure.read(report))
+            yield gauge
 
 
-_latencies: weakref.WeakKeyDictionary[Worker, BatchLatency] = weakref.WeakKeyDictionary()
-_latencies_lock = threading.Lock()
+class WorkerMetrics:
+    """A worker's registry: its report's families, and histograms fed by its batches.
+    Made before the worker runs (or while it does): it listens from then on."""
 
-
-def batch_durations(worker: Worker) -> list[float]:
-    """The worker's recent batch durations in seconds, oldest first (empty before it serves)."""
-    return worker.batch_seconds()
-
-
-def batch_latency(worker: Worker) -> Histogram:
-    """The worker's batch-latency histogram, brought up to date."""
-    with _latencies_lock:
-        latency = _latencies.get(worker)
-        if latency is None:
-            latency = _latencies[worker] = BatchLatency()
-    latency.update(batch_durations(worker))
-    return latency.snapshot()
-
-
-def worker_metrics(worker: Worker) -> list[Metric]:
-    """The worker's metric families, each with one sample labelled ``stream`` and ``worker``."""
-    report = worker.report()
-    labels = {"stream": report.stream, "worker": report.worker}
-    metrics = [
-        Metric(figure.name, "counter", figure.help, [(labels, figure.read(report))])
-        for figure in COUNTERS
-    ]
-    metrics += [
-        Metric(figure.name, "gauge", figure.help, [(labels, figure.read(report))])
-        for figure in GAUGES
-    ]
-    metrics.append(
-        Metric(
+    def __init__(self, worker: Worker) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(ReportCollector(worker.report))
+        self.health = Health(live=worker.is_live, ready=worker.is_ready)
+        batch = Histogram(
             "keyq_worker_batch_seconds",
-            "histogram",
             "Duration of committed micro-batches, from decoding to the ack, in seconds.",
-            [(labels, batch_latency(worker))],
+            LABELS,
+            registry=self.registry,
+            buckets=BATCH_SECONDS_BUCKETS,
         )
-    )
-    return metrics
+        end_to_end = Histogram(
+            "keyq_worker_end_to_end_seconds",
+            "Seconds from an event's publish (its x-keyq-published-at header, the producer's "
+            "clock) to the commit of the batch that applied it; one observation per event.",
+            LABELS,
+            registry=self.registry,
+            buckets=END_TO_END_SECONDS_BUCKETS,
+        )
+        self._batch = batch.labels(worker.stream, worker.worker_id)
+        self._end_to_end = end_to_end.labels(worker.stream, worker.worker_id)
+        worker.batch_listeners.append(self)
+
+    def batch_committed(
+        self, seconds: float, committed_at_ms: int, published_at_ms: Sequence[int | None]
+    ) -> None:
+        self._batch.observe(seconds)
+        for published in published_at_ms:
+            if published is not None:
+                # A producer's clock ahead of the worker's reads as 0, not a negative time.
+                self._end_to_end.observe(max(0, committed_at_ms - published) / 1000)

@@ -6,54 +6,35 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
 import orjson
+from prometheus_client import CollectorRegistry
 
 from keyq.broker.connections import open_redis, redis_errors
 from keyq.broker.errors import ConfigurationError
-from keyq.broker.log_context import current_queue
-from keyq.broker.metrics import Metric, start_first_free
+from keyq.broker.log_format import LogContext, formatter_for
+from keyq.broker.metrics import Health, start_first_free
 from keyq.broker.naming import check_stream_name, encode_key
 from keyq.broker.settings import Settings, load_settings
 from keyq.janitor.config import JanitorSettings
 from keyq.janitor.janitor import Janitor
-from keyq.janitor.metrics import janitor_metrics
+from keyq.janitor.metrics import JanitorMetrics
 from keyq.worker.config import WorkerSettings
 from keyq.worker.daemon import Worker
-from keyq.worker.metrics import worker_metrics
+from keyq.worker.metrics import WorkerMetrics
 from keyq.worker.state_store import StateStore
 
 EXIT_UNCLEAN = 1
 
 
-class _Context(logging.Filter):
-    """Stamps every log line with the stream and the worker it is about."""
-
-    def __init__(self, stream: str, worker: str) -> None:
-        super().__init__()
-        self.stream = stream
-        self.worker = worker
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.stream = self.stream
-        record.worker = self.worker
-        record.queue = current_queue.get()
-        return True
-
-
-def configure_logging(level: str, stream: str, worker: str) -> None:
+def configure_logging(level: str, stream: str, worker: str, log_format: str = "text") -> None:
     handler = logging.StreamHandler()
-    handler.setFormatter(
-        logging.Formatter(
-            "%(asctime)s %(levelname)s %(name)s stream=%(stream)s worker=%(worker)s "
-            "queue=%(queue)s %(message)s"
-        )
-    )
-    handler.addFilter(_Context(stream, worker))
+    handler.setFormatter(formatter_for(log_format))
+    handler.addFilter(LogContext(stream, worker))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -86,7 +67,7 @@ def run_worker_daemon(
         settings=settings,
         worker_id=worker_id,
     )
-    configure_logging(log_level, stream, worker.worker_id)
+    configure_logging(log_level, stream, worker.worker_id, settings.log_format)
     log = logging.getLogger("keyq.worker")
     log.info("settings: %s", settings.describe())
 
@@ -104,7 +85,8 @@ def run_worker_daemon(
     worker_stopping = threading.Event()
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    with serve_metrics(settings, lambda: worker_metrics(worker)):
+    metrics = WorkerMetrics(worker)
+    with serve_metrics(settings, metrics.registry, metrics.health):
         worker.run(until_idle=until_idle)
 
 
@@ -119,7 +101,7 @@ def run_janitor_daemon(
 ) -> None:
     settings = load_settings(JanitorSettings, idle_ttl_s=idle_ttl, metrics_port=metrics_port)
     janitor = Janitor(streams, settings=settings, janitor_id=janitor_id)
-    configure_logging(log_level, ",".join(streams) or "*", janitor.janitor_id)
+    configure_logging(log_level, ",".join(streams) or "*", janitor.janitor_id, settings.log_format)
     log = logging.getLogger("keyq.janitor")
     log.info("settings: %s", settings.describe())
 
@@ -129,14 +111,18 @@ def run_janitor_daemon(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    with serve_metrics(settings, lambda: janitor_metrics(janitor)):
+    janitor_metrics = JanitorMetrics(janitor)
+    with serve_metrics(settings, janitor_metrics.registry, janitor_metrics.health):
         janitor.run(once=once)
     log.info("janitor stopped: %s", janitor.snapshot())
 
 
 @contextmanager
-def serve_metrics(settings: Settings, collect: Callable[[], list[Metric]]) -> Iterator[None]:
-    """The Prometheus endpoint while the daemon runs, if a metrics port is set."""
+def serve_metrics(
+    settings: Settings, registry: CollectorRegistry, health: Health
+) -> Iterator[None]:
+    """The Prometheus endpoint and health probes while the daemon runs, if a metrics port
+    is set."""
     if settings.metrics_port is None:
         yield
         return
@@ -145,7 +131,8 @@ def serve_metrics(settings: Settings, collect: Callable[[], list[Metric]]) -> It
             settings.metrics_port,
             settings.metrics_port_span,
             settings.metrics_host,
-            collect=collect,
+            registry=registry,
+            health=health,
         )
     except OSError as exc:
         raise ConfigurationError(
