@@ -14,6 +14,9 @@ import orjson
 
 from keyq.broker.errors import ConfigurationError, InvalidInput, KeyqError
 from keyq.broker.settings import Settings, load_settings
+from keyq.dlq_cli import dlq_group
+from keyq.inspect_cli import inspect_command
+from keyq.key_commands import pause_command, resume_command, stream_group
 from keyq.producer import Producer
 from keyq.status import status_command
 
@@ -345,6 +348,9 @@ def state_command(stream: str, key: str, marks: bool) -> None:
 
 
 cli.add_command(status_command)
+
+for operator_command in (dlq_group, pause_command, resume_command, stream_group, inspect_command):
+    cli.add_command(operator_command)
 
 
 def main() -> None:

@@ -1,0 +1,215 @@
+"""Reading a stream's dead-letter queue without losing or reordering it.
+
+AMQP cannot browse a queue, so a walk takes the messages that were ready when it started, one
+``basic.get`` at a time, on a channel of its own with manual acks, and never acks any of them
+unless asked to. Closing the channel hands every unacked message back to the queue at its
+place; a process killed mid-walk closes its connection, which does the same. A letter is
+removed only by ``ack`` (a drop, or a redrive past its point of no return).
+
+Each letter has an id: ``<producer>:<seq>`` for an event keyq's SDK published (it carries the
+key, producer and seq headers), else ``sha256:`` and the first 16 hex digits of the SHA-256 of
+its body and its sorted headers, so the same letter gets the same id in every walk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import decimal
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import pika
+import pika.exceptions
+from pika.adapters.blocking_connection import BlockingChannel
+
+from keyq.broker.envelope import (
+    HEADER_ATTEMPTS,
+    HEADER_DEAD_AT,
+    HEADER_DEAD_QUEUE,
+    HEADER_DEAD_REASON,
+    HEADER_KEY,
+    HEADER_PRODUCER,
+    HEADER_SEQ,
+)
+
+NOT_FOUND = 404
+FOREIGN_ID_PREFIX = "sha256:"
+FOREIGN_ID_DIGITS = 16
+
+
+@dataclass(frozen=True)
+class DeadLetterMessage:
+    """One letter as a walk took it: its place in the walk (``position``, from 0) and the
+    delivery tag that acks it on the walk's channel."""
+
+    position: int
+    delivery_tag: int
+    body: bytes
+    headers: Mapping[str, Any] = field(default_factory=dict)
+    content_type: str | None = None
+    message_id: str | None = None
+
+    @property
+    def key(self) -> str | None:
+        value = self.headers.get(HEADER_KEY)
+        return _text(value) if value is not None else None
+
+    @property
+    def producer(self) -> str | None:
+        value = self.headers.get(HEADER_PRODUCER)
+        return _text(value) if value is not None else None
+
+    @property
+    def seq(self) -> int | None:
+        value = self.headers.get(HEADER_SEQ)
+        try:
+            return None if value is None else int(_text(value))
+        except ValueError:
+            return None
+
+    @property
+    def foreign(self) -> bool:
+        """Not an event of keyq's SDK: no key, producer or seq header."""
+        return self.key is None or self.producer is None or self.seq is None
+
+    @property
+    def letter_id(self) -> str:
+        if not self.foreign:
+            return f"{self.producer}:{self.seq}"
+        return content_id(self.body, self.headers)
+
+    @property
+    def reason(self) -> str | None:
+        value = self.headers.get(HEADER_DEAD_REASON)
+        return None if value is None else _text(value)
+
+    @property
+    def dead_queue(self) -> str | None:
+        value = self.headers.get(HEADER_DEAD_QUEUE)
+        return None if value is None else _text(value)
+
+    @property
+    def attempts(self) -> int | None:
+        return _int(self.headers.get(HEADER_ATTEMPTS))
+
+    @property
+    def dead_at_ms(self) -> int | None:
+        return _int(self.headers.get(HEADER_DEAD_AT))
+
+
+def content_id(body: bytes, headers: Mapping[str, Any]) -> str:
+    """``sha256:`` + 16 hex digits over the body and the headers sorted by name: the same for
+    the same letter in every walk (nothing of a delivery, such as its tag, goes in)."""
+    digest = hashlib.sha256()
+    digest.update(orjson.dumps(_canonical(dict(headers)), option=orjson.OPT_SORT_KEYS))
+    digest.update(b"\0")
+    digest.update(body)
+    return FOREIGN_ID_PREFIX + digest.hexdigest()[:FOREIGN_ID_DIGITS]
+
+
+def _canonical(value: object) -> object:
+    """Header values as JSON-encodable values, the same every time."""
+    if isinstance(value, Mapping):
+        return {str(name): _canonical(item) for name, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(item) for item in value]
+    if isinstance(value, bytes):
+        return {"bytes": value.hex()}
+    if isinstance(value, (decimal.Decimal, datetime.datetime)):
+        return {type(value).__name__: str(value)}
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return {type(value).__name__: repr(value)}
+
+
+def _text(value: object) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _int(value: object) -> int | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return int(_text(value)) if not isinstance(value, int) else value
+    except ValueError:
+        return None
+
+
+class DeadLetterWalk:
+    """The letters that were ready in a dead-letter queue when the walk began, in queue order,
+    each held unacked on the walk's own channel until ``close``.
+
+    ``connection`` is a blocking connection used from one thread. A queue that does not
+    exist (nothing was ever dead-lettered) is an empty walk, ``missing``; pika's errors are
+    raised.
+    """
+
+    def __init__(self, connection: pika.BlockingConnection, queue: str) -> None:
+        self.queue = queue
+        self.letters: list[DeadLetterMessage] = []
+        self.missing = False
+        self.ready_at_start = 0
+        self._channel: BlockingChannel | None = connection.channel()
+        try:
+            declared = self._channel.queue_declare(queue, passive=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            self._channel = None
+            if exc.reply_code != NOT_FOUND:
+                raise
+            self.missing = True
+            return
+        self.ready_at_start = int(declared.method.message_count)
+
+    def read(self, *, stop_after: int | None = None) -> list[DeadLetterMessage]:
+        """Take every letter ready at the start (or the first ``stop_after``), in order. Fewer
+        come back when some are held elsewhere meanwhile (another reader's walk)."""
+        if self.missing:
+            return self.letters
+        channel = self._open()
+        wanted = self.ready_at_start if stop_after is None else min(stop_after, self.ready_at_start)
+        while len(self.letters) < wanted:
+            method, properties, body = channel.basic_get(self.queue, auto_ack=False)
+            if method is None:
+                break
+            self.letters.append(
+                DeadLetterMessage(
+                    position=len(self.letters),
+                    delivery_tag=int(method.delivery_tag),
+                    body=bytes(body),
+                    headers=dict(properties.headers or {}),
+                    content_type=properties.content_type,
+                    message_id=properties.message_id,
+                )
+            )
+        return self.letters
+
+    def ack(self, letters: Sequence[DeadLetterMessage]) -> None:
+        """Remove these letters from the queue for good (one ack each, never ``multiple``:
+        the letters between them stay)."""
+        if not letters:
+            return
+        channel = self._open()
+        for letter in letters:
+            channel.basic_ack(letter.delivery_tag)
+
+    def close(self) -> None:
+        """Hand back every letter not acked, at its place in the queue."""
+        channel, self._channel = self._channel, None
+        if channel is not None and channel.is_open:
+            with contextlib.suppress(pika.exceptions.AMQPError):
+                channel.close()
+
+    def _open(self) -> BlockingChannel:
+        if self._channel is None or not self._channel.is_open:
+            raise pika.exceptions.ChannelWrongStateError("the walk's channel is closed")
+        return self._channel
+
+    def __enter__(self) -> DeadLetterWalk:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()

@@ -1,0 +1,142 @@
+"""Dead letters as rows for people and for ``--json``: what ``keyq dlq list`` and ``show`` and
+``keyq inspect`` print."""
+
+from __future__ import annotations
+
+import base64
+import datetime
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from keyq.broker.dead_letter_queue import DeadLetterMessage
+
+PREVIEW_BYTES = 60
+
+
+def preview(body: bytes, limit: int = PREVIEW_BYTES) -> str:
+    """The first ``limit`` bytes as printable text: undecodable bytes and control characters
+    shown as ``.``, and ``…`` when the body is longer."""
+    text = body[:limit].decode("utf-8", "replace")
+    shown = "".join(char if char.isprintable() and char != "\ufffd" else "." for char in text)
+    return shown + ("…" if len(body) > limit else "")
+
+
+def letter_row(letter: DeadLetterMessage) -> dict[str, Any]:
+    """One letter's summary, JSON-ready."""
+    return {
+        "position": letter.position,
+        "id": letter.letter_id,
+        "key": None if letter.foreign else letter.key,
+        "foreign": letter.foreign,
+        "producer": letter.producer,
+        "seq": letter.seq,
+        "reason": letter.reason,
+        "attempts": letter.attempts,
+        "dead_at_ms": letter.dead_at_ms,
+        "dead_queue": letter.dead_queue,
+        "content_type": letter.content_type,
+        "bytes": len(letter.body),
+        "preview": preview(letter.body),
+    }
+
+
+def letter_detail(letter: DeadLetterMessage) -> dict[str, Any]:
+    """One letter whole: its summary, every header, the message id and the full payload
+    (as text when it is UTF-8, else base64)."""
+    row = letter_row(letter)
+    del row["preview"]
+    try:
+        payload: str = letter.body.decode("utf-8")
+        encoding = "utf-8"
+    except UnicodeDecodeError:
+        payload = base64.b64encode(letter.body).decode()
+        encoding = "base64"
+    return row | {
+        "key_header": letter.key,
+        "message_id": letter.message_id,
+        "headers": _plain(letter.headers),
+        "payload": payload,
+        "payload_encoding": encoding,
+    }
+
+
+def _plain(value: object) -> Any:
+    if isinstance(value, Mapping):
+        return {str(name): _plain(item) for name, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return "base64:" + base64.b64encode(value).decode()
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+def when(ms: int | None) -> str:
+    if ms is None:
+        return "-"
+    at = datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.UTC)
+    return at.strftime("%Y-%m-%d %H:%M:%S") + "Z"
+
+
+def render_rows(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Rows as tab-separated lines with a header: greppable, one letter a line."""
+    titles = ("#", "id", "key", "producer", "seq", "attempts", "dead at", "from", "type")
+    lines = ["\t".join(titles) + "\treason\tpayload"]
+    for row in rows:
+        key = "(foreign)" if row["foreign"] else _printable(row["key"])
+        cells = (
+            str(row["position"]),
+            row["id"],
+            key,
+            _blank(row["producer"]),
+            _blank(row["seq"]),
+            _blank(row["attempts"]),
+            when(row["dead_at_ms"]),
+            _blank(row["dead_queue"]),
+            _blank(row["content_type"]),
+            _one_line(row["reason"]),
+            row["preview"],
+        )
+        lines.append("\t".join(cells))
+    return "\n".join(lines) + "\n"
+
+
+def render_detail(detail: Mapping[str, Any]) -> str:
+    lines = [
+        f"id            {detail['id']}"
+        + ("   (foreign: no keyq key header)" if detail["foreign"] else ""),
+        f"position      {detail['position']}",
+        f"key           {_printable(detail['key_header'])}",
+        f"producer/seq  {_blank(detail['producer'])} / {_blank(detail['seq'])}",
+        f"reason        {_one_line(detail['reason'])}",
+        f"attempts      {_blank(detail['attempts'])}",
+        f"dead at       {when(detail['dead_at_ms'])}",
+        f"from queue    {_blank(detail['dead_queue'])}",
+        f"content type  {_blank(detail['content_type'])}",
+        f"message id    {_blank(detail['message_id'])}",
+        "headers:",
+        *(f"  {name}: {value!r}" for name, value in sorted(detail["headers"].items())),
+        f"payload ({detail['bytes']} bytes, {detail['payload_encoding']}):",
+        detail["payload"],
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _blank(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _printable(key: str | None) -> str:
+    if key is None:
+        return "-"
+    return key if key.isprintable() else repr(key)
+
+
+def _one_line(text: str | None) -> str:
+    if text is None:
+        return "-"
+    return " ".join(text.split())

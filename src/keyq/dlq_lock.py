@@ -1,0 +1,106 @@
+"""The one lock over a stream's dead-letter queue, held by whatever walks it.
+
+Two walks at once would each see only the letters the other does not hold (a letter taken by
+one walk is invisible to the other until handed back), so a redrive could put a key's later
+letters back ahead of an earlier one. Every command that walks the queue (list, show, drop,
+redrive, inspect) therefore holds ``StreamKeys.redrive_lock``: ``SET NX`` with a random token
+and a ttl, renewed from a thread while the command runs, so that a killed command frees it
+within one ttl.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import threading
+import time
+from types import TracebackType
+
+import redis
+
+from keyq.broker.errors import KeyqError
+from keyq.broker.redis_keys import StreamKeys
+
+LOCK_TTL_MS = 30_000
+RENEW_EVERY_S = LOCK_TTL_MS / 3000
+POLL_S = 0.2
+
+# KEYS[1] = lock; ARGV[1] = token, ARGV[2] = ttl ms. 1 if still ours (renewed), else 0.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+# KEYS[1] = lock; ARGV[1] = token. Deletes it only if it is still ours.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+class DeadLetterQueueBusy(KeyqError):
+    """Another command held the dead-letter queue for longer than this one would wait."""
+
+
+class DeadLetterLock:
+    """``with DeadLetterLock(client, stream, wait_s=30):`` holds the stream's DLQ lock."""
+
+    def __init__(
+        self, client: redis.Redis, stream: str, *, wait_s: float, ttl_ms: int = LOCK_TTL_MS
+    ) -> None:
+        self._client = client
+        self._key = StreamKeys(stream).redrive_lock
+        self._wait_s = wait_s
+        self._ttl_ms = ttl_ms
+        self._token = secrets.token_hex(12)
+        self._renew = client.register_script(_RENEW)
+        self._release = client.register_script(_RELEASE)
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+        self.lost = False
+
+    def acquire(self) -> None:
+        """Take the lock, waiting up to ``wait_s``; raises ``DeadLetterQueueBusy``."""
+        deadline = time.monotonic() + self._wait_s
+        while not self._client.set(self._key, self._token, nx=True, px=self._ttl_ms):
+            if time.monotonic() >= deadline:
+                raise DeadLetterQueueBusy(
+                    f"the dead-letter queue is in use by another keyq command "
+                    f"(lock {self._key} still held after {self._wait_s:g} s)"
+                )
+            time.sleep(POLL_S)
+        self._renewer = threading.Thread(target=self._keep, name="keyq-dlq-lock", daemon=True)
+        self._renewer.start()
+
+    def _keep(self) -> None:
+        while not self._stop.wait(min(RENEW_EVERY_S, self._ttl_ms / 3000)):
+            try:
+                if not int(self._renew(keys=[self._key], args=[self._token, self._ttl_ms])):
+                    self.lost = True
+                    return
+            except redis.exceptions.RedisError:
+                continue  # tried again next round; the ttl leaves two more
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join(timeout=5)
+        with contextlib.suppress(redis.exceptions.RedisError):
+            self._release(keys=[self._key], args=[self._token])
+
+    def __enter__(self) -> DeadLetterLock:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.release()

@@ -1,0 +1,177 @@
+"""Everything keyq knows about one key, for ``keyq inspect``: its queue and depth, who holds it,
+whether it is paused or parked, the queues its events wait in aside, its open sequence gaps,
+its committed state and marks, how old its oldest waiting event is, and its dead letters.
+
+Read-only but for one thing: the age of the oldest waiting event is read by taking the head
+of the key's queue unacked and handing it back (its channel closed), which RabbitMQ marks as
+redelivered. That is done only while no worker holds or consumes the queue and no janitor is
+retiring it, so no worker sees another order and no delete can catch it taken.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import orjson
+import pika
+import pika.exceptions
+
+from keyq.broker.clock import now_ms
+from keyq.broker.dead_letter_queue import DeadLetterWalk
+from keyq.broker.envelope import HEADER_KEY, HEADER_PUBLISHED_AT
+from keyq.broker.key_control import KeyControl
+from keyq.broker.locks import FencedLocks
+from keyq.broker.naming import Mode, incarnation_name
+from keyq.broker.retirement import RetirementFence
+from keyq.broker.stream_policy import StreamPolicies
+from keyq.broker.worker_report import WorkerReport
+from keyq.dead_letter_listing import letter_row
+from keyq.dlq_lock import DeadLetterLock
+from keyq.letter_selection import of_key
+from keyq.operator_context import OperatorContext
+
+NOT_FOUND = 404
+BUCKET_SCAN = 20  # messages looked at for the key's first event in a shared bucket queue
+
+
+def inspect_key(ctx: OperatorContext, key: str, *, dlq_wait_s: float) -> dict[str, Any]:
+    """The key's picture as JSON-ready data (see the module docstring)."""
+    client, keys, config = ctx.redis, ctx.keys, ctx.config
+    with ctx.services():
+        base = config.queue_for(key)
+        incarnation = client.hget(keys.incarnations, base)
+        queue = incarnation_name(base, int(incarnation or 0))
+        status = KeyControl(client, ctx.stream).status(key)
+        policy = StreamPolicies(client, ctx.stream).load()
+        lease = FencedLocks(client, ctx.stream).holder(queue)
+        pipe = client.pipeline(transaction=False)
+        pipe.hget(keys.state, key)
+        pipe.hget(keys.marks, key)
+        pipe.hget(keys.member_info, lease.owner if lease else "")
+        pipe.zscore(keys.members, lease.owner if lease else "")
+        pipe.zscore(keys.registry, queue)
+        raw_state, raw_marks, raw_info, expiry, activity = pipe.execute()
+        connection = ctx.amqp()
+        depths = _depths(connection, [queue, *status.aside])
+        report = (
+            WorkerReport.parse(raw_info, worker=lease.owner, stream=ctx.stream) if lease else None
+        )
+        held = lease is not None or (depths[queue] or (0, 0))[1] > 0
+        retiring = bool(RetirementFence(client, ctx.stream).marked([queue]))
+        if depths[queue] is None or not depths[queue][0]:  # type: ignore[index]
+            oldest: dict[str, Any] = {"age_ms": None, "note": "nothing waits in the queue"}
+        else:
+            oldest = _oldest_waiting(connection, queue, key, config.mode, held or retiring)
+        with (
+            DeadLetterLock(client, ctx.stream, wait_s=dlq_wait_s),
+            DeadLetterWalk(connection, config.dead_letter_queue) as walk,
+        ):
+            letters = [letter_row(letter) for letter in of_key(walk.read(), key)]
+    info = orjson.loads(raw_info) if raw_info else {}
+    gaps = [] if report is None else [vars(gap) for gap in report.gaps if gap.key == key]
+    depth = depths[queue]
+    seen = any(
+        value is not None for value in (raw_state, raw_marks, depth, activity, status.parked)
+    ) or bool(status.aside or status.paused_since_ms or letters)
+    return {
+        "stream": ctx.stream,
+        "key": key,
+        "mode": config.mode.value,
+        "known": seen,
+        "queue": {
+            "name": queue,
+            "exists": depth is not None,
+            "depth": None if depth is None else depth[0],
+            "consumers": None if depth is None else depth[1],
+            "registered": activity is not None,
+            "idle_ms": None if activity is None else max(0, now_ms() - int(activity)),
+            "retiring": retiring,
+        },
+        "holder": None
+        if lease is None
+        else {
+            "worker": lease.owner,
+            "token": lease.token,
+            "alive": expiry is not None and float(expiry) >= now_ms(),
+            "host": info.get("host"),
+            "pid": info.get("pid"),
+        },
+        "paused_since_ms": status.paused_since_ms,
+        "parked": None
+        if status.parked is None
+        else {
+            "at_ms": status.parked.at_ms,
+            "reason": status.parked.reason,
+            "producer": status.parked.producer,
+            "seq": status.parked.seq,
+        },
+        "stream_paused": policy.paused,
+        "poison_policy": policy.poison_policy,
+        "rate_limit": policy.rate_limit,
+        "aside": [
+            {"queue": name, "depth": None if depths[name] is None else depths[name][0]}  # type: ignore[index]
+            for name in status.aside
+        ],
+        "gaps": gaps,
+        "gaps_known": report is not None,
+        "state": None if raw_state is None else orjson.loads(raw_state),
+        "marks": None if raw_marks is None else orjson.loads(raw_marks),
+        "oldest_waiting": oldest,
+        "dead_letters": letters,
+    }
+
+
+def _depths(
+    connection: pika.BlockingConnection, queues: list[str]
+) -> dict[str, tuple[int, int] | None]:
+    """(ready messages, consumers) of each queue by passive declare; None if it is missing."""
+    found: dict[str, tuple[int, int] | None] = {}
+    channel = connection.channel()
+    for queue in dict.fromkeys(queues):
+        try:
+            method = channel.queue_declare(queue, passive=True).method
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code != NOT_FOUND:
+                raise
+            found[queue] = None
+            channel = connection.channel()
+            continue
+        found[queue] = (int(method.message_count), int(method.consumer_count))
+    with contextlib.suppress(pika.exceptions.AMQPError):
+        channel.close()
+    return found
+
+
+def _oldest_waiting(
+    connection: pika.BlockingConnection, queue: str, key: str, mode: Mode, busy: bool
+) -> dict[str, Any]:
+    """The age of the key's first event in its queue, taken unacked and handed back."""
+    if busy:
+        return {"age_ms": None, "note": "not looked at: the queue is held, or being retired"}
+    channel = connection.channel()
+    try:
+        limit = BUCKET_SCAN if mode is Mode.BUCKET else 1
+        for looked in range(1, limit + 1):
+            try:
+                method, properties, _body = channel.basic_get(queue, auto_ack=False)
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                return {"age_ms": None, "note": f"not looked at: {exc.reply_text}"}
+            if method is None:
+                note = "the queue is empty" if looked == 1 else "no event of the key among them"
+                return {"age_ms": None, "note": note, "looked_at": looked - 1}
+            headers = properties.headers or {}
+            owner = headers.get(HEADER_KEY)
+            if mode is Mode.KEY or owner in (key, key.encode()):
+                published = headers.get(HEADER_PUBLISHED_AT)
+                age = None if published is None else max(0, now_ms() - int(published))
+                return {"age_ms": age, "note": None, "looked_at": looked}
+        return {
+            "age_ms": None,
+            "note": f"none of the first {limit} events of the shared bucket queue is the key's",
+            "looked_at": limit,
+        }
+    finally:
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            if channel.is_open:
+                channel.close()
