@@ -119,6 +119,13 @@ def redrive_queue_name(stream: str, key: str, token: str) -> str:
     return f"{stream_prefix(stream)}r.{key_digest(key)}.{token}"
 
 
+def is_side_queue(stream: str, queue: str) -> bool:
+    """Whether ``queue`` is one a key's events wait in aside (``aside_queue_name``) or one a
+    redrive put its dead letters back in (``redrive_queue_name``)."""
+    prefix = stream_prefix(stream)
+    return queue.startswith(prefix) and queue[len(prefix) : len(prefix) + 2] in ("a.", "r.")
+
+
 def is_stream_queue(stream: str, queue: str) -> bool:
     """Whether ``queue`` is one of the stream's keyed queues (not its dead-letter queue)."""
     prefix = stream_prefix(stream)

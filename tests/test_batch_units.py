@@ -22,6 +22,7 @@ from keyq.broker.errors import (
 )
 from keyq.broker.locks import Lease
 from keyq.broker.settings import load_settings
+from keyq.broker.stream_policy import StreamPolicy
 from keyq.worker.batch_failures import EventFailed, Interrupted, pipeline_failure
 from keyq.worker.batch_plan import arrival_order, identify, plan_run
 from keyq.worker.batches import (
@@ -382,6 +383,13 @@ class NoSpark:
         raise AssertionError("no event of these tests reaches Spark")
 
 
+class NoKeyHeldBack:
+    """Key control where every key flows (what holds keys back is tested on Redis)."""
+
+    def statuses(self, keys: Collection[str]) -> dict[str, Any]:
+        return {}
+
+
 LEASES = {queue: Lease(queue=queue, owner="w", token=7) for queue in ("a", "b")}
 
 
@@ -409,6 +417,8 @@ def processor(
         holdings=holdings,
         keys_of_queues=no_declared_keys,
         stopping=threading.Event(),
+        control=NoKeyHeldBack(),  # type: ignore[arg-type]
+        policy=StreamPolicy,
     )
     return made, journal, store
 

@@ -15,6 +15,7 @@ import pytest
 from keyq.broker.locks import Lease
 from keyq.broker.settings import load_settings
 from keyq.worker.abandoned_gaps import AbandonedGaps
+from keyq.worker.aside_drains import AsideDrains
 from keyq.worker.batch_outcome import BatchOutcome
 from keyq.worker.batches import BatchProcessor
 from keyq.worker.claims import ClaimLoop
@@ -57,6 +58,9 @@ class StandInHeld:
         self.calls.append(("reopen", queue, prefetch))
         return True
 
+    def sides(self) -> dict[str, str]:
+        return {}
+
     def release(self, requests: dict[str, str], *, busy: Any) -> list[str]:
         self.calls.append(("release", dict(requests)))
         return [queue for queue in requests if not busy(queue)]
@@ -83,6 +87,7 @@ def session(
         abandoned=cast(AbandonedGaps, None),
         events=events,
         stop=stop,
+        drains=cast(AsideDrains, None),
         **callbacks,
     )
     return made, held, buffer, handbacks, stop

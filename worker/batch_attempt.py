@@ -3,19 +3,27 @@ pipeline and stage its output, dead-letter and commit fenced by the queues' lock
 then keep the open gaps and the stats current.
 
 Nothing is acked before the commit, and nothing is committed under a lock that moved on;
-a dead letter is safe in its queue before the marks move past it."""
+a dead letter is safe in its queue before the marks move past it, and so is a copy of an
+event set aside for its key (``keyq.worker.key_gate``) before the event is acked."""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from keyq.broker.clock import now_ms
+from keyq.broker.envelope import HEADER_KEY
+from keyq.broker.errors import CommitRefused
+from keyq.broker.key_control import KeyControl, ParkedKey
 from keyq.broker.locks import Lease
+from keyq.broker.naming import aside_queue_name, is_side_queue
 from keyq.broker.registry import QueueRegistry
+from keyq.broker.stream_policy import StreamPolicy
 from keyq.worker.batch_failures import Stale
 from keyq.worker.batch_outcome import BatchProgress
 from keyq.worker.batch_plan import RunPlan, plan_run
@@ -24,6 +32,7 @@ from keyq.worker.consumer import ConsumerLink, DeadLetter
 from keyq.worker.decoding import Undecodable
 from keyq.worker.deliveries import Delivery
 from keyq.worker.fenced_commit import FencedCommit
+from keyq.worker.key_gate import GateSorting, sort_by_key_status
 from keyq.worker.pipeline_job import PipelineJob
 from keyq.worker.sequencing import Gap
 from keyq.worker.state_store import StateStore
@@ -63,8 +72,14 @@ class BatchAttempt:
         keys_of_queues: Callable[[Collection[str]], Mapping[str, str | None]],
         gap_timeout_ms: int,
         stats: BatchStats,
+        stream: str,
+        control: KeyControl,
+        policy: Callable[[], StreamPolicy],
     ) -> None:
         self._worker_id = worker_id
+        self._stream = stream
+        self._control = control
+        self._policy = policy
         self._job = job
         self._output = output
         self._store = store
@@ -85,8 +100,12 @@ class BatchAttempt:
         What it settles, the leases it uses and what waits are noted in ``progress``."""
         clock = StageClock()
         leases = self._leases(deliveries, progress)
-        run = self._plan(deliveries, dead)
-        if not run.settling:
+        park = self._policy().poison_policy == "park"
+        gate = self._gate(deliveries, park)
+        progress.held.extend(gate.held)
+        run = self._plan(gate.through, dead)
+        settling = [*run.settling, *gate.set_aside]
+        if not settling:
             self._note_gaps(run)
             progress.waiting.extend(run.waiting)
             return  # everything here waits for an earlier seq: nothing to commit or ack
@@ -94,10 +113,13 @@ class BatchAttempt:
         batch_id = f"{self._worker_id}-{next(self._batch_numbers)}"
         computed = self._compute(batch_id, run, leases, attempt)
         clock.lap()  # spark
+        self._set_aside(gate, leases)
         self._dead_letter(run.letters, attempt)
+        if park:
+            self._park(gate, run, dead)
         self._output.commit(batch_id, leases, run.plan.marks, computed.states, computed.staged)
         clock.lap()  # commit
-        self._ack(run.settling, progress)
+        self._ack(settling, progress)
         clock.lap()  # ack
         progress.waiting.extend(run.waiting)
         self._note_gaps(run)
@@ -124,6 +146,51 @@ class BatchAttempt:
             raise Stale(frozenset(lost))
         progress.leases.update(leases)
         return leases
+
+    def _gate(self, deliveries: Sequence[Delivery], park: bool) -> GateSorting:
+        """Sort the run by what holds its keys back, read fresh (one round trip)."""
+        fallback = self._keys_of_queues({delivery.queue for delivery in deliveries})
+        keys = {key for key in fallback.values() if key is not None}
+        keys.update(k for d in deliveries if isinstance(k := d.headers.get(HEADER_KEY), str))
+        return sort_by_key_status(
+            deliveries,
+            fallback,
+            self._control.statuses(keys),
+            is_side_queue=lambda queue: is_side_queue(self._stream, queue),
+            park_at_poison=park,
+            now_ms=now_ms(),
+        )
+
+    def _set_aside(self, gate: GateSorting, leases: Mapping[str, Lease]) -> None:
+        """Copy each stopped key's events to the tail of its aside queues, confirmed, before
+        they are acked (a key with none yet gets one, registered before it is declared)."""
+        for key, deliveries in gate.aside.items():
+            lease = leases[deliveries[0].queue]
+            queues = self._control.set_aside_tail(
+                key, lease, aside_queue_name(self._stream, key, uuid.uuid4().hex[:12])
+            )
+            if queues is None:
+                raise CommitRefused(
+                    f"setting events of {key!r} aside: lost {lease.queue}",
+                    frozenset({lease.queue}),
+                )
+            self._link.set_aside(queues[-1], key, deliveries)
+            log.info("set %d events of key %r aside in %s", len(deliveries), key, queues[-1])
+
+    def _park(self, gate: GateSorting, run: RunPlan, dead: str | None) -> None:
+        """Under the ``park`` policy, stop each key at its poison event, before the commit
+        moves its marks past it: a redelivery of the poison then goes aside, and a redrive of
+        its dead letter still applies it (``KeyMarks.redrive``)."""
+        parking = dict(gate.parking)
+        if dead is not None:
+            for letter in run.letters:
+                if letter.key is not None and letter.key not in parking:
+                    parking[letter.key] = ParkedKey(
+                        at_ms=now_ms(), reason=dead, producer=letter.producer, seq=letter.seq
+                    )
+        for key, where in parking.items():
+            if self._control.park(key, where):
+                log.warning("parked key %r at a poison event: %s", key, where.reason)
 
     def _plan(self, deliveries: Sequence[Delivery], dead: str | None) -> RunPlan:
         # The queues' declared keys are asked for all at once: a worker that has just taken

@@ -22,6 +22,8 @@ class BatchOutcome:
     lost: list[Lease]
     # A service failed mid-batch (the reason): the worker backs off, then retries.
     interrupted: str | None = None
+    # Side queues whose key may not apply their deliveries now: their consumers close.
+    held_back: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -31,6 +33,8 @@ class BatchProgress:
     settled: set[tuple[str, int, int]] = field(default_factory=set)  # (queue, epoch, tag)
     leases: dict[str, Lease] = field(default_factory=dict)  # every lease an attempt used
     waiting: list[Delivery] = field(default_factory=list)  # set aside: to park
+    # A side queue's deliveries whose key may not apply them now: their consumer is closed.
+    held: list[Delivery] = field(default_factory=list)
 
     def settle(self, deliveries: Iterable[Delivery]) -> None:
         self.settled.update((d.queue, d.channel_epoch, d.delivery_tag) for d in deliveries)
@@ -48,4 +52,11 @@ class BatchProgress:
 
     def lost(self, queues: frozenset[str]) -> list[Lease]:
         """The leases used for ``queues``, which a refused commit found lost."""
-        return [lease for queue, lease in self.leases.items() if queue in queues]
+        # A side queue's deliveries are committed under the lease of their key's queue.
+        return list(
+            {
+                lease
+                for queue, lease in self.leases.items()
+                if queue in queues or lease.queue in queues
+            }
+        )

@@ -92,6 +92,7 @@ def identify(items: Iterable[Item]) -> tuple[list[Identified], list[Item]]:
                 item.seq,
                 counts=isinstance(item, Event),
                 waiting_since=item.delivery.waiting_since,
+                redrive_id=item.redrive_id,
             )
         )
         keyed.append(item)

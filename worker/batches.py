@@ -16,8 +16,10 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 import redis.exceptions
 
 from keyq.broker.errors import CommitRefused, KeyqError
+from keyq.broker.key_control import KeyControl
 from keyq.broker.log_context import about_queues
 from keyq.broker.registry import QueueRegistry
+from keyq.broker.stream_policy import StreamPolicy
 from keyq.worker.batch_attempt import BatchAttempt, LeaseLookup
 from keyq.worker.batch_failures import Interrupted, Stale, describe_failure, spark_unavailable
 from keyq.worker.batch_outcome import BatchOutcome, BatchProgress
@@ -68,6 +70,8 @@ class BatchProcessor:
         holdings: LeaseLookup,
         keys_of_queues: Callable[[Collection[str]], Mapping[str, str | None]],
         stopping: threading.Event,
+        control: KeyControl,
+        policy: Callable[[], StreamPolicy],
     ) -> None:
         self.stats = BatchStats()
         job = PipelineJob(
@@ -90,6 +94,9 @@ class BatchProcessor:
             keys_of_queues=keys_of_queues,
             gap_timeout_ms=settings.sequence_gap_timeout_ms,
             stats=self.stats,
+            stream=stream,
+            control=control,
+            policy=policy,
         )
         self._isolation = Isolation(
             attempt=self._run,
@@ -117,7 +124,12 @@ class BatchProcessor:
             worker_log.warning("batch interrupted, will retry: %s", exc)
             unsettled = self.unsettled(deliveries)
             return BatchOutcome(unsettled=unsettled, waiting=[], lost=[], interrupted=str(exc))
-        return BatchOutcome(unsettled=[], waiting=self._progress.waiting, lost=[])
+        return BatchOutcome(
+            unsettled=[],
+            waiting=self._progress.waiting,
+            lost=[],
+            held_back=frozenset(d.queue for d in self._progress.held),
+        )
 
     def unsettled(
         self, deliveries: Sequence[Delivery], exclude: frozenset[str] = frozenset()

@@ -24,7 +24,7 @@ from keyq.broker.clock import now_ms
 from keyq.broker.errors import KeyqError
 from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership, fair_share
-from keyq.broker.naming import Mode
+from keyq.broker.naming import Mode, base_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
 from keyq.worker.config import WorkerSettings
@@ -85,8 +85,12 @@ class ClaimLoop:
         held: HeldQueues,
         handbacks: HandBacks,
         info: Callable[[], dict[str, object]],
+        waiting_aside: Callable[[], frozenset[str]] = frozenset,
+        stream_paused: Callable[[], bool] = lambda: False,
     ) -> None:
         self._settings = settings
+        self._waiting_aside = waiting_aside
+        self._stream_paused = stream_paused
         self._stream = stream
         self._mode = mode
         self._worker_id = worker_id
@@ -217,7 +221,11 @@ class ClaimLoop:
             self._balance(members, force=force, probe=scanned)
         self._news.announced = False
         if self._mode is Mode.KEY:
-            self._handbacks.ask_idle(self._held.all(), self._settings.idle_release_ms / 1000)
+            draining = set(self._held.sides().values())
+            self._handbacks.ask_idle(
+                [h for h in self._held.all() if h.queue not in draining],
+                self._settings.idle_release_ms / 1000,
+            )
         return True
 
     def _news_round(self) -> bool:
@@ -282,7 +290,12 @@ class ClaimLoop:
         if self._mode is Mode.BUCKET:
             return set(self._view.activity)
         cutoff = now_ms() - self._settings.idle_release_ms
-        return {q for q, stamp in self._view.activity.items() if stamp >= cutoff}
+        aside = self._waiting_aside()  # quiet, but what waits aside for them must be drained
+        return {
+            q
+            for q, stamp in self._view.activity.items()
+            if stamp >= cutoff or (aside and base_queue_name(q) in aside)
+        }
 
     def _balance(
         self, members: list[str], *, force: bool, probe: bool, deadline: float | None = None
@@ -292,6 +305,8 @@ class ClaimLoop:
         held = set(self._held.queues())
         active = self._active() | held
         share = min(fair_share(len(active), members, self._worker_id), self._capacity())
+        if self._stream_paused():
+            share = 0  # paused: hand everything back, events wait in their queues
         if len(held) > share:
             self._handbacks.ask_surplus(held, len(held) - share)
             return

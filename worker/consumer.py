@@ -26,7 +26,7 @@ from keyq.worker.amqp_thread import AmqpThread
 from keyq.worker.consume_outcomes import FIRST_BURST, PIPELINE_DEPTH, Consumed, ConsumeOutcome
 from keyq.worker.consuming import QueueConsumers
 from keyq.worker.dead_letters import MAX_REASON_CHARS, DeadLetter, DeadLetterPublisher
-from keyq.worker.deliveries import DeliveryBuffer
+from keyq.worker.deliveries import Delivery, DeliveryBuffer
 
 __all__ = [
     "DEFAULT_CHANNEL_MAX",
@@ -218,6 +218,25 @@ class ConsumerLink:
             raise BrokerUnavailable(
                 f"dead letters not confirmed: {describe_exception(exc)}"
             ) from None
+
+    def set_aside(self, queue: str, key: str, deliveries: Sequence[Delivery]) -> None:
+        """Copy a stopped key's deliveries to ``queue``, where they wait, confirmed. Raises
+        ``BrokerUnavailable`` when they are not (the batch then waits and retries)."""
+        if not deliveries:
+            return
+        try:
+            self.call(lambda: self._dead_letters.set_aside(queue, key, deliveries))
+        except pika.exceptions.AMQPError as exc:
+            raise BrokerUnavailable(
+                f"events set aside not confirmed: {describe_exception(exc)}"
+            ) from None
+
+    def delete_if_empty(self, queue: str) -> bool:
+        """Delete a drained queue a key's events waited in; False if messages are in it."""
+        try:
+            return self.call(lambda: self._dead_letters.delete_if_empty(queue))
+        except pika.exceptions.AMQPError as exc:
+            raise BrokerUnavailable(f"deleting {queue}: {describe_exception(exc)}") from None
 
     def message_count(self, queue: str) -> int:
         """Messages ready in ``queue`` (0 if it does not exist)."""

@@ -25,6 +25,7 @@ import redis.exceptions
 
 from keyq.broker.clock import now_ms
 from keyq.broker.errors import BrokerUnavailable, ConfigurationError
+from keyq.broker.key_control import KeyControl
 from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
 from keyq.broker.naming import Mode, check_stream_name
@@ -32,9 +33,11 @@ from keyq.broker.producer_presence import ProducerPresence
 from keyq.broker.redis_persistence import log_redis_persistence
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import load_settings
+from keyq.broker.stream_policy import StreamPolicies
 from keyq.broker.streams import StreamConfig
 from keyq.broker.worker_report import WorkerReport
 from keyq.worker.abandoned_gaps import AbandonedGaps
+from keyq.worker.aside_drains import AsideDrains
 from keyq.worker.batch_stats import BatchListener
 from keyq.worker.batches import BatchProcessor, BatchStats
 from keyq.worker.claims import ClaimLoop
@@ -45,6 +48,7 @@ from keyq.worker.engine import SparkEngine
 from keyq.worker.handbacks import HandBacks
 from keyq.worker.held_queues import HeldQueues
 from keyq.worker.pipeline import Pipeline, load_pipeline
+from keyq.worker.policy_cache import PolicyCache
 from keyq.worker.reporting import worker_report
 from keyq.worker.serving import (
     BATCH_WAIT_MAX_S,
@@ -310,6 +314,16 @@ class Worker:
         settings = self.settings
         assert self.config is not None and self._engine is not None
         handbacks = HandBacks(self._buffer)
+        policy = PolicyCache(StreamPolicies(client, self.stream))
+        control = KeyControl(client, self.stream)
+        config = self.config
+        drains = AsideDrains(
+            control=control,
+            held=held,
+            link=link,
+            buffer=self._buffer,
+            queue_of_key=config.queue_for,
+        )
         claims = ClaimLoop(
             settings=settings,
             stream=self.stream,
@@ -320,6 +334,8 @@ class Worker:
             held=held,
             handbacks=handbacks,
             info=self._heartbeat_info,
+            waiting_aside=lambda: drains.wanted,
+            stream_paused=lambda: policy().paused,
         )
         processor = BatchProcessor(
             settings=settings,
@@ -334,6 +350,8 @@ class Worker:
             holdings=held,
             keys_of_queues=lambda queues: self._keys_of(registry, queues),
             stopping=self._stop,
+            control=control,
+            policy=policy,
         )
         processor.stats.listeners = self.batch_listeners
         stuck = StuckGaps(self._buffer, settings.sequence_gap_timeout_ms / 1000)
@@ -359,6 +377,7 @@ class Worker:
             abandoned=abandoned,
             events=self._events,
             stop=self._stop,
+            drains=drains,
             on_assigned=self._on_assigned,
             on_revoked=self._on_revoked,
         )

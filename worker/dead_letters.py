@@ -1,4 +1,5 @@
-"""Moving messages to a stream's dead-letter queue: copies with the reason, confirmed.
+"""Moving messages to a stream's dead-letter queue (copies with the reason), and a paused or
+parked key's events to the queue they wait in aside: confirmed copies either way.
 
 Runs on the connection's I/O thread (``keyq.worker.amqp_thread``), on a confirming channel of
 its own opened with each connection.
@@ -15,7 +16,14 @@ import pika
 import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
-from keyq.broker.envelope import HEADER_ATTEMPTS, HEADER_DEAD_QUEUE, HEADER_DEAD_REASON
+from keyq.broker.clock import now_ms
+from keyq.broker.envelope import (
+    HEADER_ATTEMPTS,
+    HEADER_DEAD_AT,
+    HEADER_DEAD_QUEUE,
+    HEADER_DEAD_REASON,
+    HEADER_KEY,
+)
 from keyq.broker.errors import BrokerUnavailable
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.topology import dead_letter_queue_arguments
@@ -43,6 +51,20 @@ def dead_letter_properties(letter: DeadLetter) -> pika.BasicProperties:
     headers[HEADER_DEAD_REASON] = letter.reason[:MAX_REASON_CHARS]
     headers[HEADER_DEAD_QUEUE] = delivery.queue
     headers[HEADER_ATTEMPTS] = letter.attempts
+    headers[HEADER_DEAD_AT] = now_ms()
+    return pika.BasicProperties(
+        delivery_mode=pika.DeliveryMode.Persistent,
+        headers=headers,
+        content_type=delivery.content_type,
+        message_id=delivery.message_id,
+    )
+
+
+def aside_properties(delivery: Delivery, key: str) -> pika.BasicProperties:
+    """A set-aside copy's properties: persistent, the original headers, and the key (a
+    key-mode event from another client carries it only in its queue's name)."""
+    headers = dict(delivery.headers)
+    headers[HEADER_KEY] = key
     return pika.BasicProperties(
         delivery_mode=pika.DeliveryMode.Persistent,
         headers=headers,
@@ -53,7 +75,7 @@ def dead_letter_properties(letter: DeadLetter) -> pika.BasicProperties:
 
 class DeadLetterPublisher:
     """The dead-letter queue of one stream, declared on each connection, and the confirming
-    channel that publishes to it."""
+    channel that publishes to it and to the queues keys' events are set aside in."""
 
     def __init__(
         self,
@@ -119,3 +141,33 @@ class DeadLetterPublisher:
         for letter in letters:
             properties = dead_letter_properties(letter)
             channel.basic_publish("", self.queue, letter.delivery.body, properties, mandatory=True)
+
+    def set_aside(self, queue: str, key: str, deliveries: Sequence[Delivery]) -> None:
+        """Copy ``deliveries`` (all of ``key``), in order, to ``queue``, declared durable
+        first, confirmed (pika raises if one is not, or if the queue is gone: mandatory)."""
+        channel = self._channel
+        if channel is None:
+            raise BrokerUnavailable("not connected to RabbitMQ")
+        channel.queue_declare(
+            queue, durable=True, arguments=dead_letter_queue_arguments(self._queue_type)
+        )
+        for delivery in deliveries:
+            properties = aside_properties(delivery, key)
+            channel.basic_publish("", queue, delivery.body, properties, mandatory=True)
+
+    def delete_if_empty(self, queue: str) -> bool:
+        """Delete ``queue`` unless messages are in it; False if it was not deleted."""
+        connection = self._connection()
+        assert connection is not None
+        channel = connection.channel()
+        try:
+            channel.queue_delete(queue, if_empty=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code == 404:
+                return True  # gone already
+            if exc.reply_code == 406:
+                return False  # not empty
+            raise
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            channel.close()
+        return True

@@ -10,7 +10,13 @@ from dataclasses import dataclass
 
 import orjson
 
-from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_PUBLISHED_AT, HEADER_SEQ
+from keyq.broker.envelope import (
+    HEADER_KEY,
+    HEADER_PRODUCER,
+    HEADER_PUBLISHED_AT,
+    HEADER_REDRIVE_ID,
+    HEADER_SEQ,
+)
 from keyq.worker.deliveries import Delivery
 
 
@@ -25,6 +31,10 @@ class Event:
     published_at_ms: int | None
     payload: str
 
+    @property
+    def redrive_id(self) -> str | None:
+        return redrive_id_of(self.delivery)
+
 
 @dataclass(slots=True)
 class Undecodable:
@@ -33,6 +43,10 @@ class Undecodable:
     key: str | None
     producer: str | None
     seq: int | None
+
+    @property
+    def redrive_id(self) -> str | None:
+        return redrive_id_of(self.delivery)
 
 
 def _text(value: object) -> str | None:
@@ -53,6 +67,11 @@ def _integer(value: object) -> int | None:
 def producer_of(delivery: Delivery) -> str | None:
     """The SDK producer instance that published ``delivery``, if it says."""
     return _text(delivery.headers.get(HEADER_PRODUCER))
+
+
+def redrive_id_of(delivery: Delivery) -> str | None:
+    """The id of the dead letter ``delivery`` was put back from, if it was redriven."""
+    return _text(delivery.headers.get(HEADER_REDRIVE_ID))
 
 
 def decode(delivery: Delivery, fallback_key: str | None = None) -> Event | Undecodable:

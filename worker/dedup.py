@@ -18,6 +18,8 @@ MAX_PRODUCERS_PER_KEY = 256
 # Given-up gaps remembered per producer and key, so that their events, if they ever come,
 # are dead-lettered as late instead of being taken for duplicates.
 MAX_GAPS_PER_PRODUCER = 8
+# Redriven dead letters remembered per key, so that a redrive run twice applies each once.
+MAX_REDRIVEN_PER_KEY = 4096
 
 
 @dataclass
@@ -28,6 +30,8 @@ class KeyMarks:
     applied: int = 0
     # Per producer, ranges [first, last] of seqs skipped after waiting too long for them.
     gaps: dict[str, list[list[int]]] = field(default_factory=dict)
+    # The ids of the redriven dead letters applied to this key, oldest first.
+    redriven: list[str] = field(default_factory=list)
 
     def seen(self, producer: str, seq: int) -> bool:
         return seq <= self.seqs.get(producer, 0)
@@ -55,17 +59,32 @@ class KeyMarks:
         """Whether ``seq`` is one the worker gave up waiting for (never applied)."""
         return any(first <= seq <= last for first, last in self.gaps.get(producer, ()))
 
+    def was_redriven(self, redrive_id: str) -> bool:
+        return redrive_id in self.redriven
+
+    def redrive(self, redrive_id: str, producer: str | None, seq: int | None) -> None:
+        """Note a redriven dead letter as applied. Its seq moves its producer's mark only
+        when it is the very next one (a poison event parked before its commit): any other
+        seq was counted already, or belongs to a gap the mark must not jump."""
+        self.redriven.append(redrive_id)
+        del self.redriven[:-MAX_REDRIVEN_PER_KEY]
+        if producer is not None and seq is not None and seq == self.mark_of(producer) + 1:
+            self.advance(producer, seq)
+
     def copy(self) -> KeyMarks:
         return KeyMarks(
             seqs=dict(self.seqs),
             applied=self.applied,
             gaps={producer: [list(r) for r in ranges] for producer, ranges in self.gaps.items()},
+            redriven=list(self.redriven),
         )
 
     def to_json(self) -> str:
         data: dict[str, object] = {"p": self.seqs, "n": self.applied}
         if self.gaps:
             data["g"] = self.gaps
+        if self.redriven:
+            data["r"] = self.redriven
         return orjson.dumps(data).decode()
 
     @classmethod
@@ -74,4 +93,9 @@ class KeyMarks:
             return cls()
         data = orjson.loads(raw)
         gaps = {str(p): [[int(a), int(b)] for a, b in r] for p, r in data.get("g", {}).items()}
-        return cls(seqs=dict(data.get("p", {})), applied=int(data.get("n", 0)), gaps=gaps)
+        return cls(
+            seqs=dict(data.get("p", {})),
+            applied=int(data.get("n", 0)),
+            gaps=gaps,
+            redriven=[str(r) for r in data.get("r", [])],
+        )

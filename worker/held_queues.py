@@ -80,6 +80,9 @@ class HeldQueues:
         self._registry = registry
         self._report = report
         self._holdings = Holdings()
+        # Queues a key's events wait in aside, consumed under the lease of the key's queue
+        # while this worker drains them (``keyq.worker.aside_drains``).
+        self._sides = Holdings()
         # Losses the I/O thread reported, whose locks the claim loop releases.
         self._gone: queue_module.SimpleQueue[tuple[Lease, str]] = queue_module.SimpleQueue()
         self._counts_lock = threading.Lock()
@@ -92,8 +95,9 @@ class HeldQueues:
         return self._holdings.get(queue)
 
     def lease_for(self, queue: str, epoch: int) -> Lease | None:
-        """The lease a delivery of consumer ``epoch`` may be committed under, if any."""
-        return self._holdings.lease_for(queue, epoch)
+        """The lease a delivery of consumer ``epoch`` may be committed under, if any (a side
+        queue's is that of the queue it is attached to)."""
+        return self._holdings.lease_for(queue, epoch) or self._sides.lease_for(queue, epoch)
 
     def room_of(self, queue: str) -> int | None:
         """The prefetch of ``queue``'s current consumer; None if it is not held."""
@@ -183,13 +187,42 @@ class HeldQueues:
         still_held: list[Delivery] = []
         orphaned: set[tuple[str, int]] = set()
         for delivery in deliveries:
-            if self._holdings.lease_for(delivery.queue, delivery.channel_epoch):
+            if self.lease_for(delivery.queue, delivery.channel_epoch):
                 still_held.append(delivery)
             else:
                 orphaned.add((delivery.queue, delivery.channel_epoch))
         self._buffer.put_back(still_held)
         for queue, epoch in orphaned:
             self._link.close_queue(queue, epoch)
+
+    # ---- side queues, drained under a held queue's lease ----------------------------------
+
+    def attach(self, side: str, to: str) -> bool:
+        """Consume ``side`` (a queue a key's events wait in) under the lease of held queue
+        ``to``, with an exclusive consumer; False if ``to`` is not held or the broker would
+        not let us consume ``side`` (a zombie's consumer is still on it: try later)."""
+        main = self._holdings.get(to)
+        if main is None or side in self._sides:
+            return False
+        held = Held(queue=side, lease=main.lease, epoch=self._link.new_epoch())
+        self._sides.add(held)
+        consumed = self._link.consume(side, held.epoch)
+        if consumed.outcome is ConsumeOutcome.CONSUMING and to in self._holdings:
+            return True
+        self.detach(side)
+        return False
+
+    def detach(self, side: str) -> None:
+        """Stop consuming ``side``: close its consumer (its unacked deliveries go back to
+        it, in order), then drop what of it is buffered."""
+        held = self._sides.remove(side)
+        if held is not None:
+            self._link.close_queue(side, held.epoch)
+            self._buffer.drop(side, held.epoch)
+
+    def sides(self) -> dict[str, str]:
+        """Side queue -> the held queue whose lease it is drained under."""
+        return {held.queue: held.lease.queue for held in self._sides.all()}
 
     # ---- ending a holding -------------------------------------------------------------------
 
@@ -229,6 +262,11 @@ class HeldQueues:
     def consumer_gone(self, queue: str, epoch: int, reason: str) -> None:
         """The broker took consumer ``epoch`` of ``queue`` away (its channel or connection
         closed): called on the I/O thread, so its lock is left to the claim loop."""
+        side = self._sides.get(queue)
+        if side is not None and side.epoch == epoch:
+            self._sides.remove(queue, epoch)
+            self._buffer.drop(queue, epoch)
+            return
         held = self._holdings.get(queue)
         if held is not None and held.epoch == epoch:
             self._end(held, reason, LockFate.DEFERRED, close=False)
@@ -308,4 +346,9 @@ class HeldQueues:
         if close:
             self._link.close_queue(held.queue, held.epoch)
         self._buffer.drop(held.queue, held.epoch)
+        for side in self._sides.all():  # drained under its lease: they end with it
+            if side.lease == held.lease and self._sides.remove(side.queue, side.epoch):
+                if close:
+                    self._link.close_queue(side.queue, side.epoch)
+                self._buffer.drop(side.queue, side.epoch)
         return True

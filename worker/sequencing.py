@@ -18,6 +18,9 @@ So the worker sequences each batch against the committed marks before anything r
 
 Events without an identity (other clients) are applied as they come. Order between two
 producers of one key stays the order the broker delivered them in.
+
+A redriven dead letter (``redrive_id``) is told apart by that id, not by its seq, which the
+mark may have passed: it is applied unless the key's marks list the id as applied already.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class Identified:
     seq: int | None
     counts: bool = True  # False for items dead-lettered rather than applied
     waiting_since: float | None = None  # when it was first set aside to wait, if ever
+    redrive_id: str | None = None  # the dead letter it was put back from, if redriven
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +111,18 @@ def plan_batch(
             apply(following)
 
     for index, item in enumerate(items):
+        if item.redrive_id is not None:
+            key_marks = current(item.key)
+            if key_marks.was_redriven(item.redrive_id):
+                plan.duplicates.append(index)
+                continue
+            if item.counts:  # dead-lettered again, it may be redriven again
+                key_marks.redrive(item.redrive_id, item.producer, item.seq)
+                key_marks.applied += 1
+            plan.apply.append(index)
+            if item.producer is not None:
+                release(item.key, item.producer)
+            continue
         if item.producer is None or item.seq is None:
             apply(index)
             continue

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from keyq.broker.connections import redis_errors
 from keyq.broker.errors import KeyqError
 from keyq.worker.abandoned_gaps import AbandonedGaps
+from keyq.worker.aside_drains import AsideDrains
 from keyq.worker.batches import BatchProcessor
 from keyq.worker.claims import ClaimLoop
 from keyq.worker.config import WorkerSettings
@@ -71,6 +72,7 @@ class Session:
     abandoned: AbandonedGaps
     events: QueueEvents
     stop: threading.Event
+    drains: AsideDrains
     on_assigned: QueueCallback | None = None
     on_revoked: QueueCallback | None = None
 
@@ -87,6 +89,7 @@ class Session:
             self.hand_back(self.handbacks.take())
             self.give_up_abandoned_gaps()
             self.reopen_stuck_gaps()
+            self.drain_aside()
             stats = self.processor.stats
             wait = batch_wait(self.settings, stats.last_batch_events, stats.last_spark_seconds)
             batch = self.buffer.take(self.settings.batch_max_events, wait, 0.1)
@@ -103,6 +106,8 @@ class Session:
         if outcome.interrupted is not None:
             self.stop.wait(ERROR_BACKOFF_S)
         self.park(outcome.waiting)
+        for queue in outcome.held_back:
+            self.held.detach(queue)
         for lease in outcome.lost:
             self.held.lose(lease, "commit refused: the lock moved on")
         if outcome.unsettled:
@@ -133,6 +138,15 @@ class Session:
             )
             self.held.reopen(queue, wider)
 
+    def drain_aside(self) -> None:
+        """Drain what keys that flow again had waiting aside (``keyq.worker.aside_drains``);
+        a service error only postpones it."""
+        try:
+            with redis_errors(self.settings.redis_url):
+                self.drains.step()
+        except KeyqError as exc:
+            log.debug("draining events set aside failed (retried): %s", exc)
+
     def give_up_abandoned_gaps(self) -> None:
         """Gaps whose producer is gone need not wait out their timeout once nothing more is
         in their queue (``keyq.worker.abandoned_gaps``); a service error only postpones it."""
@@ -161,7 +175,10 @@ class Session:
         """Hand back the queues the claim loop asked for, at this batch boundary."""
         if not requests:
             return
-        queues = self.held.release(requests, busy=lambda queue: self.buffer.depth(queue) > 0)
+        draining = set(self.held.sides().values())
+        queues = self.held.release(
+            requests, busy=lambda queue: self.buffer.depth(queue) > 0 or queue in draining
+        )
         self.handbacks.handed_back(queues)
         self.fire_events()
 
