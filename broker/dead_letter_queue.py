@@ -39,6 +39,9 @@ from keyq.broker.envelope import (
 NOT_FOUND = 404
 FOREIGN_ID_PREFIX = "sha256:"
 FOREIGN_ID_DIGITS = 16
+# Set by the broker, not the sender: a quorum queue counts each time it hands a message out
+# (and a walk's hand-back counts), so it is left out of a letter's id and of a redriven copy.
+BROKER_HEADERS = frozenset({"x-delivery-count"})
 
 
 @dataclass(frozen=True)
@@ -103,9 +106,11 @@ class DeadLetterMessage:
 
 def content_id(body: bytes, headers: Mapping[str, Any]) -> str:
     """``sha256:`` + 16 hex digits over the body and the headers sorted by name: the same for
-    the same letter in every walk (nothing of a delivery, such as its tag, goes in)."""
+    the same letter in every walk (nothing of a delivery, such as its tag or the broker's
+    delivery count, goes in)."""
     digest = hashlib.sha256()
-    digest.update(orjson.dumps(_canonical(dict(headers)), option=orjson.OPT_SORT_KEYS))
+    own = {name: value for name, value in headers.items() if name not in BROKER_HEADERS}
+    digest.update(orjson.dumps(_canonical(own), option=orjson.OPT_SORT_KEYS))
     digest.update(b"\0")
     digest.update(body)
     return FOREIGN_ID_PREFIX + digest.hexdigest()[:FOREIGN_ID_DIGITS]

@@ -11,6 +11,7 @@ within one ttl.
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import threading
 import time
@@ -22,7 +23,8 @@ from keyq.broker.errors import KeyqError
 from keyq.broker.redis_keys import StreamKeys
 
 LOCK_TTL_MS = 30_000
-RENEW_EVERY_S = LOCK_TTL_MS / 3000
+# For tests only: a shorter ttl, so that a lock a killed command left runs out sooner.
+TTL_VARIABLE = "KEYQ_TEST_DLQ_LOCK_TTL_MS"
 POLL_S = 0.2
 
 # KEYS[1] = lock; ARGV[1] = token, ARGV[2] = ttl ms. 1 if still ours (renewed), else 0.
@@ -51,12 +53,12 @@ class DeadLetterLock:
     """``with DeadLetterLock(client, stream, wait_s=30):`` holds the stream's DLQ lock."""
 
     def __init__(
-        self, client: redis.Redis, stream: str, *, wait_s: float, ttl_ms: int = LOCK_TTL_MS
+        self, client: redis.Redis, stream: str, *, wait_s: float, ttl_ms: int | None = None
     ) -> None:
         self._client = client
         self._key = StreamKeys(stream).redrive_lock
         self._wait_s = wait_s
-        self._ttl_ms = ttl_ms
+        self._ttl_ms = ttl_ms or int(os.environ.get(TTL_VARIABLE, LOCK_TTL_MS))
         self._token = secrets.token_hex(12)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
@@ -78,7 +80,7 @@ class DeadLetterLock:
         self._renewer.start()
 
     def _keep(self) -> None:
-        while not self._stop.wait(min(RENEW_EVERY_S, self._ttl_ms / 3000)):
+        while not self._stop.wait(self._ttl_ms / 3000):
             try:
                 if not int(self._renew(keys=[self._key], args=[self._token, self._ttl_ms])):
                     self.lost = True

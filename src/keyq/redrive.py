@@ -32,7 +32,7 @@ import orjson
 import pika
 import pika.exceptions
 
-from keyq.broker.dead_letter_queue import DeadLetterMessage, DeadLetterWalk
+from keyq.broker.dead_letter_queue import BROKER_HEADERS, DeadLetterMessage, DeadLetterWalk
 from keyq.broker.envelope import (
     CONTENT_JSON,
     HEADER_ATTEMPTS,
@@ -53,9 +53,11 @@ from keyq.operator_context import OperatorContext
 
 # For tests only: sleep this long after publishing this many letters (then be killed).
 PAUSE_AFTER_VARIABLE = "KEYQ_TEST_REDRIVE_PAUSE_AFTER"
-PAUSE_SECONDS = 3600.0
+PAUSE_SECONDS_VARIABLE = "KEYQ_TEST_REDRIVE_PAUSE_S"
 
-DEAD_HEADERS = (HEADER_DEAD_REASON, HEADER_DEAD_QUEUE, HEADER_ATTEMPTS, HEADER_DEAD_AT)
+DEAD_HEADERS = frozenset(
+    {HEADER_DEAD_REASON, HEADER_DEAD_QUEUE, HEADER_ATTEMPTS, HEADER_DEAD_AT, *BROKER_HEADERS}
+)
 NOT_FOUND = 404
 
 
@@ -199,7 +201,7 @@ def _publish_aside(
         channel.basic_publish("", queue, body, properties, mandatory=True)
         if count == pause_after:
             print(f"paused after {count}", file=sys.stderr, flush=True)
-            time.sleep(PAUSE_SECONDS)
+            time.sleep(float(os.environ.get(PAUSE_SECONDS_VARIABLE, "3600")))
     channel.close()
     return queue
 

@@ -1,0 +1,167 @@
+"""Helpers for the operator commands' tests: a stream with a recorded config, dead letters
+published the way a worker publishes them, reading a queue back, running ``keyq`` in-process."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pika
+from click.testing import CliRunner, Result
+
+from keyq.broker.envelope import CONTENT_JSON, HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
+from keyq.broker.key_control import KeyControl
+from keyq.broker.naming import dead_letter_queue_name
+from keyq.broker.streams import StreamConfig, ensure_stream_config
+from keyq.broker.topology import dead_letter_queue_arguments
+from keyq.cli import cli
+from keyq.worker.dead_letters import DeadLetter, dead_letter_properties
+from keyq.worker.deliveries import Delivery
+from tests.conftest import StreamFixture
+
+_tags = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Letter:
+    """What a test put in the dead-letter queue (to compare with what comes back)."""
+
+    key: str | None
+    producer: str | None
+    seq: int | None
+    body: bytes
+
+    @property
+    def letter_id(self) -> str:
+        return f"{self.producer}:{self.seq}"
+
+
+def keyq_delivery(
+    queue: str, key: str, producer: str, seq: int, body: bytes, extra: dict[str, Any] | None = None
+) -> Delivery:
+    headers = {HEADER_KEY: key, HEADER_PRODUCER: producer, HEADER_SEQ: seq, **(extra or {})}
+    return Delivery(
+        queue=queue,
+        channel_epoch=1,
+        delivery_tag=next(_tags),
+        redelivered=False,
+        headers=headers,
+        content_type=CONTENT_JSON,
+        message_id=f"{producer}-{seq}",
+        body=body,
+    )
+
+
+def foreign_delivery(queue: str, body: bytes, headers: dict[str, Any] | None = None) -> Delivery:
+    return Delivery(
+        queue=queue,
+        channel_epoch=1,
+        delivery_tag=next(_tags),
+        redelivered=False,
+        headers=dict(headers or {}),
+        content_type="text/plain",
+        message_id=None,
+        body=body,
+    )
+
+
+def record_stream(
+    stream: StreamFixture, *, mode: str = "key", queue_type: str = "classic"
+) -> StreamConfig:
+    buckets = 4 if mode == "bucket" else None
+    return ensure_stream_config(stream.redis, stream.name, mode, buckets, queue_type)
+
+
+def dead_letter(
+    connection: pika.BlockingConnection,
+    stream: str,
+    deliveries: list[Delivery],
+    *,
+    queue_type: str = "classic",
+    reason: str = "poison: bad payload",
+) -> None:
+    """Publish dead letters, confirmed, exactly as a worker's ``DeadLetterPublisher`` does."""
+    channel = connection.channel()
+    queue = dead_letter_queue_name(stream)
+    channel.queue_declare(queue, durable=True, arguments=dead_letter_queue_arguments(queue_type))
+    channel.confirm_delivery()
+    for delivery in deliveries:
+        properties = dead_letter_properties(DeadLetter(delivery, reason, attempts=3))
+        channel.basic_publish("", queue, delivery.body, properties, mandatory=True)
+    channel.close()
+
+
+def letters_for(stream: str, plan: list[tuple[str, int]], producer: str = "p1") -> list[Delivery]:
+    """Deliveries of keyq events: (key, seq) each, from ``stream``'s key queues."""
+    return [
+        keyq_delivery(
+            f"keyq.{stream}.k.{key}", key, producer, seq, orjson.dumps({"k": key, "s": seq})
+        )
+        for key, seq in plan
+    ]
+
+
+def peek_all(connection: pika.BlockingConnection, queue: str) -> list[tuple[dict[str, Any], bytes]]:
+    """(headers, body) of every message in ``queue``, in order, handed back unchanged."""
+    channel = connection.channel()
+    seen: list[tuple[dict[str, Any], bytes]] = []
+    while True:
+        method, properties, body = channel.basic_get(queue, auto_ack=False)
+        if method is None:
+            break
+        seen.append((dict(properties.headers or {}), bytes(body)))
+    channel.close()
+    return seen
+
+
+def ids_in(connection: pika.BlockingConnection, queue: str) -> list[str]:
+    """``producer:seq`` (or the body, for foreign messages) of each message, in order."""
+    found = []
+    for headers, body in peek_all(connection, queue):
+        producer, seq = headers.get(HEADER_PRODUCER), headers.get(HEADER_SEQ)
+        found.append(f"{_text(producer)}:{seq}" if producer is not None else body.decode())
+    return found
+
+
+def depth(connection: pika.BlockingConnection, queue: str) -> int | None:
+    channel = connection.channel()
+    try:
+        return int(channel.queue_declare(queue, passive=True).method.message_count)
+    except pika.exceptions.ChannelClosedByBroker:
+        return None
+    finally:
+        if channel.is_open:
+            channel.close()
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def keyq(*args: str) -> Result:
+    """``keyq ARGS`` in this process; stdout and stderr apart."""
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def one_line_error(result: Result, code: int) -> str:
+    """Check the result failed with ``code`` and one line ``keyq: ...``; returns the line."""
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("keyq: "), result.stderr
+    return lines[0]
+
+
+def redrive_queues(stream: StreamFixture) -> list[str]:
+    """Every redrive or aside queue the stream's Redis knows of."""
+    recorded = [str(queue) for queue in stream.redis.hkeys(stream.keys.redrives)]
+    aside = KeyControl(stream.redis, stream.name).keys_aside()
+    return sorted(set(recorded) | {queue for queues in aside.values() for queue in queues})
+
+
+def with_operator_queues(stream: StreamFixture) -> Iterator[StreamFixture]:
+    """For a fixture: the test's stream, its redrive and aside queues deleted with it."""
+    yield stream
+    stream.track(*redrive_queues(stream))
