@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import orjson
 import pika
 import pika.exceptions
 import pytest
@@ -170,6 +171,9 @@ class StreamFixture:
     def cleanup(self) -> None:
         registered = [str(q) for q in self.redis.zrange(self.keys.registry, 0, -1)]
         queues = set(registered) | self.extra_queues | {dead_letter_queue_name(self.name)}
+        for raw in self.redis.hvals(self.keys.aside):  # queues keys' events waited in aside
+            queues.update(orjson.loads(raw))
+        queues.update(str(q) for q in self.redis.hkeys(self.keys.redrives))
         delete_queues(self.settings, sorted(queues))
         for pattern in self.keys.all_patterns():
             for key in self.redis.scan_iter(match=pattern, count=1000):

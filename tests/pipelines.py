@@ -73,3 +73,18 @@ def paced_audit_event(state: Any, event: Any) -> Any:
 
 def audit_paced(df: Any, ctx: Any) -> Any:
     return ctx.state.fold(df, paced_audit_event)
+
+
+def ledger_until_fixed_event(state: Any, event: Any) -> Any:
+    """``ledger_event``, whose planted poison fails only until the file named by
+    ``KEYQ_TEST_FIXED_MARKER`` exists: a test "fixes the pipeline" by creating it."""
+    marker = os.environ.get("KEYQ_TEST_FIXED_MARKER")
+    if event.get("poison") and not (marker and Path(marker).exists()):
+        raise ValueError(f"planted poison event {event.get('n')}")
+    state = state or {"seen": {}}
+    state["seen"].setdefault(str(event["producer"]), []).append(int(event["n"]))
+    return state
+
+
+def ledger_until_fixed(df: Any, ctx: Any) -> Any:
+    return ctx.state.fold(df, ledger_until_fixed_event)

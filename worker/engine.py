@@ -50,10 +50,11 @@ BATCH_COLUMNS = (
     "published_at",
     "redelivered",
     "payload",
+    "redriven",
 )
 BATCH_SCHEMA_DDL = (
     "stream string, queue string, key string, seq long, producer string, message_id string, "
-    "published_at timestamp, redelivered boolean, payload string"
+    "published_at timestamp, redelivered boolean, payload string, redriven boolean"
 )
 _ARROW_SCHEMA = pa.schema(
     [
@@ -66,6 +67,7 @@ _ARROW_SCHEMA = pa.schema(
         ("published_at", pa.timestamp("ms", tz="UTC")),
         ("redelivered", pa.bool_()),
         ("payload", pa.string()),
+        ("redriven", pa.bool_()),  # put back from the dead letters by ``keyq dlq redrive``
     ]
 )
 
@@ -83,6 +85,7 @@ def batch_table(stream: str, events: Sequence[Event]) -> pa.Table:
             pa.array([e.published_at_ms for e in events], pa.timestamp("ms", tz="UTC")),
             pa.array([e.delivery.redelivered for e in events], pa.bool_()),
             pa.array([e.payload for e in events], pa.string()),
+            pa.array([e.redrive_id is not None for e in events], pa.bool_()),
         ],
         schema=_ARROW_SCHEMA,
     )
