@@ -1,0 +1,135 @@
+"""``keyq pause``, ``keyq resume`` and ``keyq stream set|show`` on a real Redis (and RabbitMQ
+for the queues a resume wakes)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pika
+import pytest
+
+from keyq.broker.key_control import KeyControl, ParkedKey
+from keyq.broker.stream_policy import StreamPolicies, StreamPolicy
+from keyq.key_commands import read_keys
+from tests.conftest import StreamFixture
+from tests.operator_helpers import depth, keyq, one_line_error, record_stream, with_operator_queues
+
+
+@pytest.fixture
+def ops_stream(stream: StreamFixture) -> Iterator[StreamFixture]:
+    yield from with_operator_queues(stream)
+
+
+def test_pause_and_resume_keys_from_options_and_a_file(
+    ops_stream: StreamFixture, amqp: pika.BlockingConnection, tmp_path: Path
+) -> None:
+    stream = ops_stream
+    record_stream(stream)
+    control = KeyControl(stream.redis, stream.name)
+    listed = tmp_path / "keys.txt"
+    listed.write_text("b\n\nc:1\nb\n")
+    result = keyq("pause", "--stream", stream.name, "--key", "a", "--keys-file", str(listed))
+    assert result.exit_code == 0, result.stderr
+    assert "paused 3 keys" in result.stdout
+    assert set(control.paused()) == {"a", "b", "c:1"}
+    again = keyq("pause", "--stream", stream.name, "--key", "a", "--json")
+    assert orjson.loads(again.stdout)["paused"] == []
+    result = keyq("resume", "--stream", stream.name, "--key", "a", "--key", "zz", "--json")
+    assert result.exit_code == 0, result.stderr
+    done = orjson.loads(result.stdout)
+    assert done["resumed"] == ["a"] and done["woken"] == [f"keyq.{stream.name}.k.a"]
+    assert set(control.paused()) == {"b", "c:1"}
+    own = f"keyq.{stream.name}.k.a"
+    assert depth(amqp, own) == 0
+    assert stream.redis.zscore(stream.keys.registry, own) is not None
+    assert stream.redis.hget(stream.keys.queue_keys, own) == "a"
+    assert stream.redis.zscore(stream.keys.woken, own) is not None
+
+
+def test_pause_and_resume_the_whole_stream(ops_stream: StreamFixture) -> None:
+    stream = ops_stream
+    record_stream(stream)
+    policies = StreamPolicies(stream.redis, stream.name)
+    assert keyq("pause", "--stream", stream.name, "--all").exit_code == 0
+    assert policies.load().paused
+    shown = orjson.loads(keyq("stream", "show", "--stream", stream.name, "--json").stdout)
+    assert shown["paused"] is True
+    assert keyq("resume", "--stream", stream.name, "--all").exit_code == 0
+    assert not policies.load().paused
+
+
+def test_stream_set_and_show(ops_stream: StreamFixture) -> None:
+    stream = ops_stream
+    record_stream(stream, mode="bucket")
+    control = KeyControl(stream.redis, stream.name)
+    control.pause(["a", "b"])
+    control.park("c", ParkedKey(at_ms=1, reason="poison", producer="p", seq=4))
+    result = keyq(
+        "stream", "set", "--stream", stream.name, "--poison-policy", "park", "--rate-limit", "2.5"
+    )
+    assert result.exit_code == 0, result.stderr
+    assert "poison policy park, rate limit 2.5/s per key" in result.stdout
+    policies = StreamPolicies(stream.redis, stream.name)
+    assert policies.load() == StreamPolicy(poison_policy="park", rate_limit=2.5)
+    shown = orjson.loads(keyq("stream", "show", "--stream", stream.name, "--json").stdout)
+    assert shown == {
+        "stream": stream.name,
+        "mode": "bucket",
+        "buckets": 4,
+        "queue_type": "classic",
+        "poison_policy": "park",
+        "rate_limit": 2.5,
+        "paused": False,
+        "paused_keys": 2,
+        "parked_keys": 1,
+    }
+    assert keyq("stream", "set", "--stream", stream.name, "--rate-limit", "none").exit_code == 0
+    assert policies.load().rate_limit is None
+    text = keyq("stream", "show", "--stream", stream.name)
+    assert "rate limit none" in text.stdout and "parked keys 1" in text.stdout
+
+
+def test_bad_input_is_one_line_exit_2_and_changes_nothing(
+    ops_stream: StreamFixture, tmp_path: Path
+) -> None:
+    stream = ops_stream
+    record_stream(stream)
+    name = stream.name
+    bad_file = tmp_path / "keys.txt"
+    bad_file.write_text("ok\n" + "x" * 5000 + "\n")
+    cases = [
+        ("pause", "--stream", "t-never-used", "--key", "a"),
+        ("pause", "--stream", "no.dots", "--key", "a"),
+        ("pause", "--stream", name, "--key", ""),
+        ("pause", "--stream", name, "--key", "a", "--all"),
+        ("pause", "--stream", name),
+        ("pause", "--stream", name, "--keys-file", str(bad_file)),
+        ("pause", "--stream", name, "--keys-file", str(tmp_path / "missing")),
+        ("resume", "--stream", name, "--key", "x" * 5000),
+        ("resume", "--stream", "t-never-used", "--all"),
+        ("stream", "set", "--stream", name),
+        ("stream", "set", "--stream", name, "--poison-policy", "drop"),
+        ("stream", "set", "--stream", name, "--rate-limit", "0"),
+        ("stream", "set", "--stream", name, "--rate-limit", "-3"),
+        ("stream", "set", "--stream", name, "--rate-limit", "nan"),
+        ("stream", "set", "--stream", name, "--rate-limit", "fast"),
+        ("stream", "set", "--stream", name, "--poison-policy", "park", "--rate-limit", "0"),
+        ("stream", "set", "--stream", "t-never-used", "--poison-policy", "park"),
+        ("stream", "show", "--stream", "t-never-used"),
+        ("stream", "show"),
+    ]
+    for args in cases:
+        one_line_error(keyq(*args), 2)
+    missing = one_line_error(keyq("stream", "show", "--stream", "t-never-used"), 2)
+    assert missing == "keyq: stream t-never-used does not exist"
+    assert not stream.redis.exists(stream.keys.paused_keys, stream.keys.policy)
+    assert not stream.redis.exists("keyq:{t-never-used}:config", "keyq:{t-never-used}:policy")
+
+
+def test_read_keys_keeps_order_and_drops_repeats(tmp_path: Path) -> None:
+    listed = tmp_path / "keys"
+    listed.write_text("b\r\na\n\n  \nb\n")
+    assert read_keys(("c", "a"), str(listed)) == ["c", "a", "b"]
+    assert read_keys(("k",), None) == ["k"]
