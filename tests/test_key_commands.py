@@ -91,6 +91,25 @@ def test_stream_set_and_show(ops_stream: StreamFixture) -> None:
     assert "rate limit none" in text.stdout and "parked keys 1" in text.stdout
 
 
+def test_status_shows_the_policy_and_the_stopped_keys(ops_stream: StreamFixture) -> None:
+    stream = ops_stream
+    record_stream(stream)
+    KeyControl(stream.redis, stream.name).pause(["a"])
+    assert keyq("stream", "set", "--stream", stream.name, "--rate-limit", "3").exit_code == 0
+    assert keyq("pause", "--stream", stream.name, "--all").exit_code == 0
+    status = orjson.loads(keyq("status", "--stream", stream.name, "--json").stdout)
+    assert status["policy"] == {
+        "poison_policy": "skip",
+        "rate_limit": 3.0,
+        "paused": True,
+        "paused_keys": 1,
+        "parked_keys": 0,
+    }
+    text = keyq("status", "--stream", stream.name).stdout
+    assert "poison policy skip   rate limit 3/s per key   paused keys 1   parked keys 0" in text
+    assert "STREAM PAUSED" in text
+
+
 def test_bad_input_is_one_line_exit_2_and_changes_nothing(
     ops_stream: StreamFixture, tmp_path: Path
 ) -> None:

@@ -1,11 +1,12 @@
 """``keyq status``: a stream's queues (depth, owner, idle time), its live workers, its dead letters,
 and how close the broker is to its file-descriptor limit.
 
-Everything is read, nothing is changed: Redis in three round trips (one pipeline for the
-config, the registry and the members, one MGET for every lock, one HMGET for the original
-keys), RabbitMQ in one scrape of each node's rabbitmq_prometheus when ``KEYQ_PROMETHEUS_URL``
-is set, else in two listings of the management API when ``KEYQ_MANAGEMENT_URL`` is (its fd use
-from the same place), else by passive declares on one channel (AMQP cannot list queues).
+Everything is read, nothing is changed: Redis in four round trips (one pipeline for the config,
+the registry, the members and the counts of paused and parked keys, one read of the stream's
+policy, one MGET for every lock, one HMGET for the original keys), RabbitMQ in one scrape of
+each node's rabbitmq_prometheus when ``KEYQ_PROMETHEUS_URL`` is set, else in two listings of
+the management API when ``KEYQ_MANAGEMENT_URL`` is (its fd use from the same place), else by
+passive declares on one channel (AMQP cannot list queues).
 
 This module reads; the rows are built in ``keyq.status_rows``, drawn in ``keyq.status_table``
 and the command is ``keyq.status_cli``'s, each re-exported here under its old name.
@@ -33,6 +34,7 @@ from keyq.broker.prometheus_api import queue_figures as prometheus_figures
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings
+from keyq.broker.stream_policy import StreamPolicies
 from keyq.broker.streams import StreamConfig
 from keyq.broker.urls import vhost_of
 from keyq.broker.worker_report import WorkerReport
@@ -108,12 +110,16 @@ class StatusReader:
             pipe.zrange(keys.registry, 0, -1, withscores=True)
             pipe.zrangebyscore(keys.members, now, "+inf", withscores=True)
             pipe.hgetall(keys.member_info)
-            raw_config, registered, members, infos = pipe.execute()
+            pipe.hlen(keys.paused_keys)
+            pipe.hlen(keys.parked_keys)
+            raw_config, registered, members, infos, paused, parked = pipe.execute()
         if raw_config is None:
             raise StreamNotFound(
                 f"stream {self.stream!r} has no producer yet (no config recorded in Redis)"
             )
         config = StreamConfig.from_json(self.stream, str(raw_config))
+        with redis_errors(self.settings.redis_url):
+            policy = StreamPolicies(self._redis, self.stream).load()
         activity = {
             str(queue): int(score)
             for queue, score in cast(list[tuple[str, float]], registered)
@@ -169,6 +175,13 @@ class StatusReader:
             "buckets": config.buckets,
             "at_ms": now,
             "dead_letter_queue": self._dlq,
+            "policy": {
+                "poison_policy": policy.poison_policy,
+                "rate_limit": policy.rate_limit,
+                "paused": policy.paused,
+                "paused_keys": int(paused),
+                "parked_keys": int(parked),
+            },
             "queues": [*queues, dead_letter],
             "workers": workers,
             "totals": {
@@ -285,8 +298,11 @@ class StatusReader:
 def collect_status(settings: Settings, stream: str) -> dict[str, Any]:
     """A snapshot of ``stream``, as plain JSON-ready data.
 
-    ``queues``: every registered queue, deepest first, then the dead-letter queue, each with
-    ``name``, ``key`` (original key; None in bucket mode), ``depth`` (ready messages; None and
+    ``policy``: the stream's ``poison_policy``, ``rate_limit`` (events/s per key, None for
+    none), ``paused`` (the whole stream), and how many keys are paused (``paused_keys``) or
+    parked (``parked_keys``). ``queues``: every registered queue, deepest first, then the dead-
+    letter queue, each with ``name``, ``key`` (original key; None in bucket mode), ``depth``
+    (ready messages; None and
     ``missing`` when the queue does not exist), ``consumers``, ``owner``/``token`` (lock
     holder), ``owner_alive`` and ``idle_ms`` (since last registry activity). ``workers``: the
     live members with ``heartbeat_age_ms`` (expiry minus ``settings.member_ttl_ms``), ``held``

@@ -39,6 +39,15 @@ def render_table(status: dict[str, Any], *, width: int = PIPE_WIDTH) -> str:
         + f"   workers {totals['workers']}"
         + ("" if rate is None else f"   {rate} events/s")
     )
+    policy = status.get("policy")
+    if policy is not None:
+        limit = policy["rate_limit"]
+        console.print(
+            f"poison policy {policy['poison_policy']}   rate limit "
+            + ("none" if limit is None else f"{limit:g}/s per key")
+            + f"   paused keys {policy['paused_keys']}   parked keys {policy['parked_keys']}"
+            + ("   STREAM PAUSED" if policy["paused"] else "")
+        )
     if status.get("broker") is not None:
         fds = FdUsage.from_dict(status["broker"])
         console.print(f"broker file descriptors {fds.summary()}")
