@@ -314,7 +314,7 @@ def test_a_redrive_killed_half_way_is_safe_to_run_again(
     killed = _start_redrive(stream.settings, stream.name, "a", env)
     try:
         _wait_paused(killed)
-        [orphan] = stream.redis.hkeys(stream.keys.redrives)
+        [orphan] = [str(queue) for queue in stream.redis.hkeys(stream.keys.redrives)]
         wait_until(lambda: depth(amqp, orphan) == 2, 10, "two letters in the redrive queue")
     finally:
         os.kill(killed.pid, signal.SIGKILL)

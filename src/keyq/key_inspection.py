@@ -5,7 +5,8 @@ its committed state and marks, how old its oldest waiting event is, and its dead
 Read-only but for one thing: the age of the oldest waiting event is read by taking the head
 of the key's queue unacked and handing it back (its channel closed), which RabbitMQ marks as
 redelivered. That is done only while no worker holds or consumes the queue and no janitor is
-retiring it, so no worker sees another order and no delete can catch it taken.
+retiring it, so no worker sees another order and no delete can catch it taken, and never on a
+quorum queue, where the hand-back counts toward the queue's delivery limit.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def inspect_key(ctx: OperatorContext, key: str, *, dlq_wait_s: float) -> dict[st
         retiring = bool(RetirementFence(client, ctx.stream).marked([queue]))
         if depths[queue] is None or not depths[queue][0]:  # type: ignore[index]
             oldest: dict[str, Any] = {"age_ms": None, "note": "nothing waits in the queue"}
+        elif config.queue_type == "quorum":
+            note = "not looked at: on a quorum queue a hand-back counts toward its delivery limit"
+            oldest = {"age_ms": None, "note": note}
         else:
             oldest = _oldest_waiting(connection, queue, key, config.mode, held or retiring)
         with (
