@@ -142,5 +142,10 @@ class CommitRefused(LockLost):
         self.lost = lost
 
 
+class KeysStopped(KeyqError):
+    """A key of a batch was paused (or its stream was) while the batch ran: its commit wrote
+    nothing, and the batch runs again, setting that key's events aside."""
+
+
 class SparkUnavailable(ServiceUnavailable):
     """The Spark session or cluster is gone; batches wait for it and are never blamed."""

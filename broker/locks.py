@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import redis
 
-from keyq.broker.errors import CommitNotReplicated
+from keyq.broker.errors import CommitNotReplicated, KeysStopped
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.redis_topology import node_client
 
@@ -74,6 +74,9 @@ return released
 # The fenced commit. KEYS = n lock keys, then the hashes to write. ARGV = n, the n expected
 # lock values, then per hash: a field count and its field/value pairs. Writes nothing unless
 # every lock still holds its expected value; returns the 1-based indexes of those that do not.
+# Then n_guards, and per guard a field whose hash is the next key after the locks: if any of
+# those fields exists (a key an operator paused while the batch ran), nothing is written and
+# the answer is {0}.
 _COMMIT = """
 local n_locks = tonumber(ARGV[1])
 local lost = {}
@@ -85,8 +88,14 @@ end
 if #lost > 0 then
   return lost
 end
-local at = 2 + n_locks
-for h = n_locks + 1, #KEYS do
+local n_guards = tonumber(ARGV[2 + n_locks])
+for g = 1, n_guards do
+  if redis.call('HEXISTS', KEYS[n_locks + g], ARGV[2 + n_locks + g]) == 1 then
+    return {0}
+  end
+end
+local at = 3 + n_locks + n_guards
+for h = n_locks + n_guards + 1, #KEYS do
   local n_fields = tonumber(ARGV[at])
   at = at + 1
   for j = 0, n_fields - 1 do
@@ -109,6 +118,11 @@ class Lease:
     @property
     def value(self) -> str:
         return f"{self.owner}|{self.token}"
+
+
+def _check_guards(answer: Sequence[int]) -> None:
+    if list(answer) == [0]:
+        raise KeysStopped("a key of the batch was paused while it ran: nothing was written")
 
 
 def _parse_lease(queue: str, value: str) -> Lease:
@@ -195,8 +209,10 @@ class FencedLocks:
         *,
         replicas: int = 0,
         replica_timeout_ms: int = 1000,
+        guards: Sequence[tuple[str, str]] = (),
     ) -> frozenset[str]:
-        """Write hash fields (hash key -> field -> value) only if every lease is current.
+        """Write hash fields (hash key -> field -> value) only if every lease is current,
+        and no field of ``guards`` (hash key, field) exists, else raise ``KeysStopped``.
 
         The one fenced commit of keyq: checks and writes happen in one script, so no other
         owner can slip in between, and a batch is committed whole or not at all. Returns the
@@ -209,8 +225,11 @@ class FencedLocks:
         The commit bumps a counter too, so a commit that writes nothing new (a batch run
         again) still proves that everything before it reached the replicas.
         """
-        args: list[str | int] = [len(leases), *(lease.value for lease in leases)]
+        args: list[str | int] = [len(leases), *(lease.value for lease in leases), len(guards)]
         keys = [self._keys.lock(lease.queue) for lease in leases]
+        for hash_key, field in guards:
+            keys.append(hash_key)
+            args.append(field)
         for target, fields in writes.items():
             keys.append(target)
             args.append(len(fields))
@@ -218,12 +237,14 @@ class FencedLocks:
                 args.extend((field, value))
         if replicas <= 0:
             lost = self._commit(keys=keys, args=args)
+            _check_guards(lost)
             return frozenset(leases[int(index) - 1].queue for index in lost)
         pipe = node_client(self._client, self._keys.commits).pipeline(transaction=False)
         self._commit(keys=keys, args=args, client=pipe)
         pipe.incr(self._keys.commits)
         pipe.execute_command("WAIT", replicas, replica_timeout_ms)  # type: ignore[no-untyped-call]
         lost, _, confirmed = pipe.execute()
+        _check_guards(lost)
         refused = frozenset(leases[int(index) - 1].queue for index in lost)
         if not refused and int(confirmed) < replicas:
             raise CommitNotReplicated(

@@ -352,7 +352,7 @@ class StoreStandIn:
         return {key: self._marks[key] for key in keys if key in self._marks}
 
     def commit(
-        self, leases: Sequence[Lease], marks: Any, states: Any, record: Any
+        self, leases: Sequence[Lease], marks: Any, states: Any, record: Any, *, guards: Any = ()
     ) -> frozenset[str]:
         self.journal.calls.append(("commit", sorted(lease.queue for lease in leases)))
         return self.lost

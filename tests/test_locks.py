@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
+from keyq.broker.errors import KeysStopped
+from keyq.broker.key_control import KeyControl
 from keyq.broker.locks import FencedLocks
+from keyq.broker.stream_policy import StreamPolicies
 from tests.conftest import StreamFixture
 
 
@@ -114,3 +119,21 @@ def test_a_commit_writes_every_hash_or_none(stream: StreamFixture) -> None:
     assert locks.commit([a, b], again) == {"a", "b"}
     assert stream.redis.hgetall(stream.keys.state) == {"k": "s1"}
     assert stream.redis.hgetall(stream.keys.marks) == {"k": "m1", "j": "m2"}
+
+
+def test_a_commit_guarded_by_a_key_paused_meanwhile_writes_nothing(stream: StreamFixture) -> None:
+    locks = FencedLocks(stream.redis, stream.name)
+    lease = locks.acquire("q", "w1", 5000)
+    assert lease
+    guards = [(stream.keys.paused_keys, "k"), (stream.keys.policy, "paused")]
+    writes = {stream.keys.state: {"k": "s1"}}
+    assert locks.commit([lease], writes, guards=guards) == frozenset()
+    KeyControl(stream.redis, stream.name).pause(["k"])
+    with pytest.raises(KeysStopped):
+        locks.commit([lease], {stream.keys.state: {"k": "s2"}}, guards=guards)
+    assert stream.redis.hgetall(stream.keys.state) == {"k": "s1"}
+    KeyControl(stream.redis, stream.name).resume(["k"])
+    StreamPolicies(stream.redis, stream.name).set_paused(True)  # the whole stream
+    with pytest.raises(KeysStopped):
+        locks.commit([lease], {stream.keys.state: {"k": "s3"}}, guards=guards)
+    assert stream.redis.hgetall(stream.keys.state) == {"k": "s1"}

@@ -18,10 +18,11 @@ from typing import Protocol
 
 from keyq.broker.clock import now_ms
 from keyq.broker.envelope import HEADER_KEY
-from keyq.broker.errors import CommitRefused
+from keyq.broker.errors import CommitRefused, KeysStopped
 from keyq.broker.key_control import KeyControl, ParkedKey
 from keyq.broker.locks import Lease
 from keyq.broker.naming import aside_queue_name, is_side_queue
+from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.stream_policy import StreamPolicy
 from keyq.worker.batch_failures import Stale
@@ -78,6 +79,7 @@ class BatchAttempt:
     ) -> None:
         self._worker_id = worker_id
         self._stream = stream
+        self._stream_keys = StreamKeys(stream)
         self._control = control
         self._policy = policy
         self._job = job
@@ -117,7 +119,20 @@ class BatchAttempt:
         self._dead_letter(run.letters, attempt)
         if park:
             self._park(gate, run, dead)
-        self._output.commit(batch_id, leases, run.plan.marks, computed.states, computed.staged)
+        try:
+            self._output.commit(
+                batch_id,
+                leases,
+                run.plan.marks,
+                computed.states,
+                computed.staged,
+                guards=self._guards(run),
+            )
+        except KeysStopped:
+            # Paused while it ran: run again, and the gate sets those keys' events aside.
+            log.info("a key of batch %s was paused while it ran: running it again", batch_id)
+            self.run(deliveries, attempt, dead, progress)
+            return
         clock.lap()  # commit
         self._ack(settling, progress)
         clock.lap()  # ack
@@ -160,6 +175,15 @@ class BatchAttempt:
             park_at_poison=park,
             now_ms=now_ms(),
         )
+
+    def _guards(self, run: RunPlan) -> list[tuple[str, str]]:
+        """What must not have been paused meanwhile for the commit to stand: the keys it
+        applies events of, and the stream."""
+        applied = {event.key for event in run.events}
+        guards = [(self._stream_keys.paused_keys, key) for key in sorted(applied)]
+        if applied:
+            guards.append((self._stream_keys.policy, "paused"))
+        return guards
 
     def _set_aside(self, gate: GateSorting, leases: Mapping[str, Lease]) -> None:
         """Copy each stopped key's events to the tail of its aside queues, confirmed, before

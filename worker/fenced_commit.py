@@ -5,10 +5,10 @@ replicated commit to prove it reached them."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from keyq.broker.errors import CommitNotReplicated, CommitRefused
+from keyq.broker.errors import CommitNotReplicated, CommitRefused, KeysStopped
 from keyq.broker.locks import Lease
 from keyq.worker.batch_stats import BatchStats
 from keyq.worker.dedup import KeyMarks
@@ -39,10 +39,18 @@ class FencedCommit:
         marks: Mapping[str, KeyMarks],
         states: Mapping[str, str],
         staged: str | None,
+        *,
+        guards: Sequence[tuple[str, str]] = (),
     ) -> None:
         """Commit, then publish the output. Raises ``CommitRefused`` (nothing written) if a
-        lock moved on, ``CommitNotReplicated`` if the replicas did not confirm in time."""
-        lost = self._write(batch_id, leases, marks, states, staged)
+        lock moved on, ``KeysStopped`` (nothing written) if a field of ``guards`` exists,
+        ``CommitNotReplicated`` if the replicas did not confirm in time."""
+        try:
+            lost = self._write(batch_id, leases, marks, states, staged, guards=guards)
+        except KeysStopped:
+            if staged is not None and self._sink is not None:
+                self._sink.discard(staged)
+            raise
         if lost:
             if staged is not None and self._sink is not None:
                 self._sink.discard(staged)
@@ -59,10 +67,12 @@ class FencedCommit:
         marks: Mapping[str, KeyMarks],
         states: Mapping[str, str],
         staged: str | None,
+        *,
+        guards: Sequence[tuple[str, str]],
     ) -> frozenset[str]:
         record = None if staged is None else (batch_id, staged)
         try:
-            return self._store.commit(list(leases.values()), marks, states, record)
+            return self._store.commit(list(leases.values()), marks, states, record, guards=guards)
         except CommitNotReplicated:
             if staged is not None:
                 # Committed on the primary only: visible once a later commit proves it

@@ -66,10 +66,13 @@ class StateStore:
         marks: Mapping[str, KeyMarks],
         states: Mapping[str, str],
         sink_record: tuple[str, str] | None = None,
+        *,
+        guards: Sequence[tuple[str, str]] = (),
     ) -> frozenset[str]:
         """Write everything if every lease is current (``FencedLocks.commit``); returns the
         queues whose lease is not (and then nothing was written). Raises
-        ``CommitNotReplicated`` when the replicas required did not confirm it in time."""
+        ``CommitNotReplicated`` when the replicas required did not confirm it in time, and
+        ``KeysStopped`` (nothing written) when a field of ``guards`` exists."""
         writes: dict[str, dict[str, str]] = {
             self._keys.marks: {key: mark.to_json() for key, mark in marks.items()},
             self._keys.state: dict(states),
@@ -78,7 +81,11 @@ class StateStore:
             token, record = sink_record
             writes[self._keys.sink_pending] = {token: record}
         return self._locks.commit(
-            leases, writes, replicas=self.replicas, replica_timeout_ms=self._replica_timeout_ms
+            leases,
+            writes,
+            replicas=self.replicas,
+            replica_timeout_ms=self._replica_timeout_ms,
+            guards=guards,
         )
 
     def pending_sink_records(self) -> dict[str, str]:
