@@ -152,3 +152,25 @@ def test_read_keys_keeps_order_and_drops_repeats(tmp_path: Path) -> None:
     listed.write_text("b\r\na\n\n  \nb\n")
     assert read_keys(("c", "a"), str(listed)) == ["c", "a", "b"]
     assert read_keys(("k",), None) == ["k"]
+
+
+def test_rabbitmq_down_is_exit_1_and_changes_nothing(
+    ops_stream: StreamFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stream = ops_stream
+    record_stream(stream)
+    control = KeyControl(stream.redis, stream.name)
+    control.pause(["a"])
+    control.park("a", ParkedKey(at_ms=1, reason="poison", producer="p", seq=1))
+    monkeypatch.setenv("KEYQ_AMQP_URL", "amqp://guest:guest@127.0.0.1:1/%2F")
+    monkeypatch.setenv("KEYQ_CONNECT_TIMEOUT", "2")
+    for args in (
+        ("resume", "--stream", stream.name, "--key", "a"),
+        ("dlq", "redrive", "--stream", stream.name, "--key", "a", "--skip"),
+        ("dlq", "redrive", "--stream", stream.name, "--key", "a"),
+        ("dlq", "list", "--stream", stream.name),
+        ("inspect", "--stream", stream.name, "--key", "a"),
+    ):
+        assert "cannot reach RabbitMQ" in one_line_error(keyq(*args), 1)
+    assert set(control.paused()) == {"a"} and set(control.parked()) == {"a"}
+    assert not stream.redis.exists(stream.keys.redrive_lock, stream.keys.redrives)

@@ -100,8 +100,9 @@ def resume_command(
                 changed: list[str] = []
                 woken: list[str] = []
             else:
+                connection = ctx.amqp()  # before any change: RabbitMQ down changes nothing
                 changed = KeyControl(ctx.redis, ctx.stream).resume(names)
-                woken = wake_keys(ctx.redis, ctx.amqp(), ctx.config, changed)
+                woken = wake_keys(ctx.redis, connection, ctx.config, changed)
     except KeyqError as exc:
         fail(exc)
     if as_json:

@@ -108,9 +108,10 @@ def redrive(ctx: OperatorContext, request: RedriveRequest) -> RedriveResult:
     if request.skip:
         assert request.key is not None
         with ctx.services():
+            connection = ctx.amqp()  # before any change: RabbitMQ down changes nothing
             result = RedriveResult(key=request.key, skipped=True)
             result.unparked = control.unpark(request.key)
-            result.woken = wake_keys(ctx.redis, ctx.amqp(), ctx.config, [request.key])
+            result.woken = wake_keys(ctx.redis, connection, ctx.config, [request.key])
         return result
     with ctx.services(), DeadLetterLock(ctx.redis, ctx.stream, wait_s=request.wait_s) as lock:
         walk = DeadLetterWalk(ctx.amqp(), ctx.config.dead_letter_queue)
