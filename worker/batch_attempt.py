@@ -33,8 +33,9 @@ from keyq.worker.consumer import ConsumerLink, DeadLetter
 from keyq.worker.decoding import Undecodable
 from keyq.worker.deliveries import Delivery
 from keyq.worker.fenced_commit import FencedCommit
-from keyq.worker.key_gate import GateSorting, sort_by_key_status
+from keyq.worker.key_gate import GateSorting, limit_rates, sort_by_key_status
 from keyq.worker.pipeline_job import PipelineJob
+from keyq.worker.rate_limits import KeyRateLimiter
 from keyq.worker.sequencing import Gap
 from keyq.worker.state_store import StateStore
 
@@ -80,6 +81,8 @@ class BatchAttempt:
         self._worker_id = worker_id
         self._stream = stream
         self._stream_keys = StreamKeys(stream)
+        self._limiter: KeyRateLimiter | None = None
+        self._batch_numbers_seen = itertools.count(1)
         self._control = control
         self._policy = policy
         self._job = job
@@ -102,9 +105,18 @@ class BatchAttempt:
         What it settles, the leases it uses and what waits are noted in ``progress``."""
         clock = StageClock()
         leases = self._leases(deliveries, progress)
-        park = self._policy().poison_policy == "park"
+        policy = self._policy()
+        park = policy.poison_policy == "park"
         gate = self._gate(deliveries, park)
         progress.held.extend(gate.held)
+        limiter = self._limiter_for(policy.rate_limit)
+        if limiter is not None:
+            limit_rates(gate, limiter)
+            progress.limited.extend(gate.limited)
+            if gate.limited:
+                keys = {d.headers.get(HEADER_KEY) for d in gate.limited}
+                due = [limiter.due_in(k) for k in keys if isinstance(k, str)]
+                progress.retry_limited_in = min(due, default=0.05)
         run = self._plan(gate.through, dead)
         settling = [*run.settling, *gate.set_aside]
         if not settling:
@@ -175,6 +187,16 @@ class BatchAttempt:
             park_at_poison=park,
             now_ms=now_ms(),
         )
+
+    def _limiter_for(self, rate: float | None) -> KeyRateLimiter | None:
+        """The token buckets for ``rate`` (kept across batches; new when the rate changes)."""
+        if rate is None:
+            self._limiter = None
+        elif self._limiter is None or self._limiter.rate != rate:
+            self._limiter = KeyRateLimiter(rate)
+        elif next(self._batch_numbers_seen) % 1000 == 0:
+            self._limiter.forget_full()
+        return self._limiter
 
     def _guards(self, run: RunPlan) -> list[tuple[str, str]]:
         """What must not have been paused meanwhile for the commit to stand: the keys it

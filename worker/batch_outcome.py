@@ -24,6 +24,9 @@ class BatchOutcome:
     interrupted: str | None = None
     # Side queues whose key may not apply their deliveries now: their consumers close.
     held_back: frozenset[str] = frozenset()
+    # Beyond their key's rate limit: to put back, for a batch in ``retry_limited_in`` s.
+    limited: list[Delivery] = field(default_factory=list)
+    retry_limited_in: float = 0.0
 
 
 @dataclass
@@ -35,6 +38,8 @@ class BatchProgress:
     waiting: list[Delivery] = field(default_factory=list)  # set aside: to park
     # A side queue's deliveries whose key may not apply them now: their consumer is closed.
     held: list[Delivery] = field(default_factory=list)
+    limited: list[Delivery] = field(default_factory=list)  # beyond their key's rate limit
+    retry_limited_in: float = 0.0
 
     def settle(self, deliveries: Iterable[Delivery]) -> None:
         self.settled.update((d.queue, d.channel_epoch, d.delivery_tag) for d in deliveries)

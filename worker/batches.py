@@ -129,6 +129,8 @@ class BatchProcessor:
             waiting=self._progress.waiting,
             lost=[],
             held_back=frozenset(d.queue for d in self._progress.held),
+            limited=self._progress.limited,
+            retry_limited_in=self._progress.retry_limited_in,
         )
 
     def unsettled(

@@ -2,7 +2,8 @@
 (``keyq.broker.key_control``): a stopped key's events, and those of a key whose earlier events
 still wait aside, are set aside; a side queue's are applied only while it is its key's head
 and the key is not stopped. Under the ``park`` poison policy, a key's events after a poison
-one (a payload that cannot be decoded) are set aside too, and the key is parked at it.
+one (a payload that cannot be decoded) are set aside too, and the key is parked at it. Under
+a rate limit, a key's events beyond its rate wait, unacked, for a later batch.
 
 Pure: the statuses are read by the caller, once per run."""
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from keyq.broker.key_control import FLOWING, KeyStatus, ParkedKey
 from keyq.worker.decoding import Undecodable, decode
 from keyq.worker.deliveries import Delivery
+from keyq.worker.rate_limits import KeyRateLimiter
 
 
 @dataclass
@@ -23,7 +25,14 @@ class GateSorting:
     through: list[Delivery] = field(default_factory=list)  # planned and applied as usual
     aside: dict[str, list[Delivery]] = field(default_factory=dict)  # key -> to set aside
     held: list[Delivery] = field(default_factory=list)  # a side queue's that may not apply now
+    limited: list[Delivery] = field(default_factory=list)  # over their key's rate: wait
     parking: dict[str, ParkedKey] = field(default_factory=dict)  # keys to park, at what
+
+    through_keys: list[str | None] = field(default_factory=list)  # the key of each through
+
+    def let_through(self, delivery: Delivery, key: str | None) -> None:
+        self.through.append(delivery)
+        self.through_keys.append(key)
 
     @property
     def set_aside(self) -> list[Delivery]:
@@ -50,13 +59,13 @@ def sort_by_key_status(
         decoded = decode(delivery, fallback_keys.get(delivery.queue))
         key = decoded.key
         if key is None:
-            sorting.through.append(delivery)  # dead-lettered: it has no key to hold back
+            sorting.let_through(delivery, None)  # dead-lettered: it has no key to hold back
             continue
         status = statuses.get(key, FLOWING)
         if is_side_queue(delivery.queue):
             may_apply = not status.stopped and status.aside[:1] == (delivery.queue,)
             if may_apply and key not in parked_here:
-                sorting.through.append(delivery)
+                sorting.let_through(delivery, key)
                 if park_at_poison and isinstance(decoded, Undecodable):
                     _park(sorting, parked_here, key, decoded, now_ms)
             else:
@@ -65,10 +74,29 @@ def sort_by_key_status(
         if status.diverted or key in parked_here:
             sorting.aside.setdefault(key, []).append(delivery)
             continue
-        sorting.through.append(delivery)
+        sorting.let_through(delivery, key)
         if park_at_poison and isinstance(decoded, Undecodable):
             _park(sorting, parked_here, key, decoded, now_ms)
     return sorting
+
+
+def limit_rates(sorting: GateSorting, limiter: KeyRateLimiter) -> None:
+    """Hold back what would go through beyond each key's rate: a key's first events go, its
+    later ones wait, in order."""
+    counts: dict[str, int] = {}
+    for key in sorting.through_keys:
+        if key is not None:
+            counts[key] = counts.get(key, 0) + 1
+    allowed = {key: limiter.take(key, count) for key, count in counts.items()}
+    through, through_keys = sorting.through, sorting.through_keys
+    sorting.through, sorting.through_keys = [], []
+    for delivery, key in zip(through, through_keys, strict=True):
+        if key is None or allowed[key] > 0:
+            if key is not None:
+                allowed[key] -= 1
+            sorting.let_through(delivery, key)
+        else:
+            sorting.limited.append(delivery)
 
 
 def _park(

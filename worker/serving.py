@@ -36,6 +36,7 @@ ERROR_BACKOFF_S = 1.0
 MAX_PREFETCH = 65535
 BATCH_WAIT_SPARK_FACTOR = 2.0
 BATCH_WAIT_MAX_S = 2.0
+RATE_WAIT_MAX_S = 0.1  # a rate-limited key's wait never holds up other keys' events longer
 
 
 def batch_wait(settings: WorkerSettings, last_batch_events: int, last_spark_s: float) -> float:
@@ -108,6 +109,12 @@ class Session:
         self.park(outcome.waiting)
         for queue in outcome.held_back:
             self.held.detach(queue)
+        if outcome.limited:
+            # Over their key's rate: back in the buffer, in order, for a later batch; if
+            # nothing else could run, wait for the first key's next token.
+            self.held.put_back(outcome.limited)
+            if len(outcome.limited) == len(batch):
+                self.stop.wait(min(max(outcome.retry_limited_in, 0.005), RATE_WAIT_MAX_S))
         for lease in outcome.lost:
             self.held.lose(lease, "commit refused: the lock moved on")
         if outcome.unsettled:

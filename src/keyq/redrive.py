@@ -40,7 +40,9 @@ from keyq.broker.envelope import (
     HEADER_DEAD_QUEUE,
     HEADER_DEAD_REASON,
     HEADER_KEY,
+    HEADER_PRODUCER,
     HEADER_REDRIVE_ID,
+    HEADER_SEQ,
 )
 from keyq.broker.errors import InvalidInput, KeyqError, LockLost
 from keyq.broker.key_control import KeyControl
@@ -171,8 +173,12 @@ def redriven_properties(
     its new key if it goes to another one; persistent."""
     headers = {name: value for name, value in letter.headers.items() if name not in DEAD_HEADERS}
     headers[HEADER_REDRIVE_ID] = letter.letter_id
-    if to_key is not None:
+    if to_key is not None and to_key != letter.key:
         headers[HEADER_KEY] = to_key
+        # Its seq counted in its old key's sequence; in the new key's it would be taken for
+        # one of that producer's events there (and move its mark). It goes by its redrive id.
+        headers.pop(HEADER_PRODUCER, None)
+        headers.pop(HEADER_SEQ, None)
     return pika.BasicProperties(
         delivery_mode=pika.DeliveryMode.Persistent,
         headers=headers,
