@@ -2,8 +2,9 @@
 
 AMQP cannot browse a queue, so a walk takes the messages that were ready when it started, one
 ``basic.get`` at a time, on a channel of its own with manual acks, and never acks any of them
-unless asked to. Closing the channel hands every unacked message back to the queue at its
-place; a process killed mid-walk closes its connection, which does the same. A letter is
+unless asked to. At the end every unacked message is handed back to the queue at its place
+(``DeadLetterWalk.close``); a process killed mid-walk closes its connection, which does the
+same. A letter is
 removed only by ``ack`` (a drop, or a redrive past its point of no return).
 
 Each letter has an id: ``<producer>:<seq>`` for an event keyq's SDK published (it carries the
@@ -17,6 +18,7 @@ import contextlib
 import datetime
 import decimal
 import hashlib
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,8 +41,10 @@ from keyq.broker.envelope import (
 NOT_FOUND = 404
 FOREIGN_ID_PREFIX = "sha256:"
 FOREIGN_ID_DIGITS = 16
-# Set by the broker, not the sender: a quorum queue counts each time it hands a message out
-# (and a walk's hand-back counts), so it is left out of a letter's id and of a redriven copy.
+HAND_BACK_WAIT_S = 2.0  # at most, for a quorum queue to show the letters handed back
+# Set by the broker, not the sender: a quorum queue counts each time a message comes back to
+# it (on 4.3 and later, not a walk's nack), so it is left out of a letter's id and of a
+# redriven copy.
 BROKER_HEADERS = frozenset({"x-delivery-count"})
 
 
@@ -158,6 +162,7 @@ class DeadLetterWalk:
         self.letters: list[DeadLetterMessage] = []
         self.missing = False
         self.ready_at_start = 0
+        self._acked = 0
         self._channel: BlockingChannel | None = connection.channel()
         try:
             declared = self._channel.queue_declare(queue, passive=True)
@@ -170,13 +175,14 @@ class DeadLetterWalk:
         self.ready_at_start = int(declared.method.message_count)
 
     def read(self, *, stop_after: int | None = None) -> list[DeadLetterMessage]:
-        """Take every letter ready at the start (or the first ``stop_after``), in order. Fewer
-        come back when some are held elsewhere meanwhile (another reader's walk)."""
+        """Take every letter ready at the start, in order, and return them (or the first
+        ``stop_after``). Fewer come back when some are held elsewhere meanwhile. All are taken
+        even when fewer are wanted: a quorum queue puts what is handed back behind what it
+        kept, so handing back only the first few would move them to the end."""
         if self.missing:
             return self.letters
         channel = self._open()
-        wanted = self.ready_at_start if stop_after is None else min(stop_after, self.ready_at_start)
-        while len(self.letters) < wanted:
+        while len(self.letters) < self.ready_at_start:
             method, properties, body = channel.basic_get(self.queue, auto_ack=False)
             if method is None:
                 break
@@ -190,7 +196,7 @@ class DeadLetterWalk:
                     message_id=properties.message_id,
                 )
             )
-        return self.letters
+        return self.letters if stop_after is None else self.letters[:stop_after]
 
     def ack(self, letters: Sequence[DeadLetterMessage]) -> None:
         """Remove these letters from the queue for good (one ack each, never ``multiple``:
@@ -200,13 +206,31 @@ class DeadLetterWalk:
         channel = self._open()
         for letter in letters:
             channel.basic_ack(letter.delivery_tag)
+        self._acked += len(letters)
 
     def close(self) -> None:
-        """Hand back every letter not acked, at its place in the queue."""
+        """Hand back every letter not acked, at its place in the queue: with a ``nack`` of
+        everything outstanding, then wait (briefly) until the queue shows them again, then
+        close the channel. On RabbitMQ 4.3 and later a quorum queue counts a letter handed
+        back by a closed channel against its delivery limit (20 by default; then it drops
+        the letter) and a nack not; and a quorum queue takes a hand-back asynchronously, so a
+        walk right after this one would find letters missing without the wait."""
         channel, self._channel = self._channel, None
-        if channel is not None and channel.is_open:
-            with contextlib.suppress(pika.exceptions.AMQPError):
-                channel.close()
+        if channel is None or not channel.is_open:
+            return
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            if self._acked < len(self.letters):
+                channel.basic_nack(0, multiple=True, requeue=True)
+                self._wait_handed_back(channel, self.ready_at_start - self._acked)
+            channel.close()
+
+    def _wait_handed_back(self, channel: BlockingChannel, expected: int) -> None:
+        deadline = time.monotonic() + HAND_BACK_WAIT_S
+        while time.monotonic() < deadline:
+            declared = channel.queue_declare(self.queue, passive=True)
+            if int(declared.method.message_count) >= expected:
+                return
+            time.sleep(0.005)
 
     def _open(self) -> BlockingChannel:
         if self._channel is None or not self._channel.is_open:

@@ -105,14 +105,19 @@ def letters_for(stream: str, plan: list[tuple[str, int]], producer: str = "p1") 
 
 
 def peek_all(connection: pika.BlockingConnection, queue: str) -> list[tuple[dict[str, Any], bytes]]:
-    """(headers, body) of every message in ``queue``, in order, handed back unchanged."""
+    """(headers, body) of every message in ``queue``, in order, handed back unchanged (by a
+    consumer: a quorum queue with a single active consumer refuses ``basic.get``)."""
     channel = connection.channel()
+    ready = int(channel.queue_declare(queue, passive=True).method.message_count)
     seen: list[tuple[dict[str, Any], bytes]] = []
-    while True:
-        method, properties, body = channel.basic_get(queue, auto_ack=False)
-        if method is None:
-            break
-        seen.append((dict(properties.headers or {}), bytes(body)))
+    if ready:
+        channel.basic_qos(prefetch_count=ready)
+        for method, properties, body in channel.consume(queue, inactivity_timeout=5):
+            if method is None:
+                break
+            seen.append((dict(properties.headers or {}), bytes(body)))
+            if len(seen) == ready:
+                break
     channel.close()
     return seen
 

@@ -3,9 +3,16 @@ tests/test_worker_poison.py)."""
 
 from __future__ import annotations
 
+import time
+
 import pika
 
-from keyq.broker.envelope import HEADER_ATTEMPTS, HEADER_DEAD_QUEUE, HEADER_DEAD_REASON
+from keyq.broker.envelope import (
+    HEADER_ATTEMPTS,
+    HEADER_DEAD_AT,
+    HEADER_DEAD_QUEUE,
+    HEADER_DEAD_REASON,
+)
 from keyq.worker.consumer import MAX_REASON_CHARS, DeadLetter
 from keyq.worker.dead_letters import dead_letter_properties
 from keyq.worker.deliveries import Delivery
@@ -30,6 +37,9 @@ def test_the_copy_keeps_the_message_and_says_why_from_where_after_how_many_attem
     assert properties.delivery_mode == pika.DeliveryMode.Persistent.value
     assert properties.content_type == "application/json"
     assert properties.message_id == "m-1"
+    assert properties.headers is not None
+    dead_at = properties.headers.pop(HEADER_DEAD_AT)
+    assert abs(dead_at - time.time() * 1000) < 60_000  # when, in ms since the epoch
     assert properties.headers == {
         "x-keyq-seq": 4,
         HEADER_DEAD_REASON: "bad json",

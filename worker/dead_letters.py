@@ -26,7 +26,7 @@ from keyq.broker.envelope import (
 )
 from keyq.broker.errors import BrokerUnavailable
 from keyq.broker.naming import dead_letter_queue_name
-from keyq.broker.topology import dead_letter_queue_arguments
+from keyq.broker.topology import dead_letter_queue_arguments, keyed_queue_arguments
 from keyq.worker.deliveries import Delivery
 
 log = logging.getLogger("keyq.worker.amqp")
@@ -84,6 +84,7 @@ class DeadLetterPublisher:
         queue_type: str,
         connection: Callable[[], pika.BlockingConnection | None],
     ) -> None:
+        self._stream = stream
         self._queue_type = queue_type  # the stream's, for its dead-letter queue
         self._connection = connection
         self.queue = dead_letter_queue_name(stream)
@@ -148,8 +149,10 @@ class DeadLetterPublisher:
         channel = self._channel
         if channel is None:
             raise BrokerUnavailable("not connected to RabbitMQ")
+        # Declared as the stream's keyed queues are: for a quorum stream a single active
+        # consumer and the delivery limit, since it is consumed and closed like one.
         channel.queue_declare(
-            queue, durable=True, arguments=dead_letter_queue_arguments(self._queue_type)
+            queue, durable=True, arguments=keyed_queue_arguments(self._stream, self._queue_type)
         )
         for delivery in deliveries:
             properties = aside_properties(delivery, key)

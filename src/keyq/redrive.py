@@ -47,7 +47,7 @@ from keyq.broker.envelope import (
 from keyq.broker.errors import InvalidInput, KeyqError, LockLost
 from keyq.broker.key_control import KeyControl
 from keyq.broker.naming import redrive_queue_name
-from keyq.broker.topology import dead_letter_queue_arguments
+from keyq.broker.topology import keyed_queue_arguments
 from keyq.dlq_lock import DeadLetterLock
 from keyq.key_wake import wake_keys
 from keyq.letter_selection import by_ids, of_key
@@ -199,7 +199,7 @@ def _publish_aside(
     ctx.redis.hset(ctx.keys.redrives, queue, key)
     channel = ctx.amqp().channel()
     channel.queue_declare(
-        queue, durable=True, arguments=dead_letter_queue_arguments(ctx.config.queue_type)
+        queue, durable=True, arguments=keyed_queue_arguments(ctx.stream, ctx.config.queue_type)
     )
     channel.confirm_delivery()
     pause_after = int(os.environ.get(PAUSE_AFTER_VARIABLE, "-1"))
