@@ -58,6 +58,9 @@ class WorkerReport:
     gaps_open: int = 0
     oldest_gap_s: float = 0.0
     gaps: tuple[GapReport, ...] = ()  # the oldest open gaps, at most five
+    # When the oldest event it holds and has not applied was published (ms since the epoch):
+    # the janitor's lag age takes it into account for the queues workers consume.
+    oldest_event_ms: int | None = None
     # Where the worker runs: added to the heartbeat by Membership, so read back, not reported.
     host: str | None = None
     pid: int | None = None

@@ -10,7 +10,9 @@ that have ready events and no consumer: a ``basic.get`` without ack, its
 ``x-keyq-published-at`` header read, then a ``basic.nack`` with requeue, which puts the
 event back at the head (it reaches its worker marked redelivered). Quorum streams are not
 peeked (a requeue counts toward their delivery limit). Queues a worker consumes are not
-peeked either: their lag shows in the ready events and in the workers' end-to-end latency.
+peeked; instead each worker reports when the oldest event it holds and has not applied was
+published (buffered, waiting for an earlier seq or in the batch being processed), and the
+age is the oldest of all these.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings
 from keyq.broker.streams import StreamConfig
 from keyq.broker.urls import vhost_of
+from keyq.broker.worker_report import WorkerReport
 
 log = logging.getLogger("keyq.janitor")
 
@@ -82,7 +85,10 @@ class StreamGauges:
         pipe.hlen(keys.paused_keys)
         pipe.hlen(keys.parked_keys)
         paused, parked = (int(count) for count in pipe.execute())
-        live = len(Membership(client, stream, self._settings.member_ttl_ms).alive())
+        membership = Membership(client, stream, self._settings.member_ttl_ms)
+        alive = membership.alive()
+        live = len(alive)
+        held_since = workers_oldest_event_ms(client, stream, alive)
         queues = [q for q in QueueRegistry(client, stream).queues() if q != _dlq(stream)]
         dead_letters = ready = age = None
         try:
@@ -102,6 +108,9 @@ class StreamGauges:
             if not self._failing:
                 log.warning("stream gauges of %s not measured: %s", stream, exc)
                 self._failing = True
+        if held_since is not None:  # what workers hold and have not applied is waiting too
+            held_age = max(0.0, time.time() - held_since / 1000)
+            age = held_age if age is None else max(age, held_age)
         self.latest[stream] = StreamFigures(
             dead_letters=dead_letters,
             ready_events=ready,
@@ -205,6 +214,21 @@ class StreamGauges:
         if self._channel is None or not self._channel.is_open:
             self._channel = self._connection.channel()
         return self._channel
+
+
+def workers_oldest_event_ms(client: redis.Redis, stream: str, alive: list[str]) -> int | None:
+    """When the oldest event a live worker holds unapplied was published, from the reports
+    in their heartbeats (``WorkerReport.oldest_event_ms``)."""
+    if not alive:
+        return None
+    raws = client.hmget(StreamKeys(stream).member_info, alive)
+    stamps = [
+        report.oldest_event_ms
+        for worker, raw in zip(alive, raws, strict=True)
+        if (report := WorkerReport.parse(raw, worker=worker, stream=stream)) is not None
+        and report.oldest_event_ms is not None
+    ]
+    return min(stamps, default=None)
 
 
 def _dlq(stream: str) -> str:

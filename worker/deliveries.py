@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
+from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_PUBLISHED_AT, HEADER_SEQ
 
 
 @dataclass(slots=True)
@@ -32,6 +32,17 @@ class Delivery:
     body: bytes
     received_at: float = field(default_factory=time.monotonic)
     waiting_since: float | None = None  # first parked (waiting for an earlier seq) at
+
+
+def oldest_published_ms(deliveries: Iterable[Delivery]) -> int | None:
+    """The earliest ``x-keyq-published-at`` among ``deliveries``, if any carries one."""
+    stamps = [
+        stamp
+        for delivery in deliveries
+        if isinstance(stamp := delivery.headers.get(HEADER_PUBLISHED_AT), int)
+        and not isinstance(stamp, bool)
+    ]
+    return min(stamps, default=None)
 
 
 def _delivery_order(delivery: Delivery) -> tuple[int, int]:
@@ -72,6 +83,15 @@ class DeliveryBuffer:
                 self._first_arrival = delivery.received_at
             if self._count in (1, self._filling_to):
                 self._changed.notify_all()
+
+    def oldest_published_ms(self) -> int | None:
+        """When the oldest event buffered here was published (ms since the epoch), as its
+        producer said; None if none says. A queue's oldest is at its front, or parked."""
+        with self._changed:
+            candidates = [fifo[0] for fifo in self._queues.values() if fifo]
+            for parked in self._parked.values():
+                candidates.extend(parked)
+        return oldest_published_ms(candidates)
 
     def wake(self) -> None:
         """Make a waiting ``take`` return early (shutdown, releases to apply)."""

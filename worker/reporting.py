@@ -48,6 +48,7 @@ def worker_report(
         gaps_open=len(open_gaps),
         oldest_gap_s=open_gaps[0].waited_s if open_gaps else 0.0,
         gaps=tuple(open_gaps[:GAPS_REPORTED]),
+        oldest_event_ms=session.oldest_unprocessed_ms(),
     )
 
 

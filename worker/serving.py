@@ -22,7 +22,7 @@ from keyq.worker.batches import BatchProcessor
 from keyq.worker.claims import ClaimLoop
 from keyq.worker.config import WorkerSettings
 from keyq.worker.consumer import ConsumerLink
-from keyq.worker.deliveries import Delivery, DeliveryBuffer
+from keyq.worker.deliveries import Delivery, DeliveryBuffer, oldest_published_ms
 from keyq.worker.handbacks import HandBacks
 from keyq.worker.held_queues import HeldQueues
 from keyq.worker.stuck_gaps import StuckGaps
@@ -76,6 +76,13 @@ class Session:
     drains: AsideDrains
     on_assigned: QueueCallback | None = None
     on_revoked: QueueCallback | None = None
+    # When the oldest event of the batch being processed was published (read by reports).
+    in_batch_since_ms: int | None = None
+
+    def oldest_unprocessed_ms(self) -> int | None:
+        """When the oldest event this worker holds and has not applied was published."""
+        stamps = [self.in_batch_since_ms, self.buffer.oldest_published_ms()]
+        return min((stamp for stamp in stamps if stamp is not None), default=None)
 
     def serve(self, until_idle: float | None, ready: threading.Event, started: str) -> None:
         """Run batches until stopped (or idle for ``until_idle`` seconds, if given)."""
@@ -103,7 +110,11 @@ class Session:
     def process(self, batch: list[Delivery]) -> None:
         """Process one batch and act on its outcome: park what waits for an earlier seq,
         stop the queues whose locks moved on, and put back what was not settled."""
-        outcome = self.processor.process(batch)
+        self.in_batch_since_ms = oldest_published_ms(batch)
+        try:
+            outcome = self.processor.process(batch)
+        finally:
+            self.in_batch_since_ms = None
         if outcome.interrupted is not None:
             self.stop.wait(ERROR_BACKOFF_S)
         self.park(outcome.waiting)

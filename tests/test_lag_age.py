@@ -1,0 +1,56 @@
+"""The age of a stream's oldest unprocessed event counts the events workers hold: a worker
+stuck in a slow batch has nothing ready in its queue, yet its events are waiting."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from keyq import Producer
+from keyq.broker.streams import load_stream_config
+from keyq.janitor.stream_gauges import StreamGauges
+from tests.conftest import StreamFixture
+from tests.workers import wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_oldest_event_age_counts_what_a_worker_holds_unapplied(
+    stream: StreamFixture, workers: Any, producer: Producer, tmp_path: Path
+) -> None:
+    marker = tmp_path / "in-batch"
+    worker = workers(
+        stream.name,
+        pipeline="tests.pipelines:audit_slow",
+        mode="key",
+        env={"KEYQ_TEST_BATCH_MARKER": str(marker), "KEYQ_TEST_BATCH_PAUSE": "6"},
+    )
+    worker.wait_ready()
+    for n in range(1, 6):
+        producer.publish("slow-key", {"n": n, "producer": "p"})
+    producer.flush(timeout=20)
+    published_at = time.time()
+    wait_until(marker.exists, 60, "the worker to be inside its batch", every=0.05)
+    time.sleep(2.5)
+    gauges = StreamGauges(stream.settings, "test-janitor")
+    try:
+        config = load_stream_config(stream.redis, stream.name)
+        assert config is not None
+        wait_until(  # the worker's next heartbeat carries what it holds
+            lambda: (
+                gauges.measure(stream.redis, stream.name, config) is None
+                and (gauges.latest[stream.name].oldest_event_age_s or 0) >= 2.0
+            ),
+            10,
+            "the age of the events the worker holds",
+        )
+        figures = gauges.latest[stream.name]
+    finally:
+        gauges.close()
+    assert figures.ready_events == 0  # nothing ready: the worker holds them all
+    age = figures.oldest_event_age_s
+    assert age is not None and age <= time.time() - published_at + 1.0, age
+    assert worker.terminate() == 0, worker.log()[-3000:]
