@@ -51,10 +51,16 @@ def keyq(stream: StreamFixture, *args: str) -> None:
     assert done.returncode == 0, done.stderr + done.stdout
 
 
+@pytest.mark.broker_versions
+@pytest.mark.parametrize("queue_type", ["classic", "quorum"])
 def test_a_parked_key_stops_while_its_bucket_flows_and_a_redrive_applies_all_in_order(
-    stream: StreamFixture, workers: Any, amqp: Any, tmp_path: Path
+    stream: StreamFixture, workers: Any, amqp: Any, tmp_path: Path, queue_type: str
 ) -> None:
     fixed = tmp_path / "pipeline-fixed"
+    # The producer fixes the stream's queue type (dead-letter and aside queues follow it).
+    producer = Producer(
+        stream.name, mode="bucket", buckets=1, queue_type=queue_type, settings=stream.settings
+    )
     worker = workers(
         stream.name,
         pipeline="tests.pipelines:ledger_until_fixed",
@@ -67,7 +73,6 @@ def test_a_parked_key_stops_while_its_bucket_flows_and_a_redrive_applies_all_in_
     store = StateStore(stream.redis, stream.name)
     control = KeyControl(stream.redis, stream.name)
     keys = [PARKED, "flowing-a", "flowing-b"]  # one bucket: all three share its queue
-    producer = Producer(stream.name, mode="bucket", buckets=1, settings=stream.settings)
     try:
         publish(producer, keys, range(1, 31), poison=10)
         for key in keys[1:]:
