@@ -43,9 +43,9 @@ FOREIGN_ID_PREFIX = "sha256:"
 FOREIGN_ID_DIGITS = 16
 HAND_BACK_WAIT_S = 2.0  # at most, for a quorum queue to show the letters handed back
 # Set by the broker, not the sender: a quorum queue counts each time a message comes back to
-# it (on 4.3 and later, not a walk's nack), so it is left out of a letter's id and of a
-# redriven copy.
-BROKER_HEADERS = frozenset({"x-delivery-count"})
+# it (on 4.3 and later, not a walk's nack), and RabbitMQ 4 also how often it was handed out,
+# so these are left out of a letter's id and of a redriven copy.
+BROKER_HEADERS = frozenset({"x-delivery-count", "x-acquired-count"})
 
 
 @dataclass(frozen=True)

@@ -154,6 +154,7 @@ def test_drop_by_key_and_by_id_leaves_the_rest_in_order(
     assert ids_in(amqp, queue) == ["p1:1", "p1:1", "p1:3"]
 
 
+@pytest.mark.broker_versions
 def test_listing_a_quorum_dead_letter_queue_keeps_its_order(
     stream: StreamFixture, private_rabbit: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
