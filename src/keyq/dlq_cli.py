@@ -6,6 +6,8 @@ back, in place, every letter it does not remove (``keyq.broker.dead_letter_queue
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,16 @@ def dlq_group() -> None:
     """A stream's dead letters: list, show, drop, redrive."""
 
 
+@contextlib.contextmanager
+def locked_walk(ctx: OperatorContext, wait: float) -> Iterator[DeadLetterWalk]:
+    """A walk of the stream's dead-letter queue, under its lock (one walk at a time)."""
+    with (
+        DeadLetterLock(ctx.redis, ctx.stream, wait_s=wait),
+        DeadLetterWalk(ctx.amqp(), ctx.config.dead_letter_queue) as walk,
+    ):
+        yield walk
+
+
 @dlq_group.command("list")
 @stream_option
 @click.option("--key", default=None, help="Only this key's letters.")
@@ -61,10 +73,7 @@ def list_command(
         _keys(key)
         with OperatorContext(stream) as ctx, ctx.services():
             queue = ctx.config.dead_letter_queue
-            with (
-                DeadLetterLock(ctx.redis, ctx.stream, wait_s=wait),
-                DeadLetterWalk(ctx.amqp(), queue) as walk,
-            ):
+            with locked_walk(ctx, wait) as walk:
                 letters = walk.read(stop_after=limit if key is None else None)
                 ready = walk.ready_at_start
     except KeyqError as exc:
@@ -92,10 +101,7 @@ def show_command(stream: str, letter_id: str, key: str | None, as_json: bool, wa
         _keys(key)
         with OperatorContext(stream) as ctx, ctx.services():
             queue = ctx.config.dead_letter_queue
-            with (
-                DeadLetterLock(ctx.redis, ctx.stream, wait_s=wait),
-                DeadLetterWalk(ctx.amqp(), queue) as walk,
-            ):
+            with locked_walk(ctx, wait) as walk:
                 picked = by_ids(walk.read(), [letter_id], key=key, queue=queue)
     except KeyqError as exc:
         fail(exc)
@@ -133,10 +139,7 @@ def drop_command(
         _keys(key)
         with OperatorContext(stream) as ctx, ctx.services():
             queue = ctx.config.dead_letter_queue
-            with (
-                DeadLetterLock(ctx.redis, ctx.stream, wait_s=wait),
-                DeadLetterWalk(ctx.amqp(), queue) as walk,
-            ):
+            with locked_walk(ctx, wait) as walk:
                 letters = walk.read()
                 picked = _to_drop(letters, key, letter_ids, queue)
                 if not yes and not _confirmed(picked, queue):
