@@ -22,11 +22,13 @@ help:
 	@echo "                build, demo, scale and kill, metrics, Parquet, teardown"
 	@echo "make lint | typecheck | install | clean"
 
+# Every extra the tests use (the worker's Spark, Spark Connect's client, OpenTelemetry) and the
+# test tools; `pip install keyq` alone is the producer SDK and the operator commands.
 $(BIN)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "keyq needs Python 3.11 or newer")'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[dev]" --config-settings editable_mode=strict
+	$(BIN)/python -m pip install -q -e ".[worker,connect,otel,dev]" --config-settings editable_mode=strict
 	@touch $@
 
 # A strict editable install links each module into build/__editable__.*, the folder on the

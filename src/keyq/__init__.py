@@ -3,13 +3,20 @@
 The public API is ``from keyq import Producer, Worker, Janitor`` and the errors below. The
 internals live in ``keyq.broker``, ``keyq.producer``, ``keyq.worker`` and ``keyq.janitor``.
 Names resolve on first use, so a producer's ``from keyq import Producer`` does not import
-Spark, and ``import keyq.broker`` imports nothing else.
+Spark, and ``import keyq.broker`` imports nothing else. ``Worker``, ``BatchContext`` and
+``KeyedState`` need the worker extra (``pip install 'keyq[worker]'``).
 """
 
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
+
+try:
+    __version__ = version("keyq")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 if TYPE_CHECKING:
     from keyq.broker.errors import (
@@ -110,7 +117,18 @@ if not TYPE_CHECKING:  # type checkers see the imports above, so a misspelt name
         home = _HOMES.get(name)
         if home is None:
             raise AttributeError(f"module 'keyq' has no attribute {name!r}")
-        value = getattr(importlib.import_module(home), name)
+        try:
+            module = importlib.import_module(home)
+        except ModuleNotFoundError as exc:
+            from keyq.extras import WORKER_EXTRA, is_worker_module  # noqa: PLC0415 - rare path
+
+            if not is_worker_module(exc.name):
+                raise
+            raise ModuleNotFoundError(
+                f"keyq.{name} needs Spark ({exc.name} is not installed): {WORKER_EXTRA}",
+                name=exc.name,
+            ) from exc
+        value = getattr(module, name)
         globals()[name] = value
         return value
 

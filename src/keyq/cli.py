@@ -15,6 +15,7 @@ import orjson
 from keyq.broker.errors import ConfigurationError, InvalidInput, KeyqError
 from keyq.broker.settings import Settings, load_settings
 from keyq.dlq_cli import dlq_group
+from keyq.extras import require_worker_extra
 from keyq.inspect_cli import inspect_command
 from keyq.key_commands import pause_command, resume_command, stream_group
 from keyq.producer import Producer
@@ -123,9 +124,10 @@ def worker_command(
     SIGTERM or Ctrl-C finishes the batch in flight, commits, acks and hands every queue back
     before exiting 0.
     """
-    from keyq.daemons import run_worker_daemon  # noqa: PLC0415 - keeps Spark out of other commands
-
     try:
+        require_worker_extra("keyq worker")
+        from keyq.worker_daemon import run_worker_daemon  # noqa: PLC0415 - imports Spark
+
         run_worker_daemon(
             stream=stream,
             pipeline=pipeline,
@@ -150,6 +152,7 @@ def spark_cache_command() -> None:
     from keyq.worker.spark_classes import archive_path, build_archive  # noqa: PLC0415
 
     try:
+        require_worker_extra("keyq spark-cache")
         settings = load_settings(WorkerSettings)
     except KeyqError as exc:
         _fail(exc)
@@ -189,7 +192,7 @@ def janitor_command(
     Several janitors may run: one leads each stream, the others stand by. Services that are
     down are waited for; only bad configuration makes it exit (2).
     """
-    from keyq.daemons import run_janitor_daemon  # noqa: PLC0415 - light imports elsewhere
+    from keyq.janitor_daemon import run_janitor_daemon  # noqa: PLC0415 - light imports elsewhere
 
     try:
         run_janitor_daemon(
@@ -305,6 +308,8 @@ def demo_command(
     from keyq.demo_cli import run_demo  # noqa: PLC0415
 
     try:
+        if not external_workers:
+            require_worker_extra("keyq demo without --external-workers")
         options = DemoOptions(
             orders=orders,
             events=events,
@@ -334,7 +339,7 @@ def demo_command(
 @click.option("--marks", is_flag=True, help="Also print the exactly-once marks (per producer).")
 def state_command(stream: str, key: str, marks: bool) -> None:
     """Print a key's committed state as JSON (exit 1 if it has none)."""
-    from keyq.daemons import read_state  # noqa: PLC0415 - keeps Spark out of other commands
+    from keyq.key_state import read_state  # noqa: PLC0415 - keeps startup light
 
     try:
         found, value, key_marks = read_state(stream, key)
