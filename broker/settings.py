@@ -77,7 +77,10 @@ class Settings(BaseSettings):
         "gets twice this",
     )
     reconnect_timeout: float = Field(
-        default=30.0, ge=0, description="how long a producer retries a lost broker, s"
+        default=300.0,
+        ge=0,
+        description="how long a producer retries a lost broker, s: long enough to outlive a "
+        "node restart and a rolling upgrade (docs/operations.md)",
     )
 
     max_message_bytes: int = Field(default=1_048_576, ge=1024, le=134_217_728)

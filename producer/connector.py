@@ -119,6 +119,7 @@ class Connector:
                 "reconnected to RabbitMQ; re-sending %d unconfirmed events", len(link.sender.resend)
             )
         self.lost_at = None
+        link.window.disconnected_since = None
         link.sender.resend_collected()
         self.ready.set()
         link.sender.drain()
@@ -148,6 +149,9 @@ class Connector:
         text = scrub(describe_exception(reason), link.settings.amqp_url)
         log.warning("connection to RabbitMQ lost (%s); reconnecting", text)
         link.sender.collect_unsettled()
+        # A block was this connection's: the next one is told again if an alarm still holds,
+        # and until then publishing goes on into the window.
+        link.window.set_blocked(False)
         self._schedule_reconnect(BrokerUnavailable(f"connection to RabbitMQ lost: {text}"))
 
     def _on_channel_closed(self, _channel: Any, reason: BaseException) -> None:
@@ -179,6 +183,7 @@ class Connector:
         now = time.monotonic()
         if self.lost_at is None:
             self.lost_at = now
+            link.window.disconnected_since = now
         limit = link.settings.reconnect_timeout
         if now - self.lost_at > limit:
             self.fail(BrokerUnavailable(f"RabbitMQ unreachable for over {limit:.0f} s: {failure}"))

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pika
+
+if TYPE_CHECKING:
+    from keyq.producer.confirmation import Confirmation
 
 
 @dataclass(slots=True, eq=False)
@@ -21,3 +25,4 @@ class Outgoing:
     sent_to: str = ""  # the queue's incarnation it was last sent to (``queue`` is the base)
     returned: bool = False
     settled: bool = False
+    confirmation: Confirmation | None = None  # told once the event is published

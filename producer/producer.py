@@ -13,8 +13,8 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -24,6 +24,7 @@ import redis
 from keyq.broker.clock import now_ms
 from keyq.broker.connections import open_redis, redis_errors
 from keyq.broker.envelope import (
+    HEADER_DEDUPE_ID,
     HEADER_KEY,
     HEADER_PRODUCER,
     HEADER_PUBLISHED_AT,
@@ -50,7 +51,8 @@ from keyq.broker.streams import (
     load_stream_config,
     requested_config,
 )
-from keyq.producer.encoding import encode_event
+from keyq.producer.confirmation import Confirmation
+from keyq.producer.encoding import check_dedupe_id, encode_event
 from keyq.producer.link import PublisherLink
 from keyq.producer.outgoing import Outgoing
 from keyq.producer.registrar import Registrar
@@ -71,6 +73,32 @@ class Receipt:
     key: str
     seq: int
     message_id: str
+    confirmation: Confirmation | None = field(default=None, repr=False, compare=False)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until this event is published (confirmed, not returned), without waiting
+        for any other event. Raises ``PublishTimeout`` after ``timeout`` seconds, and
+        ``ProducerClosed`` (from the cause) if the producer failed or was closed first: the
+        error a ``flush`` would raise."""
+        if self.confirmation is None:
+            raise ProducerClosed("this receipt belongs to no producer")
+        self.confirmation.wait(timeout)
+
+    @property
+    def published(self) -> bool:
+        """Whether RabbitMQ has confirmed this event (and not returned it)."""
+        return self.confirmation is not None and self.confirmation.published
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedEvent:
+    """An event checked and encoded for its queue, not yet numbered or sent."""
+
+    queue: str
+    key: str
+    body: bytes
+    content_type: str
+    headers: dict[str, Any]
 
 
 class Producer:
@@ -180,18 +208,45 @@ class Producer:
         *,
         headers: Mapping[str, Any] | None = None,
         timeout: float | None = None,
+        content_type: str | None = None,
+        dedupe_id: str | None = None,
     ) -> Receipt:
         """Accept one event for ``key``; it is published once confirmed (see ``flush``).
+
+        ``content_type`` labels a bytes event (Avro, Protobuf…; default
+        ``application/octet-stream``). ``dedupe_id`` is the application's id for the event:
+        the worker applies an event whose id was applied to the key already (from any
+        producer, within the stream's dedupe window) only once.
 
         Waits while the window of unconfirmed events is full or the broker blocks
         publishers, and raises ``PublishTimeout`` after ``timeout`` (default: the
         ``publish_timeout`` setting). Bad input raises before anything is sent.
         """
+        prepared = self.prepare(
+            key, event, headers, content_type=content_type, dedupe_id=dedupe_id
+        )
+        wait = self.settings.publish_timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        with self._link.cond:
+            return self._accept(prepared, deadline)
+
+    def prepare(
+        self,
+        key: str,
+        event: Mapping[str, Any] | bytes,
+        headers: Mapping[str, Any] | None,
+        *,
+        content_type: str | None = None,
+        dedupe_id: str | None = None,
+    ) -> PreparedEvent:
+        """Check and encode an event (raising at once on bad input); no I/O, no waiting."""
         if self._closed:
             raise ProducerClosed("producer is closed")
         key_bytes = encode_key(key)
-        body, content_type = encode_event(event)
+        body, content_type = encode_event(event, content_type)
         user_headers = check_user_headers(headers)
+        if dedupe_id is not None:
+            user_headers[HEADER_DEDUPE_ID] = check_dedupe_id(dedupe_id)
         size = len(body) + len(key_bytes) + HEADER_ALLOWANCE
         if user_headers:
             size += header_bytes(user_headers)
@@ -201,30 +256,73 @@ class Producer:
                 f"({self.settings.max_message_bytes})"
             )
         queue = self.config.queue_for(key)
-        wait = self.settings.publish_timeout if timeout is None else timeout
-        deadline = time.monotonic() + wait
-        published_at = now_ms()
+        return PreparedEvent(queue, key, body, content_type, user_headers)
+
+    def offer(self, prepared: PreparedEvent) -> Receipt | None:
+        """Accept a prepared event if the window has room for it now, else None: never
+        waits (for an event loop). Raises ``ProducerClosed`` once the producer failed."""
         with self._link.cond:
-            if self._closed:
-                raise ProducerClosed("producer is closed")
-            seq = self._seqs.get(key, 0) + 1
-            number = next(self._numbers)
-            message_id = f"{self.producer_id}:{number}"
-            user_headers[HEADER_STREAM] = self.stream
-            user_headers[HEADER_KEY] = key
-            user_headers[HEADER_PRODUCER] = self.producer_id
-            user_headers[HEADER_SEQ] = seq
-            user_headers[HEADER_PUBLISHED_AT] = published_at
-            properties = pika.BasicProperties(
-                delivery_mode=pika.DeliveryMode.Persistent,
-                content_type=content_type,
-                message_id=message_id,
-                timestamp=published_at // 1000,
-                headers=user_headers,
-            )
-            self._link.submit(Outgoing(number, queue, key, body, properties), deadline)
-            self._seqs[key] = seq
-        return Receipt(queue=queue, key=key, seq=seq, message_id=message_id)
+            if self._link.failure is None and not self._link.window.has_room(prepared.queue):
+                return None
+            return self._accept(prepared, time.monotonic())
+
+    def wait_reason(self, queue: str) -> str:
+        """Why an event for ``queue`` would wait now."""
+        with self._link.cond:
+            return self._link.window.wait_reason(queue)
+
+    def listen(self, callback: Callable[[], None]) -> None:
+        """Have ``callback`` called, from any thread and with the window's lock held (so it
+        must not block), whenever a waiter may go on: events confirmed, publishers
+        unblocked, the producer failed."""
+        with self._link.cond:
+            self._link.window.listeners.append(callback)
+
+    def settled(self) -> bool:
+        """Whether every accepted event is confirmed (never waits); raises ``ProducerClosed``
+        if the producer failed with events unconfirmed."""
+        with self._link.cond:
+            return self._link.window.settled()
+
+    @property
+    def failed(self) -> bool:
+        """Whether the producer failed for good (``flush`` and ``publish`` raise why)."""
+        return self._link.failure is not None
+
+    def wait_registered(self, deadline: float | None) -> None:
+        """Block until every confirmed queue is registered in Redis (the second half of
+        ``flush``); ``deadline`` is ``time.monotonic()``'s."""
+        self._registrar.wait_idle(deadline)
+
+    def _accept(self, prepared: PreparedEvent, deadline: float) -> Receipt:
+        """Number the event and hand it to the I/O thread (waiting for room until
+        ``deadline``). Call with ``cond`` held."""
+        if self._closed:
+            raise ProducerClosed("producer is closed")
+        key = prepared.key
+        published_at = now_ms()
+        seq = self._seqs.get(key, 0) + 1
+        number = next(self._numbers)
+        message_id = f"{self.producer_id}:{number}"
+        user_headers = dict(prepared.headers)
+        user_headers[HEADER_STREAM] = self.stream
+        user_headers[HEADER_KEY] = key
+        user_headers[HEADER_PRODUCER] = self.producer_id
+        user_headers[HEADER_SEQ] = seq
+        user_headers[HEADER_PUBLISHED_AT] = published_at
+        properties = pika.BasicProperties(
+            delivery_mode=pika.DeliveryMode.Persistent,
+            content_type=prepared.content_type,
+            message_id=message_id,
+            timestamp=published_at // 1000,
+            headers=user_headers,
+        )
+        confirmation = Confirmation(self._link.window, message_id)
+        message = Outgoing(number, prepared.queue, key, prepared.body, properties)
+        message.confirmation = confirmation
+        self._link.submit(message, deadline)
+        self._seqs[key] = seq
+        return Receipt(prepared.queue, key, seq, message_id, confirmation)
 
     def flush(self, timeout: float | None = None) -> None:
         """Return once every accepted event is confirmed and its queue registered.
@@ -298,6 +396,8 @@ class Producer:
                 abandoned = self._link.unsettled
                 failure = self._link.failure
                 self._link.stop()
+                if abandoned:  # receipts still waiting learn that their events never will be
+                    self._link.window.fail(ProducerClosed(f"closed with {abandoned} unconfirmed"))
                 self._registrar.stop()
                 # Gone: what it did not have confirmed will never be sent, so workers may give
                 # up the gaps it left (if Redis is unreachable now, the presence expires).

@@ -241,6 +241,8 @@ class Sender:
             log.debug("event %d to %s confirmed after its lease", message.number, message.sent_to)
         if published:
             lane.recoveries = 0
+            if message.confirmation is not None:
+                message.confirmation.confirm()
             if not lane.registered:
                 lane.registered = True
                 self._link.on_new_queues({message.sent_to: lane.key})

@@ -12,9 +12,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from keyq.broker.errors import KeyqError, ProducerClosed, PublishTimeout
 from keyq.producer.outgoing import Outgoing
+
+if TYPE_CHECKING:
+    from keyq.producer.confirmation import Confirmation
 
 # Unconfirmed events a queue that RabbitMQ keeps refusing may hold: past that, publishing to
 # it waits (and times out), so one broken queue cannot fill the window every key shares.
@@ -35,7 +39,11 @@ class ConfirmWindow:
         self.silent: set[str] = set()  # queues whose confirm was overdue, until one confirm
         self.wake_scheduled = False
         self.blocked = False
+        self.disconnected_since: float | None = None  # monotonic, while reconnecting
         self.failure: KeyqError | None = None
+        # Called (from any thread, ``cond`` held) when waiters may go on: events settled,
+        # publishers unblocked, the producer failed. An asyncio producer's wake-up.
+        self.listeners: list[Callable[[], None]] = []
 
     # ----------------------------------------------------------- application threads
     def submit(self, message: Outgoing, deadline: float) -> None:
@@ -44,30 +52,11 @@ class ConfirmWindow:
         while True:
             if self.failure is not None:
                 raise ProducerClosed(f"producer failed: {self.failure}") from self.failure
-            queue = message.queue
-            waiting_here = self.by_queue.get(queue, 0)
-            crowded = (
-                queue in self.refusing or queue in self.silent
-            ) and waiting_here >= REFUSING_QUEUE_ROOM
-            if self.unsettled < self.size and not self.blocked and not crowded:
+            if self.has_room(message.queue):
                 break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                if self.blocked:
-                    why = "RabbitMQ is blocking publishers (flow control)"
-                elif crowded and queue in self.refusing:
-                    why = (
-                        f"RabbitMQ keeps refusing events for {queue}: {waiting_here} of its "
-                        f"events await confirmation (other keys are not held up)"
-                    )
-                elif crowded:
-                    why = (
-                        f"RabbitMQ stopped confirming events for {queue}: {waiting_here} of "
-                        f"its events await confirmation (other keys are not held up)"
-                    )
-                else:
-                    why = f"{self.unsettled} events await confirmation (window {self.size})"
-                raise PublishTimeout(f"publish timed out: {why}")
+                raise PublishTimeout(f"publish timed out: {self.wait_reason(message.queue)}")
             self.cond.wait(remaining)
         self.unsettled += 1
         self.by_queue[message.queue] = self.by_queue.get(message.queue, 0) + 1
@@ -75,6 +64,71 @@ class ConfirmWindow:
         if not self.wake_scheduled:
             self.wake_scheduled = True
             self._wake()
+
+    def has_room(self, queue: str) -> bool:
+        """Whether an event for ``queue`` may be submitted now. Call with ``cond`` held."""
+        return self.unsettled < self.size and not self.blocked and not self._crowded(queue)
+
+    def _crowded(self, queue: str) -> bool:
+        troubled = queue in self.refusing or queue in self.silent
+        return troubled and self.by_queue.get(queue, 0) >= REFUSING_QUEUE_ROOM
+
+    def wait_reason(self, queue: str) -> str:
+        """Why an event for ``queue`` has to wait. Call with ``cond`` held."""
+        waiting_here = self.by_queue.get(queue, 0)
+        if self.blocked:
+            return "RabbitMQ is blocking publishers (flow control)"
+        if self._crowded(queue) and queue in self.refusing:
+            return (
+                f"RabbitMQ keeps refusing events for {queue}: {waiting_here} of its "
+                f"events await confirmation (other keys are not held up)"
+            )
+        if self._crowded(queue):
+            return (
+                f"RabbitMQ stopped confirming events for {queue}: {waiting_here} of "
+                f"its events await confirmation (other keys are not held up)"
+            )
+        why = f"{self.unsettled} events await confirmation (window {self.size})"
+        since = self.disconnected_since
+        if since is not None:
+            why += f"; RabbitMQ unreachable for {time.monotonic() - since:.0f} s, reconnecting"
+        return why
+
+    def settled(self) -> bool:
+        """Whether every submitted event is confirmed; raises if the producer failed first.
+        Call with ``cond`` held."""
+        if self.unsettled and self.failure is not None:
+            raise ProducerClosed(
+                f"producer failed with {self.unsettled} events unconfirmed: {self.failure}"
+            ) from self.failure
+        return not self.unsettled
+
+    def failure_for(self, message_id: str) -> ProducerClosed | None:
+        """The error for an event never to be published, if the producer failed."""
+        failure = self.failure
+        if failure is None:
+            return None
+        error = ProducerClosed(
+            f"producer failed before event {message_id} was confirmed: {failure}"
+        )
+        error.__cause__ = failure
+        return error
+
+    def wait_confirmed(self, confirmation: Confirmation, timeout: float | None) -> None:
+        """Block until ``confirmation``'s event is published (or raise why not)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            while not confirmation.published:
+                error = self.failure_for(confirmation.message_id)
+                if error is not None:
+                    raise error
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise PublishTimeout(
+                        f"event {confirmation.message_id} not confirmed within {timeout} s: "
+                        f"{self.wait_reason('')}"
+                    )
+                self.cond.wait(remaining if remaining is not None else 1.0)
 
     def wait_settled(self, deadline: float | None) -> None:
         """Block until every submitted event is confirmed (or raise why not)."""
@@ -99,13 +153,19 @@ class ConfirmWindow:
         with self.cond:
             if self.failure is None:
                 self.failure = failure
-            self.cond.notify_all()
+            self._wake_waiters()
 
     def set_blocked(self, blocked: bool) -> None:
         with self.cond:
             self.blocked = blocked
             if not blocked:
-                self.cond.notify_all()
+                self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        """Threads waiting on ``cond`` and listeners (call with ``cond`` held)."""
+        self.cond.notify_all()
+        for listener in self.listeners:
+            listener()
 
     def draining(self) -> None:
         """The I/O thread drains ``outbox`` now: the next submit wakes it again."""
@@ -133,7 +193,7 @@ class ConfirmWindow:
                     del self.by_queue[queue]
                 self.refusing.discard(queue)
             self.silent -= heard_again
-            self.cond.notify_all()
+            self._wake_waiters()
         return heard_again
 
     def mark_silent(self, queues: set[str]) -> None:
