@@ -18,6 +18,7 @@ HEADER_DEAD_QUEUE = "x-keyq-dead-queue"
 HEADER_ATTEMPTS = "x-keyq-attempts"
 HEADER_DEAD_AT = "x-keyq-dead-at"  # when it was dead-lettered (ms since epoch)
 HEADER_REDRIVE_ID = "x-keyq-redrive-id"  # set on an event put back from the dead letters
+HEADER_DEDUPE_ID = "x-keyq-dedupe-id"  # the application's id for an event (idempotence)
 
 CONTENT_JSON = "application/json"
 CONTENT_BYTES = "application/octet-stream"

@@ -222,9 +222,7 @@ class Producer:
         publishers, and raises ``PublishTimeout`` after ``timeout`` (default: the
         ``publish_timeout`` setting). Bad input raises before anything is sent.
         """
-        prepared = self.prepare(
-            key, event, headers, content_type=content_type, dedupe_id=dedupe_id
-        )
+        prepared = self.prepare(key, event, headers, content_type=content_type, dedupe_id=dedupe_id)
         wait = self.settings.publish_timeout if timeout is None else timeout
         deadline = time.monotonic() + wait
         with self._link.cond:
