@@ -2,8 +2,11 @@
 exactly one top-level import package, ``keyq``, into site-packages, and a user's own
 ``producer.py`` and ``worker.py`` (names keyq's internals once took) work beside it.
 
-The venv borrows the development venv's third-party packages through a ``.pth`` line (so
-the test needs no index), never its keyq: only the fresh install is importable there.
+That venv borrows the development venv's third-party packages through a ``.pth`` line, never
+its keyq: only the fresh install is importable there. A second venv is a plain ``pip install``
+with no extras, its dependencies from the package index: no Spark, pyarrow or pandas in it,
+yet it publishes, runs the operator commands and the janitor, and the commands that need
+Spark say in one line what to install.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -146,3 +150,134 @@ def test_a_users_producer_py_and_worker_py_work(
     )
     assert served.returncode == 0, served.stderr[-3000:]
     assert StateStore(stream.redis, stream.name).get("order-1") == {"seen": [1, 2, 3]}
+
+
+# --------------------------------------------------------------------------- no extras
+
+SPARK_MODULES = ("pyspark", "pyarrow", "pandas", "numpy", "py4j")
+WORKER_EXTRA = "pip install 'keyq[worker]'"
+
+
+@pytest.fixture(scope="module")
+def light_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A venv with ``pip install <repository>``: no extras, every dependency from the index."""
+    venv = tmp_path_factory.mktemp("light") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", python, "install", "-q", str(REPO)],
+        check=True,
+        timeout=600,
+    )
+    return venv
+
+
+def run_light(venv: Path, stream: Any, *args: str, where: Path) -> subprocess.CompletedProcess[str]:
+    env = keyq_environment(stream.settings, FAST)
+    env.pop("PYTHONPATH")  # the install alone
+    return subprocess.run(
+        [str(venv / "bin" / args[0]), *args[1:]],
+        capture_output=True,
+        text=True,
+        cwd=where,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_the_plain_install_has_no_spark(light_venv: Path) -> None:
+    probe = (
+        "import importlib.util, sys; import keyq, keyq.cli; "
+        f"print([m for m in {SPARK_MODULES!r} if importlib.util.find_spec(m)])"
+    )
+    found = subprocess.run(
+        [str(light_venv / "bin" / "python"), "-c", probe], capture_output=True, text=True, cwd="/"
+    )
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.strip() == "[]"
+
+
+def test_the_plain_install_publishes_and_runs_the_light_commands(
+    light_venv: Path, stream: Any, tmp_path: Path
+) -> None:
+    (tmp_path / "producer.py").write_text(textwrap.dedent(USER_PRODUCER))
+    published = run_light(light_venv, stream, "python", "producer.py", stream.name, where=tmp_path)
+    assert published.returncode == 0, published.stderr
+    assert "published 3" in published.stdout
+    on_stream = ("--stream", stream.name)
+    done = run_light(
+        light_venv, stream, "keyq", "publish", *on_stream, "--key", "order-2",
+        "--event", '{"n": 1}', where=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "seq=1" in done.stdout
+    for command in (
+        ("status", *on_stream),
+        ("inspect", *on_stream, "--key", "order-1", "--json"),
+        ("dlq", "list", *on_stream),
+        ("pause", *on_stream, "--key", "order-1"),
+        ("resume", *on_stream, "--key", "order-1"),
+        ("stream", "show", *on_stream),
+        ("janitor", *on_stream, "--once"),
+        ("settings",),
+    ):
+        ran = run_light(light_venv, stream, "keyq", *command, where=tmp_path)
+        assert ran.returncode == 0, f"keyq {' '.join(command)}: {ran.stderr[-2000:]}"
+    # No worker ran, so the key has no state: the command ran, without Spark, and said so.
+    state = run_light(
+        light_venv, stream, "keyq", "state", *on_stream, "--key", "order-1", where=tmp_path
+    )
+    assert state.returncode == 1, state.stderr
+    assert "no state for key 'order-1'" in state.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("worker", "--stream", "orders", "--pipeline", "keyq.orders:pipeline"),
+        ("spark-cache",),
+        ("demo", "--events", "10"),
+    ],
+    ids=lambda command: command[0],
+)
+def test_a_spark_command_without_spark_says_what_to_install(
+    light_venv: Path, tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    ran = subprocess.run(
+        [str(light_venv / "bin" / "keyq"), *command],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert ran.returncode == 2, ran.stderr
+    [line] = ran.stderr.splitlines()
+    assert line.startswith(f"keyq: keyq {command[0]} ") and line.endswith(WORKER_EXTRA), line
+    assert ran.stdout == ""
+
+
+def test_the_worker_api_without_spark_says_what_to_install(light_venv: Path) -> None:
+    ran = subprocess.run(
+        [str(light_venv / "bin" / "python"), "-c", "from keyq import Worker"],
+        capture_output=True,
+        text=True,
+        cwd="/",
+    )
+    assert ran.returncode == 1
+    assert ran.stderr.splitlines()[-1].endswith(WORKER_EXTRA), ran.stderr
+
+
+def test_the_installed_version_is_the_projects(light_venv: Path) -> None:
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    python = str(light_venv / "bin" / "python")
+    shown = subprocess.run(
+        [python, "-c", "import keyq; print(keyq.__version__)"],
+        capture_output=True,
+        text=True,
+        cwd="/",
+    )
+    assert shown.stdout.strip() == declared, shown.stderr
+    cli = subprocess.run(
+        [str(light_venv / "bin" / "keyq"), "--version"], capture_output=True, text=True
+    )
+    assert cli.stdout.strip() == f"keyq, version {declared}"

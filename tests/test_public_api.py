@@ -3,6 +3,7 @@ first use, so a producer's import never loads Spark."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
 import subprocess
 import sys
@@ -48,3 +49,8 @@ def test_a_producer_import_does_not_load_spark() -> None:
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_the_version_is_the_installed_distributions() -> None:
+    assert keyq.__version__ == importlib.metadata.version("keyq")
+    assert "__version__" in dir(keyq)
