@@ -1,12 +1,52 @@
-# One image for every keyq service: `docker run IMAGE worker --stream orders ...`,
-# `... janitor`, `... demo`. The entrypoint is the `keyq` command.
+# Two images from one file, both with the `keyq` command as the entrypoint:
+#
+#   docker build --target slim -t keyq:slim .   # `pip install keyq`: the janitor, producers
+#                                               # and operator commands (status, inspect, dlq,
+#                                               # pause, resume, stream, publish, state);
+#                                               # `demo --external-workers`. No Java, no Spark.
+#   docker build -t keyq:local .                # the worker (the last stage, the default):
+#                                               # `keyq[worker]` and Java 17; runs every command.
+#
+# `docker run IMAGE worker --stream orders ...`, `... janitor`, `... demo`.
 #
 # The base is pinned to Debian 12 (bookworm): Debian 13, which the plain `python:3.11-slim`
 # tag now follows, no longer ships openjdk-17, and Spark 4 needs Java 17 or 21.
 #
 # Steps that change rarely come first (Java, the Python dependencies, the settings), and
 # keyq's own code last, in one copy and one install: a change to keyq rebuilds two steps.
-FROM python:3.11-slim-bookworm
+
+# --------------------------------------------------------------------------- slim
+FROM python:3.11-slim-bookworm AS slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+RUN useradd --create-home --uid 10001 --user-group keyq
+
+WORKDIR /opt/keyq-src
+
+# keyq's own dependencies, without any extra, from pyproject.toml alone.
+COPY pyproject.toml ./
+RUN python -c "import pathlib, tomllib; project = tomllib.loads(pathlib.Path('pyproject.toml').read_text())['project']; pathlib.Path('/tmp/requirements.txt').write_text('\n'.join(project['dependencies']))" \
+    && pip install -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
+
+ENTRYPOINT ["keyq"]
+CMD ["--help"]
+
+COPY . ./
+RUN set -eux; \
+    pip install --no-deps .; \
+    rm -rf build ./*.egg-info; \
+    keyq --version
+
+USER keyq
+WORKDIR /home/keyq
+
+# --------------------------------------------------------------------------- worker
+FROM python:3.11-slim-bookworm AS worker
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -33,10 +73,10 @@ RUN set -eux; \
 
 WORKDIR /opt/keyq-src
 
-# Dependencies first, from pyproject.toml alone, so that a change to keyq's code (or to its
-# README) does not reinstall pyspark and pyarrow.
+# Dependencies first, from pyproject.toml alone (keyq's own and the worker extra's), so that
+# a change to keyq's code (or to its README) does not reinstall pyspark and pyarrow.
 COPY pyproject.toml ./
-RUN python -c "import pathlib, tomllib; project = tomllib.loads(pathlib.Path('pyproject.toml').read_text())['project']; pathlib.Path('/tmp/requirements.txt').write_text('\n'.join(project['dependencies']))" \
+RUN python -c "import pathlib, tomllib; project = tomllib.loads(pathlib.Path('pyproject.toml').read_text())['project']; pathlib.Path('/tmp/requirements.txt').write_text('\n'.join(project['dependencies'] + project['optional-dependencies']['worker']))" \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
