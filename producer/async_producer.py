@@ -25,7 +25,11 @@ from keyq.broker.naming import Mode
 from keyq.broker.settings import Settings
 from keyq.broker.streams import StreamConfig
 from keyq.producer.loop_bridge import LoopWaker, resolve, resolve_from_thread
-from keyq.producer.producer import PreparedEvent, Producer, Receipt
+from keyq.producer.producer import Offer, PreparedEvent, Producer, Receipt
+
+# A publish that found the window's lock held looks again this much later (without holding
+# up the loop meanwhile).
+BUSY_RETRY_S = 0.0005
 
 
 class AsyncReceipt:
@@ -199,7 +203,7 @@ class AsyncProducer:
         prepared = core.prepare(key, event, headers)
         if not self._turns:
             receipt = core.offer(prepared)
-            if receipt is not None:
+            if isinstance(receipt, Receipt):
                 return AsyncReceipt(receipt, self)
         return await self._publish_in_turn(core, prepared, timeout)
 
@@ -213,14 +217,17 @@ class AsyncProducer:
         self._turns.append(turn)
         try:
             while True:
+                offer: Receipt | Offer = Offer.NO_ROOM
                 if self._turns[0] is turn:
                     self._running()
-                    receipt = core.offer(prepared)
-                    if receipt is not None:
-                        return AsyncReceipt(receipt, self)
+                    offer = core.offer(prepared)
+                    if isinstance(offer, Receipt):
+                        return AsyncReceipt(offer, self)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise PublishTimeout(f"publish timed out: {core.wait_reason(prepared.queue)}")
+                if offer is Offer.BUSY:
+                    remaining = min(remaining, BUSY_RETRY_S)
                 await asyncio.wait((turn.future,), timeout=remaining)
                 if turn.future.done():
                     turn.future = loop.create_future()

@@ -8,6 +8,7 @@ waits for all of them.
 from __future__ import annotations
 
 import contextlib
+import enum
 import itertools
 import re
 import threading
@@ -88,6 +89,13 @@ class Receipt:
     def published(self) -> bool:
         """Whether RabbitMQ has confirmed this event (and not returned it)."""
         return self.confirmation is not None and self.confirmation.published
+
+
+class Offer(enum.Enum):
+    """Why ``Producer.offer`` did not take an event."""
+
+    NO_ROOM = "no room"  # the window is full, or publishers are blocked: wait for a change
+    BUSY = "busy"  # the I/O thread holds the window this moment: look again shortly
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,13 +264,20 @@ class Producer:
         queue = self.config.queue_for(key)
         return PreparedEvent(queue, key, body, content_type, user_headers)
 
-    def offer(self, prepared: PreparedEvent) -> Receipt | None:
-        """Accept a prepared event if the window has room for it now, else None: never
-        waits (for an event loop). Raises ``ProducerClosed`` once the producer failed."""
-        with self._link.cond:
+    def offer(self, prepared: PreparedEvent) -> Receipt | Offer:
+        """Accept a prepared event if the window has room for it now; never waits, not even
+        for the window's lock (for an event loop: a lock held by the I/O thread while the
+        OS or the GIL has it wait would stall the loop too). Raises ``ProducerClosed`` once
+        the producer failed."""
+        cond = self._link.cond
+        if not cond.acquire(blocking=False):
+            return Offer.BUSY
+        try:
             if self._link.failure is None and not self._link.window.has_room(prepared.queue):
-                return None
+                return Offer.NO_ROOM
             return self._accept(prepared, time.monotonic())
+        finally:
+            cond.release()
 
     def wait_reason(self, queue: str) -> str:
         """Why an event for ``queue`` would wait now."""
@@ -277,10 +292,10 @@ class Producer:
             self._link.window.listeners.append(callback)
 
     def settled(self) -> bool:
-        """Whether every accepted event is confirmed (never waits); raises ``ProducerClosed``
-        if the producer failed with events unconfirmed."""
-        with self._link.cond:
-            return self._link.window.settled()
+        """Whether every accepted event is confirmed; raises ``ProducerClosed`` if the
+        producer failed with events unconfirmed. Never waits: it reads without the lock, and
+        a caller looks again when the window next changes (``listen``)."""
+        return self._link.window.settled()
 
     @property
     def failed(self) -> bool:

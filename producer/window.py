@@ -96,7 +96,7 @@ class ConfirmWindow:
 
     def settled(self) -> bool:
         """Whether every submitted event is confirmed; raises if the producer failed first.
-        Call with ``cond`` held."""
+        Exact with ``cond`` held; without it, a glance to be repeated on the next change."""
         if self.unsettled and self.failure is not None:
             raise ProducerClosed(
                 f"producer failed with {self.unsettled} events unconfirmed: {self.failure}"
