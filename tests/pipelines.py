@@ -88,3 +88,51 @@ def ledger_until_fixed_event(state: Any, event: Any) -> Any:
 
 def ledger_until_fixed(df: Any, ctx: Any) -> Any:
     return ctx.state.fold(df, ledger_until_fixed_event)
+
+
+DEPOSIT_SCHEMA = {
+    "type": "record",
+    "name": "Deposit",
+    "fields": [{"name": "n", "type": "int"}, {"name": "cents", "type": "long"}],
+}
+
+
+def avro_deposit(body: bytes) -> Any:
+    """Decode one Avro-encoded deposit (schemaless: the schema is the stream's contract)."""
+    import io
+
+    import fastavro
+
+    reader = io.BytesIO(body)
+    deposit = fastavro.schemaless_reader(reader, fastavro.parse_schema(DEPOSIT_SCHEMA))
+    if reader.tell() != len(body):
+        raise ValueError(f"{len(body) - reader.tell()} bytes left over after a Deposit")
+    return deposit
+
+
+def deposit_event(state: Any, deposit: Any) -> Any:
+    state = state or {"balance": 0, "seen": []}
+    state["balance"] += deposit["cents"]
+    state["seen"].append(deposit["n"])
+    return state
+
+
+def avro_deposits(df: Any, ctx: Any) -> Any:
+    """Avro events folded into a balance per account; the columns each event came with are
+    written to ``KEYQ_TEST_COLUMNS_FILE`` (one JSON line each) for the test to check."""
+    columns_file = os.environ.get("KEYQ_TEST_COLUMNS_FILE")
+    if columns_file:
+        import orjson
+
+        rows = df.select("key", "content_type", "headers", "payload", "body").collect()
+        with open(columns_file, "ab") as out:
+            for row in rows:
+                line = {
+                    "key": row["key"],
+                    "content_type": row["content_type"],
+                    "headers": dict(row["headers"] or {}),
+                    "payload": row["payload"],
+                    "body": bytes(row["body"]).hex(),
+                }
+                out.write(orjson.dumps(line) + b"\n")
+    return ctx.state.fold(df, deposit_event, decoder=avro_deposit)

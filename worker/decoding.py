@@ -1,7 +1,10 @@
 """Turning deliveries into pipeline rows, or into a reason to dead-letter them at once.
 
-A payload must be JSON text (a JSON object from the producer SDK, or bytes that are UTF-8
-JSON); anything else can never succeed however often it is retried.
+A body labelled JSON (``application/json``, or with no content type, as other clients send)
+must be UTF-8 JSON text: anything else can never succeed however often it is retried. A body
+of any other content type (``application/octet-stream`` for bytes from the SDK, Avro,
+Protobuf…) reaches the pipeline as it is, with ``payload`` set only if it happens to be JSON;
+a decoder the pipeline passes to ``ctx.state.fold`` decides what it means.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from dataclasses import dataclass
 import orjson
 
 from keyq.broker.envelope import (
+    CONTENT_JSON,
     HEADER_KEY,
+    HEADER_PREFIX,
     HEADER_PRODUCER,
     HEADER_PUBLISHED_AT,
     HEADER_REDRIVE_ID,
@@ -29,7 +34,24 @@ class Event:
     producer: str | None
     seq: int | None
     published_at_ms: int | None
-    payload: str
+    payload: str | None  # the body as JSON text; None when it is not JSON
+
+    @property
+    def body(self) -> bytes:
+        return self.delivery.body
+
+    @property
+    def content_type(self) -> str | None:
+        return self.delivery.content_type
+
+    @property
+    def user_headers(self) -> dict[str, str]:
+        """The publisher's own headers (keyq's left out), as text for the pipeline."""
+        return {
+            name: _header_text(value)
+            for name, value in self.delivery.headers.items()
+            if not name.lower().startswith(HEADER_PREFIX)
+        }
 
     @property
     def redrive_id(self) -> str | None:
@@ -84,6 +106,9 @@ def decode(delivery: Delivery, fallback_key: str | None = None) -> Event | Undec
         producer, seq = None, None  # not from keyq's SDK: no dedup identity
     if key is None:
         return Undecodable(delivery, f"missing header {HEADER_KEY}", None, producer, seq)
+    published = _integer(headers.get(HEADER_PUBLISHED_AT))
+    if not labelled_json(delivery.content_type):
+        return Event(delivery, key, producer, seq, published, json_text(delivery.body))
     try:
         text = delivery.body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -94,5 +119,27 @@ def decode(delivery: Delivery, fallback_key: str | None = None) -> Event | Undec
         orjson.loads(text)
     except orjson.JSONDecodeError as exc:
         return Undecodable(delivery, f"undecodable payload: not JSON ({exc})", key, producer, seq)
-    published = _integer(headers.get(HEADER_PUBLISHED_AT))
     return Event(delivery, key, producer, seq, published, text)
+
+
+def labelled_json(content_type: str | None) -> bool:
+    """Whether a body must be JSON: labelled so, or not labelled at all."""
+    if not content_type:
+        return True
+    return content_type.split(";", 1)[0].strip().lower() == CONTENT_JSON
+
+
+def json_text(body: bytes) -> str | None:
+    """``body`` as JSON text if it is UTF-8 JSON, else None."""
+    try:
+        text = body.decode("utf-8")
+        orjson.loads(text)
+    except (UnicodeDecodeError, orjson.JSONDecodeError):
+        return None
+    return text
+
+
+def _header_text(value: object) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return "" if value is None else str(value)

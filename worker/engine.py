@@ -51,10 +51,14 @@ BATCH_COLUMNS = (
     "redelivered",
     "payload",
     "redriven",
+    "body",
+    "content_type",
+    "headers",
 )
 BATCH_SCHEMA_DDL = (
     "stream string, queue string, key string, seq long, producer string, message_id string, "
-    "published_at timestamp, redelivered boolean, payload string, redriven boolean"
+    "published_at timestamp, redelivered boolean, payload string, redriven boolean, "
+    "body binary, content_type string, headers map<string,string>"
 )
 _ARROW_SCHEMA = pa.schema(
     [
@@ -68,6 +72,9 @@ _ARROW_SCHEMA = pa.schema(
         ("redelivered", pa.bool_()),
         ("payload", pa.string()),
         ("redriven", pa.bool_()),  # put back from the dead letters by ``keyq dlq redrive``
+        ("body", pa.binary()),  # the message body as it was published
+        ("content_type", pa.string()),
+        ("headers", pa.map_(pa.string(), pa.string())),  # the publisher's own headers
     ]
 )
 
@@ -86,6 +93,9 @@ def batch_table(stream: str, events: Sequence[Event]) -> pa.Table:
             pa.array([e.delivery.redelivered for e in events], pa.bool_()),
             pa.array([e.payload for e in events], pa.string()),
             pa.array([e.redrive_id is not None for e in events], pa.bool_()),
+            pa.array([e.body for e in events], pa.binary()),
+            pa.array([e.content_type for e in events], pa.string()),
+            pa.array([e.user_headers for e in events], pa.map_(pa.string(), pa.string())),
         ],
         schema=_ARROW_SCHEMA,
     )

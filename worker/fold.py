@@ -18,6 +18,9 @@ import orjson
 import pyarrow as pa
 
 Reducer = Callable[[Any, Any], Any]
+# Turns a body that is not JSON (Avro, Protobuf, MessagePack…) into what the reducer gets;
+# what it raises dead-letters the event with its error as the reason.
+Decoder = Callable[[bytes], Any]
 
 STATE_COLUMNS = ("key", "state", "applied")
 STATE_SCHEMA_DDL = "key string, state string, applied long"
@@ -59,27 +62,58 @@ def _last_token(text: str) -> re.Match[str] | None:
     return found
 
 
+# arrival, payload, body, content type, producer, seq
+Row = tuple[int, str | None, bytes | None, str | None, str | None, int | None]
+JSON_TYPE = "application/json"
+
+
+def labelled_json(content_type: str | None) -> bool:
+    """A body labelled JSON, or not labelled at all (as other clients send JSON)."""
+    return not content_type or content_type.split(";", 1)[0].strip().lower() == JSON_TYPE
+
+
 def make_folder(
-    reducer: Reducer, prior: dict[str, str]
+    reducer: Reducer, prior: dict[str, str], decoder: Decoder | None = None
 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """A ``mapInArrow`` function over rows ``key, payload, producer, seq, _arrival`` (each
-    key's rows all in one partition, in any order), yielding one row per key: the key, its
-    new state as JSON, and how many events were applied to it. Each key's events are folded
-    in ``_arrival`` order, starting from its ``prior`` state."""
+    """A ``mapInArrow`` function over rows ``key, payload, body, content_type, producer, seq,
+    _arrival``
+    (each key's rows all in one partition, in any order), yielding one row per key: the key,
+    its new state as JSON, and how many events were applied to it. Each key's events are
+    folded in ``_arrival`` order, starting from its ``prior`` state. The reducer gets a JSON
+    event as its JSON; any other as ``decoder(body)`` if a decoder is given, else as bytes."""
+
+    def event_of(
+        key: str, payload: str | None, body: bytes | None, content_type: str | None, token: str
+    ) -> Any:
+        if payload is not None and (decoder is None or labelled_json(content_type)):
+            return orjson.loads(payload)
+        if decoder is None:
+            return body
+        try:
+            return decoder(body if body is not None else b"")
+        except Exception as exc:  # noqa: BLE001 - what a decoder raises rejects the event
+            raise FoldFailed(
+                f"the decoder rejected the payload of key {key!r}: "
+                f"{type(exc).__name__}: {exc}{token}"
+            ) from None
 
     def fold(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        by_key: dict[str, list[tuple[int, str, str | None, int | None]]] = {}
+        by_key: dict[str, list[Row]] = {}
         for batch in batches:
             columns = batch.to_pydict()
-            for key, payload, producer, seq, arrival in zip(
+            absent = [None] * batch.num_rows
+            for key, payload, body, content_type, producer, seq, arrival in zip(
                 columns["key"],
                 columns["payload"],
+                columns.get("body") or absent,
+                columns.get("content_type") or absent,
                 columns["producer"],
                 columns["seq"],
                 columns["_arrival"],
                 strict=True,
             ):
-                by_key.setdefault(key, []).append((arrival, payload, producer, seq))
+                row = (arrival, payload, body, content_type, producer, seq)
+                by_key.setdefault(key, []).append(row)
         keys: list[str] = []
         states: list[str] = []
         counts: list[int] = []
@@ -87,9 +121,11 @@ def make_folder(
             rows.sort(key=_arrival_of)
             raw = prior.get(key)
             state: Any = None if raw is None else orjson.loads(raw)
-            for _arrival, payload, producer, seq in rows:
+            for _arrival, payload, body, content_type, producer, seq in rows:
+                token = event_token(key, producer, seq)
+                event = event_of(key, payload, body, content_type, token)
                 try:
-                    state = reducer(state, orjson.loads(payload))
+                    state = reducer(state, event)
                 except Exception as exc:  # noqa: BLE001 - any reducer error fails the event
                     raise FoldFailed(
                         f"fold of key {key!r} failed on the event from producer {producer} "
@@ -115,5 +151,5 @@ def make_folder(
     return fold
 
 
-def _arrival_of(row: tuple[int, str, str | None, int | None]) -> int:
+def _arrival_of(row: Row) -> int:
     return row[0]

@@ -19,7 +19,7 @@ from typing import Any
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
 
 from keyq.broker.errors import ConfigurationError, PipelineError
-from keyq.worker.fold import STATE_SCHEMA_DDL, Reducer, make_folder
+from keyq.worker.fold import STATE_SCHEMA_DDL, Decoder, Reducer, make_folder
 from keyq.worker.state_store import StateStore
 
 Pipeline = Callable[[Any, "BatchContext"], Any]
@@ -28,8 +28,9 @@ Pipeline = Callable[[Any, "BatchContext"], Any]
 class KeyedState:
     """Per-key state that survives batches, failovers and restarts.
 
-    ``fold(df, reducer)`` runs ``reducer(state, event) -> state`` over each key's events in
-    arrival order, in Spark, starting from the key's committed state (None for a new key), and
+    ``fold(df, reducer, decoder=None)`` runs ``reducer(state, event) -> state`` over each
+    key's events in arrival order, in Spark, starting from the key's committed state (None for
+    a new key), and
     returns a DataFrame of ``key, state (JSON), applied``. The worker commits those states
     with the batch, fenced by the queues' locks, so each event changes state exactly once.
     """
@@ -40,21 +41,27 @@ class KeyedState:
         self._partitions = partitions
         self.folded: Any = None
 
-    def fold(self, df: Any, reducer: Reducer) -> Any:
-        """Fold ``df`` (the batch, or a filter/select of it: arrival order must survive)."""
+    def fold(self, df: Any, reducer: Reducer, decoder: Decoder | None = None) -> Any:
+        """Fold ``df`` (the batch, or a filter/select of it: arrival order must survive).
+        The reducer gets a JSON event as its JSON, any other as ``decoder(body)`` when a
+        decoder is given (an event it rejects is dead-lettered with its error), else as
+        bytes."""
         if self.folded is not None:
             raise PipelineError("ctx.state.fold may be called once per batch")
         prior = self._store.states(self._keys)
-        numbered = df.select("key", "payload", "producer", "seq").withColumn(
-            "_arrival", F.monotonically_increasing_id()
-        )
+        present = set(df.columns)
+        body = F.col("body") if "body" in present else F.lit(None).cast("binary")
+        kind = F.col("content_type") if "content_type" in present else F.lit(None).cast("string")
+        numbered = df.select(
+            "key", "payload", body.alias("body"), kind.alias("content_type"), "producer", "seq"
+        ).withColumn("_arrival", F.monotonically_increasing_id())
         # One partition: no shuffle at all (a narrow coalesce keeps every key together).
         together = (
             numbered.coalesce(1)
             if self._partitions == 1
             else numbered.repartition(self._partitions, "key")
         )
-        self.folded = together.mapInArrow(make_folder(reducer, prior), STATE_SCHEMA_DDL)
+        self.folded = together.mapInArrow(make_folder(reducer, prior, decoder), STATE_SCHEMA_DDL)
         return self.folded
 
     def get(self, key: str) -> Any | None:
