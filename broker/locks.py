@@ -76,7 +76,7 @@ return released
 # every lock still holds its expected value; returns the 1-based indexes of those that do not.
 # Then n_guards, and per guard a field whose hash is the next key after the locks: if any of
 # those fields exists (a key an operator paused while the batch ran), nothing is written and
-# the answer is {0}.
+# the answer is {0}. Per hash to write: a ttl in ms (0: none), a field count, the pairs.
 _COMMIT = """
 local n_locks = tonumber(ARGV[1])
 local lost = {}
@@ -96,10 +96,14 @@ for g = 1, n_guards do
 end
 local at = 3 + n_locks + n_guards
 for h = n_locks + n_guards + 1, #KEYS do
-  local n_fields = tonumber(ARGV[at])
-  at = at + 1
+  local ttl = tonumber(ARGV[at])
+  local n_fields = tonumber(ARGV[at + 1])
+  at = at + 2
   for j = 0, n_fields - 1 do
     redis.call('HSET', KEYS[h], ARGV[at + 2 * j], ARGV[at + 2 * j + 1])
+  end
+  if ttl > 0 and n_fields > 0 then
+    redis.call('PEXPIRE', KEYS[h], ttl)
   end
   at = at + 2 * n_fields
 end
@@ -210,9 +214,11 @@ class FencedLocks:
         replicas: int = 0,
         replica_timeout_ms: int = 1000,
         guards: Sequence[tuple[str, str]] = (),
+        expiries: Mapping[str, int] | None = None,
     ) -> frozenset[str]:
         """Write hash fields (hash key -> field -> value) only if every lease is current,
-        and no field of ``guards`` (hash key, field) exists, else raise ``KeysStopped``.
+        and no field of ``guards`` (hash key, field) exists, else raise ``KeysStopped``. A
+        hash in ``expiries`` (hash key -> ms) expires that long after this write.
 
         The one fenced commit of keyq: checks and writes happen in one script, so no other
         owner can slip in between, and a batch is committed whole or not at all. Returns the
@@ -232,6 +238,7 @@ class FencedLocks:
             args.append(field)
         for target, fields in writes.items():
             keys.append(target)
+            args.append((expiries or {}).get(target, 0))
             args.append(len(fields))
             for field, value in fields.items():
                 args.extend((field, value))

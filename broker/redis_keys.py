@@ -125,6 +125,11 @@ class StreamKeys:
         """Hash: the stream's operator settings (poison policy, rate limit, paused)."""
         return f"{self._base}:policy"
 
+    def dedupe_ids(self, key_digest: str, bucket: int) -> str:
+        """Hash with a ttl: dedupe id -> ``producer:seq`` of the event applied under it, for
+        one key (by digest) and one window-long time bucket."""
+        return f"{self._base}:dedupe:{bucket}:{key_digest}"
+
     @property
     def redrives(self) -> str:
         """Hash: redrive queue -> key, recorded before the queue is declared, so that a queue

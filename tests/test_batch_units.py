@@ -345,6 +345,7 @@ class StoreStandIn:
         self._marks = marks
         self.lost = lost
         self.failure: Exception | None = None
+        self.client: Any = None  # no event here carries a dedupe id: Redis is never asked
 
     def marks(self, keys: Collection[str]) -> dict[str, KeyMarks]:
         if self.failure is not None:
@@ -352,7 +353,7 @@ class StoreStandIn:
         return {key: self._marks[key] for key in keys if key in self._marks}
 
     def commit(
-        self, leases: Sequence[Lease], marks: Any, states: Any, record: Any, *, guards: Any = ()
+        self, leases: Sequence[Lease], marks: Any, states: Any, record: Any, **_fenced: Any
     ) -> frozenset[str]:
         self.journal.calls.append(("commit", sorted(lease.queue for lease in leases)))
         return self.lost

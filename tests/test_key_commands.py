@@ -81,12 +81,19 @@ def test_stream_set_and_show(ops_stream: StreamFixture) -> None:
         "queue_type": "classic",
         "poison_policy": "park",
         "rate_limit": 2.5,
+        "dedupe_window_s": 86_400,
         "paused": False,
         "paused_keys": 2,
         "parked_keys": 1,
     }
     assert keyq("stream", "set", "--stream", stream.name, "--rate-limit", "none").exit_code == 0
     assert policies.load().rate_limit is None
+    set_window = keyq("stream", "set", "--stream", stream.name, "--dedupe-window", "3600")
+    assert set_window.exit_code == 0, set_window.stderr
+    assert policies.load().dedupe_window_s == 3600
+    too_short = keyq("stream", "set", "--stream", stream.name, "--dedupe-window", "5")
+    assert "dedupe window must be 60 s to 30 days" in one_line_error(too_short, 2)
+    assert policies.load().dedupe_window_s == 3600
     text = keyq("stream", "show", "--stream", stream.name)
     assert "rate limit none" in text.stdout and "parked keys 1" in text.stdout
 

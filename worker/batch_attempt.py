@@ -8,6 +8,7 @@ event set aside for its key (``keyq.worker.key_gate``) before the event is acked
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -31,6 +32,7 @@ from keyq.worker.batch_plan import RunPlan, plan_run
 from keyq.worker.batch_stats import BatchStats, StageClock
 from keyq.worker.consumer import ConsumerLink, DeadLetter
 from keyq.worker.decoding import Undecodable
+from keyq.worker.dedupe_ids import DedupeIds
 from keyq.worker.deliveries import Delivery
 from keyq.worker.fenced_commit import FencedCommit
 from keyq.worker.key_gate import GateSorting, limit_rates, sort_by_key_status
@@ -85,6 +87,7 @@ class BatchAttempt:
         self._batch_numbers_seen = itertools.count(1)
         self._control = control
         self._policy = policy
+        self._dedupe = DedupeIds(store.client, stream)
         self._job = job
         self._output = output
         self._store = store
@@ -118,6 +121,9 @@ class BatchAttempt:
                 due = [limiter.due_in(k) for k in keys if isinstance(k, str)]
                 progress.retry_limited_in = min(due, default=0.05)
         run = self._plan(gate.through, dead)
+        deduped = self._dedupe.take_out_repeats(run.events, policy.dedupe_window_s)
+        if deduped.skipped:
+            run = dataclasses.replace(run, events=deduped.events, deduped=deduped.skipped)
         settling = [*run.settling, *gate.set_aside]
         if not settling:
             self._note_gaps(run)
@@ -139,6 +145,8 @@ class BatchAttempt:
                 computed.states,
                 computed.staged,
                 guards=self._guards(run),
+                extra=deduped.writes,
+                expiries=deduped.expiries,
             )
         except KeysStopped:
             # Paused while it ran: run again, and the gate sets those keys' events aside.

@@ -28,11 +28,13 @@ class RunPlan:
     letters: list[Undecodable]  # to dead-letter, in delivery order
     waiting: list[Delivery]  # behind an open gap: not settled now
     settling: list[Delivery]  # everything else: acked once committed
+    deduped: int = 0  # left out of ``events``: their dedupe id was applied already
 
     @property
     def skipped(self) -> int:
-        """Already applied (redeliveries, re-sends): acked, nothing else."""
-        return len(self.plan.duplicates)
+        """Already applied (redeliveries, re-sends, repeated dedupe ids): acked, nothing
+        else."""
+        return len(self.plan.duplicates) + self.deduped
 
 
 def plan_run(

@@ -41,12 +41,23 @@ class FencedCommit:
         staged: str | None,
         *,
         guards: Sequence[tuple[str, str]] = (),
+        extra: Mapping[str, Mapping[str, str]] | None = None,
+        expiries: Mapping[str, int] | None = None,
     ) -> None:
         """Commit, then publish the output. Raises ``CommitRefused`` (nothing written) if a
         lock moved on, ``KeysStopped`` (nothing written) if a field of ``guards`` exists,
         ``CommitNotReplicated`` if the replicas did not confirm in time."""
         try:
-            lost = self._write(batch_id, leases, marks, states, staged, guards=guards)
+            lost = self._write(
+                batch_id,
+                leases,
+                marks,
+                states,
+                staged,
+                guards=guards,
+                extra=extra,
+                expiries=expiries,
+            )
         except KeysStopped:
             if staged is not None and self._sink is not None:
                 self._sink.discard(staged)
@@ -69,10 +80,20 @@ class FencedCommit:
         staged: str | None,
         *,
         guards: Sequence[tuple[str, str]],
+        extra: Mapping[str, Mapping[str, str]] | None,
+        expiries: Mapping[str, int] | None,
     ) -> frozenset[str]:
         record = None if staged is None else (batch_id, staged)
         try:
-            return self._store.commit(list(leases.values()), marks, states, record, guards=guards)
+            return self._store.commit(
+                list(leases.values()),
+                marks,
+                states,
+                record,
+                guards=guards,
+                extra=extra,
+                expiries=expiries,
+            )
         except CommitNotReplicated:
             if staged is not None:
                 # Committed on the primary only: visible once a later commit proves it

@@ -32,6 +32,7 @@ class StateStore:
         replica_timeout_ms: int = 2000,
     ) -> None:
         self._client = client
+        self.client = client  # for what commits with the state (``keyq.worker.dedupe_ids``)
         self._keys = StreamKeys(stream)
         self._locks = FencedLocks(client, stream)
         self.replicas = replicas  # each commit waits for this many replicas (``WAIT``)
@@ -68,11 +69,14 @@ class StateStore:
         sink_record: tuple[str, str] | None = None,
         *,
         guards: Sequence[tuple[str, str]] = (),
+        extra: Mapping[str, Mapping[str, str]] | None = None,
+        expiries: Mapping[str, int] | None = None,
     ) -> frozenset[str]:
         """Write everything if every lease is current (``FencedLocks.commit``); returns the
         queues whose lease is not (and then nothing was written). Raises
         ``CommitNotReplicated`` when the replicas required did not confirm it in time, and
-        ``KeysStopped`` (nothing written) when a field of ``guards`` exists."""
+        ``KeysStopped`` (nothing written) when a field of ``guards`` exists. ``extra``: more
+        hashes to write with it (``expiries``: their ttls in ms)."""
         writes: dict[str, dict[str, str]] = {
             self._keys.marks: {key: mark.to_json() for key, mark in marks.items()},
             self._keys.state: dict(states),
@@ -80,12 +84,15 @@ class StateStore:
         if sink_record is not None:
             token, record = sink_record
             writes[self._keys.sink_pending] = {token: record}
+        for target, fields in (extra or {}).items():
+            writes[target] = dict(fields)
         return self._locks.commit(
             leases,
             writes,
             replicas=self.replicas,
             replica_timeout_ms=self._replica_timeout_ms,
             guards=guards,
+            expiries=expiries,
         )
 
     def pending_sink_records(self) -> dict[str, str]:

@@ -15,6 +15,7 @@ from keyq.broker.stream_policy import (
     POISON_POLICIES,
     StreamPolicies,
     StreamPolicy,
+    check_dedupe_window,
     check_rate_limit,
 )
 from keyq.command_errors import OneLineCommand, OneLineGroup, fail, usage
@@ -145,13 +146,24 @@ def _rate_limit(text: str) -> float | None:
 @stream_option
 @click.option("--poison-policy", default=None, help=f"One of {', '.join(POISON_POLICIES)}.")
 @click.option("--rate-limit", default=None, help="Events per second per key, or none.")
-def stream_set_command(stream: str, poison_policy: str | None, rate_limit: str | None) -> None:
-    """Change a stream's poison policy or rate limit; workers follow within a tick."""
-    if poison_policy is None and rate_limit is None:
-        usage("nothing to set: give --poison-policy or --rate-limit")
+@click.option(
+    "--dedupe-window",
+    type=int,
+    default=None,
+    help="Seconds a dedupe id is remembered at least (60 s to 30 days; default a day).",
+)
+def stream_set_command(
+    stream: str, poison_policy: str | None, rate_limit: str | None, dedupe_window: int | None
+) -> None:
+    """Change a stream's poison policy, rate limit or dedupe window; workers follow within a
+    second."""
+    if poison_policy is None and rate_limit is None and dedupe_window is None:
+        usage("nothing to set: give --poison-policy, --rate-limit or --dedupe-window")
     try:
         if poison_policy is not None:
             StreamPolicy(poison_policy=poison_policy)
+        if dedupe_window is not None:
+            check_dedupe_window(dedupe_window)
         limit = _rate_limit(rate_limit) if rate_limit is not None else None
         with OperatorContext(stream) as ctx, ctx.services():
             policies = StreamPolicies(ctx.redis, ctx.stream)
@@ -159,6 +171,8 @@ def stream_set_command(stream: str, poison_policy: str | None, rate_limit: str |
                 policies.set_poison_policy(poison_policy)
             if rate_limit is not None:
                 policies.set_rate_limit(limit)
+            if dedupe_window is not None:
+                policies.set_dedupe_window(dedupe_window)
             policy = policies.load()
     except KeyqError as exc:
         fail(exc)
@@ -185,6 +199,7 @@ def stream_show_command(stream: str, as_json: bool) -> None:
         "queue_type": config.queue_type,
         "poison_policy": policy.poison_policy,
         "rate_limit": policy.rate_limit,
+        "dedupe_window_s": policy.dedupe_window_s,
         "paused": policy.paused,
         "paused_keys": len(paused),
         "parked_keys": len(parked),
@@ -199,4 +214,7 @@ def stream_show_command(stream: str, as_json: bool) -> None:
 def _describe(stream: str, policy: StreamPolicy) -> str:
     limit = "none" if policy.rate_limit is None else f"{policy.rate_limit:g}/s per key"
     paused = "   PAUSED" if policy.paused else ""
-    return f"stream {stream}: poison policy {policy.poison_policy}, rate limit {limit}{paused}"
+    return (
+        f"stream {stream}: poison policy {policy.poison_policy}, rate limit {limit}, "
+        f"dedupe window {policy.dedupe_window_s} s{paused}"
+    )

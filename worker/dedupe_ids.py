@@ -1,0 +1,105 @@
+"""Idempotent publishing across producer restarts: an event that carries a dedupe id
+(``publish(..., dedupe_id=...)``) is applied to its key once, whichever producer sent it, as
+long as the id is remembered.
+
+Ids are kept per key in hashes of one time bucket each, a window long (the stream's
+``dedupe_window_s``), written with the batch's fenced commit and expiring two windows after
+their last write. An id is looked up in the current bucket and the one before, so it is
+remembered at least one window and at most two. Each id costs its bytes plus about 40 in
+Redis, for as long as it is remembered.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import redis
+
+from keyq.broker.envelope import HEADER_DEDUPE_ID
+from keyq.broker.naming import key_digest
+from keyq.broker.redis_keys import StreamKeys
+from keyq.worker.decoding import Event
+
+
+def dedupe_id_of(event: Event) -> str | None:
+    value = event.delivery.headers.get(HEADER_DEDUPE_ID)
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value if isinstance(value, str) else None
+
+
+@dataclass
+class Deduped:
+    """A run's events once repeated dedupe ids are taken out, and what to remember."""
+
+    events: list[Event]
+    skipped: int = 0
+    writes: dict[str, dict[str, str]] = field(default_factory=dict)
+    expiries: dict[str, int] = field(default_factory=dict)
+
+
+class DedupeIds:
+    """The dedupe ids applied to one stream's keys."""
+
+    def __init__(
+        self, client: redis.Redis, stream: str, clock: Callable[[], float] = time.time
+    ) -> None:
+        self._client = client
+        self._keys = StreamKeys(stream)
+        self._clock = clock
+
+    def take_out_repeats(self, events: Iterable[Event], window_s: int) -> Deduped:
+        """``events`` (in apply order) without those whose dedupe id was applied to their key
+        already, or comes earlier in the run; and the ids to remember with the commit."""
+        events = list(events)
+        wanted: dict[str, set[str]] = {}
+        for event in events:
+            dedupe_id = dedupe_id_of(event)
+            if dedupe_id is not None:
+                wanted.setdefault(event.key, set()).add(dedupe_id)
+        if not wanted:
+            return Deduped(events)
+        bucket = int(self._now() // window_s)
+        applied = self._applied(wanted, bucket)
+        kept: list[Event] = []
+        result = Deduped(kept)
+        for event in events:
+            dedupe_id = dedupe_id_of(event)
+            if dedupe_id is None:
+                kept.append(event)
+                continue
+            seen = applied.setdefault(event.key, set())
+            if dedupe_id in seen:
+                result.skipped += 1
+                continue
+            seen.add(dedupe_id)
+            kept.append(event)
+            target = self._keys.dedupe_ids(key_digest(event.key), bucket)
+            result.writes.setdefault(target, {})[dedupe_id] = f"{event.producer}:{event.seq}"
+            result.expiries[target] = 2 * window_s * 1000
+        return result
+
+    def _applied(self, wanted: Mapping[str, set[str]], bucket: int) -> dict[str, set[str]]:
+        keys = list(wanted)
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            ids = sorted(wanted[key])
+            digest = key_digest(key)
+            pipe.hmget(self._keys.dedupe_ids(digest, bucket), ids)
+            pipe.hmget(self._keys.dedupe_ids(digest, bucket - 1), ids)
+        answers = pipe.execute()
+        applied: dict[str, set[str]] = {}
+        for index, key in enumerate(keys):
+            ids = sorted(wanted[key])
+            now, before = answers[2 * index], answers[2 * index + 1]
+            applied[key] = {
+                dedupe_id
+                for dedupe_id, a, b in zip(ids, now, before, strict=True)
+                if a is not None or b is not None
+            }
+        return applied
+
+    def _now(self) -> float:
+        return self._clock()
