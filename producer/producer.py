@@ -52,6 +52,7 @@ from keyq.broker.streams import (
     load_stream_config,
     requested_config,
 )
+from keyq.broker.tracing import inject_trace_context
 from keyq.producer.confirmation import Confirmation
 from keyq.producer.encoding import check_dedupe_id, encode_event
 from keyq.producer.link import PublisherLink
@@ -251,6 +252,7 @@ class Producer:
         key_bytes = encode_key(key)
         body, content_type = encode_event(event, content_type)
         user_headers = check_user_headers(headers)
+        inject_trace_context(user_headers)  # with keyq[otel]: the caller's span, W3C
         if dedupe_id is not None:
             user_headers[HEADER_DEDUPE_ID] = check_dedupe_id(dedupe_id)
         size = len(body) + len(key_bytes) + HEADER_ALLOWANCE

@@ -29,6 +29,7 @@ from keyq.broker.stream_policy import StreamPolicy
 from keyq.worker.batch_failures import Stale
 from keyq.worker.batch_outcome import BatchProgress
 from keyq.worker.batch_plan import RunPlan, plan_run
+from keyq.worker.batch_spans import BatchSpans
 from keyq.worker.batch_stats import BatchStats, StageClock
 from keyq.worker.consumer import ConsumerLink, DeadLetter
 from keyq.worker.decoding import Undecodable
@@ -88,6 +89,7 @@ class BatchAttempt:
         self._control = control
         self._policy = policy
         self._dedupe = DedupeIds(store.client, stream)
+        self._spans = BatchSpans(stream)
         self._job = job
         self._output = output
         self._store = store
@@ -131,31 +133,35 @@ class BatchAttempt:
             return  # everything here waits for an earlier seq: nothing to commit or ack
         clock.lap()  # decode
         batch_id = f"{self._worker_id}-{next(self._batch_numbers)}"
-        computed = self._compute(batch_id, run, leases, attempt)
-        clock.lap()  # spark
-        self._set_aside(gate, leases)
-        self._dead_letter(run.letters, attempt)
-        if park:
-            self._park(gate, run, dead)
-        try:
-            self._output.commit(
-                batch_id,
-                leases,
-                run.plan.marks,
-                computed.states,
-                computed.staged,
-                guards=self._guards(run),
-                extra=deduped.writes,
-                expiries=deduped.expiries,
-            )
-        except KeysStopped:
-            # Paused while it ran: run again, and the gate sets those keys' events aside.
-            log.info("a key of batch %s was paused while it ran: running it again", batch_id)
-            self.run(deliveries, attempt, dead, progress)
-            return
-        clock.lap()  # commit
-        self._ack(settling, progress)
-        clock.lap()  # ack
+        with self._spans.batch(batch_id, [event.delivery for event in run.events]):
+            with self._spans.stage("spark"):
+                computed = self._compute(batch_id, run, leases, attempt)
+            clock.lap()  # spark
+            self._set_aside(gate, leases)
+            self._dead_letter(run.letters, attempt)
+            if park:
+                self._park(gate, run, dead)
+            try:
+                with self._spans.stage("commit"):
+                    self._output.commit(
+                        batch_id,
+                        leases,
+                        run.plan.marks,
+                        computed.states,
+                        computed.staged,
+                        guards=self._guards(run),
+                        extra=deduped.writes,
+                        expiries=deduped.expiries,
+                    )
+            except KeysStopped:
+                # Paused while it ran: run again, and the gate sets those events aside.
+                log.info("a key of batch %s was paused while it ran: running it again", batch_id)
+                self.run(deliveries, attempt, dead, progress)
+                return
+            clock.lap()  # commit
+            with self._spans.stage("ack"):
+                self._ack(settling, progress)
+            clock.lap()  # ack
         progress.waiting.extend(run.waiting)
         self._note_gaps(run)
         self._touch(leases)
