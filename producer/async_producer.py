@@ -195,12 +195,15 @@ class AsyncProducer:
         *,
         headers: Mapping[str, Any] | None = None,
         timeout: float | None = None,
+        content_type: str | None = None,
+        dedupe_id: str | None = None,
     ) -> AsyncReceipt:
         """Accept one event for ``key``: returns at once while the window has room, else
         awaits room (or RabbitMQ unblocking publishers) up to ``timeout`` (default:
-        ``publish_timeout``), then raises ``PublishTimeout``. Bad input raises at once."""
+        ``publish_timeout``), then raises ``PublishTimeout``. Bad input raises at once.
+        ``content_type`` and ``dedupe_id`` are the threaded ``publish``'s."""
         core = self._running()
-        prepared = core.prepare(key, event, headers)
+        prepared = core.prepare(key, event, headers, content_type=content_type, dedupe_id=dedupe_id)
         if not self._turns:
             receipt = core.offer(prepared)
             if isinstance(receipt, Receipt):
