@@ -35,6 +35,7 @@ from keyq.broker.envelope import (
     HEADER_DEAD_REASON,
     HEADER_KEY,
     HEADER_PRODUCER,
+    HEADER_REDRIVE_ID,
     HEADER_SEQ,
 )
 
@@ -46,6 +47,11 @@ HAND_BACK_WAIT_S = 2.0  # at most, for a quorum queue to show the letters handed
 # it (on 4.3 and later, not a walk's nack), and RabbitMQ 4 also how often it was handed out,
 # so these are left out of a letter's id and of a redriven copy.
 BROKER_HEADERS = frozenset({"x-delivery-count", "x-acquired-count"})
+# Said of a letter by whoever dead-lettered it (and of a copy put back): not the event's own,
+# so left out of a letter's id, which two copies of one event then share.
+LETTER_HEADERS = frozenset(
+    {HEADER_DEAD_REASON, HEADER_DEAD_QUEUE, HEADER_ATTEMPTS, HEADER_DEAD_AT, HEADER_REDRIVE_ID}
+)
 
 
 @dataclass(frozen=True)
@@ -110,10 +116,12 @@ class DeadLetterMessage:
 
 def content_id(body: bytes, headers: Mapping[str, Any]) -> str:
     """``sha256:`` + 16 hex digits over the body and the headers sorted by name: the same for
-    the same letter in every walk (nothing of a delivery, such as its tag or the broker's
-    delivery count, goes in)."""
+    the same letter in every walk, and for two copies of one event dead-lettered twice
+    (nothing of a delivery, such as its tag or the broker's delivery count, goes in, nor why
+    or when it was dead-lettered)."""
     digest = hashlib.sha256()
-    own = {name: value for name, value in headers.items() if name not in BROKER_HEADERS}
+    left_out = BROKER_HEADERS | LETTER_HEADERS
+    own = {name: value for name, value in headers.items() if name not in left_out}
     digest.update(orjson.dumps(_canonical(own), option=orjson.OPT_SORT_KEYS))
     digest.update(b"\0")
     digest.update(body)

@@ -9,7 +9,7 @@ queues head first, and only once the last is empty and deleted are the key's eve
 own queue applied directly again. A redrive puts the key's dead letters in a queue of its own
 at the head of that list, so they are applied before everything that waited behind them.
 
-Only the holder of the key's queue appends to or pops from the list, under its fenced lease,
+Only the holder of the key's queue starts or drops from the list, under its fenced lease,
 so moving and draining never race; a redrive only puts a queue at the head.
 """
 
@@ -44,10 +44,10 @@ redis.call('HSET', KEYS[1], ARGV[1], fresh)
 return fresh
 """
 
-# KEYS = aside hash, lock key; ARGV = key, lease value, queue. Drops ``queue`` from the head
-# of the key's list. Returns the list after (JSON, "[]" when empty), false if the lease is
-# not current.
-_POP_ASIDE_HEAD = """
+# KEYS = aside hash, lock key; ARGV = key, lease value, queue. Drops ``queue`` from the key's
+# list (the head it was when drained, unless a redrive put another ahead since). Returns the
+# list after (JSON, "[]" when empty), false if the lease is not current.
+_DROP_ASIDE = """
 if redis.call('GET', KEYS[2]) ~= ARGV[2] then
   return false
 end
@@ -56,8 +56,10 @@ if not raw then
   return '[]'
 end
 local queues = cjson.decode(raw)
-if queues[1] == ARGV[3] then
-  table.remove(queues, 1)
+for i = #queues, 1, -1 do
+  if queues[i] == ARGV[3] then
+    table.remove(queues, i)
+  end
 end
 if #queues == 0 then
   redis.call('HDEL', KEYS[1], ARGV[1])
@@ -144,7 +146,7 @@ class KeyControl:
         self._client = client
         self._keys = StreamKeys(stream)
         self._set_tail = client.register_script(_SET_ASIDE_TAIL)
-        self._pop_head = client.register_script(_POP_ASIDE_HEAD)
+        self._drop = client.register_script(_DROP_ASIDE)
         self._put_ahead = client.register_script(_PUT_AHEAD_AND_UNPARK)
 
     # ---- pause ----------------------------------------------------------------------------
@@ -232,10 +234,10 @@ class KeyControl:
         )
         return None if raw is None else list(orjson.loads(raw))
 
-    def pop_aside_head(self, key: str, lease: Lease, queue: str) -> list[str] | None:
-        """Drop ``queue`` (drained) from the head of the key's list; returns what is left, or
+    def drop_aside(self, key: str, lease: Lease, queue: str) -> list[str] | None:
+        """Drop ``queue`` (drained and deleted) from the key's list; returns what is left, or
         None if ``lease`` is no longer current."""
-        raw = self._pop_head(
+        raw = self._drop(
             keys=[self._keys.aside, self._keys.lock(lease.queue)],
             args=[key, lease.value, queue],
         )

@@ -91,3 +91,17 @@ def test_rate_limits_hold_back_a_keys_later_events_in_order() -> None:
     limit_rates(sorting, limiter)
     assert sorting.through == [deliveries[0], deliveries[1], deliveries[4]]
     assert sorting.limited == deliveries[2:4]
+
+
+def test_under_park_what_follows_the_poison_by_seq_is_set_aside_even_if_delivered_first() -> None:
+    # A quorum queue handed the poison (seq 5) back after its successors.
+    e6, e7, poison = event("a", 6), event("a", 7), event("a", 5, body=b"\xff")
+    other = event("b", 1)
+    sorting = sort([e6, e7, poison, other], {}, park=True)
+    assert sorting.through == [poison, other]
+    assert sorting.aside == {"a": [e6, e7]}
+    # From a side queue they are held back (closed and handed back), never moved to the tail.
+    waiting = KeyStatus(aside=(SIDE,))
+    side = [event("a", 6, queue=SIDE), event("a", 5, queue=SIDE, body=b"\xff")]
+    sorting = sort(side, {"a": waiting}, park=True)
+    assert sorting.through == [side[1]] and sorting.held == [side[0]]

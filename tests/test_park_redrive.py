@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pika.exceptions
 import pytest
 
 from keyq import Producer
@@ -44,6 +45,17 @@ def message_count(amqp: Any, queue: str) -> int:
         return int(channel.queue_declare(queue, passive=True).method.message_count)
     finally:
         channel.close()
+
+
+def queue_exists(amqp: Any, queue: str) -> bool:
+    channel = amqp.channel()
+    try:
+        channel.queue_declare(queue, passive=True)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        assert exc.reply_code == 404, exc
+        return False
+    channel.close()
+    return True
 
 
 def keyq(stream: StreamFixture, *args: str) -> None:
@@ -101,6 +113,7 @@ def test_a_parked_key_stops_while_its_bucket_flows_and_a_redrive_applies_all_in_
         wait_until(lambda: not control.status(PARKED).aside, 30, "the aside queues drained")
         assert message_count(amqp, dead_letter_queue_name(stream.name)) == 0
         assert PARKED not in control.parked()
+        assert not queue_exists(amqp, aside[0])  # deleted once drained
 
         publish(producer, keys, range(41, 46), poison=None)  # it flows directly again
         for key in keys:

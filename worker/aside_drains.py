@@ -5,9 +5,10 @@ the only one that drains them (``keyq.broker.key_control``): so between two of i
 nothing is being set aside, and a side queue found empty stays empty. Each step, for each
 key with queues aside whose queue this worker holds and which is not stopped, the head of
 its list is consumed under that queue's lease. When the head is drained (nothing of it
-buffered here, nothing ready in it, and still nothing after its consumer is closed, which
-hands back anything unacked), it is dropped from the list, fenced by the lease, and deleted;
-the next one is consumed on a later step. Once the list is empty the key's events in its own
+buffered here, nothing ready in it and no consumer but ours, and still nothing after our
+consumer is closed, which hands back anything unacked), it is deleted, then dropped from the
+list, fenced by the lease; a listed queue found missing is dropped too. The next one is
+consumed on a later step. Once the list is empty the key's events in its own
 queue apply directly again (``keyq.worker.key_gate``).
 
 Runs on the batch loop's thread, between batches.
@@ -21,7 +22,7 @@ from collections.abc import Callable
 
 from keyq.broker.key_control import KeyControl, KeyStatus
 from keyq.broker.naming import base_queue_name
-from keyq.worker.consumer import ConsumerLink
+from keyq.worker.consumer import ConsumeOutcome, ConsumerLink
 from keyq.worker.deliveries import DeliveryBuffer
 from keyq.worker.held_queues import HeldQueues
 
@@ -80,25 +81,33 @@ class AsideDrains:
                 self._held.detach(side)  # stopped again, or no longer the head
         for side, (key, main) in heads.items():
             if side not in attached:
-                if self._held.attach(side, main):
+                outcome = self._held.attach(side, main)
+                if outcome is ConsumeOutcome.CONSUMING:
                     log.info("draining %s, set aside for key %r", side, key)
+                elif outcome is ConsumeOutcome.MISSING:
+                    self._forget(side, key, main)  # deleted by a drain that stopped short
                 continue
             self._finish_if_drained(side, key, main)
 
     def _finish_if_drained(self, side: str, key: str, main: str) -> None:
-        if self._buffer.depth(side) or self._link.message_count(side):
-            return
+        """Delete ``side`` and drop it from the key's list once nothing is left in it. It is
+        deleted first: a list never names a queue that was dropped but still holds events."""
+        if self._buffer.depth(side) or self._link.queue_counts(side) != (0, 1):
+            return  # events buffered or ready; or not our consumer alone (a zombie's too)
         self._held.detach(side)
-        if self._link.message_count(side):
+        if self._link.queue_counts(side) != (0, 0):
             return  # something came back when the consumer closed: attach again next step
+        if not self._link.delete_drained(side):
+            return  # not empty after all: attach again next step
+        self._forget(side, key, main)
+
+    def _forget(self, side: str, key: str, main: str) -> None:
         holding = self._held.get(main)
         if holding is None:
-            return
-        left = self._control.pop_aside_head(key, holding.lease, side)
+            return  # the new holder of the key's queue finds it gone and forgets it
+        left = self._control.drop_aside(key, holding.lease, side)
         if left is None:
-            return  # the lease moved on: the new holder drains it
-        if not self._link.delete_if_empty(side):
-            log.warning("side queue %s was not empty when deleted; left in place", side)
+            return  # the lease moved on: the same
         log.info(
             "drained %s for key %r; %s",
             side,

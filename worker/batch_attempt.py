@@ -104,13 +104,23 @@ class BatchAttempt:
         self.open_gaps: dict[tuple[str, str], tuple[Gap, str]] = {}
 
     def run(
-        self, deliveries: list[Delivery], attempt: int, dead: str | None, progress: BatchProgress
+        self,
+        deliveries: list[Delivery],
+        attempt: int,
+        dead: str | None,
+        progress: BatchProgress,
+        *,
+        rerun: bool = False,
     ) -> None:
         """Run ``deliveries`` once; with ``dead``, dead-letter their events with that reason.
-        What it settles, the leases it uses and what waits are noted in ``progress``."""
+        What it settles, the leases it uses and what waits are noted in ``progress``. Raises
+        ``KeysStopped`` (nothing settled) when the stream is paused, or a key was paused
+        while its rerun ran too: the batch waits and goes back."""
         clock = StageClock()
         leases = self._leases(deliveries, progress)
         policy = self._policy()
+        if policy.paused:
+            raise KeysStopped("the stream is paused: its queues are being handed back")
         park = policy.poison_policy == "park"
         gate = self._gate(deliveries, park)
         progress.held.extend(gate.held)
@@ -137,10 +147,10 @@ class BatchAttempt:
             with self._spans.stage("spark"):
                 computed = self._compute(batch_id, run, leases, attempt)
             clock.lap()  # spark
+            if park:  # first: a crash after it sends the poison's redelivery aside too
+                self._park(gate, run, dead)
             self._set_aside(gate, leases)
             self._dead_letter(run.letters, attempt)
-            if park:
-                self._park(gate, run, dead)
             try:
                 with self._spans.stage("commit"):
                     self._output.commit(
@@ -154,9 +164,11 @@ class BatchAttempt:
                         expiries=deduped.expiries,
                     )
             except KeysStopped:
-                # Paused while it ran: run again, and the gate sets those events aside.
+                if rerun:
+                    raise
+                # Paused while it ran: once more, and the gate sets those events aside.
                 log.info("a key of batch %s was paused while it ran: running it again", batch_id)
-                self.run(deliveries, attempt, dead, progress)
+                self.run(deliveries, attempt, dead, progress, rerun=True)
                 return
             clock.lap()  # commit
             with self._spans.stage("ack"):

@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 import redis.exceptions
 
-from keyq.broker.errors import CommitRefused, KeyqError
+from keyq.broker.errors import CommitRefused, KeyqError, KeysStopped
 from keyq.broker.key_control import KeyControl
 from keyq.broker.log_context import about_queues
 from keyq.broker.registry import QueueRegistry
@@ -120,17 +120,22 @@ class BatchProcessor:
             return self._refused(deliveries, exc)
         except (Stale, Interrupted):
             return BatchOutcome(unsettled=self.unsettled(deliveries), waiting=[], lost=[])
+        except KeysStopped as exc:  # the stream paused: its queues are being handed back
+            worker_log.info("batch put back: %s", exc)
+            unsettled = self.unsettled(deliveries)
+            return BatchOutcome(unsettled=unsettled, waiting=[], lost=[], interrupted=str(exc))
         except _SERVICE_FAILURES as exc:
             worker_log.warning("batch interrupted, will retry: %s", exc)
             unsettled = self.unsettled(deliveries)
             return BatchOutcome(unsettled=unsettled, waiting=[], lost=[], interrupted=str(exc))
+        progress = self._progress
         return BatchOutcome(
             unsettled=[],
-            waiting=self._progress.waiting,
+            waiting=progress.waiting,
             lost=[],
-            held_back=frozenset(d.queue for d in self._progress.held),
-            limited=self._progress.limited,
-            retry_limited_in=self._progress.retry_limited_in,
+            held_back=frozenset(d.queue for d in progress.held),
+            limited=progress.unsettled(list({id(d): d for d in progress.limited}.values())),
+            retry_limited_in=progress.retry_limited_in,
         )
 
     def unsettled(

@@ -231,16 +231,20 @@ class ConsumerLink:
                 f"events set aside not confirmed: {describe_exception(exc)}"
             ) from None
 
-    def delete_if_empty(self, queue: str) -> bool:
+    def delete_drained(self, queue: str) -> bool:
         """Delete a drained queue a key's events waited in; False if messages are in it."""
         try:
-            return self.call(lambda: self._dead_letters.delete_if_empty(queue))
+            return self.call(lambda: self._dead_letters.delete_drained(queue))
         except pika.exceptions.AMQPError as exc:
             raise BrokerUnavailable(f"deleting {queue}: {describe_exception(exc)}") from None
 
     def message_count(self, queue: str) -> int:
         """Messages ready in ``queue`` (0 if it does not exist)."""
-        return self.call(lambda: self._message_count(queue))
+        return self.call(lambda: self._queue_counts(queue)[0])
+
+    def queue_counts(self, queue: str) -> tuple[int, int]:
+        """Messages ready in ``queue`` and its consumers ((0, 0) if it does not exist)."""
+        return self.call(lambda: self._queue_counts(queue))
 
     def held(self) -> dict[str, int]:
         """Queues with a live consumer, and their epochs."""
@@ -248,7 +252,7 @@ class ConsumerLink:
 
     # ---- on the I/O thread ----------------------------------------------------------------
 
-    def _message_count(self, queue: str) -> int:
+    def _queue_counts(self, queue: str) -> tuple[int, int]:
         connection = self._io.connection
         assert connection is not None
         channel = self._probe_channel
@@ -259,6 +263,6 @@ class ConsumerLink:
         except pika.exceptions.ChannelClosedByBroker as exc:
             self._probe_channel = None
             if exc.reply_code == 404:
-                return 0
+                return 0, 0
             raise
-        return int(declared.method.message_count)
+        return int(declared.method.message_count), int(declared.method.consumer_count)

@@ -158,13 +158,16 @@ class DeadLetterPublisher:
             properties = aside_properties(delivery, key)
             channel.basic_publish("", queue, delivery.body, properties, mandatory=True)
 
-    def delete_if_empty(self, queue: str) -> bool:
-        """Delete ``queue`` unless messages are in it; False if it was not deleted."""
+    def delete_drained(self, queue: str) -> bool:
+        """Delete ``queue``, found drained by its only consumer (``keyq.worker.aside_drains``);
+        False if a classic queue turned out not to be empty. A quorum queue answers
+        ``if_empty`` with "not implemented" (closing the connection), so it is deleted as
+        it is: the drain checked it has neither messages nor consumers."""
         connection = self._connection()
         assert connection is not None
         channel = connection.channel()
         try:
-            channel.queue_delete(queue, if_empty=True)
+            channel.queue_delete(queue, if_empty=self._queue_type == "classic")
         except pika.exceptions.ChannelClosedByBroker as exc:
             if exc.reply_code == 404:
                 return True  # gone already

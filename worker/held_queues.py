@@ -85,6 +85,8 @@ class HeldQueues:
         self._sides = Holdings()
         # Losses the I/O thread reported, whose locks the claim loop releases.
         self._gone: queue_module.SimpleQueue[tuple[Lease, str]] = queue_module.SimpleQueue()
+        # Side consumers of a holding the I/O thread ended: closed by the claim loop.
+        self._sides_to_close: queue_module.SimpleQueue[tuple[str, int]] = queue_module.SimpleQueue()
         self._counts_lock = threading.Lock()
         self.lost = 0  # holdings ended without handing the queue back
         self.released = 0  # queues handed back while running (idle, rebalance)
@@ -197,20 +199,25 @@ class HeldQueues:
 
     # ---- side queues, drained under a held queue's lease ----------------------------------
 
-    def attach(self, side: str, to: str) -> bool:
+    def attach(self, side: str, to: str) -> ConsumeOutcome | None:
         """Consume ``side`` (a queue a key's events wait in) under the lease of held queue
-        ``to``, with an exclusive consumer; False if ``to`` is not held or the broker would
-        not let us consume ``side`` (a zombie's consumer is still on it: try later)."""
+        ``to``, with an exclusive consumer. Returns how the consume went (CONSUMING: held
+        now; MISSING: the queue is gone; else try later: a zombie's consumer is still on
+        it), or None if ``to`` is not held or ``side`` is attached already."""
         main = self._holdings.get(to)
         if main is None or side in self._sides:
-            return False
+            return None
         held = Held(queue=side, lease=main.lease, epoch=self._link.new_epoch())
         self._sides.add(held)
-        consumed = self._link.consume(side, held.epoch)
+        try:
+            consumed = self._link.consume(side, held.epoch)
+        except KeyqError:
+            self.detach(side)
+            raise
         if consumed.outcome is ConsumeOutcome.CONSUMING and to in self._holdings:
-            return True
+            return consumed.outcome
         self.detach(side)
-        return False
+        return consumed.outcome
 
     def detach(self, side: str) -> None:
         """Stop consuming ``side``: close its consumer (its unacked deliveries go back to
@@ -272,14 +279,21 @@ class HeldQueues:
             self._end(held, reason, LockFate.DEFERRED, close=False)
 
     def settle_gone(self) -> int:
-        """On the claim loop: release the locks of the consumers the broker took away, in one
-        round trip, and report them revoked. A Redis failure leaves them to expire."""
+        """On the claim loop: close the side consumers of holdings the I/O thread ended,
+        release the locks of the consumers the broker took away, in one round trip, and
+        report them revoked. A Redis failure leaves them to expire."""
         gone: list[tuple[Lease, str]] = []
         while True:
             try:
                 gone.append(self._gone.get_nowait())
             except queue_module.Empty:
                 break
+        while True:
+            try:
+                side, epoch = self._sides_to_close.get_nowait()
+            except queue_module.Empty:
+                break
+            self._link.close_queue(side, epoch)
         if not gone:
             return 0
         with contextlib.suppress(*_SERVICE_ERRORS):  # they expire by themselves
@@ -350,5 +364,7 @@ class HeldQueues:
             if side.lease == held.lease and self._sides.remove(side.queue, side.epoch):
                 if close:
                     self._link.close_queue(side.queue, side.epoch)
+                else:  # the I/O thread: it must not wait on itself
+                    self._sides_to_close.put((side.queue, side.epoch))
                 self._buffer.drop(side.queue, side.epoch)
         return True

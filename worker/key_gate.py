@@ -13,9 +13,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from keyq.broker.key_control import FLOWING, KeyStatus, ParkedKey
-from keyq.worker.decoding import Undecodable, decode
+from keyq.worker.decoding import Event, Undecodable, decode
 from keyq.worker.deliveries import Delivery
 from keyq.worker.rate_limits import KeyRateLimiter
+
+Item = Event | Undecodable
 
 
 @dataclass
@@ -39,10 +41,6 @@ class GateSorting:
         return [delivery for found in self.aside.values() for delivery in found]
 
 
-def key_of(delivery: Delivery, fallback_key: str | None) -> str | None:
-    return decode(delivery, fallback_key).key
-
-
 def sort_by_key_status(
     deliveries: Sequence[Delivery],
     fallback_keys: Mapping[str, str | None],
@@ -53,56 +51,71 @@ def sort_by_key_status(
     now_ms: int,
 ) -> GateSorting:
     """Sort ``deliveries`` (in delivery order) by their keys' ``statuses``."""
+    decoded = [decode(d, fallback_keys.get(d.queue)) for d in deliveries]
     sorting = GateSorting()
-    parked_here: set[str] = set()
-    for delivery in deliveries:
-        decoded = decode(delivery, fallback_keys.get(delivery.queue))
-        key = decoded.key
+
+    def may_apply(delivery: Delivery, key: str) -> bool:
+        status = statuses.get(key, FLOWING)
+        if is_side_queue(delivery.queue):
+            return not status.stopped and status.aside[:1] == (delivery.queue,)
+        return not status.diverted
+
+    poisons: dict[str, int] = {}  # key -> the index of the poison it parks at
+    if park_at_poison:
+        for index, item in enumerate(decoded):
+            key = item.key
+            if key is None or key in poisons or not isinstance(item, Undecodable):
+                continue
+            if may_apply(deliveries[index], key):
+                poisons[key] = index
+                sorting.parking[key] = ParkedKey(
+                    at_ms=now_ms, reason=item.reason, producer=item.producer, seq=item.seq
+                )
+    for index, (delivery, item) in enumerate(zip(deliveries, decoded, strict=True)):
+        key = item.key
         if key is None:
             sorting.let_through(delivery, None)  # dead-lettered: it has no key to hold back
             continue
-        status = statuses.get(key, FLOWING)
-        if is_side_queue(delivery.queue):
-            may_apply = not status.stopped and status.aside[:1] == (delivery.queue,)
-            if may_apply and key not in parked_here:
-                sorting.let_through(delivery, key)
-                if park_at_poison and isinstance(decoded, Undecodable):
-                    _park(sorting, parked_here, key, decoded, now_ms)
-            else:
-                sorting.held.append(delivery)
-            continue
-        if status.diverted or key in parked_here:
+        poison = poisons.get(key)
+        stops_here = poison is not None and _after(item, index, decoded[poison], poison)
+        if may_apply(delivery, key) and not stops_here:
+            sorting.let_through(delivery, key)
+        elif is_side_queue(delivery.queue):
+            sorting.held.append(delivery)  # never to the tail: it would pass its successors
+        else:
             sorting.aside.setdefault(key, []).append(delivery)
-            continue
-        sorting.let_through(delivery, key)
-        if park_at_poison and isinstance(decoded, Undecodable):
-            _park(sorting, parked_here, key, decoded, now_ms)
     return sorting
+
+
+def _after(item: Item, index: int, poison: Item, poison_index: int) -> bool:
+    """Whether ``item`` comes after its key's ``poison`` in the key's order: by seq for the
+    poison's producer (the order events apply in), by delivery order for the others."""
+    if index == poison_index:
+        return False
+    same_producer = item.producer is not None and item.producer == poison.producer
+    if same_producer and item.seq is not None and poison.seq is not None:
+        return item.seq > poison.seq
+    return index > poison_index
 
 
 def limit_rates(sorting: GateSorting, limiter: KeyRateLimiter) -> None:
     """Hold back what would go through beyond each key's rate: a key's first events go, its
     later ones wait, in order."""
     counts: dict[str, int] = {}
-    for key in sorting.through_keys:
-        if key is not None:
+    for delivery, key in zip(sorting.through, sorting.through_keys, strict=True):
+        if key is not None and delivery.waiting_since is None:
             counts[key] = counts.get(key, 0) + 1
     allowed = {key: limiter.take(key, count) for key, count in counts.items()}
     through, through_keys = sorting.through, sorting.through_keys
     sorting.through, sorting.through_keys = [], []
     for delivery, key in zip(through, through_keys, strict=True):
-        if key is None or allowed[key] > 0:
+        if delivery.waiting_since is not None:
+            # Waiting for an earlier seq already: it goes with the one it waits for, so
+            # that its tokens never starve the missing one into being given up.
+            sorting.let_through(delivery, key)
+        elif key is None or allowed[key] > 0:
             if key is not None:
                 allowed[key] -= 1
             sorting.let_through(delivery, key)
         else:
             sorting.limited.append(delivery)
-
-
-def _park(
-    sorting: GateSorting, parked_here: set[str], key: str, poison: Undecodable, now_ms: int
-) -> None:
-    parked_here.add(key)
-    sorting.parking[key] = ParkedKey(
-        at_ms=now_ms, reason=poison.reason, producer=poison.producer, seq=poison.seq
-    )
