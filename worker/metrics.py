@@ -10,6 +10,7 @@ Serve them with ``MetricsServer(port, registry=WorkerMetrics(worker).registry)``
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -168,6 +169,15 @@ GAUGES: tuple[Figure, ...] = (
         "keyq_worker_sequence_gap_oldest_seconds",
         "How long the oldest open sequence gap has been waited on.",
         lambda report: report.oldest_gap_s,
+    ),
+    Figure(
+        "keyq_worker_oldest_event_age_seconds",
+        "Age of the oldest event this worker holds and has not applied (0 when none).",
+        lambda report: (
+            0.0
+            if report.oldest_event_ms is None
+            else max(0.0, time.time() - report.oldest_event_ms / 1000)
+        ),
     ),
     Figure(
         "keyq_worker_start_time_seconds",
