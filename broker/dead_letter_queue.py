@@ -38,6 +38,7 @@ from keyq.broker.envelope import (
     HEADER_REDRIVE_ID,
     HEADER_SEQ,
 )
+from keyq.broker.text import as_text
 
 NOT_FOUND = 404
 FOREIGN_ID_PREFIX = "sha256:"
@@ -69,18 +70,18 @@ class DeadLetterMessage:
     @property
     def key(self) -> str | None:
         value = self.headers.get(HEADER_KEY)
-        return _text(value) if value is not None else None
+        return as_text(value) if value is not None else None
 
     @property
     def producer(self) -> str | None:
         value = self.headers.get(HEADER_PRODUCER)
-        return _text(value) if value is not None else None
+        return as_text(value) if value is not None else None
 
     @property
     def seq(self) -> int | None:
         value = self.headers.get(HEADER_SEQ)
         try:
-            return None if value is None else int(_text(value))
+            return None if value is None else int(as_text(value))
         except ValueError:
             return None
 
@@ -98,12 +99,12 @@ class DeadLetterMessage:
     @property
     def reason(self) -> str | None:
         value = self.headers.get(HEADER_DEAD_REASON)
-        return None if value is None else _text(value)
+        return None if value is None else as_text(value)
 
     @property
     def dead_queue(self) -> str | None:
         value = self.headers.get(HEADER_DEAD_QUEUE)
-        return None if value is None else _text(value)
+        return None if value is None else as_text(value)
 
     @property
     def attempts(self) -> int | None:
@@ -143,15 +144,11 @@ def _canonical(value: object) -> object:
     return {type(value).__name__: repr(value)}
 
 
-def _text(value: object) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
 def _int(value: object) -> int | None:
     if value is None or isinstance(value, bool):
         return None
     try:
-        return int(_text(value)) if not isinstance(value, int) else value
+        return int(as_text(value)) if not isinstance(value, int) else value
     except ValueError:
         return None
 

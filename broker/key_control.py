@@ -24,6 +24,7 @@ import redis
 from keyq.broker.clock import now_ms
 from keyq.broker.locks import Lease
 from keyq.broker.redis_keys import StreamKeys
+from keyq.broker.text import as_text
 
 # KEYS = aside hash, lock key; ARGV = key, lease value, queue. Sets the key's aside list to
 # [queue] when it is empty; returns the list (JSON) as it is after, or false if the lease is
@@ -177,7 +178,7 @@ class KeyControl:
     def paused(self) -> dict[str, int]:
         """Paused key -> since when (ms since epoch)."""
         raw = self._client.hgetall(self._keys.paused_keys)
-        return {_text(k): int(v) for k, v in raw.items()}
+        return {as_text(k): int(v) for k, v in raw.items()}
 
     # ---- park -----------------------------------------------------------------------------
 
@@ -190,7 +191,7 @@ class KeyControl:
 
     def parked(self) -> dict[str, ParkedKey]:
         raw = self._client.hgetall(self._keys.parked_keys)
-        return {_text(k): ParkedKey.from_json(v) for k, v in raw.items()}
+        return {as_text(k): ParkedKey.from_json(v) for k, v in raw.items()}
 
     # ---- what holds keys back -------------------------------------------------------------
 
@@ -221,7 +222,7 @@ class KeyControl:
     def keys_aside(self) -> dict[str, list[str]]:
         """Every key with queues aside -> those queues, head first."""
         raw = self._client.hgetall(self._keys.aside)
-        return {_text(k): list(orjson.loads(v)) for k, v in raw.items()}
+        return {as_text(k): list(orjson.loads(v)) for k, v in raw.items()}
 
     # ---- the aside list: changed by the holder of the key's queue, or put ahead by a redrive
 
@@ -248,7 +249,3 @@ class KeyControl:
         if it was there already (a redrive run again)."""
         keys = [self._keys.aside, self._keys.parked_keys]
         return bool(self._put_ahead(keys=keys, args=[key, queue]))
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -11,6 +11,7 @@ import redis
 
 from keyq.broker.errors import InvalidInput
 from keyq.broker.redis_keys import StreamKeys
+from keyq.broker.text import as_text
 
 POISON_POLICIES = ("skip", "park")
 DEFAULT_DEDUPE_WINDOW_S = 86_400  # a day: past a restart, a redeploy, a night's retries
@@ -61,7 +62,7 @@ class StreamPolicies:
         self._key = StreamKeys(stream).policy
 
     def load(self) -> StreamPolicy:
-        raw = {_text(k): _text(v) for k, v in self._client.hgetall(self._key).items()}
+        raw = {as_text(k): as_text(v) for k, v in self._client.hgetall(self._key).items()}
         policy = raw.get("poison_policy", "skip")
         limit = raw.get("rate_limit")
         window = raw.get("dedupe_window_s")
@@ -91,7 +92,3 @@ class StreamPolicies:
             self._client.hset(self._key, "paused", "1")
         else:
             self._client.hdel(self._key, "paused")
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value

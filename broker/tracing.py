@@ -12,6 +12,8 @@ import importlib
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
+from keyq.broker.text import as_text
+
 TRACE_HEADERS = ("traceparent", "tracestate")
 
 
@@ -48,7 +50,7 @@ def span_contexts(carriers: Iterable[Mapping[str, Any]]) -> list[Any]:
     for headers in carriers:
         if "traceparent" not in headers:
             continue
-        carrier = {name: _text(headers[name]) for name in TRACE_HEADERS if name in headers}
+        carrier = {name: as_text(headers[name]) for name in TRACE_HEADERS if name in headers}
         context = trace.get_current_span(propagate.extract(carrier)).get_span_context()
         if context.is_valid:
             found.append(context)
@@ -64,7 +66,3 @@ def trace_api() -> Any | None:
     """OpenTelemetry's ``trace`` module (``Link``, ``SpanKind``…), if it is installed."""
     otel = _otel()
     return None if otel is None else otel[1]
-
-
-def _text(value: object) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)

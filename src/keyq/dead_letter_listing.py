@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from keyq.broker.dead_letter_queue import DeadLetterMessage
+from keyq.status_table import blank, printable
 
 PREVIEW_BYTES = 60
 
@@ -87,17 +88,17 @@ def render_rows(rows: Sequence[Mapping[str, Any]]) -> str:
     titles = ("#", "id", "key", "producer", "seq", "attempts", "dead at", "from", "type")
     lines = ["\t".join(titles) + "\treason\tpayload"]
     for row in rows:
-        key = "(foreign)" if row["foreign"] else _printable(row["key"])
+        key = "(foreign)" if row["foreign"] else printable(row["key"])
         cells = (
             str(row["position"]),
             row["id"],
             key,
-            _blank(row["producer"]),
-            _blank(row["seq"]),
-            _blank(row["attempts"]),
+            blank(row["producer"]),
+            blank(row["seq"]),
+            blank(row["attempts"]),
             when(row["dead_at_ms"]),
-            _blank(row["dead_queue"]),
-            _blank(row["content_type"]),
+            blank(row["dead_queue"]),
+            blank(row["content_type"]),
             _one_line(row["reason"]),
             row["preview"],
         )
@@ -110,30 +111,20 @@ def render_detail(detail: Mapping[str, Any]) -> str:
         f"id            {detail['id']}"
         + ("   (foreign: no keyq key header)" if detail["foreign"] else ""),
         f"position      {detail['position']}",
-        f"key           {_printable(detail['key_header'])}",
-        f"producer/seq  {_blank(detail['producer'])} / {_blank(detail['seq'])}",
+        f"key           {printable(detail['key_header'])}",
+        f"producer/seq  {blank(detail['producer'])} / {blank(detail['seq'])}",
         f"reason        {_one_line(detail['reason'])}",
-        f"attempts      {_blank(detail['attempts'])}",
+        f"attempts      {blank(detail['attempts'])}",
         f"dead at       {when(detail['dead_at_ms'])}",
-        f"from queue    {_blank(detail['dead_queue'])}",
-        f"content type  {_blank(detail['content_type'])}",
-        f"message id    {_blank(detail['message_id'])}",
+        f"from queue    {blank(detail['dead_queue'])}",
+        f"content type  {blank(detail['content_type'])}",
+        f"message id    {blank(detail['message_id'])}",
         "headers:",
         *(f"  {name}: {value!r}" for name, value in sorted(detail["headers"].items())),
         f"payload ({detail['bytes']} bytes, {detail['payload_encoding']}):",
         detail["payload"],
     ]
     return "\n".join(lines) + "\n"
-
-
-def _blank(value: object) -> str:
-    return "-" if value is None else str(value)
-
-
-def _printable(key: str | None) -> str:
-    if key is None:
-        return "-"
-    return key if key.isprintable() else repr(key)
 
 
 def _one_line(text: str | None) -> str:

@@ -71,11 +71,11 @@ def render_table(status: dict[str, Any], *, width: int = PIPE_WIDTH) -> str:
             owner += " (not alive)"
         queues.add_row(
             row["name"],
-            _printable(row["key"]),
+            printable(row["key"]),
             _depth(row["depth"]),
-            _blank(row["consumers"]),
+            blank(row["consumers"]),
             owner or "-",
-            _blank(row["token"]),
+            blank(row["token"]),
             _duration(row["idle_ms"]),
         )
     console.print(queues)
@@ -96,10 +96,10 @@ def render_table(status: dict[str, Any], *, width: int = PIPE_WIDTH) -> str:
                 row["worker"],
                 _duration(row["heartbeat_age_ms"]) + " ago",
                 str(row["held"]),
-                _blank(row["events"]),
-                _blank(row["events_per_s"]),
-                _blank(row["batches"]),
-                _blank(row["dead_lettered"]),
+                blank(row["events"]),
+                blank(row["events_per_s"]),
+                blank(row["batches"]),
+                blank(row["dead_lettered"]),
                 f"{row['host'] or '-'}:{row['pid'] or '-'}",
             )
         console.print(workers)
@@ -129,7 +129,7 @@ def _print_gaps(console: Console, workers: list[dict[str, Any]]) -> None:
     )
     for gap in sorted(gaps, key=lambda gap: -float(gap.get("waited_s") or 0))[:TABLE_LIMIT]:
         console.print(
-            f"  key {_printable(str(gap['key']))} producer {gap.get('producer')}: waiting for "
+            f"  key {printable(str(gap['key']))} producer {gap.get('producer')}: waiting for "
             f"seq {gap['first']}..{gap.get('last')} for {gap.get('waited_s')}s "
             f"({gap['worker']})"
         )
@@ -139,11 +139,13 @@ def _depth(depth: int | None) -> str:
     return "missing" if depth is None else str(depth)
 
 
-def _blank(value: object) -> str:
+def blank(value: object) -> str:
+    """A table cell: ``-`` for nothing."""
     return "-" if value is None else str(value)
 
 
-def _printable(key: str | None) -> str:
+def printable(key: str | None) -> str:
+    """A key as a table shows it: as it is if printable, else its repr."""
     if key is None:
         return "-"
     return key if key.isprintable() else repr(key)
