@@ -30,15 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pika.exceptions
-import redis
-
 from bench.common import (
     Cleanup,
     emit,
     log,
     machine_info,
     mean_size,
+    measure_then_clean,
     median,
     pad_for,
     padded_event,
@@ -49,7 +47,6 @@ from bench.common import (
 )
 from keyq import Producer
 from keyq.aio import Producer as AsyncProducer
-from keyq.broker.errors import KeyqError
 from keyq.broker.naming import dead_letter_queue_name, key_queue_name
 from keyq.broker.settings import Settings, load_settings
 
@@ -230,15 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = machine_info()
     log(f"machine: {machine}")
     cleanup = Cleanup(settings)
-    try:
-        measure(run, settings, cleanup)
-    except (KeyqError, pika.exceptions.AMQPError, redis.RedisError, OSError) as exc:
-        run.errors.append(f"aborted: {type(exc).__name__}: {exc}")
-    finally:
-        try:
-            cleanup.run()
-        except (KeyqError, pika.exceptions.AMQPError, redis.RedisError, OSError) as exc:
-            run.errors.append(f"cleanup failed: {type(exc).__name__}: {exc}")
+    measure_then_clean(lambda: measure(run, settings, cleanup), cleanup, run.errors)
     emit(report(run, machine), args.out)
     for error in run.errors:
         log(f"FAILED: {error}")

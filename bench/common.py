@@ -284,6 +284,20 @@ class Stoppable(Protocol):
     def stop(self) -> None: ...
 
 
+def measure_then_clean(measure: Callable[[], None], cleanup: Cleanup, errors: list[str]) -> None:
+    """Run ``measure``, then remove what it created whatever happened; a service failure of
+    either goes into ``errors`` (the measurement is aborted, the result still reported)."""
+    try:
+        measure()
+    except (KeyqError, pika.exceptions.AMQPError, redis.RedisError, OSError) as exc:
+        errors.append(f"aborted: {type(exc).__name__}: {exc}")
+    finally:
+        try:
+            cleanup.run()
+        except (KeyqError, pika.exceptions.AMQPError, redis.RedisError, OSError) as exc:
+            errors.append(f"cleanup failed: {type(exc).__name__}: {exc}")
+
+
 def finish_run(
     workers: Iterable[Stoppable], cleanup: Cleanup, client: redis.Redis, errors: list[str]
 ) -> None:

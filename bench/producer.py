@@ -49,6 +49,7 @@ from bench.common import (
     log,
     machine_info,
     mean_size,
+    measure_then_clean,
     median,
     message_counts,
     non_negative,
@@ -70,7 +71,6 @@ from keyq.broker.envelope import (
     HEADER_SEQ,
     HEADER_STREAM,
 )
-from keyq.broker.errors import KeyqError
 from keyq.broker.naming import dead_letter_queue_name, key_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.settings import Settings, load_settings
@@ -500,15 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = machine_info()
     log(f"machine: {machine}")
     cleanup = Cleanup(settings)
-    try:
-        measure(run, settings, cleanup)
-    except (KeyqError, pika.exceptions.AMQPError, redis.RedisError, OSError) as exc:
-        run.errors.append(f"aborted: {type(exc).__name__}: {exc}")
-    finally:
-        try:
-            cleanup.run()
-        except (KeyqError, pika.exceptions.AMQPError, redis.RedisError, OSError) as exc:
-            run.errors.append(f"cleanup failed: {type(exc).__name__}: {exc}")
+    measure_then_clean(lambda: measure(run, settings, cleanup), cleanup, run.errors)
     result = report(run, machine)
     emit(result, args.out)
     for error in run.errors:
