@@ -29,6 +29,8 @@ from keyq.worker.held_queues import HeldQueues
 log = logging.getLogger("keyq.worker")
 
 STEP_EVERY_S = 0.25
+CLOSE_SETTLE_TRIES = 20  # at most a second for a closed consumer to leave the counts
+CLOSE_SETTLE_S = 0.05
 
 
 class AsideDrains:
@@ -95,11 +97,22 @@ class AsideDrains:
         if self._buffer.depth(side) or self._link.queue_counts(side) != (0, 1):
             return  # events buffered or ready; or not our consumer alone (a zombie's too)
         self._held.detach(side)
-        if self._link.queue_counts(side) != (0, 0):
+        if self._counts_after_close(side) != (0, 0):
             return  # something came back when the consumer closed: attach again next step
         if not self._link.delete_drained(side):
             return  # not empty after all: attach again next step
         self._forget(side, key, main)
+
+    def _counts_after_close(self, side: str) -> tuple[int, int]:
+        """The side queue's counts once our closed consumer is gone from them: a quorum
+        queue (RabbitMQ 4) takes the close asynchronously, so its count lags a moment."""
+        counts = self._link.queue_counts(side)
+        for _ in range(CLOSE_SETTLE_TRIES):
+            if counts[1] == 0:
+                break
+            time.sleep(CLOSE_SETTLE_S)
+            counts = self._link.queue_counts(side)
+        return counts
 
     def _forget(self, side: str, key: str, main: str) -> None:
         holding = self._held.get(main)
