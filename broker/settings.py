@@ -85,6 +85,31 @@ class Settings(BaseSettings):
 
     max_message_bytes: int = Field(default=1_048_576, ge=1024, le=134_217_728)
     confirm_window: int = Field(default=10_000, ge=1, description="unconfirmed events in flight")
+    pack_max_events: int = Field(
+        default=20,
+        ge=1,
+        le=10_000,
+        description=(
+            "most events of one queue a producer sends as one message (a pack) when they wait "
+            "together; 1 = every event a message of its own. Workers size their AMQP prefetch "
+            "as prefetch / pack_max_events messages: set it alike on producers and workers"
+        ),
+    )
+    pack_max_bytes: int = Field(
+        default=262_144,
+        ge=1024,
+        le=134_217_728,
+        description="most bytes of one pack (at most max_message_bytes)",
+    )
+    pack_linger_ms: float = Field(
+        default=0.0,
+        ge=0,
+        le=10_000,
+        description=(
+            "how long an event may wait for others of its queue to join its pack; 0 = a lone "
+            "event goes at once (packs form only from events already waiting)"
+        ),
+    )
     publish_timeout: float = Field(default=30.0, gt=0, description="backpressure wait, s")
     confirm_timeout: float = Field(
         default=15.0,
@@ -194,7 +219,14 @@ class Settings(BaseSettings):
                 "retire_grace_ms must be at least twice publish_lease_ms, or a deleter could "
                 "remove a queue a producer still publishes to"
             )
+        if self.pack_max_bytes > self.max_message_bytes:
+            raise ValueError("pack_max_bytes must be at most max_message_bytes")
         return self
+
+    def amqp_prefetch(self, events: int) -> int:
+        """The AMQP prefetch (messages) that holds at most ``events`` events when every
+        message is a pack of up to ``pack_max_events``."""
+        return max(1, events // self.pack_max_events)
 
     def describe(self) -> dict[str, Any]:
         """The settings as shown to people: URLs without passwords."""
