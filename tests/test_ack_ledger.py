@@ -9,6 +9,11 @@ from hypothesis import strategies as st
 from keyq.worker.ack_ledger import AckLedger
 
 
+def whole(*tags: int) -> list[tuple[int, int]]:
+    """The one event of each of ``tags`` (messages of a single event)."""
+    return [(tag, 0) for tag in tags]
+
+
 def ledger_of(*tags: int) -> AckLedger:
     ledger = AckLedger()
     for tag in tags:
@@ -17,30 +22,30 @@ def ledger_of(*tags: int) -> AckLedger:
 
 
 def test_a_settled_run_from_the_start_is_one_multiple_ack() -> None:
-    assert ledger_of(1, 2, 3).settle([1, 2, 3]) == (3, [])
+    assert ledger_of(1, 2, 3).settle(whole(1, 2, 3)) == (3, [])
 
 
 def test_a_tag_that_never_arrived_stops_the_multiple_ack() -> None:
     # Tag 3 was counted as delivered by the broker but never reached us.
     ledger = ledger_of(1, 2, 4, 5)
-    assert ledger.settle([1, 2, 4, 5]) == (2, [4, 5])
+    assert ledger.settle(whole(1, 2, 4, 5)) == (2, [4, 5])
     # Nothing later ever covers it either.
     ledger.delivered(6)
-    assert ledger.settle([6]) == (0, [6])
+    assert ledger.settle(whole(6)) == (0, [6])
 
 
 def test_a_waiting_delivery_splits_the_acks_and_is_covered_once_settled() -> None:
     ledger = ledger_of(1, 2, 3, 4)
-    assert ledger.settle([1, 3, 4]) == (1, [3, 4])  # 2 waits for an earlier seq
-    assert ledger.settle([2]) == (2, [])  # its own tag: 3 and 4 are acked already
+    assert ledger.settle(whole(1, 3, 4)) == (1, [3, 4])  # 2 waits for an earlier seq
+    assert ledger.settle(whole(2)) == (2, [])  # its own tag: 3 and 4 are acked already
     ledger.delivered(5)
-    assert ledger.settle([5]) == (5, [])
+    assert ledger.settle(whole(5)) == (5, [])
 
 
 def test_tags_not_outstanding_are_never_acked_twice() -> None:
     ledger = ledger_of(1, 2)
-    assert ledger.settle([1]) == (1, [])
-    assert ledger.settle([1, 2, 7]) == (2, [])
+    assert ledger.settle(whole(1)) == (1, [])
+    assert ledger.settle(whole(1, 2, 7)) == (2, [])
     assert len(ledger) == 0
 
 
@@ -59,7 +64,7 @@ def test_every_ack_covers_only_delivered_tags_and_each_once(
     unacked = set(tags)
     settled: set[int] = set()
     for settling in rounds:
-        upto, singles = ledger.settle(settling)
+        upto, singles = ledger.settle(whole(*settling))
         if upto:
             assert upto in unacked, "a multiple ack on a tag no longer unacked is refused"
             covered = {tag for tag in unacked if tag <= upto}

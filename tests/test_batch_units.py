@@ -6,6 +6,7 @@ The broker's and Spark's side is what the integration tests prove."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Collection, Mapping, Sequence
@@ -369,7 +370,7 @@ class LinkStandIn:
     def dead_letter(self, letters: Sequence[DeadLetter]) -> None:
         self.journal.calls.append(("dead_letter", tags([letter.delivery for letter in letters])))
 
-    def ack(self, acks: Sequence[tuple[str, int, Sequence[int]]]) -> int:
+    def ack(self, acks: Sequence[tuple[str, int, Sequence[tuple[int, int]]]]) -> int:
         self.journal.calls.append(("ack", [(q, e, list(t)) for q, e, t in acks]))
         return len(acks)
 
@@ -433,11 +434,34 @@ def test_a_settled_batch_hands_back_only_what_waits() -> None:
     assert journal.calls == [
         ("dead_letter", [3]),  # before the commit
         ("commit", ["a", "b"]),
-        ("ack", [("a", 1, [2]), ("b", 1, [3])]),
+        ("ack", [("a", 1, [(2, 0)]), ("b", 1, [(3, 0)])]),  # (tag, part): one event each
     ]
     assert (made.stats.batches, made.stats.skipped, made.stats.dead_lettered) == (1, 1, 1)
     gap, queue = made.open_gaps[("k", "p")]
     assert (gap.first, gap.last, queue) == (2, 2, "a")
+
+
+def test_a_packs_events_settle_one_by_one_and_a_malformed_pack_is_dead_lettered_whole() -> None:
+    """Tag 5 is a pack of three events: two already applied (settled), the third waits for
+    seq 3; tag 6 is a pack that could not be read: dead-lettered as it is, then settled."""
+    pack = [
+        dataclasses.replace(delivery(5, seq=seq, queue="a"), part=part, parts=3)
+        for part, seq in enumerate((1, 2, 4))
+    ]
+    malformed = dataclasses.replace(
+        delivery(6, key=None, queue="a", body=b"KQP1\x00"), malformed="it ends too soon"
+    )
+    made, journal, _ = processor(marks={"k": marks_at(2)})
+    outcome = made.process([*pack, malformed])
+    assert outcome == BatchOutcome(unsettled=[], waiting=[pack[2]], lost=[])
+    assert journal.calls == [
+        ("dead_letter", [6]),
+        ("commit", ["a"]),
+        ("ack", [("a", 1, [(5, 0), (5, 1), (6, 0)])]),  # (5, 2) waits: tag 5 stays unacked
+    ]
+    letter = decode(malformed)
+    assert isinstance(letter, Undecodable)
+    assert letter.reason == "malformed pack: it ends too soon"
 
 
 def test_a_batch_that_all_waits_commits_nothing() -> None:

@@ -131,7 +131,8 @@ def test_a_consumer_whose_whole_prefetch_waits_is_reopened_wider() -> None:
     made.park([plain_delivery("q-a", tag) for tag in range(1, 3)])
     assert not [c for c in held.calls if c[0] == "reopen"]  # 2 of 3: room left
     made.park([plain_delivery("q-a", 3)])
-    assert ("reopen", "q-a", 3 + made.settings.prefetch) in held.calls
+    # In messages: the room and the parked deliveries' messages, plus the AMQP prefetch.
+    assert ("reopen", "q-a", 3 + made.settings.amqp_prefetch(made.settings.prefetch)) in held.calls
     held.room = MAX_PREFETCH
     held.calls.clear()
     made.park([plain_delivery("q-a", 4)])

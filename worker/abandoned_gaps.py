@@ -51,7 +51,8 @@ class AbandonedGaps:
     ) -> None:
         """``alive(ids)``: those producers still running (``ProducerPresence.alive``);
         ``ready_count(queue)`` asks the broker for the queue's ready messages;
-        ``room_of(queue)`` is the prefetch of the queue's consumer, None if not held;
+        ``room_of(queue)`` is the AMQP prefetch (messages) of the queue's consumer, None if
+        not held;
         ``confirm_gone_s``: how long a producer must be seen gone before it counts;
         ``reopened_at(queue)``: when its consumer was last reopened for a gap, if ever;
         ``reopen(queue)``: reopen its consumer now."""
@@ -105,7 +106,7 @@ class AbandonedGaps:
             if not gone:
                 continue
             room = self._room_of(queue)
-            if room is None or self._buffer.depth(queue) >= room:
+            if room is None or self._buffer.messages(queue) >= room:
                 continue  # the broker may hold more that it could not send us
             if self._ready_count(queue) != 0:
                 continue

@@ -8,6 +8,10 @@ settled by such an ack, and so removed without ever being applied. So ``multiple
 only a run of consecutive tags that were all delivered here and are all settled; a missing
 tag stops it, and everything past it is acked one by one. The missing message stays unacked
 on this consumer, and comes back when the consumer is closed (``keyq.worker.stuck_gaps``).
+
+A message may be a pack of several events (``keyq.broker.packs``), each settled on its own
+(committed, dead-lettered, set aside, skipped as a duplicate): its tag counts as settled only
+once every one of its parts is, and a part settled twice counts once.
 """
 
 from __future__ import annotations
@@ -16,28 +20,38 @@ from collections.abc import Iterable
 
 
 class AckLedger:
-    """The unacked tags of one consumer and the tag up to which everything is acked."""
+    """The unacked tags of one consumer, the parts of each not settled yet, and the tag up
+    to which everything is acked."""
 
     __slots__ = ("_acked_above", "_floor", "_outstanding")
 
     def __init__(self) -> None:
-        self._outstanding: dict[int, None] = {}  # delivered here, not acked; arrival order
+        # Delivered here, not acked, in arrival order: the parts of each not settled yet.
+        self._outstanding: dict[int, set[int]] = {}
         self._acked_above: set[int] = set()  # acked one by one, above the floor
         self._floor = 0  # every tag <= floor was delivered here and is acked
 
-    def delivered(self, tag: int) -> None:
-        self._outstanding[tag] = None
+    def delivered(self, tag: int, parts: int = 1) -> None:
+        """Tag ``tag`` reached us, a message of ``parts`` events (numbered from 0)."""
+        self._outstanding[tag] = set(range(max(1, parts)))
 
     def __len__(self) -> int:
         return len(self._outstanding)
 
-    def settle(self, tags: Iterable[int]) -> tuple[int, list[int]]:
-        """Record ``tags`` as acked; returns ``(upto, singles)``: ack ``upto`` with
-        ``multiple`` (0: none), then each of ``singles`` alone. Tags not outstanding are
-        ignored (never ack twice)."""
-        settling = {tag for tag in tags if tag in self._outstanding}
-        for tag in settling:
-            del self._outstanding[tag]
+    def settle(self, events: Iterable[tuple[int, int]]) -> tuple[int, list[int]]:
+        """Record ``events`` (tag, part) as settled; returns ``(upto, singles)`` for the
+        tags now settled whole: ack ``upto`` with ``multiple`` (0: none), then each of
+        ``singles`` alone. A tag with a part still unsettled is not acked yet; events not
+        outstanding, or settled already, are ignored (never ack twice)."""
+        settling: set[int] = set()
+        for tag, part in events:
+            left = self._outstanding.get(tag)
+            if left is None:
+                continue
+            left.discard(part)
+            if not left:
+                del self._outstanding[tag]
+                settling.add(tag)
         # Walk the run of consecutive tags above the floor that are all acked once these
         # are. The multiple ack goes to the last of them being settled now: RabbitMQ refuses
         # a multiple ack whose own tag is no longer unacked.

@@ -295,15 +295,16 @@ class BatchAttempt:
             )
 
     def _ack(self, deliveries: Sequence[Delivery], progress: BatchProgress) -> None:
-        """Settle ``deliveries``; the link acks each channel's contiguous run in one
-        ``ack(multiple)`` and anything past a waiting delivery one by one."""
-        tags: dict[tuple[str, int], list[int]] = {}
+        """Settle ``deliveries``, each a (tag, part) of its consumer: the link acks the
+        messages settled whole (a pack once all its events are), each channel's contiguous
+        run in one ``ack(multiple)`` and anything past a waiting delivery one by one."""
+        events: dict[tuple[str, int], list[tuple[int, int]]] = {}
         for delivery in deliveries:
-            tags.setdefault((delivery.queue, delivery.channel_epoch), []).append(
-                delivery.delivery_tag
+            events.setdefault((delivery.queue, delivery.channel_epoch), []).append(
+                (delivery.delivery_tag, delivery.part)
             )
         progress.settle(deliveries)
-        self._link.ack([(queue, epoch, found) for (queue, epoch), found in tags.items()])
+        self._link.ack([(queue, epoch, found) for (queue, epoch), found in events.items()])
 
     def _note_gaps(self, run: RunPlan) -> None:
         """Keep the open gaps of this run's keys current, and report the given-up ones."""

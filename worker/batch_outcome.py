@@ -33,7 +33,8 @@ class BatchOutcome:
 class BatchProgress:
     """What one ``process`` call has done so far, across its attempts."""
 
-    settled: set[tuple[str, int, int]] = field(default_factory=set)  # (queue, epoch, tag)
+    # (queue, epoch, tag, part): one event (a pack's events are settled one by one)
+    settled: set[tuple[str, int, int, int]] = field(default_factory=set)
     leases: dict[str, Lease] = field(default_factory=dict)  # every lease an attempt used
     waiting: list[Delivery] = field(default_factory=list)  # set aside: to park
     # A side queue's deliveries whose key may not apply them now: their consumer is closed.
@@ -42,17 +43,14 @@ class BatchProgress:
     retry_limited_in: float = 0.0
 
     def settle(self, deliveries: Iterable[Delivery]) -> None:
-        self.settled.update((d.queue, d.channel_epoch, d.delivery_tag) for d in deliveries)
+        self.settled.update(_identity(d) for d in deliveries)
 
     def unsettled(
         self, deliveries: Sequence[Delivery], exclude: frozenset[str] = frozenset()
     ) -> list[Delivery]:
         """``deliveries`` not settled yet, leaving out the queues in ``exclude``."""
         return [
-            d
-            for d in deliveries
-            if d.queue not in exclude
-            and (d.queue, d.channel_epoch, d.delivery_tag) not in self.settled
+            d for d in deliveries if d.queue not in exclude and _identity(d) not in self.settled
         ]
 
     def lost(self, queues: frozenset[str]) -> list[Lease]:
@@ -65,3 +63,7 @@ class BatchProgress:
                 if queue in queues or lease.queue in queues
             }
         )
+
+
+def _identity(delivery: Delivery) -> tuple[str, int, int, int]:
+    return delivery.queue, delivery.channel_epoch, delivery.delivery_tag, delivery.part

@@ -79,7 +79,13 @@ class WorkerSettings(Settings):
         description="wait for a batch to fill, from its first event, under light load; 0 "
         "starts a batch as soon as events are ready and the previous job has ended",
     )
-    prefetch: int = Field(default=1000, ge=1, le=65535, description="unacked events per queue")
+    prefetch: int = Field(
+        default=1000,
+        ge=1,
+        le=65535,
+        description="unacked events per queue (its AMQP prefetch is prefetch / pack_max_events "
+        "messages, since a message may be a pack of events)",
+    )
     max_held_queues: int | None = Field(
         default=None,
         ge=1,

@@ -69,7 +69,9 @@ class ConsumerLink:
         on_disconnected: Callable[[str], None],
         queue_type: str = "classic",
     ) -> None:
-        self._prefetch = prefetch
+        # ``prefetch`` counts events; a message may be a pack of up to ``pack_max_events``,
+        # so a consumer's AMQP prefetch (messages) is sized to hold no more events than that.
+        self._prefetch = settings.amqp_prefetch(prefetch)
         self._on_queue_lost = on_queue_lost
         self._io = AmqpThread(
             settings=settings,
@@ -173,10 +175,22 @@ class ConsumerLink:
         with self._epoch_lock:
             return next(self._epochs)
 
+    @property
+    def prefetch(self) -> int:
+        """The AMQP prefetch (messages) a consumer opens with: the worker's prefetch (events)
+        over the most events a pack holds (``Settings.amqp_prefetch``)."""
+        return self._prefetch
+
     def consume(self, queue: str, epoch: int, prefetch: int | None = None) -> Consumed:
-        """Consume ``queue`` as consumer ``epoch``, with the settings' prefetch or more."""
+        """Consume ``queue`` as consumer ``epoch``, with an AMQP prefetch of ``prefetch``
+        messages (a consumer reopened wider), or else ``self.prefetch``."""
         prefetch = prefetch or self._prefetch
         return self.call(lambda: self._queues.consume_all([(queue, epoch)], prefetch, None)[0])
+
+    def prefetch_of(self, queue: str) -> int | None:
+        """The AMQP prefetch (messages) ``queue``'s consumer was opened with; None if it is
+        not consumed here."""
+        return self.call(lambda: self._queues.prefetch_of(queue))
 
     def consume_many(
         self, claims: Sequence[tuple[str, int]], *, budget_s: float | None = None
@@ -203,8 +217,9 @@ class ConsumerLink:
         with contextlib.suppress(BrokerUnavailable, TimeoutError):
             self.call(lambda: self._queues.close(queue, epoch))
 
-    def ack(self, acks: Sequence[tuple[str, int, Sequence[int]]]) -> int:
-        """Ack (queue, epoch, tags); returns how many consumers were still there to ack."""
+    def ack(self, acks: Sequence[tuple[str, int, Sequence[tuple[int, int]]]]) -> int:
+        """Settle (queue, epoch, events), each event a (tag, part), acking the messages
+        settled whole; returns how many consumers were still there to ack."""
         return self.call(lambda: self._queues.ack(acks))
 
     def dead_letter(self, letters: Sequence[DeadLetter]) -> None:

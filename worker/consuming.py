@@ -3,6 +3,11 @@
 Runs on the connection's I/O thread only (``keyq.worker.amqp_thread``). Each held queue gets
 its own channel: an exclusive consume that the broker refuses (403) closes only that channel,
 and closing a queue's channel hands its unacked messages back, in order.
+
+A message that is a pack of several events (``keyq.broker.packs``) is unpacked here, as it
+arrives: each event becomes a delivery of its own, in order, and the message is acked once
+every one of them is settled (``keyq.worker.ack_ledger``). A message labelled as a pack that
+cannot be read stays one delivery, marked malformed, and is dead-lettered whole.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from keyq.broker.acks import buffer_ack, flush_acks
 from keyq.broker.connections import describe_exception
 from keyq.broker.consume_rounds import ConsumeReply, ConsumeRequest, OnMessage, open_consumers
 from keyq.broker.consumers import close_keeping_consumers
+from keyq.broker.packs import MalformedPack, decode_pack, is_pack
 from keyq.worker.ack_ledger import AckLedger
 from keyq.worker.consume_outcomes import (
     Consumed,
@@ -50,6 +56,8 @@ class QueueConsumers:
         self._buffer = buffer
         self._on_queue_lost = on_queue_lost
         self._channels: dict[str, tuple[int, BlockingChannel]] = {}
+        # Per consumed queue: the AMQP prefetch (messages) its consumer was opened with.
+        self._prefetches: dict[str, int] = {}
         # Per consumer (queue, epoch): its delivery tags not yet acked.
         self._unacked: dict[tuple[str, int], AckLedger] = {}
 
@@ -57,14 +65,20 @@ class QueueConsumers:
         """Queues with a live consumer, and their epochs."""
         return {q: e for q, (e, _c) in self._channels.items()}
 
+    def prefetch_of(self, queue: str) -> int | None:
+        """The AMQP prefetch ``queue``'s live consumer was opened with, if there is one."""
+        return self._prefetches.get(queue) if queue in self._channels else None
+
     def consume_all(
         self, claims: Sequence[tuple[str, int]], prefetch: int, until: float | None
     ) -> list[Consumed]:
-        """Every claim's outcome; one that fails does not hide the others' (a queue already
-        consuming must be known as held, or its lock would be let go under it). Claims go to
-        the broker pipelined, in bursts of at most ``PIPELINE_DEPTH``, each sized to fit the
-        time left; the first burst is always tried, so that a slow I/O thread still makes
-        progress."""
+        """Every claim's outcome, each consumer opened with an AMQP prefetch of ``prefetch``
+        messages (``ConsumerLink`` sizes it from the events a queue may hold unacked: a
+        message may be a pack of several). One that fails does not hide the others' (a
+        queue already consuming must be known as held, or its lock would be let go under
+        it). Claims go to the broker pipelined, in bursts of at most ``PIPELINE_DEPTH``, each
+        sized to fit the time left; the first burst is always tried, so that a slow I/O
+        thread still makes progress."""
         results: dict[int, Consumed] = {}
         todo: dict[str, int] = {}  # queue -> index of its first claim in this round
         for index, (queue, _epoch) in enumerate(claims):
@@ -110,7 +124,7 @@ class QueueConsumers:
             log.warning("consuming %d queue(s) failed: %s", len(claims), describe_exception(exc))
             return [Consumed(ConsumeOutcome.FAILED)] * len(claims)
         return [
-            self._consumed(queue, epoch, ledger, reply)
+            self._consumed(queue, epoch, ledger, reply, prefetch)
             for (queue, epoch), ledger, reply in zip(claims, ledgers, replies, strict=True)
         ]
 
@@ -123,23 +137,15 @@ class QueueConsumers:
             properties: pika.BasicProperties,
             body: bytes,
         ) -> None:
-            ledger.delivered(method.delivery_tag)
-            buffer.add(
-                Delivery(
-                    queue=queue,
-                    channel_epoch=epoch,
-                    delivery_tag=method.delivery_tag,
-                    redelivered=bool(method.redelivered),
-                    headers=dict(properties.headers or {}),
-                    content_type=properties.content_type,
-                    message_id=properties.message_id,
-                    body=body,
-                )
-            )
+            deliveries = unpack(queue, epoch, method, properties, body)
+            ledger.delivered(method.delivery_tag, len(deliveries))
+            buffer.add_all(deliveries)
 
         return on_message
 
-    def _consumed(self, queue: str, epoch: int, ledger: AckLedger, reply: ConsumeReply) -> Consumed:
+    def _consumed(
+        self, queue: str, epoch: int, ledger: AckLedger, reply: ConsumeReply, prefetch: int
+    ) -> Consumed:
         channel = reply.channel
         if channel is None:
             refusal = reply.refusal
@@ -150,6 +156,7 @@ class QueueConsumers:
             return Consumed(outcome)
         channel.add_on_cancel_callback(lambda _frame: self._cancelled(queue, epoch))
         self._channels[queue] = (epoch, channel)
+        self._prefetches[queue] = prefetch
         self._unacked[(queue, epoch)] = ledger
         return Consumed(ConsumeOutcome.CONSUMING, epoch)
 
@@ -157,6 +164,7 @@ class QueueConsumers:
         held = self._channels.get(queue)
         if held is not None and held[0] == epoch:
             del self._channels[queue]
+            self._prefetches.pop(queue, None)
             self._unacked.pop((queue, epoch), None)
             with contextlib.suppress(Exception):  # already closing
                 close_keeping_consumers(held[1])
@@ -167,6 +175,7 @@ class QueueConsumers:
         for queue, (epoch, channel) in list(self._channels.items()):
             if channel.is_closed:
                 del self._channels[queue]
+                self._prefetches.pop(queue, None)
                 self._unacked.pop((queue, epoch), None)
                 self._on_queue_lost(queue, epoch, "channel closed by the broker")
 
@@ -176,18 +185,20 @@ class QueueConsumers:
         if held is None or (epoch is not None and held[0] != epoch):
             return
         del self._channels[queue]
+        self._prefetches.pop(queue, None)
         self._unacked.pop((queue, held[0]), None)
         # Never cancel first: the queue would look unused while it still holds our unacked
         # deliveries, and a janitor's delete(if_empty, if_unused) would take them with it.
         with contextlib.suppress(pika.exceptions.AMQPError):
             close_keeping_consumers(held[1])
 
-    def ack(self, acks: Sequence[tuple[str, int, Sequence[int]]]) -> int:
-        """One ``ack(multiple)`` for the oldest run of tags being settled; the tags past a
-        delivery still waiting (for an earlier seq), or past a tag that never reached us
-        (``keyq.worker.ack_ledger``), are acked one by one."""
+    def ack(self, acks: Sequence[tuple[str, int, Sequence[tuple[int, int]]]]) -> int:
+        """Settle (queue, epoch, events), each event a (tag, part): the messages now settled
+        whole are acked, with one ``ack(multiple)`` for the oldest run; the tags past a
+        delivery still waiting (for an earlier seq, or a pack with an event still waiting),
+        or past a tag that never reached us (``keyq.worker.ack_ledger``), one by one."""
         done = 0
-        for queue, epoch, tags in acks:
+        for queue, epoch, events in acks:
             held = self._channels.get(queue)
             if held is None or held[0] != epoch or not held[1].is_open:
                 self._unacked.pop((queue, epoch), None)
@@ -195,7 +206,7 @@ class QueueConsumers:
             ledger = self._unacked.get((queue, epoch))
             if ledger is None:
                 continue
-            upto, singles = ledger.settle(tags)
+            upto, singles = ledger.settle(events)
             if upto:
                 buffer_ack(held[1], upto, multiple=True)
             for tag in singles:
@@ -212,9 +223,57 @@ class QueueConsumers:
         cancelled first."""
         lost = list(self._channels.items())
         self._channels.clear()
+        self._prefetches.clear()
         self._unacked.clear()
         if connection is not None:
             for _queue, (_epoch, channel) in lost:
                 with contextlib.suppress(Exception):
                     close_keeping_consumers(channel)
         return [(queue, epoch) for queue, (epoch, _channel) in lost]
+
+
+def unpack(
+    queue: str, epoch: int, method: Any, properties: pika.BasicProperties, body: bytes
+) -> list[Delivery]:
+    """The deliveries a message makes: itself, or the events of a pack, in order. A pack that
+    cannot be read is the whole message, marked ``malformed`` with why."""
+    tag = method.delivery_tag
+    redelivered = bool(method.redelivered)
+    headers = dict(properties.headers or {})
+    if is_pack(properties.content_type):
+        try:
+            events = decode_pack(body)
+        except MalformedPack as exc:
+            log.warning("a malformed pack on %s (it is dead-lettered): %s", queue, exc)
+            malformed = str(exc)
+        else:
+            return [
+                Delivery(
+                    queue=queue,
+                    channel_epoch=epoch,
+                    delivery_tag=tag,
+                    redelivered=redelivered,
+                    headers=event.headers,
+                    content_type=event.content_type,
+                    message_id=event.message_id,
+                    body=event.body,
+                    part=part,
+                    parts=len(events),
+                )
+                for part, event in enumerate(events)
+            ]
+    else:
+        malformed = None
+    return [
+        Delivery(
+            queue=queue,
+            channel_epoch=epoch,
+            delivery_tag=tag,
+            redelivered=redelivered,
+            headers=headers,
+            content_type=properties.content_type,
+            message_id=properties.message_id,
+            body=body,
+            malformed=malformed,
+        )
+    ]

@@ -276,7 +276,7 @@ class Worker:
             locks=FencedLocks(client, self.stream),
             registry=registry,
             report=lambda kind, queues, reason: self._events.put((kind, queues, reason)),
-            prefetch=settings.prefetch,
+            prefetch=link.prefetch,  # in messages: a pack of events counts once
         )
         try:
             link.start(give_up=self._stop)

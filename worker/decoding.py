@@ -4,7 +4,8 @@ A body labelled JSON (``application/json``, or with no content type, as other cl
 must be UTF-8 JSON text: anything else can never succeed however often it is retried. A body
 of any other content type (``application/octet-stream`` for bytes from the SDK, Avro,
 Protobuf…) reaches the pipeline as it is, with ``payload`` set only if it happens to be JSON;
-a decoder the pipeline passes to ``ctx.state.fold`` decides what it means.
+a decoder the pipeline passes to ``ctx.state.fold`` decides what it means. A message labelled
+as a pack of events that could not be read (``Delivery.malformed``) is dead-lettered whole.
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ def decode(delivery: Delivery, fallback_key: str | None = None) -> Event | Undec
     seq = _integer(headers.get(HEADER_SEQ))
     if producer is None or seq is None:
         producer, seq = None, None  # not from keyq's SDK: no dedup identity
+    if delivery.malformed is not None:
+        return Undecodable(delivery, f"malformed pack: {delivery.malformed}", key, producer, seq)
     if key is None:
         return Undecodable(delivery, f"missing header {HEADER_KEY}", None, producer, seq)
     published = _integer(headers.get(HEADER_PUBLISHED_AT))

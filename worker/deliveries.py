@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +30,21 @@ class Delivery:
     content_type: str | None
     message_id: str | None
     body: bytes
+    # A message may be a pack of several events (``keyq.broker.packs``): each is a delivery
+    # of its own, sharing the message's queue, epoch and tag; ``part`` is its index in the
+    # pack, ``parts`` how many the pack holds. The message is acked once all are settled.
+    part: int = 0
+    parts: int = 1
+    # Set on a message labelled as a pack that could not be read: why. It stays one
+    # delivery, the whole message, and is dead-lettered with that reason.
+    malformed: str | None = None
     received_at: float = field(default_factory=time.monotonic)
     waiting_since: float | None = None  # first parked (waiting for an earlier seq) at
+
+    @property
+    def message(self) -> tuple[int, int]:
+        """The AMQP message it came in: (consumer epoch, delivery tag)."""
+        return self.channel_epoch, self.delivery_tag
 
 
 def oldest_published_ms(deliveries: Iterable[Delivery]) -> int | None:
@@ -45,8 +58,8 @@ def oldest_published_ms(deliveries: Iterable[Delivery]) -> int | None:
     return min(stamps, default=None)
 
 
-def _delivery_order(delivery: Delivery) -> tuple[int, int]:
-    return delivery.channel_epoch, delivery.delivery_tag
+def _delivery_order(delivery: Delivery) -> tuple[int, int, int]:
+    return delivery.channel_epoch, delivery.delivery_tag, delivery.part
 
 
 class DeliveryBuffer:
@@ -70,18 +83,25 @@ class DeliveryBuffer:
         self._woken = False
 
     def add(self, delivery: Delivery) -> None:
+        self.add_all((delivery,))
+
+    def add_all(self, deliveries: Sequence[Delivery]) -> None:
+        """Append deliveries (one message's, or a pack's events in order) at once."""
         with self._changed:
-            if self._waits:
-                identity = _identity(delivery)
-                since = self._waits.pop((delivery.queue, identity), None) if identity else None
-                if since is not None:
-                    delivery.waiting_since = since
-            self._queues.setdefault(delivery.queue, deque()).append(delivery)
-            self._last_arrival[delivery.queue] = delivery.received_at
-            self._count += 1
-            if self._first_arrival is None:
-                self._first_arrival = delivery.received_at
-            if self._count in (1, self._filling_to):
+            before = self._count
+            for delivery in deliveries:
+                if self._waits:
+                    identity = _identity(delivery)
+                    slot = (delivery.queue, identity) if identity else None
+                    since = self._waits.pop(slot, None) if slot else None
+                    if since is not None:
+                        delivery.waiting_since = since
+                self._queues.setdefault(delivery.queue, deque()).append(delivery)
+                self._last_arrival[delivery.queue] = delivery.received_at
+                self._count += 1
+                if self._first_arrival is None:
+                    self._first_arrival = delivery.received_at
+            if before < self._filling_to <= self._count or (before == 0 < self._count):
                 self._changed.notify_all()
 
     def oldest_published_ms(self) -> int | None:
@@ -107,6 +127,19 @@ class DeliveryBuffer:
         """Unsettled deliveries of ``queue`` here, ready or parked."""
         with self._changed:
             return len(self._queues.get(queue, ())) + len(self._parked.get(queue, ()))
+
+    def messages(self, queue: str) -> int:
+        """The AMQP messages that unsettled deliveries of ``queue`` here came in, ready or
+        parked: a pack's events count once (what a consumer's prefetch counts)."""
+        with self._changed:
+            found = {d.message for d in self._queues.get(queue, ())}
+            found.update(d.message for d in self._parked.get(queue, ()))
+            return len(found)
+
+    def parked_messages(self, queue: str) -> int:
+        """The AMQP messages that parked deliveries of ``queue`` came in."""
+        with self._changed:
+            return len({d.message for d in self._parked.get(queue, ())})
 
     def parked(self, queue: str | None = None) -> int:
         """Deliveries waiting for an earlier seq (of ``queue``, or of every queue)."""

@@ -73,6 +73,8 @@ class HeldQueues:
         report: Report,
         prefetch: int,
     ) -> None:
+        """``prefetch``: the AMQP prefetch (messages) a consumer opens with
+        (``ConsumerLink.prefetch``)."""
         self._link = link
         self._prefetch = prefetch
         self._buffer = buffer
@@ -102,7 +104,8 @@ class HeldQueues:
         return self._holdings.lease_for(queue, epoch) or self._sides.lease_for(queue, epoch)
 
     def room_of(self, queue: str) -> int | None:
-        """The prefetch of ``queue``'s current consumer; None if it is not held."""
+        """The AMQP prefetch (messages, a pack of events counting once) of ``queue``'s
+        current consumer; None if it is not held."""
         held = self._holdings.get(queue)
         if held is None:
             return None
@@ -158,8 +161,9 @@ class HeldQueues:
 
     def reopen(self, queue: str, prefetch: int | None = None) -> bool:
         """Close ``queue``'s consumer, which hands every unacked delivery back in order, and
-        consume it again at once under the same lock, with ``prefetch`` or the one it had.
-        Its waiting events keep their waiting time. False if it is not held (any more)."""
+        consume it again at once under the same lock, with an AMQP prefetch of ``prefetch``
+        messages or the one it had. Its waiting events keep their waiting time. False if it
+        is not held (any more)."""
         held = self._holdings.get(queue)
         if held is None:
             return False

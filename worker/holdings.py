@@ -16,7 +16,8 @@ class Held:
     lease: Lease
     epoch: int
     since: float = field(default_factory=time.monotonic)
-    prefetch: int | None = None  # a consumer reopened wider than the setting's prefetch
+    # A consumer reopened wider than the settings' prefetch: its AMQP prefetch (messages).
+    prefetch: int | None = None
 
 
 class Holdings:

@@ -33,7 +33,7 @@ QueueCallback = Callable[[list[str]], None]
 # (kind, queues, reason): "assigned" or "revoked", reported by ``HeldQueues``.
 QueueEvents = queue_module.SimpleQueue[tuple[str, list[str], str]]
 ERROR_BACKOFF_S = 1.0
-MAX_PREFETCH = 65535
+MAX_PREFETCH = 65535  # the most unacked messages an AMQP consumer's prefetch can allow
 BATCH_WAIT_SPARK_FACTOR = 2.0
 BATCH_WAIT_MAX_S = 2.0
 RATE_WAIT_MAX_S = 0.1  # a rate-limited key's wait never holds up other keys' events longer
@@ -134,7 +134,8 @@ class Session:
     def park(self, waiting: list[Delivery]) -> None:
         """Set aside what waits for an earlier seq. A consumer whose whole prefetch waits
         would never be sent the events that fill the gap: it is reopened with room for more
-        (closing hands every unacked delivery back, in order)."""
+        (closing hands every unacked delivery back, in order). Counted in messages, as the
+        broker counts the prefetch: a pack with an event parked is a message still unacked."""
         if not waiting:
             return
         fresh = [d for d in waiting if self.held.lease_for(d.queue, d.channel_epoch)]
@@ -143,13 +144,14 @@ class Session:
             room = self.held.room_of(queue)
             if room is None:
                 continue
-            parked = self.buffer.parked(queue)
+            parked = self.buffer.parked_messages(queue)
             if parked < room or room >= MAX_PREFETCH:
                 continue
-            wider = min(MAX_PREFETCH, parked + self.settings.prefetch)
+            settings = self.settings
+            wider = min(MAX_PREFETCH, parked + settings.amqp_prefetch(settings.prefetch))
             log.info(
-                "queue %s: all %d unacked events wait for an earlier seq; reopening it with a "
-                "prefetch of %d",
+                "queue %s: all %d unacked messages wait for an earlier seq; reopening it with "
+                "a prefetch of %d messages",
                 queue,
                 parked,
                 wider,
