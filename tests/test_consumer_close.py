@@ -121,7 +121,7 @@ def consuming(
         load_settings(**{**settings.model_dump(), "amqp_url": proxy.url_for(settings.amqp_url)}),
         stream.name,
         "test-consumer-close",
-        prefetch=100,
+        prefetch=100 * settings.pack_max_events,  # in events: an AMQP prefetch of 100
         buffer=buffer,
     )
     link.start()
