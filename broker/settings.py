@@ -99,7 +99,7 @@ class Settings(BaseSettings):
         default=262_144,
         ge=1024,
         le=134_217_728,
-        description="most bytes of one pack (at most max_message_bytes)",
+        description="most bytes of one pack (max_message_bytes if that is less)",
     )
     pack_linger_ms: float = Field(
         default=0.0,
@@ -219,8 +219,6 @@ class Settings(BaseSettings):
                 "retire_grace_ms must be at least twice publish_lease_ms, or a deleter could "
                 "remove a queue a producer still publishes to"
             )
-        if self.pack_max_bytes > self.max_message_bytes:
-            raise ValueError("pack_max_bytes must be at most max_message_bytes")
         return self
 
     def amqp_prefetch(self, events: int) -> int:

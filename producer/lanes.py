@@ -42,11 +42,35 @@ class QueueLane:
     declaring: str | None = None  # the name being declared apart, while DECLARING
     returned: list[Outgoing] = field(default_factory=list)
     parked: deque[Outgoing] = field(default_factory=deque)
+    # Events waiting for others of the queue to join their pack (``keyq.producer.packing``):
+    # while an earlier message of the queue awaits its confirm, or for the linger.
+    gathering: list[Outgoing] = field(default_factory=list)
+    gathered_events: int = 0
+    gathered_bytes: int = 0
+    gathered_at: float = 0.0  # monotonic time the oldest of them began to wait
 
     @property
     def waiting(self) -> bool:
         """Its events park instead of going out (for any reason)."""
         return bool(self.reasons)
+
+    def hold(self, message: Outgoing) -> None:
+        """Park ``message``, behind whatever was gathering for a pack (those are older)."""
+        if self.gathering:
+            self.parked.extend(self.take_gathered())
+        self.parked.append(message)
+
+    def gather(self, message: Outgoing, size: int, now: float) -> None:
+        if not self.gathering:
+            self.gathered_at = now
+        self.gathering.append(message)
+        self.gathered_events += message.count
+        self.gathered_bytes += size
+
+    def take_gathered(self) -> list[Outgoing]:
+        gathered, self.gathering = self.gathering, []
+        self.gathered_events = self.gathered_bytes = 0
+        return gathered
 
     def parked_for(self, reason: ParkReason) -> bool:
         return reason in self.reasons
@@ -84,6 +108,7 @@ class QueueLane:
             or ParkReason.RECOVERING in self.reasons
             or self.returned
             or self.parked
+            or self.gathering
             or self.leasing
             or ParkReason.DECLARING in self.reasons
         )
@@ -98,13 +123,14 @@ class QueueLane:
     def take_back(self, pending: list[Outgoing]) -> None:
         """Events sent but never settled (their channel closed) wait again, in order."""
         self.inflight -= len(pending)
-        self.parked = deque(sorted([*pending, *self.parked], key=lambda message: message.number))
+        waiting = [*pending, *self.take_gathered(), *self.parked]
+        self.parked = deque(sorted(waiting, key=lambda message: message.number))
 
     def begin_recovery(self) -> tuple[list[Outgoing], deque[Outgoing]]:
         """Its returned events in submission order, then the parked ones, to send again to a
         queue declared anew."""
         returned = sorted(self.returned, key=lambda message: message.number)
-        parked = self.parked
+        parked = deque([*self.take_gathered(), *self.parked])
         self.returned = []
         self.parked = deque()
         self.reasons.discard(ParkReason.RECOVERING)

@@ -41,7 +41,7 @@ class Leases:
         asked; in the lease's second half the lease is renewed ahead, holding nothing."""
         if now >= lane.lease_until:
             lane.park(ParkReason.HELD)
-            lane.parked.append(message)
+            lane.hold(message)
             self.ask(message.queue, lane)
             return False
         if now >= lane.lease_until - self.lease_s / 2:

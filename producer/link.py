@@ -139,6 +139,16 @@ class PublisherLink:
         return self.sender.resent_events
 
     @property
+    def packs_sent(self) -> int:
+        """Messages sent as packs (``keyq.producer.packing``)."""
+        return self.sender.packer.packs_sent
+
+    @property
+    def events_packed(self) -> int:
+        """Events that went inside packs."""
+        return self.sender.packer.events_packed
+
+    @property
     def late_confirms(self) -> int:
         """Events confirmed after their queue's lease ran out: sent again."""
         return self.sender.late_confirms

@@ -13,9 +13,10 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True, eq=False)
 class Outgoing:
-    """One event on its way: accepted by ``publish``, settled when the broker confirms it."""
+    """One message on its way: an event accepted by ``publish``, or a pack of several events
+    of one queue (``events``); settled when the broker confirms it."""
 
-    number: int  # producer-wide submission order, also the end of the message id
+    number: int  # producer-wide submission order (a pack's: its first event's)
     queue: str
     key: str
     body: bytes
@@ -26,3 +27,15 @@ class Outgoing:
     returned: bool = False
     settled: bool = False
     confirmation: Confirmation | None = None  # told once the event is published
+    events: list[Outgoing] | None = None  # a pack's events, in order (``keyq.producer.packing``)
+    record: bytes | None = None  # an event's encoding inside a pack, made once
+
+    @property
+    def members(self) -> list[Outgoing]:
+        """The events this message carries: its own, or a pack's."""
+        return self.events if self.events is not None else [self]
+
+    @property
+    def count(self) -> int:
+        """How many events this message carries (what the confirm window counts)."""
+        return len(self.events) if self.events is not None else 1

@@ -355,8 +355,9 @@ class Producer:
         """Counters: events returned or refused by the broker and sent again, events re-sent
         after a lost connection, events sent again because their confirm came after the
         queue's publish lease ran out (the queue may have been deleted meanwhile), reconnects
-        because a confirm was overdue (``confirm_timeout``), reconnects of any cause, and
-        events not yet confirmed."""
+        because a confirm was overdue (``confirm_timeout``), reconnects of any cause,
+        events not yet confirmed, and the packs sent and the events inside them
+        (``docs/pack-format.md``)."""
         return {
             "returned": self._link.returned_events,
             "resent": self._link.resent_events,
@@ -365,6 +366,8 @@ class Producer:
             "silent_channel_resets": self._link.silent_channel_resets,
             "reconnects": self._link.reconnects,
             "unconfirmed": self._link.unsettled,
+            "packs": self._link.packs_sent,
+            "events_in_packs": self._link.events_packed,
         }
 
     @property

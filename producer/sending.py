@@ -20,6 +20,7 @@ import pika
 from keyq.broker.naming import incarnation_name
 from keyq.producer.lanes import ParkReason, QueueLane, forget_quiet
 from keyq.producer.outgoing import Outgoing
+from keyq.producer.packing import Packer, record_of
 
 if TYPE_CHECKING:
     from keyq.producer.link import PublisherLink
@@ -42,6 +43,7 @@ class Sender:
 
     def __init__(self, link: PublisherLink) -> None:
         self._link = link
+        self.packer = Packer(link.settings)
         self.lanes: dict[str, QueueLane] = {}
         self.next_tag = 1
         self.inflight: deque[Outgoing] = deque()  # the publishing channel's, in tag order
@@ -50,6 +52,7 @@ class Sender:
         self.returned_events = 0  # events the broker returned and that were sent again
         self.resent_events = 0  # events sent again after a lost connection
         self.late_confirms = 0  # events confirmed after their queue's lease ran out: sent again
+        self._to_flush: list[str] = []  # queues whose gathered events may go (after a confirm)
 
     # ------------------------------------------------------------------------ sending
     def drain(self) -> None:
@@ -60,15 +63,17 @@ class Sender:
         if channel is None or not channel.is_open or link.connector.lost_at is not None:
             return
         outbox = window.outbox
+        taken: list[Outgoing] = []
         for _ in range(DRAIN_BATCH):
             try:
-                message = outbox.popleft()
+                taken.append(outbox.popleft())
             except IndexError:
                 break
-            self.send(message)
         else:
             if outbox:
                 window.drain_again()
+        for message in self.packer.pack(taken):
+            self.gather_or_send(message)
         if len(self.lanes) > FORGET_STATES_ABOVE:
             forget_quiet(self.lanes)
 
@@ -76,8 +81,8 @@ class Sender:
         """On a new publishing channel: what the lost connection left unconfirmed, in order."""
         self.next_tag = 1
         resend, self.resend = self.resend, []
-        self.resent_events += len(resend)
-        for message in resend:
+        self.resent_events += sum(message.count for message in resend)
+        for message in self.packer.pack(resend):
             self.send(message)
 
     def lane(self, message: Outgoing) -> QueueLane:
@@ -86,6 +91,46 @@ class Sender:
             lane = self.lanes[message.queue] = QueueLane(key=message.key)
             lane.unreachable = self._link.probes.is_unreachable(message.queue)
         return lane
+
+    def gather_or_send(self, message: Outgoing) -> None:
+        """Send ``message`` now, or let it wait for more of its queue's events to join its
+        pack: while an earlier message of the queue awaits its confirm (then the next pack
+        is as large as what arrived meanwhile), or for the linger. A full pack goes at once."""
+        packer = self.packer
+        lane = self.lane(message)
+        if (
+            not packer.enabled
+            or lane.waiting
+            or message.queue in self._link.window.silent
+            or not (lane.inflight or lane.gathering or packer.linger_s)
+        ):
+            self.send(message)
+            return
+        size = sum(len(record_of(event)) for event in message.members)
+        lane.gather(message, size, time.monotonic())
+        if packer.full(lane.gathered_events, lane.gathered_bytes):
+            self._flush_gathered(message.queue, expired=True)
+        elif packer.linger_s and len(lane.gathering) == 1:
+            self._link.ioloop.call_later(
+                packer.linger_s, lambda q=message.queue, s=lane: self._linger_over(q, s)
+            )
+
+    def _flush_gathered(self, queue: str, *, expired: bool) -> None:
+        """Send what gathered for ``queue``: when full or its linger is over (``expired``),
+        else once nothing of the queue is in flight any more and the linger is over."""
+        lane = self.lanes.get(queue)
+        if lane is None or not lane.gathering:
+            return
+        if not expired:
+            waited = time.monotonic() - lane.gathered_at
+            if lane.inflight or waited < self.packer.linger_s:
+                return
+        for message in self.packer.pack(lane.take_gathered()):
+            self.send(message)
+
+    def _linger_over(self, queue: str, lane: QueueLane) -> None:
+        if self.lanes.get(queue) is lane:
+            self._flush_gathered(queue, expired=True)
 
     def send(self, message: Outgoing) -> None:
         link = self._link
@@ -99,7 +144,7 @@ class Sender:
             # A closed channel (a lease granted while reconnecting): parked events are
             # collected and re-sent in order once the connection is back. A silent queue's
             # events wait for its own channel to have room (``release_parked``).
-            lane.parked.append(message)
+            lane.hold(message)
             return
         now = time.monotonic()
         if not link.leases.admit(message, lane, now):
@@ -107,7 +152,7 @@ class Sender:
         name = incarnation_name(message.queue, lane.incarnation)
         if not lane.declared:
             if not silent and self._declare_apart(message.queue, lane, name):
-                lane.parked.append(message)  # sent once its queue exists
+                lane.hold(message)  # sent once its queue exists
                 return
             # nowait: the broker handles the declare before the publish that follows it on
             # this channel, so no round trip is spent per new key.
@@ -154,8 +199,8 @@ class Sender:
         lane = self.lanes.get(queue)
         if lane is None:
             return
-        for message in lane.take_releasable():
-            self.send(message)
+        for message in self.packer.pack(lane.take_releasable()):
+            self.gather_or_send(message)
 
     # ---------------------------------------------------------------------- confirms
     def on_return(self, _channel: Any, _method: Any, properties: Any, _body: bytes) -> None:
@@ -186,13 +231,13 @@ class Sender:
                 if message.tag > tag:
                     break
                 if not message.settled and self._settle(message, nacked, to_recover):
-                    published.append(message.queue)
+                    published.extend([message.queue] * message.count)
         else:
             index = tag - inflight[0].tag
             if 0 <= index < len(inflight):
                 message = inflight[index]
                 if not message.settled and self._settle(message, nacked, to_recover):
-                    published.append(message.queue)
+                    published.extend([message.queue] * message.count)
         while inflight and inflight[0].settled:
             inflight.popleft()
         self._after_settling(published, to_recover)
@@ -202,6 +247,10 @@ class Sender:
         channel closed, their parked events sent on the main one), recoveries."""
         link = self._link
         link.watch.stall.settled(time.monotonic())
+        if self._to_flush:
+            flush, self._to_flush = self._to_flush, []
+            for queue in flush:
+                self._flush_gathered(queue, expired=False)
         if published:
             for queue in link.window.settle(published):
                 log.info("queue %s confirms again", queue)
@@ -231,25 +280,28 @@ class Sender:
         lane = self.lanes[message.queue]
         lane.inflight -= 1
         published = not (message.returned or nacked)
+        if lane.inflight == 0 and lane.gathering:
+            self._to_flush.append(message.queue)
         if published and time.monotonic() >= lane.lease_until:
             # RabbitMQ confirms an event whose queue was deleted after routing it: a confirm
             # proves the event reached the queue only while a lease held its deleter off
             # (the grace outlasts every lease granted before a mark). Later, send it again;
             # a copy of an event already applied is dropped by its seq.
             published = False
-            self.late_confirms += 1
+            self.late_confirms += message.count
             log.debug("event %d to %s confirmed after its lease", message.number, message.sent_to)
         if published:
             lane.recoveries = 0
-            if message.confirmation is not None:
-                message.confirmation.confirm()
+            for event in message.members:
+                if event.confirmation is not None:
+                    event.confirmation.confirm()
             if not lane.registered:
                 lane.registered = True
                 self._link.on_new_queues({message.sent_to: lane.key})
         else:
             lane.park(ParkReason.RECOVERING)
             lane.returned.append(message)
-            self.returned_events += message.returned or nacked
+            self.returned_events += message.count if message.returned or nacked else 0
         if lane.parked_for(ParkReason.RECOVERING) and lane.inflight == 0:
             to_recover.append(message.queue)
         return published
@@ -279,11 +331,10 @@ class Sender:
         """Re-declare a deleted queue and re-send its returned events, then the parked ones."""
         returned, parked = lane.begin_recovery()
         log.debug("queue %s was deleted; re-declaring and re-sending %d", queue, len(returned))
-        for message in returned:
-            # A fresh record: the settled one may still sit in the in-flight window (behind
-            # an older unconfirmed event), where its delivery tag must stay what it was.
-            self.send(dataclasses.replace(message, tag=0, returned=False, settled=False))
-        for message in parked:
+        # Fresh records: a settled one may still sit in the in-flight window (behind an older
+        # unconfirmed message), where its delivery tag must stay what it was.
+        again = [dataclasses.replace(m, tag=0, returned=False, settled=False) for m in returned]
+        for message in self.packer.pack([*again, *parked]):
             self.send(message)
 
     def take_back(self, queue: str, pending: list[Outgoing]) -> None:
@@ -300,6 +351,7 @@ class Sender:
         pending.extend(self._link.silent.collect())
         for lane in self.lanes.values():
             pending.extend(lane.returned)
+            pending.extend(lane.gathering)
             pending.extend(lane.parked)
         pending.extend(self.resend)
         pending.sort(key=lambda message: message.number)

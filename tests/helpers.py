@@ -12,6 +12,7 @@ import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 
 from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
+from keyq.broker.packs import decode_pack, is_pack
 from keyq.worker.deliveries import Delivery
 
 
@@ -33,26 +34,40 @@ class Landed:
 def drain(
     channel: BlockingChannel, queue: str, *, ack: bool = True, limit: int | None = None
 ) -> list[Landed]:
-    """Messages now in ``queue`` (at most ``limit``), in queue order, acked by default."""
+    """Events now in ``queue`` (those of a pack each on its own, ``keyq.broker.packs``), in
+    queue order, from at most ``limit`` messages; acked by default."""
     landed: list[Landed] = []
-    while limit is None or len(landed) < limit:
+    messages = 0
+    while limit is None or messages < limit:
         method, properties, body = channel.basic_get(queue, auto_ack=False)
         if method is None:
             return landed
-        headers = dict(properties.headers or {})
-        key = headers.get(HEADER_KEY)
-        landed.append(
-            Landed(
-                queue=queue,
-                key=key.decode() if isinstance(key, bytes) else str(key),
-                producer=str(headers.get(HEADER_PRODUCER)),
-                seq=int(headers.get(HEADER_SEQ, -1)),
-                body=body,
-                headers=headers,
-                content_type=properties.content_type,
-                message_id=properties.message_id,
+        messages += 1
+        if is_pack(properties.content_type):
+            events = [(e.headers, e.content_type, e.message_id, e.body) for e in decode_pack(body)]
+        else:
+            events = [
+                (
+                    dict(properties.headers or {}),
+                    properties.content_type,
+                    properties.message_id,
+                    body,
+                )
+            ]
+        for headers, content_type, message_id, event_body in events:
+            key = headers.get(HEADER_KEY)
+            landed.append(
+                Landed(
+                    queue=queue,
+                    key=key.decode() if isinstance(key, bytes) else str(key),
+                    producer=str(headers.get(HEADER_PRODUCER)),
+                    seq=int(headers.get(HEADER_SEQ, -1)),
+                    body=event_body,
+                    headers=headers,
+                    content_type=content_type,
+                    message_id=message_id,
+                )
             )
-        )
         if ack:
             channel.basic_ack(method.delivery_tag)
     return landed
@@ -64,6 +79,21 @@ def queue_depth(connection: BlockingConnection, queue: str) -> int | None:
     channel = connection.channel()
     try:
         return int(channel.queue_declare(queue, passive=True).method.message_count)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code == 404:
+            return None
+        raise
+    finally:
+        if channel.is_open:
+            channel.close()
+
+
+def events_in(connection: BlockingConnection, queue: str) -> int | None:
+    """Events now in ``queue`` (a pack's each counted), or None if it does not exist: read
+    without acking on a throwaway channel, whose closing puts them back in order."""
+    channel = connection.channel()
+    try:
+        return len(drain(channel, queue, ack=False))
     except pika.exceptions.ChannelClosedByBroker as exc:
         if exc.reply_code == 404:
             return None

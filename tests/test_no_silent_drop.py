@@ -25,6 +25,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 from keyq import Producer
 from keyq.broker.envelope import HEADER_KEY, HEADER_SEQ
 from keyq.broker.naming import key_queue_name
+from keyq.broker.packs import decode_pack, is_pack
 from keyq.broker.retirement import RetirementFence
 from keyq.broker.settings import load_settings
 from tests.conftest import StreamFixture
@@ -37,11 +38,14 @@ EVENTS = 10_000
 def take_everything(channel: BlockingChannel, queue: str) -> list[tuple[str, int]]:
     """Consume (and ack) what ``queue`` holds until it stays quiet for 5 ms."""
     taken: list[tuple[str, int]] = []
-    for method, properties, _body in channel.consume(queue, inactivity_timeout=0.005):
+    for method, properties, body in channel.consume(queue, inactivity_timeout=0.005):
         if method is None:
             break
-        headers = properties.headers
-        taken.append((str(headers[HEADER_KEY]), int(headers[HEADER_SEQ])))
+        if is_pack(properties.content_type):
+            every = [event.headers for event in decode_pack(body)]
+        else:
+            every = [properties.headers]
+        taken.extend((str(headers[HEADER_KEY]), int(headers[HEADER_SEQ])) for headers in every)
         channel.basic_ack(method.delivery_tag)
     channel.cancel()  # anything delivered but not yet taken goes back to the queue
     return taken

@@ -56,6 +56,7 @@ class FakeLoop:
 class FakeChannel:
     is_open: bool = True
     published: list[str] = field(default_factory=list)  # queue names, in order
+    sent: list[tuple[bytes, Any]] = field(default_factory=list)  # (body, properties), in order
     declared: list[str] = field(default_factory=list)
     on_close: list[Callback] = field(default_factory=list)
     declare_callbacks: list[Callback] = field(default_factory=list)
@@ -67,6 +68,7 @@ class FakeChannel:
     ) -> None:
         assert exchange == "" and mandatory
         self.published.append(routing_key)
+        self.sent.append((body, properties))
 
     def queue_declare(self, queue: str, **kwargs: Any) -> None:
         self.declared.append(queue)
@@ -144,7 +146,14 @@ def ack(tag: int, *, multiple: bool = False, nack: bool = False) -> Any:
 
 @pytest.fixture
 def harness() -> Harness:
-    settings = load_settings(confirm_window=100, confirm_timeout=15.0, publish_lease_ms=2000)
+    """A link that sends each event as a message of its own (packing is tested below)."""
+    return make_harness(pack_max_events=1)
+
+
+def make_harness(**settings_overrides: Any) -> Harness:
+    settings = load_settings(
+        confirm_window=100, confirm_timeout=15.0, publish_lease_ms=2000, **settings_overrides
+    )
     asked: list[str] = []
     new_queues: list[dict[str, str | None]] = []
     link = PublisherLink(

@@ -29,7 +29,7 @@ from keyq.worker.daemon import Worker
 from keyq.worker.engine import SparkEngine
 from keyq.worker.state_store import StateStore
 from tests.conftest import StreamFixture
-from tests.helpers import Landed, drain, queue_depth
+from tests.helpers import Landed, drain, events_in, queue_depth
 
 # Also run on RabbitMQ 4.3 in CI: the core of keyq end to end on a current broker.
 pytestmark = [pytest.mark.slow, pytest.mark.broker_versions]
@@ -108,7 +108,7 @@ def test_undecodable_payloads_are_dead_lettered_at_once(
     publish_valid(producer, key, range(4, 7))
     publish_raw(2, bad[1][0])
     publish_valid(producer, key, range(7, 10))
-    assert queue_depth(amqp, queue) == 11
+    assert events_in(amqp, queue) == 11
 
     worker = run_worker(stream, spark_engine, fast_settings())
 
