@@ -10,10 +10,18 @@ removed only by ``ack`` (a drop, or a redrive past its point of no return).
 Each letter has an id: ``<producer>:<seq>`` for an event keyq's SDK published (it carries the
 key, producer and seq headers), else ``sha256:`` and the first 16 hex digits of the SHA-256 of
 its body and its sorted headers, so the same letter gets the same id in every walk.
+
+A pack (``keyq.broker.packs``) that the broker dead-lettered whole (a consumer rejected it, a
+quorum queue's delivery limit) is read as its events: each is a letter of its own, with its own
+headers, body and id, and ``pack`` says which message it is part of and why that message died.
+They share the message's delivery tag, so they leave the queue together or not at all: ``ack``
+refuses some of a pack's events without the others. A message labelled as a pack whose body is
+not one stays one letter, the whole message.
 """
 
 from __future__ import annotations
 
+import calendar
 import contextlib
 import datetime
 import decimal
@@ -35,9 +43,12 @@ from keyq.broker.envelope import (
     HEADER_DEAD_REASON,
     HEADER_KEY,
     HEADER_PRODUCER,
+    HEADER_PUBLISHED_AT,
     HEADER_REDRIVE_ID,
     HEADER_SEQ,
 )
+from keyq.broker.errors import InvalidInput
+from keyq.broker.packs import MalformedPack, decode_pack, is_pack
 from keyq.broker.text import as_text
 
 NOT_FOUND = 404
@@ -53,6 +64,25 @@ BROKER_HEADERS = frozenset({"x-delivery-count", "x-acquired-count"})
 LETTER_HEADERS = frozenset(
     {HEADER_DEAD_REASON, HEADER_DEAD_QUEUE, HEADER_ATTEMPTS, HEADER_DEAD_AT, HEADER_REDRIVE_ID}
 )
+# What RabbitMQ says of a message it dead-lettered: a list of tables, the latest first.
+X_DEATH = "x-death"
+
+
+class PartialPack(InvalidInput):
+    """Some but not all events of a dead-lettered pack were to be removed: a pack is one
+    message, acked whole."""
+
+
+@dataclass(frozen=True)
+class PackPart:
+    """A letter's place in a pack the broker dead-lettered whole: the pack message's id, how
+    many events it holds, this one's place among them (from 1) and the message's own headers
+    (why, when and from where it was dead-lettered)."""
+
+    message_id: str | None
+    events: int
+    part: int
+    headers: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -66,6 +96,7 @@ class DeadLetterMessage:
     headers: Mapping[str, Any] = field(default_factory=dict)
     content_type: str | None = None
     message_id: str | None = None
+    pack: PackPart | None = None
 
     @property
     def key(self) -> str | None:
@@ -97,22 +128,41 @@ class DeadLetterMessage:
         return content_id(self.body, self.headers)
 
     @property
+    def published_at_ms(self) -> int | None:
+        return _int(self.headers.get(HEADER_PUBLISHED_AT))
+
+    @property
+    def message_headers(self) -> Mapping[str, Any]:
+        """The headers of the message that was dead-lettered: the pack's for an event of a
+        pack, else the letter's own. Why, when and from where it died are read from them."""
+        return self.pack.headers if self.pack is not None else self.headers
+
+    @property
     def reason(self) -> str | None:
-        value = self.headers.get(HEADER_DEAD_REASON)
+        """keyq's ``x-keyq-dead-reason``, else the reason in RabbitMQ's ``x-death`` (such as
+        ``rejected`` or ``delivery_limit``)."""
+        value = self.message_headers.get(HEADER_DEAD_REASON)
+        if value is None:
+            value = _latest_death(self.message_headers).get("reason")
         return None if value is None else as_text(value)
 
     @property
     def dead_queue(self) -> str | None:
-        value = self.headers.get(HEADER_DEAD_QUEUE)
+        value = self.message_headers.get(HEADER_DEAD_QUEUE)
+        if value is None:
+            value = _latest_death(self.message_headers).get("queue")
         return None if value is None else as_text(value)
 
     @property
     def attempts(self) -> int | None:
-        return _int(self.headers.get(HEADER_ATTEMPTS))
+        return _int(self.message_headers.get(HEADER_ATTEMPTS))
 
     @property
     def dead_at_ms(self) -> int | None:
-        return _int(self.headers.get(HEADER_DEAD_AT))
+        value = self.message_headers.get(HEADER_DEAD_AT)
+        if value is None:
+            return _ms(_latest_death(self.message_headers).get("time"))
+        return _int(value)
 
 
 def content_id(body: bytes, headers: Mapping[str, Any]) -> str:
@@ -144,6 +194,78 @@ def _canonical(value: object) -> object:
     return {type(value).__name__: repr(value)}
 
 
+def _latest_death(headers: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The latest entry of RabbitMQ's ``x-death`` header, or nothing."""
+    deaths = headers.get(X_DEATH)
+    if isinstance(deaths, (list, tuple)) and deaths and isinstance(deaths[0], Mapping):
+        return deaths[0]
+    return {}
+
+
+def _ms(value: object) -> int | None:
+    """An AMQP timestamp (pika reads it as a naive UTC datetime) in ms since the epoch."""
+    if not isinstance(value, datetime.datetime):
+        return None
+    if value.tzinfo is not None:
+        return int(value.timestamp() * 1000)
+    return calendar.timegm(value.utctimetuple()) * 1000
+
+
+def letters_of(
+    position: int,
+    delivery_tag: int,
+    body: bytes,
+    properties: pika.BasicProperties,
+) -> list[DeadLetterMessage]:
+    """A dead-lettered message as letters: a pack's events, in order, or the message alone
+    (also when it is labelled as a pack but is not one)."""
+    headers = dict(properties.headers or {})
+    whole = DeadLetterMessage(
+        position, delivery_tag, body, headers, properties.content_type, properties.message_id
+    )
+    if not is_pack(properties.content_type):
+        return [whole]
+    try:
+        events = decode_pack(body)
+    except MalformedPack:
+        return [whole]
+    return [
+        DeadLetterMessage(
+            position,
+            delivery_tag,
+            event.body,
+            event.headers,
+            event.content_type,
+            event.message_id,
+            PackPart(properties.message_id, len(events), part, headers),
+        )
+        for part, event in enumerate(events, start=1)
+    ]
+
+
+def packs_left_partly(
+    letters: Sequence[DeadLetterMessage], picked: Sequence[DeadLetterMessage]
+) -> list[tuple[list[DeadLetterMessage], list[DeadLetterMessage]]]:
+    """Each pack of ``letters`` some but not all of whose events are in ``picked``: (its
+    events, those not picked), in queue order."""
+    chosen = {_part_of(letter) for letter in picked if letter.pack is not None}
+    touched = {tag for tag, _part in chosen}
+    packs: dict[int, list[DeadLetterMessage]] = {}
+    for letter in letters:
+        if letter.pack is not None and letter.delivery_tag in touched:
+            packs.setdefault(letter.delivery_tag, []).append(letter)
+    found = []
+    for events in packs.values():
+        left = [event for event in events if _part_of(event) not in chosen]
+        if left:
+            found.append((events, left))
+    return found
+
+
+def _part_of(letter: DeadLetterMessage) -> tuple[int, int]:
+    return letter.delivery_tag, 0 if letter.pack is None else letter.pack.part
+
+
 def _int(value: object) -> int | None:
     if value is None or isinstance(value, bool):
         return None
@@ -167,7 +289,8 @@ class DeadLetterWalk:
         self.letters: list[DeadLetterMessage] = []
         self.missing = False
         self.ready_at_start = 0
-        self._acked = 0
+        self._taken = 0  # messages taken (a pack is one message, several letters)
+        self._acked = 0  # messages acked
         self._channel: BlockingChannel | None = connection.channel()
         try:
             declared = self._channel.queue_declare(queue, passive=True)
@@ -180,38 +303,43 @@ class DeadLetterWalk:
         self.ready_at_start = int(declared.method.message_count)
 
     def read(self, *, stop_after: int | None = None) -> list[DeadLetterMessage]:
-        """Take every letter ready at the start, in order, and return them (or the first
-        ``stop_after``). Fewer come back when some are held elsewhere meanwhile. All are taken
-        even when fewer are wanted: a quorum queue puts what is handed back behind what it
-        kept, so handing back only the first few would move them to the end."""
+        """Take every message ready at the start, in order, and return its letters (or the
+        first ``stop_after``): a pack's events, or the message alone; the letters of one
+        message share its ``position``. Fewer come back when some are held elsewhere
+        meanwhile. All are taken even when fewer are wanted: a quorum queue puts what is
+        handed back behind what it kept, so handing back only the first few would move them
+        to the end."""
         if self.missing:
             return self.letters
         channel = self._open()
-        while len(self.letters) < self.ready_at_start:
+        while self._taken < self.ready_at_start:
             method, properties, body = channel.basic_get(self.queue, auto_ack=False)
             if method is None:
                 break
-            self.letters.append(
-                DeadLetterMessage(
-                    position=len(self.letters),
-                    delivery_tag=int(method.delivery_tag),
-                    body=bytes(body),
-                    headers=dict(properties.headers or {}),
-                    content_type=properties.content_type,
-                    message_id=properties.message_id,
-                )
+            self.letters.extend(
+                letters_of(self._taken, int(method.delivery_tag), bytes(body), properties)
             )
+            self._taken += 1
         return self.letters if stop_after is None else self.letters[:stop_after]
 
     def ack(self, letters: Sequence[DeadLetterMessage]) -> None:
-        """Remove these letters from the queue for good (one ack each, never ``multiple``:
-        the letters between them stay)."""
+        """Remove these letters from the queue for good (one ack per message, never
+        ``multiple``: the letters between them stay). A pack goes whole: ``PartialPack``,
+        and nothing acked, when some of its events are not among ``letters``."""
         if not letters:
             return
+        partly = packs_left_partly(self.letters, letters)
+        if partly:
+            events, left = partly[0]
+            raise PartialPack(
+                f"{len(left)} of the {len(events)} events of a pack are not to be removed "
+                "with the rest: a pack is removed whole or not at all"
+            )
         channel = self._open()
-        for letter in letters:
-            channel.basic_ack(letter.delivery_tag)
-        self._acked += len(letters)
+        tags = list(dict.fromkeys(letter.delivery_tag for letter in letters))
+        for tag in tags:
+            channel.basic_ack(tag)
+        self._acked += len(tags)
 
     def close(self) -> None:
         """Hand back every letter not acked, at its place in the queue: with a ``nack`` of
@@ -224,7 +352,7 @@ class DeadLetterWalk:
         if channel is None or not channel.is_open:
             return
         with contextlib.suppress(pika.exceptions.AMQPError):
-            if self._acked < len(self.letters):
+            if self._acked < self._taken:
                 channel.basic_nack(0, multiple=True, requeue=True)
                 self._wait_handed_back(channel, self.ready_at_start - self._acked)
             channel.close()

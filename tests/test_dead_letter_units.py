@@ -1,10 +1,20 @@
-"""The pure parts of the dead-letter commands: letter ids, previews, selection, redriven copies."""
+"""The pure parts of the dead-letter commands: letter ids, previews, selection, redriven copies,
+and packs dead-lettered whole read as their events."""
 
 from __future__ import annotations
 
+import datetime
+
+import pika
 import pytest
 
-from keyq.broker.dead_letter_queue import DeadLetterMessage, content_id
+from keyq.broker.dead_letter_queue import (
+    DeadLetterMessage,
+    PartialPack,
+    content_id,
+    letters_of,
+    packs_left_partly,
+)
 from keyq.broker.envelope import (
     HEADER_ATTEMPTS,
     HEADER_DEAD_AT,
@@ -16,8 +26,15 @@ from keyq.broker.envelope import (
     HEADER_SEQ,
 )
 from keyq.broker.errors import InvalidInput
-from keyq.dead_letter_listing import letter_row, preview, render_rows
-from keyq.letter_selection import LetterNotFound, by_ids, of_key
+from keyq.broker.packs import HEADER_PACK, PACK_CONTENT_TYPE, encode_pack, encode_record
+from keyq.dead_letter_listing import (
+    letter_detail,
+    letter_row,
+    preview,
+    render_detail,
+    render_rows,
+)
+from keyq.letter_selection import LetterNotFound, by_ids, of_key, whole_packs
 from keyq.redrive import redriven_properties
 
 
@@ -87,3 +104,82 @@ def test_rows_are_one_line_each() -> None:
     text = render_rows([letter_row(_letter(0, "a", 1)), letter_row(_letter(1, None, None))])
     lines = text.splitlines()
     assert len(lines) == 3 and "boom again" in lines[1] and "(foreign)" in lines[2]
+
+
+def _pack_letters(
+    seqs: list[int], keys: list[str] | None = None, message_headers: dict[str, object] | None = None
+) -> list[DeadLetterMessage]:
+    records = [
+        encode_record(
+            f"p:{n}",
+            "application/json",
+            {HEADER_KEY: (keys or ["a"] * len(seqs))[i], HEADER_PRODUCER: "p", HEADER_SEQ: seq},
+            b'{"n":%d}' % seq,
+        )
+        for i, (n, seq) in enumerate(enumerate(seqs, start=1))
+    ]
+    properties = pika.BasicProperties(
+        content_type=PACK_CONTENT_TYPE,
+        message_id="pack:p:1",
+        headers={HEADER_PACK: len(seqs), HEADER_PRODUCER: "p", **(message_headers or {})},
+    )
+    return letters_of(4, 9, encode_pack(records), properties)
+
+
+def test_a_pack_is_read_as_its_events_each_a_letter_with_the_packs_reason() -> None:
+    death = {"reason": "rejected", "queue": "keyq.s.k.a", "time": datetime.datetime(2024, 1, 2)}
+    events = _pack_letters([3, 4, 5], message_headers={"x-death": [death]})
+    assert [letter.letter_id for letter in events] == ["p:3", "p:4", "p:5"]
+    assert {(letter.position, letter.delivery_tag) for letter in events} == {(4, 9)}
+    assert [letter.body for letter in events] == [b'{"n":3}', b'{"n":4}', b'{"n":5}']
+    first = events[0]
+    assert first.pack is not None and (first.pack.message_id, first.pack.events) == ("pack:p:1", 3)
+    assert [letter.pack.part for letter in events if letter.pack] == [1, 2, 3]
+    assert first.key == "a" and first.content_type == "application/json"
+    assert first.message_id == "p:1" and HEADER_PACK not in first.headers
+    # why and when it died: the message's (here only RabbitMQ's x-death)
+    assert first.reason == "rejected" and first.dead_queue == "keyq.s.k.a"
+    assert first.dead_at_ms == 1704153600000
+    row = letter_row(first)
+    assert row["pack"] == {"message_id": "pack:p:1", "events": 3, "part": 1}
+    assert row["reason"] == "rejected" and row["preview"] == '{"n":3}'
+    assert render_rows([row]).splitlines()[1].startswith("4 pack 1/3\tp:3\ta\t")
+    detail = letter_detail(events[1])
+    assert detail["pack"]["headers"][HEADER_PACK] == 3 and detail["payload"] == '{"n":4}'
+    assert "event 2 of 3 of message pack:p:1" in render_detail(detail | {"copies": 1})
+    # a redriven copy is the event alone: its own headers and its redrive id
+    assert redriven_properties(events[1]).headers == {
+        HEADER_KEY: "a",
+        HEADER_PRODUCER: "p",
+        HEADER_SEQ: 4,
+        HEADER_REDRIVE_ID: "p:4",
+    }
+    keyq_reason = _pack_letters([1], message_headers={HEADER_DEAD_REASON: "malformed"})
+    assert keyq_reason[0].reason == "malformed"
+
+
+def test_a_malformed_pack_is_one_foreign_letter() -> None:
+    properties = pika.BasicProperties(
+        content_type=PACK_CONTENT_TYPE, headers={HEADER_PACK: 2, HEADER_KEY: "a"}
+    )
+    [letter] = letters_of(0, 1, b"KQP1\x00\x00", properties)
+    assert letter.pack is None and letter.foreign and letter.letter_id.startswith("sha256:")
+    assert letter.body == b"KQP1\x00\x00" and letter.content_type == PACK_CONTENT_TYPE
+
+
+def test_a_selection_takes_a_pack_whole_or_is_refused() -> None:
+    single = _letter(0, "a", 1)
+    events = _pack_letters([2, 3, 4])
+    letters = [single, *events]
+    whole_packs(letters, [single, *events])
+    whole_packs(letters, [single])
+    assert packs_left_partly(letters, [events[1]]) == [(events, [events[0], events[2]])]
+    with pytest.raises(PartialPack) as refused:
+        whole_packs(letters, by_ids(letters, ["p:3"]), queue="q")
+    assert str(refused.value) == (
+        "pack pack:p:1 in q holds 3 letters and is removed only whole, but p:2, p:4 of it are "
+        "not selected: select them all (--key a selects all of them)"
+    )
+    mixed = _pack_letters([1, 2], keys=["a", "b"])
+    with pytest.raises(PartialPack, match="by --id each"):
+        whole_packs(mixed, of_key(mixed, "a"))

@@ -1,5 +1,6 @@
 """Dead letters as rows for people and for ``--json``: what ``keyq dlq list`` and ``show`` and
-``keyq inspect`` print."""
+``keyq inspect`` print. An event of a pack dead-lettered whole is a row of its own, with
+``pack``: the pack message's id, how many events it holds and the event's place in it."""
 
 from __future__ import annotations
 
@@ -35,9 +36,21 @@ def letter_row(letter: DeadLetterMessage) -> dict[str, Any]:
         "attempts": letter.attempts,
         "dead_at_ms": letter.dead_at_ms,
         "dead_queue": letter.dead_queue,
+        "published_at_ms": letter.published_at_ms,
         "content_type": letter.content_type,
         "bytes": len(letter.body),
         "preview": preview(letter.body),
+        "pack": _pack(letter),
+    }
+
+
+def _pack(letter: DeadLetterMessage) -> dict[str, Any] | None:
+    if letter.pack is None:
+        return None
+    return {
+        "message_id": letter.pack.message_id,
+        "events": letter.pack.events,
+        "part": letter.pack.part,
     }
 
 
@@ -52,6 +65,8 @@ def letter_detail(letter: DeadLetterMessage) -> dict[str, Any]:
     except UnicodeDecodeError:
         payload = base64.b64encode(letter.body).decode()
         encoding = "base64"
+    if letter.pack is not None:
+        row["pack"] |= {"headers": _plain(letter.pack.headers)}
     return row | {
         "key_header": letter.key,
         "message_id": letter.message_id,
@@ -90,7 +105,7 @@ def render_rows(rows: Sequence[Mapping[str, Any]]) -> str:
     for row in rows:
         key = "(foreign)" if row["foreign"] else printable(row["key"])
         cells = (
-            str(row["position"]),
+            _position(row),
             row["id"],
             key,
             blank(row["producer"]),
@@ -106,13 +121,23 @@ def render_rows(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _position(row: Mapping[str, Any]) -> str:
+    """The row's place; for an event of a pack, also which of the pack's events it is."""
+    pack = row.get("pack")
+    if not pack:
+        return str(row["position"])
+    return f"{row['position']} pack {pack['part']}/{pack['events']}"
+
+
 def render_detail(detail: Mapping[str, Any]) -> str:
+    pack = detail.get("pack")
     lines = [
         f"id            {detail['id']}"
         + ("   (foreign: no keyq key header)" if detail["foreign"] else ""),
         f"position      {detail['position']}",
         f"key           {printable(detail['key_header'])}",
         f"producer/seq  {blank(detail['producer'])} / {blank(detail['seq'])}",
+        f"published at  {when(detail['published_at_ms'])}",
         f"reason        {_one_line(detail['reason'])}",
         f"attempts      {blank(detail['attempts'])}",
         f"dead at       {when(detail['dead_at_ms'])}",
@@ -121,6 +146,15 @@ def render_detail(detail: Mapping[str, Any]) -> str:
         f"message id    {blank(detail['message_id'])}",
         "headers:",
         *(f"  {name}: {value!r}" for name, value in sorted(detail["headers"].items())),
+    ]
+    if pack:
+        lines += [
+            f"pack          event {pack['part']} of {pack['events']} of message "
+            f"{blank(pack['message_id'])} (dead-lettered whole; removed only whole)",
+            "pack headers:",
+            *(f"  {name}: {value!r}" for name, value in sorted(pack["headers"].items())),
+        ]
+    lines += [
         f"payload ({detail['bytes']} bytes, {detail['payload_encoding']}):",
         detail["payload"],
     ]

@@ -19,7 +19,7 @@ from keyq.broker.errors import InvalidInput, KeyqError
 from keyq.command_errors import OneLineGroup, fail, usage
 from keyq.dead_letter_listing import letter_detail, letter_row, render_detail, render_rows
 from keyq.dlq_lock import DeadLetterLock
-from keyq.letter_selection import by_ids, of_key
+from keyq.letter_selection import by_ids, of_key, whole_packs
 from keyq.operator_context import OperatorContext, check_keys
 from keyq.redrive import RedriveRequest, redrive
 
@@ -74,7 +74,7 @@ def list_command(
         with OperatorContext(stream) as ctx, ctx.services():
             queue = ctx.config.dead_letter_queue
             with locked_walk(ctx, wait) as walk:
-                letters = walk.read(stop_after=limit if key is None else None)
+                letters = walk.read()
                 ready = walk.ready_at_start
     except KeyqError as exc:
         fail(exc)
@@ -84,7 +84,11 @@ def list_command(
         _echo_json({"stream": stream, "queue": queue, "ready": ready, "letters": rows})
         return
     shown = f"{len(rows)} shown" + (f" of key {key}" if key is not None else "")
-    click.echo(f"dead-letter queue {queue}: {ready} letters, {shown}")
+    packs = len({letter.delivery_tag for letter in letters if letter.pack is not None})
+    held = f"{ready} letters"
+    if packs:
+        held = f"{ready} messages, {len(letters)} letters ({packs} packs shown as their events)"
+    click.echo(f"dead-letter queue {queue}: {held}, {shown}")
     if rows:
         click.echo(render_rows(rows), nl=False)
 
@@ -162,11 +166,13 @@ def _to_drop(
     letters: list[DeadLetterMessage], key: str | None, ids: tuple[str, ...], queue: str
 ) -> list[DeadLetterMessage]:
     if ids:
-        return by_ids(letters, ids, key=key, queue=queue)
-    assert key is not None
-    picked = of_key(letters, key)
-    if not picked:
-        raise NothingDropped(f"no dead letters of key {key} in {queue}")
+        picked = by_ids(letters, ids, key=key, queue=queue)
+    else:
+        assert key is not None
+        picked = of_key(letters, key)
+        if not picked:
+            raise NothingDropped(f"no dead letters of key {key} in {queue}")
+    whole_packs(letters, picked, queue=queue)
     return picked
 
 

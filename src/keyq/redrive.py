@@ -50,7 +50,7 @@ from keyq.broker.naming import redrive_queue_name
 from keyq.broker.topology import keyed_queue_arguments
 from keyq.dlq_lock import DeadLetterLock
 from keyq.key_wake import wake_keys
-from keyq.letter_selection import by_ids, of_key
+from keyq.letter_selection import by_ids, of_key, whole_packs
 from keyq.operator_context import OperatorContext
 
 # For tests only: sleep this long after publishing this many letters (then be killed).
@@ -144,8 +144,10 @@ def _pick(walk: DeadLetterWalk, request: RedriveRequest) -> tuple[str, list[Dead
         picked = of_key(letters, request.key)
         if not picked:
             raise NothingToRedrive(f"no dead letters of key {request.key} in {walk.queue}")
+        whole_packs(letters, picked, queue=walk.queue)
         return request.key, picked
     picked = by_ids(letters, [request.letter_id], key=request.key, queue=walk.queue)
+    whole_packs(letters, picked, queue=walk.queue)
     target = request.to_key or picked[0].key
     if request.to_key is None and picked[0].foreign:
         raise InvalidInput(f"letter {request.letter_id} has no key: pass --to-key")
