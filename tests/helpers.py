@@ -31,6 +31,16 @@ class Landed:
         return orjson.loads(self.body)
 
 
+def unpacked(
+    properties: Any, body: bytes
+) -> list[tuple[dict[str, Any], str | None, str | None, bytes]]:
+    """A message's events, each as (headers, content type, message id, body): a pack's in
+    order (``keyq.broker.packs``), or the message itself."""
+    if is_pack(properties.content_type):
+        return [(e.headers, e.content_type, e.message_id, e.body) for e in decode_pack(body)]
+    return [(dict(properties.headers or {}), properties.content_type, properties.message_id, body)]
+
+
 def drain(
     channel: BlockingChannel, queue: str, *, ack: bool = True, limit: int | None = None
 ) -> list[Landed]:
@@ -43,18 +53,7 @@ def drain(
         if method is None:
             return landed
         messages += 1
-        if is_pack(properties.content_type):
-            events = [(e.headers, e.content_type, e.message_id, e.body) for e in decode_pack(body)]
-        else:
-            events = [
-                (
-                    dict(properties.headers or {}),
-                    properties.content_type,
-                    properties.message_id,
-                    body,
-                )
-            ]
-        for headers, content_type, message_id, event_body in events:
+        for headers, content_type, message_id, event_body in unpacked(properties, body):
             key = headers.get(HEADER_KEY)
             landed.append(
                 Landed(

@@ -35,7 +35,7 @@ from keyq.janitor.inventory import NOT_SET, list_queues
 from keyq.janitor.janitor import Janitor
 from keyq.worker.state_store import StateStore
 from tests.conftest import StreamFixture
-from tests.helpers import drain, queue_depth
+from tests.helpers import drain, queue_depth, unpacked
 from tests.workers import WorkerProcess, wait_until
 
 LEASE_MS = 200
@@ -715,10 +715,10 @@ def test_a_deleted_quorum_queue_is_never_declared_again_under_its_name(
             assert exists(amqp, current) and not exists(amqp, previous)
             assert set(registry.queues()) == {current}
             channel = amqp.channel()
-            for method, _properties, body in channel.consume(current, inactivity_timeout=0.5):
+            for method, properties, body in channel.consume(current, inactivity_timeout=0.5):
                 if method is None:
                     break
-                landed.append(orjson.loads(body)["n"])
+                landed.extend(orjson.loads(event[3])["n"] for event in unpacked(properties, body))
                 channel.basic_ack(method.delivery_tag)
             channel.close()
     assert landed == [0, 1, 2, 0, 1, 2]

@@ -57,8 +57,10 @@ def publish_and_register_a_ghost(
     stream: Any, settings: Settings | None = None
 ) -> tuple[dict[str, str], str]:
     """Publishes ``PUBLISHED`` in key mode and registers a queue that was never declared;
-    returns the queues by key and the ghost."""
-    with Producer(stream.name, mode="key", settings=settings) as producer:
+    returns the queues by key and the ghost. Each event a message of its own (packing off):
+    depths are what the broker counts, messages, and here they count the events too."""
+    one_each = (settings or load_settings()).model_copy(update={"pack_max_events": 1})
+    with Producer(stream.name, mode="key", settings=one_each) as producer:
         for key, count in PUBLISHED.items():
             for n in range(count):
                 producer.publish(key, {"n": n})
@@ -304,7 +306,8 @@ def test_watch_json_prints_one_object_per_refresh_until_ctrl_c(
 
 
 def test_bucket_mode_shows_buckets_without_keys(stream: Any, amqp: Any) -> None:
-    with Producer(stream.name, mode="bucket", buckets=4) as producer:
+    one_each = load_settings(pack_max_events=1)  # depths count messages: one event each
+    with Producer(stream.name, mode="bucket", buckets=4, settings=one_each) as producer:
         receipts = [producer.publish(key, {"n": 1}) for key in ("a", "b", "c", "d", "e")]
         producer.flush()
     status = collect_status(status_settings(), stream.name)

@@ -28,7 +28,7 @@ from keyq.worker.daemon import Worker
 from keyq.worker.engine import SparkEngine
 from keyq.worker.state_store import StateStore
 from tests.conftest import StreamFixture
-from tests.helpers import queue_depth
+from tests.helpers import drain
 from tests.workers import held_by, wait_until
 
 pytestmark = pytest.mark.slow
@@ -209,7 +209,18 @@ def test_sigterm_finishes_the_batch_and_hands_everything_back(
     assert sum(applied.values()) > 0, "the batch in flight was not committed"
 
     def left() -> int:
-        return sum(queue_depth(amqp, queue) or 0 for queue in queues)
+        """Events back in their queues and not applied yet (a pack goes back whole until
+        every event in it is committed: those already applied a worker skips by seq)."""
+        channel = amqp.channel()
+        try:
+            return sum(
+                1
+                for queue in queues
+                for event in drain(channel, queue, ack=False)
+                if event.seq > applied[event.key]
+            )
+        finally:
+            channel.close()  # what was read goes back, in order
 
     total = len(keys) * per_key
     wait_until(
