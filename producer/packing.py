@@ -31,8 +31,8 @@ class Packer:
         self.max_events = settings.pack_max_events
         self.max_bytes = min(settings.pack_max_bytes, settings.max_message_bytes)
         self.linger_s = settings.pack_linger_ms / 1000
-        self.packs_sent = 0  # packs made (a pack sent again after a return counts again)
-        self.events_packed = 0  # events that went inside them
+        self.packs_sent = 0  # packs sent (one sent again, after a return, counts again)
+        self.events_packed = 0  # events sent inside them
 
     @property
     def enabled(self) -> bool:
@@ -77,8 +77,6 @@ class Packer:
         first = events[0]
         if len(events) == 1:
             return first
-        self.packs_sent += 1
-        self.events_packed += len(events)
         first_headers = first.properties.headers or {}
         stamps = [
             stamp

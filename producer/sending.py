@@ -169,6 +169,9 @@ class Sender:
         message.sent_at = now
         message.sent_to = name
         channel.basic_publish("", name, message.body, message.properties, mandatory=True)
+        if message.events is not None:
+            self.packer.packs_sent += 1
+            self.packer.events_packed += len(message.events)
         self.by_number[message.number] = message
         lane.inflight += 1
 
