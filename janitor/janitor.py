@@ -181,7 +181,10 @@ class Janitor:
             if config.mode is Mode.KEY:
                 self.stats["not_leader"] += 1
             return
-        self.gauges.measure(client, stream, config)
+        if self.settings.metrics_port is not None:
+            # Only read where someone can scrape them: without a listing endpoint they cost
+            # the broker a passive declare per queue and pass.
+            self.gauges.measure(client, stream, config)
         if config.mode is not Mode.KEY:
             return
         registry = QueueRegistry(client, stream)
