@@ -6,7 +6,7 @@ keeps what it would have had as a message of its own: its message id, content ty
 (key, producer, seq, ...) and body. The layout is plain so that consumers in other languages
 can read it (docs/pack-format.md):
 
-    body    = MAGIC record*
+    body    = MAGIC record+
     record  = u32 meta_length, meta (UTF-8 JSON), u32 body_length, body
     meta    = {"message_id": str | null, "content_type": str | null, "headers": {...}}
 

@@ -130,7 +130,8 @@ class QueueLane:
         """Its returned events in submission order, then the parked ones, to send again to a
         queue declared anew."""
         returned = sorted(self.returned, key=lambda message: message.number)
-        parked = deque([*self.take_gathered(), *self.parked])
+        waiting = [*self.take_gathered(), *self.parked]
+        parked = deque(sorted(waiting, key=lambda message: message.number))
         self.returned = []
         self.parked = deque()
         self.reasons.discard(ParkReason.RECOVERING)

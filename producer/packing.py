@@ -100,6 +100,8 @@ class Packer:
             headers=headers,
         )
         body = encode_pack([record_of(event) for event in events])
+        for event in events:
+            event.record = None  # in the pack's body now; made again if it is ever repacked
         return Outgoing(first.number, first.queue, first.key, body, properties, events=events)
 
 

@@ -4,7 +4,9 @@ Events go with ``mandatory`` on the confirm-mode publishing channel (a silent qu
 own, see ``keyq.producer.silent``), each queue through its lane, which parks them while
 anything holds the queue. Confirms are tracked by delivery tag; events the broker returned
 (their queue was deleted) or refused go again in order once the queue is declared anew, and
-after a lost connection every unconfirmed event goes again in submission order.
+after a lost connection every unconfirmed event goes again in submission order. The events of
+a queue that wait together go as one pack (``keyq.producer.packing``): a message to all of
+the above, whose confirm settles each of its events.
 """
 
 from __future__ import annotations
@@ -72,8 +74,17 @@ class Sender:
         else:
             if outbox:
                 window.drain_again()
-        for message in self.packer.pack(taken):
-            self.gather_or_send(message)
+        sending = self.packer.pack(taken)
+        sent = 0
+        try:
+            for message in sending:
+                self.gather_or_send(message)
+                sent += 1
+        finally:
+            if sent < len(sending):  # an error sending: what is left waits, in order, in front
+                left = [event for message in sending[sent:] for event in message.members]
+                left.sort(key=lambda event: event.number)
+                outbox.extendleft(reversed(left))
         if len(self.lanes) > FORGET_STATES_ABOVE:
             forget_quiet(self.lanes)
 
@@ -104,20 +115,25 @@ class Sender:
             or message.queue in self._link.window.silent
             or not (lane.inflight or lane.gathering or packer.linger_s)
         ):
+            if lane.gathering:  # older than ``message``: they go first
+                self._flush_gathered(message.queue, expired=True)
             self.send(message)
             return
         size = sum(len(record_of(event)) for event in message.members)
-        lane.gather(message, size, time.monotonic())
+        now = time.monotonic()
+        lane.gather(message, size, now)
         if packer.full(lane.gathered_events, lane.gathered_bytes):
-            self._flush_gathered(message.queue, expired=True)
+            self._flush_gathered(message.queue, expired=True, keep_partial=True)
         elif packer.linger_s and len(lane.gathering) == 1:
             self._link.ioloop.call_later(
-                packer.linger_s, lambda q=message.queue, s=lane: self._linger_over(q, s)
+                packer.linger_s,
+                lambda q=message.queue, s=lane, t=now: self._linger_over(q, s, t),
             )
 
-    def _flush_gathered(self, queue: str, *, expired: bool) -> None:
+    def _flush_gathered(self, queue: str, *, expired: bool, keep_partial: bool = False) -> None:
         """Send what gathered for ``queue``: when full or its linger is over (``expired``),
-        else once nothing of the queue is in flight any more and the linger is over."""
+        else once nothing of the queue is in flight any more and the linger is over. With
+        ``keep_partial`` (a pack filled up) only full packs go; the rest goes on gathering."""
         lane = self.lanes.get(queue)
         if lane is None or not lane.gathering:
             return
@@ -125,11 +141,17 @@ class Sender:
             waited = time.monotonic() - lane.gathered_at
             if lane.inflight or waited < self.packer.linger_s:
                 return
-        for message in self.packer.pack(lane.take_gathered()):
+        since = lane.gathered_at
+        packs = self.packer.pack(lane.take_gathered())
+        if keep_partial and packs and not self.packer.full(packs[-1].count, len(packs[-1].body)):
+            rest = packs.pop()
+            lane.gather(rest, sum(len(record_of(e)) for e in rest.members), since)
+        for message in packs:
             self.send(message)
 
-    def _linger_over(self, queue: str, lane: QueueLane) -> None:
-        if self.lanes.get(queue) is lane:
+    def _linger_over(self, queue: str, lane: QueueLane, began: float) -> None:
+        """A linger is over: what gathered since ``began`` goes (not a later round's)."""
+        if self.lanes.get(queue) is lane and lane.gathering and lane.gathered_at == began:
             self._flush_gathered(queue, expired=True)
 
     def send(self, message: Outgoing) -> None:
@@ -214,7 +236,9 @@ class Sender:
             return
         message.returned = True
         self.lanes[message.queue].park(ParkReason.RECOVERING)
-        log.debug("event %d returned by %s", message.number, message.sent_to)
+        log.debug(
+            "message %d (%d events) returned by %s", message.number, message.count, message.sent_to
+        )
 
     def on_confirm(self, frame: Any) -> None:
         self.settle_confirmed(self.inflight, frame)
@@ -277,7 +301,8 @@ class Sender:
                     self._recover(queue, lane)
 
     def _settle(self, message: Outgoing, nacked: bool, to_recover: list[str]) -> bool:
-        """Mark one event settled; True if it is now published, False if it must go again."""
+        """Mark one message (an event or a pack) settled; True if it is now published, False
+        if it must go again."""
         message.settled = True
         self.by_number.pop(message.number, None)
         lane = self.lanes[message.queue]

@@ -193,3 +193,61 @@ def test_packs_keep_every_events_order_and_fields(max_events: int) -> None:
             [e.body for e in decode_pack(body)] if is_pack(properties.content_type) else [body]
         )
     assert bodies == [m.body for m in made]
+
+
+def test_a_filled_pack_goes_and_the_events_after_it_go_on_gathering() -> None:
+    harness = packing(pack_max_events=3)
+    event(harness, "q")
+    run(harness)
+    for _ in range(2):
+        event(harness, "q")  # gathering behind the first
+    run(harness)
+    for _ in range(2):
+        event(harness, "q")  # one more fills a pack: it goes; the other keeps gathering
+    run(harness)
+    assert sent_events(harness) == [[1], [2, 3, 4]]
+    harness.link.sender.on_confirm(ack(1))
+    assert sent_events(harness) == [[1], [2, 3, 4]]  # a message of the queue is in flight
+    harness.link.sender.on_confirm(ack(2))
+    assert sent_events(harness) == [[1], [2, 3, 4], [5]]
+
+
+def test_an_earlier_linger_does_not_cut_a_later_one_short() -> None:
+    harness = packing(pack_max_events=2, pack_linger_ms=20)
+    event(harness, "q")  # lingers: a timer
+    run(harness)
+    event(harness, "q")  # fills the pack: it goes, and the first timer stays behind
+    run(harness)
+    event(harness, "q")  # a new round, with a timer of its own
+    run(harness)
+    assert sent_events(harness) == [[1, 2]]
+    lingers = [callback for delay, callback in harness.loop.later if delay == 0.02]
+    assert len(lingers) == 2
+    first, second = lingers
+    first()
+    assert sent_events(harness) == [[1, 2]]
+    second()
+    assert sent_events(harness) == [[1, 2], [3]]
+
+
+def test_events_a_failed_send_did_not_take_wait_in_front_of_the_outbox() -> None:
+    harness = packing()
+    event(harness, "q")
+    run(harness)  # the lease granted, the first sent
+    harness.link.sender.on_confirm(ack(1))
+    for _ in range(3):
+        event(harness, "q")
+    channel = harness.channel
+    real_publish = channel.basic_publish
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        channel.basic_publish = real_publish  # type: ignore[method-assign]
+        raise RuntimeError("the socket went away")
+
+    channel.basic_publish = refuse  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        harness.loop.run_soon()
+    assert [m.number for m in harness.link.window.outbox] == [2, 3, 4]
+    harness.loop.soon.append(harness.link.sender.drain)
+    harness.loop.run_soon()
+    assert sent_events(harness) == [[1], [2, 3, 4]]
