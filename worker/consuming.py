@@ -26,7 +26,7 @@ from keyq.broker.acks import buffer_ack, flush_acks
 from keyq.broker.connections import describe_exception
 from keyq.broker.consume_rounds import ConsumeReply, ConsumeRequest, OnMessage, open_consumers
 from keyq.broker.consumers import close_keeping_consumers
-from keyq.broker.packs import MalformedPack, decode_pack, is_pack
+from keyq.broker.packs import MalformedPack, PackedEvent, decode_pack, is_pack
 from keyq.worker.ack_ledger import AckLedger
 from keyq.worker.consume_outcomes import (
     Consumed,
@@ -237,43 +237,31 @@ def unpack(
 ) -> list[Delivery]:
     """The deliveries a message makes: itself, or the events of a pack, in order. A pack that
     cannot be read is the whole message, marked ``malformed`` with why."""
-    tag = method.delivery_tag
-    redelivered = bool(method.redelivered)
-    headers = dict(properties.headers or {})
+    malformed: str | None = None
+    events = [
+        PackedEvent(
+            properties.message_id, properties.content_type, dict(properties.headers or {}), body
+        )
+    ]
     if is_pack(properties.content_type):
         try:
             events = decode_pack(body)
         except MalformedPack as exc:
             log.warning("a malformed pack on %s (it is dead-lettered): %s", queue, exc)
-            malformed = str(exc)
-        else:
-            return [
-                Delivery(
-                    queue=queue,
-                    channel_epoch=epoch,
-                    delivery_tag=tag,
-                    redelivered=redelivered,
-                    headers=event.headers,
-                    content_type=event.content_type,
-                    message_id=event.message_id,
-                    body=event.body,
-                    part=part,
-                    parts=len(events),
-                )
-                for part, event in enumerate(events)
-            ]
-    else:
-        malformed = None
+            malformed = str(exc)  # the whole message, as it came
     return [
         Delivery(
             queue=queue,
             channel_epoch=epoch,
-            delivery_tag=tag,
-            redelivered=redelivered,
-            headers=headers,
-            content_type=properties.content_type,
-            message_id=properties.message_id,
-            body=body,
+            delivery_tag=method.delivery_tag,
+            redelivered=bool(method.redelivered),
+            headers=event.headers,
+            content_type=event.content_type,
+            message_id=event.message_id,
+            body=event.body,
+            part=part,
+            parts=len(events),
             malformed=malformed,
         )
+        for part, event in enumerate(events)
     ]
