@@ -12,7 +12,11 @@ import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel, BlockingConnection
 
 from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
+from keyq.broker.naming import key_queue_name
 from keyq.broker.packs import decode_pack, is_pack
+from keyq.broker.registry import QueueRegistry
+from keyq.broker.streams import ensure_stream_config
+from keyq.broker.topology import keyed_queue_arguments
 from keyq.worker.deliveries import Delivery
 
 
@@ -73,26 +77,29 @@ def drain(
 
 
 def queue_depth(connection: BlockingConnection, queue: str) -> int | None:
-    """Messages ready in ``queue``, or None if it does not exist (on a throwaway channel,
-    since a passive declare of a missing queue closes its channel)."""
-    channel = connection.channel()
-    try:
-        return int(channel.queue_declare(queue, passive=True).method.message_count)
-    except pika.exceptions.ChannelClosedByBroker as exc:
-        if exc.reply_code == 404:
-            return None
-        raise
-    finally:
-        if channel.is_open:
-            channel.close()
+    """Messages ready in ``queue``, or None if it does not exist."""
+    return _on_a_throwaway_channel(
+        connection,
+        lambda channel: int(channel.queue_declare(queue, passive=True).method.message_count),
+    )
 
 
 def events_in(connection: BlockingConnection, queue: str) -> int | None:
     """Events now in ``queue`` (a pack's each counted), or None if it does not exist: read
-    without acking on a throwaway channel, whose closing puts them back in order."""
+    without acking, and put back in order as the channel closes."""
+    return _on_a_throwaway_channel(
+        connection, lambda channel: len(drain(channel, queue, ack=False))
+    )
+
+
+def _on_a_throwaway_channel(
+    connection: BlockingConnection, read: Callable[[BlockingChannel], int]
+) -> int | None:
+    """``read`` on a channel of its own (a 404 about a missing queue closes its channel):
+    None if the queue does not exist."""
     channel = connection.channel()
     try:
-        return len(drain(channel, queue, ack=False))
+        return read(channel)
     except pika.exceptions.ChannelClosedByBroker as exc:
         if exc.reply_code == 404:
             return None
@@ -100,6 +107,20 @@ def events_in(connection: BlockingConnection, queue: str) -> int | None:
     finally:
         if channel.is_open:
             channel.close()
+
+
+def open_keyed_queue(
+    stream: Any, connection: BlockingConnection, key: str
+) -> tuple[str, BlockingChannel]:
+    """``key``'s queue of a key-mode classic stream, declared and registered as a producer
+    would, and a confirm-mode channel to publish raw messages to it on."""
+    queue = key_queue_name(stream.name, key)
+    channel = connection.channel()
+    channel.queue_declare(queue, durable=True, arguments=keyed_queue_arguments(stream.name))
+    channel.confirm_delivery()
+    QueueRegistry(stream.redis, stream.name).register({queue: key})
+    ensure_stream_config(stream.redis, stream.name, "key", None, "classic")
+    return queue, channel
 
 
 def poll_until(

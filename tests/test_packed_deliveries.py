@@ -32,16 +32,13 @@ from keyq.broker.envelope import (
     HEADER_SEQ,
     HEADER_STREAM,
 )
-from keyq.broker.naming import dead_letter_queue_name, key_queue_name
+from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.packs import HEADER_PACK, MAGIC, PACK_CONTENT_TYPE, encode_pack, encode_record
-from keyq.broker.registry import QueueRegistry
-from keyq.broker.streams import ensure_stream_config
-from keyq.broker.topology import keyed_queue_arguments
 from keyq.worker.daemon import Worker
 from keyq.worker.engine import SparkEngine
 from keyq.worker.state_store import StateStore
 from tests.conftest import StreamFixture
-from tests.helpers import drain, queue_depth
+from tests.helpers import drain, open_keyed_queue, queue_depth
 from tests.test_worker_poison import fast_settings
 from tests.workers import wait_until
 
@@ -63,16 +60,9 @@ class PackPublisher:
     def __init__(self, stream: StreamFixture, amqp: pika.BlockingConnection, key: str) -> None:
         self.stream = stream.name
         self.key = key
-        self.queue = key_queue_name(stream.name, key)
+        self.queue, self.channel = open_keyed_queue(stream, amqp, key)
         self.producer_id = f"pk-{uuid.uuid4().hex[:8]}"
         self._numbers = itertools.count(1)
-        self.channel = amqp.channel()
-        self.channel.queue_declare(
-            self.queue, durable=True, arguments=keyed_queue_arguments(stream.name)
-        )
-        self.channel.confirm_delivery()
-        QueueRegistry(stream.redis, stream.name).register({self.queue: key})
-        ensure_stream_config(stream.redis, stream.name, "key", None, "classic")
 
     def event(self, seq: int, **extra: Any) -> tuple[str, dict[str, Any], bytes]:
         """(message id, headers, body) of event ``seq``, as ``Producer._accept`` makes them."""

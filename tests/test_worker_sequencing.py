@@ -17,17 +17,14 @@ import pytest
 
 from keyq import Producer
 from keyq.broker.envelope import HEADER_DEAD_REASON, HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
-from keyq.broker.naming import dead_letter_queue_name, key_queue_name
+from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.producer_presence import ProducerPresence
-from keyq.broker.registry import QueueRegistry
-from keyq.broker.streams import ensure_stream_config
-from keyq.broker.topology import keyed_queue_arguments
 from keyq.worker.abandoned_gaps import CHECK_EVERY_S, QUIET_S
 from keyq.worker.daemon import Worker
 from keyq.worker.engine import SparkEngine
 from keyq.worker.state_store import StateStore
 from tests.conftest import StreamFixture
-from tests.helpers import drain, queue_depth
+from tests.helpers import drain, open_keyed_queue, queue_depth
 from tests.test_worker_poison import fast_settings
 
 pytestmark = pytest.mark.slow
@@ -48,14 +45,7 @@ class RawPublisher:
         """``running``: the producer announces itself as a live one would, so a gap in its
         seqs may still fill; otherwise it is a producer that is gone."""
         self.key = key
-        self.queue = key_queue_name(stream.name, key)
-        self.channel = amqp.channel()
-        self.channel.queue_declare(
-            self.queue, durable=True, arguments=keyed_queue_arguments(stream.name)
-        )
-        self.channel.confirm_delivery()
-        QueueRegistry(stream.redis, stream.name).register({self.queue: key})
-        ensure_stream_config(stream.redis, stream.name, "key", None, "classic")
+        self.queue, self.channel = open_keyed_queue(stream, amqp, key)
         if running:
             ProducerPresence(stream.redis, stream.name).announce("ext", 600_000)
 
