@@ -16,6 +16,7 @@ pika's blocking wrapper. ``tests/test_consumer_close.py`` pins the pika internal
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pika.adapters.blocking_connection import BlockingChannel
@@ -29,18 +30,35 @@ def close_keeping_consumers(channel: BlockingChannel) -> None:
     Raises pika's errors as ``BlockingChannel.close`` does; a channel that is already closed
     or closing is left alone.
     """
-    if not channel.is_open:
+    close_all_keeping_consumers([channel])
+
+
+def close_all_keeping_consumers(channels: Sequence[BlockingChannel]) -> None:
+    """Close every channel of ``channels`` (all of one connection) as
+    ``close_keeping_consumers`` does, with the round trip of one: every ``channel.close``
+    is sent, then the replies are awaited together. A worker handing back hundreds of idle
+    queues at a batch boundary would otherwise wait for the broker once per queue.
+
+    Raises pika's connection errors if the connection fails meanwhile; channels already
+    closed or closing are left alone.
+    """
+    closing = [channel for channel in channels if channel.is_open]
+    if not closing:
         return
-    blocking: Any = channel
-    impl: Any = blocking._impl
-    # pika sends no basic.cancel on close for tags it believes cancelled. The blocking
-    # wrapper keeps its own record of them until the close completes (a cancel the broker
-    # sends meanwhile is looked up there), so its close, which would cancel, is bypassed.
-    impl._cancelled.update(impl._consumers)
     try:
-        impl.close(200, CLOSE_TEXT)
-        blocking._flush_output(lambda: channel.is_closed)
+        for channel in closing:
+            impl: Any = channel._impl
+            # pika sends no basic.cancel on close for tags it believes cancelled. The
+            # blocking wrapper keeps its own record of them until the close completes (a
+            # cancel the broker sends meanwhile is looked up there), so its close, which
+            # would cancel, is bypassed.
+            impl._cancelled.update(impl._consumers)
+            impl.close(200, CLOSE_TEXT)
+        connection: Any = closing[0].connection
+        connection._flush_output(lambda: all(channel.is_closed for channel in closing))
     finally:
-        # Drops deliveries read but not yet handed to the callback: unacked like the rest,
-        # the close gives them back to the queue.
-        blocking._cleanup()
+        for channel in closing:
+            # Drops deliveries read but not yet handed to the callback: unacked like the
+            # rest, the close gives them back to the queue.
+            blocking: Any = channel
+            blocking._cleanup()

@@ -222,3 +222,68 @@ def test_a_cancel_from_the_broker_during_the_close_leaves_the_connection_alone(
     assert link.failure is None
     assert link.reconnects == 0, "the connection broke"
     assert link.message_count(loaded_queue) == 0  # still connected and answering
+
+
+def _load(amqp: pika.BlockingConnection, stream: StreamFixture) -> str:
+    queue = f"{stream.name}.close-{uuid.uuid4().hex[:6]}"
+    stream.track(queue)
+    channel = amqp.channel()
+    channel.queue_declare(queue, durable=True)
+    channel.confirm_delivery()
+    for n in range(MESSAGES):
+        channel.basic_publish(
+            "", queue, str(n).encode(), pika.BasicProperties(delivery_mode=2), mandatory=True
+        )
+    channel.close()
+    return queue
+
+
+def test_closing_many_queues_at_once_gives_each_its_messages_back_in_one_round_trip(
+    settings: Settings,
+    proxy: FaultProxy,
+    consuming: Consuming,
+    loaded_queue: str,
+    stream: StreamFixture,
+    amqp: pika.BlockingConnection,
+) -> None:
+    """A worker handing back many idle queues closes their channels together: each queue
+    gets every unacked message back, in order, none looks unused meanwhile, and the whole
+    hand-back waits for the broker about once, not once per queue."""
+    others = [_load(amqp, stream) for _ in range(3)]
+    epochs = {loaded_queue: consuming.epoch}
+    for queue in others:
+        epochs[queue] = consuming.link.new_epoch()
+        assert consuming.link.consume(queue, epochs[queue]).outcome is ConsumeOutcome.CONSUMING
+    queues = [loaded_queue, *others]
+    wait_until(
+        lambda: all(_ready(amqp, queue) == 0 for queue in queues), 10, "all delivered, unacked"
+    )
+    proxy.set_delay(LINK_DELAY_S)
+    deleters = [EagerDeleter(settings, queue) for queue in queues]
+    for deleter in deleters:
+        deleter.__enter__()
+    try:
+        began = time.monotonic()
+        consuming.link.close_queues([(queue, epochs[queue]) for queue in queues])
+        took = time.monotonic() - began
+        time.sleep(2 * LINK_DELAY_S)
+    finally:
+        for deleter in deleters:
+            deleter.__exit__()
+    assert all(deleter.attempts > 10 for deleter in deleters), "a deleter hardly tried"
+    assert not any(deleter.deleted for deleter in deleters), "a queue went with its messages"
+    # One close waits a round trip (two link delays); four one after another would wait
+    # at least four.
+    assert took < 3 * 2 * LINK_DELAY_S, f"closing {len(queues)} queues took {took:.2f} s"
+    assert consuming.link.held() == {}
+    proxy.set_delay(0)
+    for queue in queues:
+        assert _ready(amqp, queue) == MESSAGES
+        channel = amqp.channel()
+        bodies = []
+        for _ in range(MESSAGES):
+            method, _props, body = channel.basic_get(queue, auto_ack=True)
+            assert method is not None
+            bodies.append(int(body))
+        channel.close()
+        assert bodies == list(range(MESSAGES)), f"{queue} came back out of order"

@@ -37,6 +37,7 @@ class StandInLink:
         self.epochs = iter(range(1, 1000))
         self.held_at_consume: list[bool] = []
         self.held: HeldQueues | None = None
+        self.closings: list[list[str]] = []  # the queues of each close_queues call
 
     def new_epoch(self) -> int:
         return next(self.epochs)
@@ -55,7 +56,12 @@ class StandInLink:
         return Consumed(self.outcomes.get(queue, ConsumeOutcome.CONSUMING), epoch)
 
     def close_queue(self, queue: str, epoch: int | None = None) -> None:
-        self.journal.note("close", queue, str(epoch))
+        self.close_queues([(queue, epoch)])
+
+    def close_queues(self, queues: Sequence[tuple[str, int | None]]) -> None:
+        self.closings.append([queue for queue, _epoch in queues])
+        for queue, epoch in queues:
+            self.journal.note("close", queue, str(epoch))
 
 
 class StandInLocks:
@@ -174,7 +180,7 @@ def test_a_stale_consumer_loss_is_ignored() -> None:
     assert "q-a" in held and held.settle_gone() == 0
 
 
-def test_handing_back_closes_before_dropping_and_releases_all_in_one_call() -> None:
+def test_handing_back_closes_all_in_one_call_before_dropping_and_releases_all_in_one_call() -> None:
     held, journal, parts = make()
     held.claim([lease("q-a"), lease("q-b"), lease("q-c")], budget_s=1.0)
     held._buffer.add(plain_delivery("q-c", 1, held.get("q-c").epoch))  # type: ignore[union-attr]
@@ -186,11 +192,12 @@ def test_handing_back_closes_before_dropping_and_releases_all_in_one_call() -> N
     assert handed == ["q-a", "q-b"]  # q-c has work again: kept
     assert [entry[:2] for entry in journal.entries] == [
         ("close", "q-a"),
-        ("drop", "q-a"),
         ("close", "q-b"),
+        ("drop", "q-a"),
         ("drop", "q-b"),
         ("release", "q-a"),
     ]
+    assert parts.link.closings == [["q-a", "q-b"]]  # one round trip for both channels
     assert parts.locks.calls == [["q-a", "q-b"]]
     assert held.released == 2 and held.lost == 0
     assert parts.reports[-1] == ("revoked", ["q-a", "q-b"], "released")

@@ -212,10 +212,17 @@ class ConsumerLink:
     def close_queue(self, queue: str, epoch: int | None = None) -> None:
         """Stop consuming ``queue`` (only that consumer incarnation, if ``epoch`` is given);
         its unacked messages go back to it, in order."""
-        # If the connection is gone, so is the consumer; if the I/O thread is slow to get to
-        # it (a stalled link), the close is still queued there and happens when it does.
+        self.close_queues([(queue, epoch)])
+
+    def close_queues(self, queues: Sequence[tuple[str, int | None]]) -> None:
+        """``close_queue`` for each (queue, epoch) of ``queues``, in one hand-off to the I/O
+        thread and the broker round trip of one."""
+        if not queues:
+            return
+        # If the connection is gone, so are the consumers; if the I/O thread is slow to get
+        # to them (a stalled link), the closes are still queued there and happen when it does.
         with contextlib.suppress(BrokerUnavailable, TimeoutError):
-            self.call(lambda: self._queues.close(queue, epoch))
+            self.call(lambda: self._queues.close(queues))
 
     def ack(self, acks: Sequence[tuple[str, int, Sequence[tuple[int, int]]]]) -> int:
         """Settle (queue, epoch, events), each event a (tag, part), acking the messages

@@ -25,7 +25,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 from keyq.broker.acks import buffer_ack, flush_acks
 from keyq.broker.connections import describe_exception
 from keyq.broker.consume_rounds import ConsumeReply, ConsumeRequest, OnMessage, open_consumers
-from keyq.broker.consumers import close_keeping_consumers
+from keyq.broker.consumers import close_all_keeping_consumers, close_keeping_consumers
 from keyq.broker.packs import MalformedPack, PackedEvent, decode_pack, is_pack
 from keyq.worker.ack_ledger import AckLedger
 from keyq.worker.consume_outcomes import (
@@ -179,18 +179,22 @@ class QueueConsumers:
                 self._unacked.pop((queue, epoch), None)
                 self._on_queue_lost(queue, epoch, "channel closed by the broker")
 
-    def close(self, queue: str, epoch: int | None) -> None:
-        """Stop consuming ``queue`` (only consumer ``epoch``, if given)."""
-        held = self._channels.get(queue)
-        if held is None or (epoch is not None and held[0] != epoch):
-            return
-        del self._channels[queue]
-        self._prefetches.pop(queue, None)
-        self._unacked.pop((queue, held[0]), None)
+    def close(self, queues: Sequence[tuple[str, int | None]]) -> None:
+        """Stop consuming each (queue, epoch) of ``queues`` (only consumer ``epoch``, if not
+        None), their channels closed together (``close_all_keeping_consumers``)."""
+        channels: list[BlockingChannel] = []
+        for queue, epoch in queues:
+            held = self._channels.get(queue)
+            if held is None or (epoch is not None and held[0] != epoch):
+                continue
+            del self._channels[queue]
+            self._prefetches.pop(queue, None)
+            self._unacked.pop((queue, held[0]), None)
+            channels.append(held[1])
         # Never cancel first: the queue would look unused while it still holds our unacked
         # deliveries, and a janitor's delete(if_empty, if_unused) would take them with it.
         with contextlib.suppress(pika.exceptions.AMQPError):
-            close_keeping_consumers(held[1])
+            close_all_keeping_consumers(channels)
 
     def ack(self, acks: Sequence[tuple[str, int, Sequence[tuple[int, int]]]]) -> int:
         """Settle (queue, epoch, events), each event a (tag, part): the messages now settled
@@ -226,9 +230,8 @@ class QueueConsumers:
         self._prefetches.clear()
         self._unacked.clear()
         if connection is not None:
-            for _queue, (_epoch, channel) in lost:
-                with contextlib.suppress(Exception):
-                    close_keeping_consumers(channel)
+            with contextlib.suppress(Exception):
+                close_all_keeping_consumers([channel for _queue, (_epoch, channel) in lost])
         return [(queue, epoch) for queue, (epoch, _channel) in lost]
 
 

@@ -198,8 +198,7 @@ class HeldQueues:
             else:
                 orphaned.add((delivery.queue, delivery.channel_epoch))
         self._buffer.put_back(still_held)
-        for queue, epoch in orphaned:
-            self._link.close_queue(queue, epoch)
+        self._link.close_queues(sorted(orphaned))
 
     # ---- side queues, drained under a held queue's lease ----------------------------------
 
@@ -246,8 +245,7 @@ class HeldQueues:
             if (held := self._holdings.get(queue)) is not None
             and not (reason == "idle" and busy(queue))
         ]
-        for held in ended:
-            self._fence(held, close=True)
+        ended = self._fence_all(ended, close=True)
         if not ended:
             return []
         queues = [held.queue for held in ended]
@@ -312,9 +310,7 @@ class HeldQueues:
     def release_all(self) -> list[Held]:
         """At stop: close every consumer, then hand every lock back in one round trip (a
         failure leaves them to expire). Returns what was held."""
-        held = self._holdings.all()
-        for item in held:
-            self._fence(item, close=True)
+        held = self._fence_all(self._holdings.all(), close=True)
         self.settle_gone()
         try:
             self._locks.release([item.lease for item in held])
@@ -347,28 +343,38 @@ class HeldQueues:
         self._report("revoked", [held.queue], reason)
 
     def _fence(self, held: Held, *, close: bool) -> bool:
-        """The order every ending follows; False if that holding had ended already.
+        """``_fence_all`` for one holding: False if it had ended already."""
+        return bool(self._fence_all([held], close=close))
+
+    def _fence_all(self, helds: Sequence[Held], *, close: bool) -> list[Held]:
+        """The order every ending follows; returns the holdings it ended (not those that
+        had ended already).
 
         1. Forget the holding: no batch takes a lease for its deliveries from now on, so
            nothing of it is committed or acked.
         2. Close its consumer's channel (never cancel first: the queue would look unused
            while it still holds our unacked deliveries, and a janitor's delete(if_empty,
            if_unused) would take them). Closing hands them back to the queue, in order.
+           The channels of all ``helds`` close together, with one round trip.
         3. Drop its buffered deliveries: after the close none of that consumer can arrive,
            so nothing of it is left behind to be processed.
         Only then may the lock go (the caller's part): a peer that claims the queue finds
         it with every unsettled event back, and no consumer of ours on it.
         """
-        if self._holdings.remove(held.queue, held.epoch) is None:
-            return False
+        ended = [
+            held for held in helds if self._holdings.remove(held.queue, held.epoch) is not None
+        ]
+        leases = {held.lease for held in ended}
+        sides = [  # drained under an ended lease: they end with it
+            side
+            for side in self._sides.all()
+            if side.lease in leases and self._sides.remove(side.queue, side.epoch)
+        ]
         if close:
-            self._link.close_queue(held.queue, held.epoch)
-        self._buffer.drop(held.queue, held.epoch)
-        for side in self._sides.all():  # drained under its lease: they end with it
-            if side.lease == held.lease and self._sides.remove(side.queue, side.epoch):
-                if close:
-                    self._link.close_queue(side.queue, side.epoch)
-                else:  # the I/O thread: it must not wait on itself
-                    self._sides_to_close.put((side.queue, side.epoch))
-                self._buffer.drop(side.queue, side.epoch)
-        return True
+            self._link.close_queues([(held.queue, held.epoch) for held in ended + sides])
+        else:  # the I/O thread: it must not wait on itself (its own consumer is gone)
+            for side in sides:
+                self._sides_to_close.put((side.queue, side.epoch))
+        for held in ended + sides:
+            self._buffer.drop(held.queue, held.epoch)
+        return ended
