@@ -18,6 +18,7 @@ from keyq.broker.envelope import (
     HEADER_SEQ,
 )
 from keyq.broker.key_control import KeyControl, ParkedKey
+from keyq.broker.packs import HEADER_PACK, PACK_CONTENT_TYPE, encode_pack, encode_record
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.stream_policy import StreamPolicies
 from keyq.broker.topology import keyed_queue_arguments
@@ -170,3 +171,48 @@ def test_inspect_bad_input(ops_stream: StreamFixture) -> None:
     one_line_error(keyq("inspect", "--stream", "t-never-used", "--key", "a"), 2)
     one_line_error(keyq("inspect", "--stream", ops_stream.name, "--key", ""), 2)
     one_line_error(keyq("inspect", "--stream", ops_stream.name), 2)
+
+
+def test_inspect_in_bucket_mode_finds_the_keys_first_event_inside_a_pack(
+    ops_stream: StreamFixture, amqp: pika.BlockingConnection
+) -> None:
+    """A bucket queue's pack carries several keys' events and no key of its own: the key's
+    first event is found among its records, with that event's own publish time."""
+    stream = ops_stream
+    config = record_stream(stream, mode="bucket")
+    queue = config.queue_for("a")
+    other = next(key for key in (f"o{i}" for i in range(1000)) if config.queue_for(key) == queue)
+    channel = amqp.channel()
+    channel.queue_declare(queue, durable=True, arguments=keyed_queue_arguments(stream.name))
+    stream.track(queue)
+    _publish(channel, queue, other, [1], now_ms())
+    records = [
+        encode_record(
+            f"m{n}",
+            CONTENT_JSON,
+            {HEADER_KEY: owner, HEADER_PRODUCER: "p1", HEADER_SEQ: seq, HEADER_PUBLISHED_AT: at},
+            orjson.dumps({"seq": seq}),
+        )
+        for n, (owner, seq, at) in enumerate(
+            [(other, 2, now_ms()), ("a", 1, now_ms() - 4000), ("a", 2, now_ms())]
+        )
+    ]
+    channel.basic_publish(
+        "",
+        queue,
+        encode_pack(records),
+        pika.BasicProperties(
+            content_type=PACK_CONTENT_TYPE,
+            headers={HEADER_PACK: len(records), HEADER_PUBLISHED_AT: now_ms() - 4000},
+            delivery_mode=2,
+        ),
+    )
+    time.sleep(0.2)
+    found = _inspect(stream.name, "a")
+    assert found["oldest_waiting"]["looked_at"] == 2  # type: ignore[index]
+    assert 4000 <= found["oldest_waiting"]["age_ms"] < 60_000  # type: ignore[index]
+    absent = next(key for key in (f"z{i}" for i in range(1000)) if config.queue_for(key) == queue)
+    missing = _inspect(stream.name, absent)  # same queue, no event in it: every record read
+    assert missing["oldest_waiting"]["age_ms"] is None  # type: ignore[index]
+    assert missing["oldest_waiting"]["looked_at"] == 2  # type: ignore[index]
+    assert depth(amqp, queue) == 2  # looked at, handed back

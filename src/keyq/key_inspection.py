@@ -24,6 +24,7 @@ from keyq.broker.envelope import HEADER_KEY, HEADER_PUBLISHED_AT
 from keyq.broker.key_control import KeyControl
 from keyq.broker.locks import FencedLocks
 from keyq.broker.naming import Mode, incarnation_name
+from keyq.broker.packs import MalformedPack, decode_pack, is_pack
 from keyq.broker.retirement import RetirementFence
 from keyq.broker.stream_policy import StreamPolicies
 from keyq.broker.worker_report import WorkerReport
@@ -158,24 +159,46 @@ def _oldest_waiting(
         limit = BUCKET_SCAN if mode is Mode.BUCKET else 1
         for looked in range(1, limit + 1):
             try:
-                method, properties, _body = channel.basic_get(queue, auto_ack=False)
+                method, properties, body = channel.basic_get(queue, auto_ack=False)
             except pika.exceptions.ChannelClosedByBroker as exc:
                 return {"age_ms": None, "note": f"not looked at: {exc.reply_text}"}
             if method is None:
                 note = "the queue is empty" if looked == 1 else "no event of the key among them"
                 return {"age_ms": None, "note": note, "looked_at": looked - 1}
-            headers = properties.headers or {}
-            owner = headers.get(HEADER_KEY)
-            if mode is Mode.KEY or owner in (key, key.encode()):
-                published = headers.get(HEADER_PUBLISHED_AT)
+            found, published = _first_of_key(properties, body, key, mode)
+            if found:
                 age = None if published is None else max(0, now_ms() - int(published))
                 return {"age_ms": age, "note": None, "looked_at": looked}
         return {
             "age_ms": None,
-            "note": f"none of the first {limit} events of the shared bucket queue is the key's",
+            "note": f"none of the first {limit} messages of the shared bucket queue holds "
+            "an event of the key",
             "looked_at": limit,
         }
     finally:
         with contextlib.suppress(pika.exceptions.AMQPError):
             if channel.is_open:
                 channel.close()
+
+
+def _first_of_key(
+    properties: pika.BasicProperties, body: bytes, key: str, mode: Mode
+) -> tuple[bool, Any]:
+    """Whether a message holds an event of ``key``, and when the first such was published.
+    In key mode every message is the key's (a pack carries its earliest publish time); in a
+    bucket queue a pack may hold several keys' events, each with its own headers."""
+    headers = properties.headers or {}
+    if mode is Mode.KEY:
+        return True, headers.get(HEADER_PUBLISHED_AT)
+    if is_pack(properties.content_type):
+        try:
+            events = decode_pack(body)
+        except MalformedPack:
+            return False, None
+        for event in events:
+            if event.headers.get(HEADER_KEY) in (key, key.encode()):
+                return True, event.headers.get(HEADER_PUBLISHED_AT)
+        return False, None
+    if headers.get(HEADER_KEY) in (key, key.encode()):
+        return True, headers.get(HEADER_PUBLISHED_AT)
+    return False, None
