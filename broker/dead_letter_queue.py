@@ -48,7 +48,7 @@ from keyq.broker.envelope import (
     HEADER_SEQ,
 )
 from keyq.broker.errors import InvalidInput
-from keyq.broker.packs import MalformedPack, decode_pack, is_pack
+from keyq.broker.packs import HEADER_PACK, MalformedPack, decode_pack, is_pack
 from keyq.broker.text import as_text
 
 NOT_FOUND = 404
@@ -226,7 +226,7 @@ def letters_of(
     if not is_pack(properties.content_type):
         return [whole]
     try:
-        events = decode_pack(body)
+        events = decode_pack(body, headers.get(HEADER_PACK))
     except MalformedPack:
         return [whole]
     return [

@@ -71,8 +71,10 @@ def encode_pack(records: list[bytes]) -> bytes:
     return MAGIC + b"".join(records)
 
 
-def decode_pack(body: bytes) -> list[PackedEvent]:
-    """The events of a pack, in order; ``MalformedPack`` says what is wrong with it."""
+def decode_pack(body: bytes, declared: object = None) -> list[PackedEvent]:
+    """The events of a pack, in order; ``MalformedPack`` says what is wrong with it.
+    ``declared`` is the message's ``x-keyq-pack`` header, if it has one: a body that holds
+    another number of events lost or gained some on the way, and is not read."""
     if not body.startswith(MAGIC):
         raise MalformedPack("not a keyq pack: it does not start with KQP1")
     view = memoryview(body)
@@ -90,7 +92,23 @@ def decode_pack(body: bytes) -> list[PackedEvent]:
         events.append(_event(meta, event_body, len(events) + 1))
     if not events:
         raise MalformedPack("the pack holds no event")
+    if declared is not None and _count(declared) != len(events):
+        raise MalformedPack(
+            f"the pack's {HEADER_PACK} header says {declared!r} events, its body holds "
+            f"{len(events)}"
+        )
     return events
+
+
+def _count(declared: object) -> int | None:
+    """The event count an ``x-keyq-pack`` header gives (an integer, or its decimal text)."""
+    if isinstance(declared, bytes):
+        declared = declared.decode("ascii", "replace")
+    if isinstance(declared, str) and declared.strip().isdigit():
+        return int(declared)
+    if isinstance(declared, int) and not isinstance(declared, bool):
+        return declared
+    return None
 
 
 def _chunk(view: memoryview, offset: int, what: str) -> tuple[bytes, int]:

@@ -235,3 +235,21 @@ def test_a_part_out_of_range_or_a_tag_never_delivered_is_ignored() -> None:
     ledger.delivered(1, 2)
     assert ledger.settle([(1, 5), (9, 0)]) == (0, [])
     assert ledger.settle([(1, 0), (1, 1)]) == (1, [])
+
+
+@pytest.mark.parametrize("declared", [2, 4, "2", "many", True, 3.0])
+def test_a_pack_whose_count_header_disagrees_with_its_body_is_malformed(declared: Any) -> None:
+    """A body that lost or gained events on the way (a foreign producer's bug, a truncation
+    that happens to end on a record) is not read as the events it happens to hold."""
+    body = encode_pack([record(b"{}", **{**HEADERS, HEADER_SEQ: n}) for n in range(3)])
+    with pytest.raises(MalformedPack, match="header says"):
+        decode_pack(body, declared)
+    method, properties, _ = arrival(5, body, PACK_CONTENT_TYPE, **{HEADER_PACK: declared})
+    [delivery] = unpack("q", 1, method, properties, body)
+    assert delivery.malformed is not None and delivery.body == body
+
+
+@pytest.mark.parametrize("declared", [3, "3", b"3", None])
+def test_a_pack_whose_count_header_agrees_or_is_absent_is_read(declared: Any) -> None:
+    body = encode_pack([record(b"{}", **{**HEADERS, HEADER_SEQ: n}) for n in range(3)])
+    assert len(decode_pack(body, declared)) == 3

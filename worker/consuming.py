@@ -26,7 +26,7 @@ from keyq.broker.acks import buffer_ack, flush_acks
 from keyq.broker.connections import describe_exception
 from keyq.broker.consume_rounds import ConsumeReply, ConsumeRequest, OnMessage, open_consumers
 from keyq.broker.consumers import close_all_keeping_consumers, close_keeping_consumers
-from keyq.broker.packs import MalformedPack, PackedEvent, decode_pack, is_pack
+from keyq.broker.packs import HEADER_PACK, MalformedPack, PackedEvent, decode_pack, is_pack
 from keyq.worker.ack_ledger import AckLedger
 from keyq.worker.consume_outcomes import (
     Consumed,
@@ -248,7 +248,7 @@ def unpack(
     ]
     if is_pack(properties.content_type):
         try:
-            events = decode_pack(body)
+            events = decode_pack(body, (properties.headers or {}).get(HEADER_PACK))
         except MalformedPack as exc:
             log.warning("a malformed pack on %s (it is dead-lettered): %s", queue, exc)
             malformed = str(exc)  # the whole message, as it came

@@ -24,7 +24,7 @@ from keyq.broker.envelope import HEADER_KEY, HEADER_PUBLISHED_AT
 from keyq.broker.key_control import KeyControl
 from keyq.broker.locks import FencedLocks
 from keyq.broker.naming import Mode, incarnation_name
-from keyq.broker.packs import MalformedPack, decode_pack, is_pack
+from keyq.broker.packs import HEADER_PACK, MalformedPack, decode_pack, is_pack
 from keyq.broker.retirement import RetirementFence
 from keyq.broker.stream_policy import StreamPolicies
 from keyq.broker.worker_report import WorkerReport
@@ -192,7 +192,7 @@ def _first_of_key(
         return True, headers.get(HEADER_PUBLISHED_AT)
     if is_pack(properties.content_type):
         try:
-            events = decode_pack(body)
+            events = decode_pack(body, headers.get(HEADER_PACK))
         except MalformedPack:
             return False, None
         for event in events:
