@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
 CLOSE_TEXT = "keyq: consumer stopped"
@@ -27,8 +28,8 @@ CLOSE_TEXT = "keyq: consumer stopped"
 def close_keeping_consumers(channel: BlockingChannel) -> None:
     """Close ``channel`` without cancelling its consumers first (see the module doc).
 
-    Raises pika's errors as ``BlockingChannel.close`` does; a channel that is already closed
-    or closing is left alone.
+    Raises pika's errors if the close cannot be sent or the connection fails meanwhile; a
+    channel that is already closed or closing is left alone.
     """
     close_all_keeping_consumers([channel])
 
@@ -39,26 +40,36 @@ def close_all_keeping_consumers(channels: Sequence[BlockingChannel]) -> None:
     is sent, then the replies are awaited together. A worker handing back hundreds of idle
     queues at a batch boundary would otherwise wait for the broker once per queue.
 
-    Raises pika's connection errors if the connection fails meanwhile; channels already
-    closed or closing are left alone.
+    A channel whose close cannot be sent does not keep the others open: they are closed,
+    then the first such error is raised. Raises pika's connection errors if the connection
+    fails meanwhile; channels already closed or closing are left alone.
     """
-    closing = [channel for channel in channels if channel.is_open]
-    if not closing:
-        return
+    sent: list[BlockingChannel] = []
+    refused: Exception | None = None
     try:
-        for channel in closing:
+        for channel in channels:
+            if not channel.is_open:
+                continue
             impl: Any = channel._impl
             # pika sends no basic.cancel on close for tags it believes cancelled. The
             # blocking wrapper keeps its own record of them until the close completes (a
             # cancel the broker sends meanwhile is looked up there), so its close, which
             # would cancel, is bypassed.
             impl._cancelled.update(impl._consumers)
-            impl.close(200, CLOSE_TEXT)
-        connection: Any = closing[0].connection
-        connection._flush_output(lambda: all(channel.is_closed for channel in closing))
+            try:
+                impl.close(200, CLOSE_TEXT)
+            except pika.exceptions.AMQPError as exc:
+                refused = refused or exc
+                continue
+            sent.append(channel)
+        if sent:
+            connection: Any = sent[0].connection
+            connection._flush_output(lambda: all(channel.is_closed for channel in sent))
     finally:
-        for channel in closing:
+        for channel in sent:
             # Drops deliveries read but not yet handed to the callback: unacked like the
             # rest, the close gives them back to the queue.
             blocking: Any = channel
             blocking._cleanup()
+    if refused is not None:
+        raise refused

@@ -21,6 +21,7 @@ import base64
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 import orjson
@@ -30,6 +31,7 @@ from keyq.broker.errors import KeyqError
 PACK_CONTENT_TYPE = "application/vnd.keyq.pack"
 HEADER_PACK = "x-keyq-pack"  # on a pack: how many events it holds
 MAGIC = b"KQP1"
+MAX_COUNT_DIGITS = 18  # a count header longer than this is no count
 _LENGTH = struct.Struct(">I")
 # A record's fixed cost: its two lengths.
 RECORD_OVERHEAD = 2 * _LENGTH.size
@@ -101,13 +103,25 @@ def decode_pack(body: bytes, declared: object = None) -> list[PackedEvent]:
 
 
 def _count(declared: object) -> int | None:
-    """The event count an ``x-keyq-pack`` header gives (an integer, or its decimal text)."""
+    """The event count an ``x-keyq-pack`` header gives: an integer, its ASCII decimal text,
+    or a whole-valued float or decimal (as some clients send numbers); None for anything
+    else, which no pack's body matches."""
+    if isinstance(declared, bool):
+        return None
+    if isinstance(declared, int):
+        return declared
     if isinstance(declared, bytes):
         declared = declared.decode("ascii", "replace")
-    if isinstance(declared, str) and declared.strip().isdigit():
-        return int(declared)
-    if isinstance(declared, int) and not isinstance(declared, bool):
-        return declared
+    if isinstance(declared, str):
+        text = declared.strip()
+        digits = text.isascii() and text.isdigit() and len(text) <= MAX_COUNT_DIGITS
+        return int(text) if digits else None
+    if isinstance(declared, float | Decimal):
+        try:
+            whole = int(declared)
+        except (ValueError, OverflowError, ArithmeticError):  # nan, inf
+            return None
+        return whole if whole == declared else None
     return None
 
 

@@ -196,6 +196,7 @@ def test_the_pika_internals_the_close_relies_on_are_there(amqp: pika.BlockingCon
         assert isinstance(impl._consumers, dict)
         assert callable(impl.close) and callable(channel._flush_output)
         assert callable(channel._cleanup)
+        assert channel.connection is amqp and callable(amqp._flush_output)  # type: ignore[attr-defined]
     finally:
         channel.close()
 

@@ -5,6 +5,7 @@ is acked once all of them are settled, and only once."""
 
 from __future__ import annotations
 
+from decimal import Decimal
 from types import SimpleNamespace
 from typing import Any
 
@@ -237,7 +238,23 @@ def test_a_part_out_of_range_or_a_tag_never_delivered_is_ignored() -> None:
     assert ledger.settle([(1, 0), (1, 1)]) == (1, [])
 
 
-@pytest.mark.parametrize("declared", [2, 4, "2", "many", True, 3.0])
+@pytest.mark.parametrize(
+    "declared",
+    [
+        2,
+        4,
+        "2",
+        "many",
+        True,
+        2.5,
+        float("nan"),
+        float("inf"),
+        Decimal("NaN"),
+        "²",
+        "①",
+        "9" * 5000,
+    ],
+)
 def test_a_pack_whose_count_header_disagrees_with_its_body_is_malformed(declared: Any) -> None:
     """A body that lost or gained events on the way (a foreign producer's bug, a truncation
     that happens to end on a record) is not read as the events it happens to hold."""
@@ -249,7 +266,7 @@ def test_a_pack_whose_count_header_disagrees_with_its_body_is_malformed(declared
     assert delivery.malformed is not None and delivery.body == body
 
 
-@pytest.mark.parametrize("declared", [3, "3", b"3", None])
+@pytest.mark.parametrize("declared", [3, "3", b"3", " 3 ", 3.0, Decimal("3"), None])
 def test_a_pack_whose_count_header_agrees_or_is_absent_is_read(declared: Any) -> None:
     body = encode_pack([record(b"{}", **{**HEADERS, HEADER_SEQ: n}) for n in range(3)])
     assert len(decode_pack(body, declared)) == 3

@@ -222,7 +222,7 @@ class ConsumerLink:
         # If the connection is gone, so are the consumers; if the I/O thread is slow to get
         # to them (a stalled link), the closes are still queued there and happen when it does.
         with contextlib.suppress(BrokerUnavailable, TimeoutError):
-            self.call(lambda: self._queues.close(queues))
+            self.call(lambda: self._queues.close(queues), 30.0 + 0.05 * len(queues))
 
     def ack(self, acks: Sequence[tuple[str, int, Sequence[tuple[int, int]]]]) -> int:
         """Settle (queue, epoch, events), each event a (tag, part), acking the messages
