@@ -146,10 +146,15 @@ def parked_counts(lanes: Iterable[QueueLane], reason: ParkReason) -> tuple[int, 
     for lane in lanes:
         if reason in lane.reasons:
             queues += 1
-            events += len(lane.parked)
+            events += events_in(lane.parked)
             if reason is ParkReason.RECOVERING:
-                events += len(lane.returned)
+                events += events_in(lane.returned)
     return events, queues
+
+
+def events_in(messages: Iterable[Outgoing]) -> int:
+    """How many events ``messages`` carry (a pack counts each of its events)."""
+    return sum(message.count for message in messages)
 
 
 def forget_quiet(lanes: dict[str, QueueLane]) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from keyq.broker.naming import base_queue_name
-from keyq.producer.lanes import ParkReason, parked_counts
+from keyq.producer.lanes import ParkReason, events_in, parked_counts
 from keyq.producer.outgoing import Outgoing
 from keyq.producer.silent import SILENT_QUEUE_IN_FLIGHT
 
@@ -164,16 +164,17 @@ class ConfirmWatch:
         unreachable = parked_counts(lanes, ParkReason.UNREACHABLE)
         log.warning(
             "no confirm for %.0f s with %d events unconfirmed: %d in flight (%d on the channels "
-            "of %d silent queues), %d waiting to be sent, %d to re-send after a reconnect; "
-            "parked: %d for a lease (%d queues), %d behind a deleted queue (%d queues), %d for "
-            "a node that is down (%d queues)",
+            "of %d silent queues), %d waiting to be sent, %d gathering for a pack, %d to re-send "
+            "after a reconnect; parked: %d for a lease (%d queues), %d behind a deleted queue "
+            "(%d queues), %d for a node that is down (%d queues)",
             quiet_for,
             link.window.unsettled,
-            sum(not message.settled for message in link.sender.inflight) + aside,
+            events_in(message for message in link.sender.inflight if not message.settled) + aside,
             aside,
             len(link.silent.asides),
             len(link.window.outbox),
-            len(link.sender.resend),
+            sum(events_in(lane.gathering) for lane in lanes),
+            events_in(link.sender.resend),
             *held,
             *recovering,
             *unreachable,

@@ -75,7 +75,8 @@ class SilentQueues:
         self.asides[queue].track(message)
 
     def in_flight(self) -> int:
-        return sum(len(aside.inflight) for aside in self.asides.values())
+        """Events unconfirmed on the silent queues' own channels (a pack counts each)."""
+        return sum(message.count for aside in self.asides.values() for message in aside.inflight)
 
     def collect(self) -> list[Outgoing]:
         """After a lost connection: every channel is gone; their unconfirmed events."""

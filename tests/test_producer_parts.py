@@ -14,7 +14,13 @@ import pika
 import pytest
 
 from keyq.broker.errors import ProducerClosed, PublishError, PublishTimeout
-from keyq.producer.lanes import ParkReason, QueueLane, forget_quiet, parked_counts
+from keyq.producer.lanes import (
+    ParkReason,
+    QueueLane,
+    events_in,
+    forget_quiet,
+    parked_counts,
+)
 from keyq.producer.outgoing import Outgoing
 from keyq.producer.overdue import StallClock, overdue_oldest
 from keyq.producer.probes import PROBE_DELAYS, probe_delay
@@ -123,6 +129,15 @@ def test_parked_counts_by_reason() -> None:
     assert parked_counts(lanes, ParkReason.HELD) == (2, 1)
     assert parked_counts(lanes, ParkReason.RECOVERING) == (2, 1)  # returned ones count
     assert parked_counts(lanes, ParkReason.UNREACHABLE) == (0, 0)
+
+
+def test_parked_counts_count_the_events_of_a_returned_pack() -> None:
+    pack = event(5)
+    pack.events = [event(5), event(6), event(7)]
+    recovering = QueueLane(key="b", parked=deque([event(8)]), returned=[pack])
+    recovering.park(ParkReason.RECOVERING)
+    assert parked_counts([recovering], ParkReason.RECOVERING) == (4, 1)
+    assert events_in([pack, event(9)]) == 4
 
 
 def test_forget_quiet_keeps_lanes_with_something_on_its_way() -> None:
