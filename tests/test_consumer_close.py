@@ -76,8 +76,7 @@ def proxy(settings: Settings) -> Iterator[FaultProxy]:
         yield started
 
 
-@pytest.fixture
-def loaded_queue(stream: StreamFixture, amqp: pika.BlockingConnection) -> str:
+def _load(amqp: pika.BlockingConnection, stream: StreamFixture) -> str:
     """A durable queue of the test's own holding MESSAGES persistent messages."""
     queue = f"{stream.name}.close-{uuid.uuid4().hex[:6]}"
     stream.track(queue)
@@ -90,6 +89,11 @@ def loaded_queue(stream: StreamFixture, amqp: pika.BlockingConnection) -> str:
         )
     channel.close()
     return queue
+
+
+@pytest.fixture
+def loaded_queue(stream: StreamFixture, amqp: pika.BlockingConnection) -> str:
+    return _load(amqp, stream)
 
 
 def _ready(amqp: pika.BlockingConnection, queue: str) -> int | None:
@@ -223,20 +227,6 @@ def test_a_cancel_from_the_broker_during_the_close_leaves_the_connection_alone(
     assert link.failure is None
     assert link.reconnects == 0, "the connection broke"
     assert link.message_count(loaded_queue) == 0  # still connected and answering
-
-
-def _load(amqp: pika.BlockingConnection, stream: StreamFixture) -> str:
-    queue = f"{stream.name}.close-{uuid.uuid4().hex[:6]}"
-    stream.track(queue)
-    channel = amqp.channel()
-    channel.queue_declare(queue, durable=True)
-    channel.confirm_delivery()
-    for n in range(MESSAGES):
-        channel.basic_publish(
-            "", queue, str(n).encode(), pika.BasicProperties(delivery_mode=2), mandatory=True
-        )
-    channel.close()
-    return queue
 
 
 def test_closing_many_queues_at_once_gives_each_its_messages_back_in_one_round_trip(

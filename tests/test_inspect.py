@@ -21,6 +21,7 @@ from keyq.broker.key_control import KeyControl, ParkedKey
 from keyq.broker.packs import HEADER_PACK, PACK_CONTENT_TYPE, encode_pack, encode_record
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.stream_policy import StreamPolicies
+from keyq.broker.streams import StreamConfig
 from keyq.broker.topology import keyed_queue_arguments
 from keyq.broker.worker_report import GapReport, WorkerReport
 from tests.conftest import StreamFixture
@@ -147,16 +148,25 @@ def test_inspect_a_key_never_seen(ops_stream: StreamFixture) -> None:
     assert text.exit_code == 0 and "the key has no state" in text.stdout
 
 
-def test_inspect_in_bucket_mode_finds_the_keys_first_event(
-    ops_stream: StreamFixture, amqp: pika.BlockingConnection
-) -> None:
-    stream = ops_stream
+def _bucket_of_a(
+    stream: StreamFixture, amqp: pika.BlockingConnection
+) -> tuple[StreamConfig, str, str, pika.adapters.blocking_connection.BlockingChannel]:
+    """A bucket-mode stream; the queue of key "a", declared and tracked; another key of that
+    queue; and a channel to publish with."""
     config = record_stream(stream, mode="bucket")
     queue = config.queue_for("a")
     other = next(key for key in (f"o{i}" for i in range(1000)) if config.queue_for(key) == queue)
     channel = amqp.channel()
     channel.queue_declare(queue, durable=True, arguments=keyed_queue_arguments(stream.name))
     stream.track(queue)
+    return config, queue, other, channel
+
+
+def test_inspect_in_bucket_mode_finds_the_keys_first_event(
+    ops_stream: StreamFixture, amqp: pika.BlockingConnection
+) -> None:
+    stream = ops_stream
+    _config, queue, other, channel = _bucket_of_a(stream, amqp)
     _publish(channel, queue, other, [1, 2], now_ms())
     _publish(channel, queue, "a", [1], now_ms() - 3000)
     time.sleep(0.2)
@@ -179,12 +189,7 @@ def test_inspect_in_bucket_mode_finds_the_keys_first_event_inside_a_pack(
     """A bucket queue's pack carries several keys' events and no key of its own: the key's
     first event is found among its records, with that event's own publish time."""
     stream = ops_stream
-    config = record_stream(stream, mode="bucket")
-    queue = config.queue_for("a")
-    other = next(key for key in (f"o{i}" for i in range(1000)) if config.queue_for(key) == queue)
-    channel = amqp.channel()
-    channel.queue_declare(queue, durable=True, arguments=keyed_queue_arguments(stream.name))
-    stream.track(queue)
+    config, queue, other, channel = _bucket_of_a(stream, amqp)
     _publish(channel, queue, other, [1], now_ms())
     records = [
         encode_record(
