@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from keyq.producer.outgoing import Outgoing
+from keyq.producer.outgoing import Outgoing, events_in
 
 
 class ParkReason(enum.Enum):
@@ -150,11 +150,6 @@ def parked_counts(lanes: Iterable[QueueLane], reason: ParkReason) -> tuple[int, 
             if reason is ParkReason.RECOVERING:
                 events += events_in(lane.returned)
     return events, queues
-
-
-def events_in(messages: Iterable[Outgoing]) -> int:
-    """How many events ``messages`` carry (a pack counts each of its events)."""
-    return sum(message.count for message in messages)
 
 
 def forget_quiet(lanes: dict[str, QueueLane]) -> None:

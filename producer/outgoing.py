@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,3 +40,8 @@ class Outgoing:
     def count(self) -> int:
         """How many events this message carries (what the confirm window counts)."""
         return len(self.events) if self.events is not None else 1
+
+
+def events_in(messages: Iterable[Outgoing]) -> int:
+    """How many events ``messages`` carry (a pack counts each of its events)."""
+    return sum(message.count for message in messages)

@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from keyq.broker.naming import base_queue_name
-from keyq.producer.lanes import ParkReason, events_in, parked_counts
-from keyq.producer.outgoing import Outgoing
+from keyq.producer.lanes import ParkReason, parked_counts
+from keyq.producer.outgoing import Outgoing, events_in
 from keyq.producer.silent import SILENT_QUEUE_IN_FLIGHT
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from keyq.broker.connections import describe_exception
-from keyq.producer.outgoing import Outgoing
+from keyq.producer.outgoing import Outgoing, events_in
 
 if TYPE_CHECKING:
     from keyq.producer.link import PublisherLink
@@ -76,7 +76,7 @@ class SilentQueues:
 
     def in_flight(self) -> int:
         """Events unconfirmed on the silent queues' own channels (a pack counts each)."""
-        return sum(message.count for aside in self.asides.values() for message in aside.inflight)
+        return sum(events_in(aside.inflight) for aside in self.asides.values())
 
     def collect(self) -> list[Outgoing]:
         """After a lost connection: every channel is gone; their unconfirmed events."""

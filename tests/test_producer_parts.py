@@ -14,14 +14,8 @@ import pika
 import pytest
 
 from keyq.broker.errors import ProducerClosed, PublishError, PublishTimeout
-from keyq.producer.lanes import (
-    ParkReason,
-    QueueLane,
-    events_in,
-    forget_quiet,
-    parked_counts,
-)
-from keyq.producer.outgoing import Outgoing
+from keyq.producer.lanes import ParkReason, QueueLane, forget_quiet, parked_counts
+from keyq.producer.outgoing import Outgoing, events_in
 from keyq.producer.overdue import StallClock, overdue_oldest
 from keyq.producer.probes import PROBE_DELAYS, probe_delay
 from keyq.producer.silent import SILENT_QUEUE_IN_FLIGHT, AsideChannel
