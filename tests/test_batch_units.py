@@ -35,7 +35,7 @@ from keyq.worker.batches import (
 )
 from keyq.worker.config import WorkerSettings
 from keyq.worker.consumer import DeadLetter
-from keyq.worker.decoding import Event, Undecodable, decode
+from keyq.worker.decoding import Event, Undecodable, decode, decoder_for
 from keyq.worker.dedup import KeyMarks
 from keyq.worker.deliveries import Delivery
 from keyq.worker.fold import event_token
@@ -104,7 +104,7 @@ def plan(
 
     run = plan_run(
         deliveries,
-        {d.queue: None for d in deliveries},
+        decoder_for({d.queue: None for d in deliveries}),
         marks_of,
         now=lambda: now,
         gap_timeout_s=gap_timeout_s,
@@ -199,6 +199,18 @@ def test_arrival_order_and_identities_leave_out_what_has_no_key() -> None:
         ("k", "p", 1, True),
         ("k", None, None, True),
     ]
+
+
+def test_an_attempt_decodes_each_delivery_once_with_its_queues_declared_key() -> None:
+    keyless = delivery(1, key=None, queue="orders.a")  # a key-mode queue: the key is declared
+    other = delivery(2, key=None, queue="elsewhere")
+    decoded = decoder_for({"orders.a": "a"})
+    first = decoded(keyless)
+    assert isinstance(first, Event)
+    assert first.key == "a"
+    assert decoded(keyless) is first  # the gate and the plan read the same item
+    assert isinstance(decoded(other), Undecodable)  # no declared key, no header: dead-lettered
+    assert decoder_for({"orders.a": "a"})(keyless) is not first  # another attempt decodes anew
 
 
 # --------------------------------------------------------------------------- failures

@@ -7,6 +7,7 @@ from typing import Any
 
 from keyq.broker.envelope import CONTENT_JSON, HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
 from keyq.broker.key_control import KeyStatus, ParkedKey
+from keyq.worker.decoding import decoder_for
 from keyq.worker.deliveries import Delivery
 from keyq.worker.key_gate import limit_rates, sort_by_key_status
 from keyq.worker.rate_limits import KeyRateLimiter
@@ -24,7 +25,7 @@ def event(key: str, seq: int, queue: str = MAIN, body: bytes = b'{"n": 1}') -> D
 def sort(deliveries: list[Delivery], statuses: dict[str, KeyStatus], park: bool = False) -> Any:
     return sort_by_key_status(
         deliveries,
-        {},
+        decoder_for({}),
         statuses,
         is_side_queue=lambda queue: queue == SIDE,
         park_at_poison=park,

@@ -32,7 +32,7 @@ from keyq.worker.batch_plan import RunPlan, plan_run
 from keyq.worker.batch_spans import BatchSpans
 from keyq.worker.batch_stats import BatchStats, StageClock
 from keyq.worker.consumer import ConsumerLink, DeadLetter
-from keyq.worker.decoding import Undecodable
+from keyq.worker.decoding import Decoder, Undecodable, decoder_for
 from keyq.worker.dedupe_ids import DedupeIds
 from keyq.worker.deliveries import Delivery
 from keyq.worker.fenced_commit import FencedCommit
@@ -122,7 +122,11 @@ class BatchAttempt:
         if policy.paused:
             raise KeysStopped("the stream is paused: its queues are being handed back")
         park = policy.poison_policy == "park"
-        gate = self._gate(deliveries, park)
+        # The queues' declared keys are asked for all at once: a worker that has just taken
+        # over a thousand queues must not make a thousand round trips before its first batch.
+        fallback = self._keys_of_queues({delivery.queue for delivery in deliveries})
+        decoded = decoder_for(fallback)
+        gate = self._gate(deliveries, fallback, decoded, park)
         progress.held.extend(gate.held)
         limiter = self._limiter_for(policy.rate_limit)
         if limiter is not None:
@@ -132,7 +136,7 @@ class BatchAttempt:
                 keys = {d.headers.get(HEADER_KEY) for d in gate.limited}
                 due = [limiter.due_in(k) for k in keys if isinstance(k, str)]
                 progress.retry_limited_in = min(due, default=0.05)
-        run = self._plan(gate.through, dead)
+        run = self._plan(gate.through, decoded, dead)
         deduped = self._dedupe.take_out_repeats(run.events, policy.dedupe_window_s)
         if deduped.skipped:
             run = dataclasses.replace(run, events=deduped.events, deduped=deduped.skipped)
@@ -200,14 +204,19 @@ class BatchAttempt:
         progress.leases.update(leases)
         return leases
 
-    def _gate(self, deliveries: Sequence[Delivery], park: bool) -> GateSorting:
+    def _gate(
+        self,
+        deliveries: Sequence[Delivery],
+        fallback: Mapping[str, str | None],
+        decoded: Decoder,
+        park: bool,
+    ) -> GateSorting:
         """Sort the run by what holds its keys back, read fresh (one round trip)."""
-        fallback = self._keys_of_queues({delivery.queue for delivery in deliveries})
         keys = {key for key in fallback.values() if key is not None}
         keys.update(k for d in deliveries if isinstance(k := d.headers.get(HEADER_KEY), str))
         return sort_by_key_status(
             deliveries,
-            fallback,
+            decoded,
             self._control.statuses(keys),
             is_side_queue=lambda queue: is_side_queue(self._stream, queue),
             park_at_poison=park,
@@ -264,12 +273,10 @@ class BatchAttempt:
             if self._control.park(key, where):
                 log.warning("parked key %r at a poison event: %s", key, where.reason)
 
-    def _plan(self, deliveries: Sequence[Delivery], dead: str | None) -> RunPlan:
-        # The queues' declared keys are asked for all at once: a worker that has just taken
-        # over a thousand queues must not make a thousand round trips before its first batch.
+    def _plan(self, deliveries: Sequence[Delivery], decoded: Decoder, dead: str | None) -> RunPlan:
         return plan_run(
             deliveries,
-            self._keys_of_queues({delivery.queue for delivery in deliveries}),
+            decoded,
             self._store.marks,
             now=time.monotonic,
             gap_timeout_s=self._gap_timeout_ms / 1000,

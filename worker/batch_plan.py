@@ -9,12 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from keyq.worker.decoding import Event, Undecodable, decode
+from keyq.worker.decoding import Decoder, Event, Item, Undecodable
 from keyq.worker.dedup import KeyMarks
 from keyq.worker.deliveries import Delivery
 from keyq.worker.sequencing import Identified, Plan, plan_batch
-
-Item = Event | Undecodable
 
 
 @dataclass(frozen=True)
@@ -39,16 +37,16 @@ class RunPlan:
 
 def plan_run(
     deliveries: Sequence[Delivery],
-    fallback_keys: Mapping[str, str | None],
+    decoded: Decoder,
     marks_of: Callable[[list[str]], Mapping[str, KeyMarks]],
     *,
     now: Callable[[], float],
     gap_timeout_s: float,
     dead: str | None = None,
 ) -> RunPlan:
-    """Plan a run of ``deliveries`` (in delivery order). ``fallback_keys`` gives each
-    queue's declared key; ``dead``, when given, dead-letters every event with that reason."""
-    events, letters = decode_all(deliveries, fallback_keys, dead)
+    """Plan a run of ``deliveries`` (in delivery order), each as ``decoded`` reads it;
+    ``dead``, when given, dead-letters every event with that reason."""
+    events, letters = decode_all(deliveries, decoded, dead)
     identities, ordered = identify(arrival_order(deliveries, [*events, *letters]))
     keys = list(dict.fromkeys(identity.key for identity in identities))
     marks = marks_of(keys)
@@ -57,19 +55,19 @@ def plan_run(
 
 
 def decode_all(
-    deliveries: Iterable[Delivery], fallback_keys: Mapping[str, str | None], dead: str | None
+    deliveries: Iterable[Delivery], decoded: Decoder, dead: str | None
 ) -> tuple[list[Event], list[Undecodable]]:
     """Decode each delivery; with ``dead``, what decodes is dead-lettered all the same."""
     events: list[Event] = []
     letters: list[Undecodable] = []
     for delivery in deliveries:
-        decoded = decode(delivery, fallback_keys[delivery.queue])
-        if dead is not None and isinstance(decoded, Event):
-            decoded = Undecodable(delivery, dead, decoded.key, decoded.producer, decoded.seq)
-        if isinstance(decoded, Event):
-            events.append(decoded)
+        item = decoded(delivery)
+        if dead is not None and isinstance(item, Event):
+            item = Undecodable(delivery, dead, item.key, item.producer, item.seq)
+        if isinstance(item, Event):
+            events.append(item)
         else:
-            letters.append(decoded)
+            letters.append(item)
     return events, letters
 
 

@@ -10,6 +10,7 @@ as a pack of events that could not be read (``Delivery.malformed``) is dead-lett
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import orjson
@@ -70,6 +71,27 @@ class Undecodable:
     @property
     def redrive_id(self) -> str | None:
         return redrive_id_of(self.delivery)
+
+
+Item = Event | Undecodable
+# A delivery's decoded form within one attempt at a batch.
+Decoder = Callable[[Delivery], Item]
+
+
+def decoder_for(fallback_keys: Mapping[str, str | None]) -> Decoder:
+    """``decode`` for one attempt, with each queue's declared key from ``fallback_keys``, and
+    each delivery decoded once: the key gate and the plan both read every event, and its
+    UTF-8 and JSON checks are most of what decoding costs."""
+    seen: dict[int, Item] = {}
+
+    def decoded(delivery: Delivery) -> Item:
+        # Keyed by identity: the item holds its delivery, so the id is not reused meanwhile.
+        item = seen.get(id(delivery))
+        if item is None:
+            item = seen[id(delivery)] = decode(delivery, fallback_keys.get(delivery.queue))
+        return item
+
+    return decoded
 
 
 def _text(value: object) -> str | None:

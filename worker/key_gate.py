@@ -13,11 +13,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from keyq.broker.key_control import FLOWING, KeyStatus, ParkedKey
-from keyq.worker.decoding import Event, Undecodable, decode
+from keyq.worker.decoding import Decoder, Item, Undecodable
 from keyq.worker.deliveries import Delivery
 from keyq.worker.rate_limits import KeyRateLimiter
-
-Item = Event | Undecodable
 
 
 @dataclass
@@ -43,7 +41,7 @@ class GateSorting:
 
 def sort_by_key_status(
     deliveries: Sequence[Delivery],
-    fallback_keys: Mapping[str, str | None],
+    decoded: Decoder,
     statuses: Mapping[str, KeyStatus],
     *,
     is_side_queue: Callable[[str], bool],
@@ -51,7 +49,7 @@ def sort_by_key_status(
     now_ms: int,
 ) -> GateSorting:
     """Sort ``deliveries`` (in delivery order) by their keys' ``statuses``."""
-    decoded = [decode(d, fallback_keys.get(d.queue)) for d in deliveries]
+    items = [decoded(d) for d in deliveries]
     sorting = GateSorting()
 
     def may_apply(delivery: Delivery, key: str) -> bool:
@@ -62,7 +60,7 @@ def sort_by_key_status(
 
     poisons: dict[str, int] = {}  # key -> the index of the poison it parks at
     if park_at_poison:
-        for index, item in enumerate(decoded):
+        for index, item in enumerate(items):
             key = item.key
             if key is None or key in poisons or not isinstance(item, Undecodable):
                 continue
@@ -71,13 +69,13 @@ def sort_by_key_status(
                 sorting.parking[key] = ParkedKey(
                     at_ms=now_ms, reason=item.reason, producer=item.producer, seq=item.seq
                 )
-    for index, (delivery, item) in enumerate(zip(deliveries, decoded, strict=True)):
+    for index, (delivery, item) in enumerate(zip(deliveries, items, strict=True)):
         key = item.key
         if key is None:
             sorting.let_through(delivery, None)  # dead-lettered: it has no key to hold back
             continue
         poison = poisons.get(key)
-        stops_here = poison is not None and _after(item, index, decoded[poison], poison)
+        stops_here = poison is not None and _after(item, index, items[poison], poison)
         if may_apply(delivery, key) and not stops_here:
             sorting.let_through(delivery, key)
         elif is_side_queue(delivery.queue):
