@@ -33,9 +33,7 @@ Usage: ``python -m bench.cpu_per_event [--events N] [--keys K] [--mode key|bucke
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,7 +44,6 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
-from urllib.parse import urlsplit
 
 import orjson
 import redis
@@ -64,6 +61,7 @@ from bench.common import (
     ratio,
 )
 from bench.e2e import WorkerProcess
+from bench.service_process import service_pid
 from keyq import Producer
 from keyq.broker.connections import open_redis
 from keyq.broker.settings import Settings, load_settings
@@ -75,48 +73,10 @@ PIPELINE = "bench.pipelines:count"
 PACK_ENV = "KEYQ_PACK_MAX_EVENTS"
 PACK_DEFAULT = int(Settings.model_fields["pack_max_events"].default)
 PARTS = ("broker", "producer", "workers_python", "workers_jvm", "workers", "redis")
-LOOPBACK = {"localhost", "127.0.0.1", "::1", ""}
 COMMIT_TIMEOUT_S = 600.0
 
 
 # ------------------------------------------------------------------------- the services
-def _port_of(url: str, default: int) -> tuple[str, int]:
-    first = url.split(",", 1)[0]
-    parts = urlsplit(first if "://" in first else f"x://{first}")
-    return parts.hostname or "", parts.port or default
-
-
-def service_pid(
-    url: str, default_port: int, comm: str, fallback: Sequence[str]
-) -> tuple[int | None, str]:
-    """The pid of the server ``url`` names, and how it was found: the process listening on
-    its port, else the one process called ``comm`` whose command line or environment holds
-    one of ``fallback`` (in turn). None when the server is not on this machine."""
-    host, port = _port_of(url, default_port)
-    if not is_this_machine(host):
-        return None, f"{host} is not this machine"
-    pid = proc_cpu.listener_pid(port)
-    if pid is not None:
-        return pid, f"listening on port {port}"
-    for needle in fallback:
-        found = proc_cpu.pids_named(comm, needle)
-        if len(found) == 1:
-            return found[0], f"the one {comm} naming {needle!r}"
-    return None, f"no process found listening on port {port}"
-
-
-def is_this_machine(host: str) -> bool:
-    """Whether ``host`` is a loopback address or one of this machine's names."""
-    if host in LOOPBACK:
-        return True
-    try:
-        address = ipaddress.ip_address(socket.gethostbyname(host))
-        own = {socket.gethostbyname(name) for name in (socket.gethostname(), socket.getfqdn())}
-    except (OSError, ValueError):
-        return False
-    return address.is_loopback or str(address) in own
-
-
 # ------------------------------------------------------------------------ the producer
 def keyed_load(events: int, keys: int, seed: int, tag: str) -> list[tuple[str, Any]]:
     """The demo's order events, each order's key tagged (the warm-up's keys are others)."""

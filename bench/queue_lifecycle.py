@@ -40,7 +40,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 
 from bench import proc_cpu
 from bench.common import amqp, delete_queues, emit, log, machine_info, median, positive, ratio
-from bench.cpu_per_event import service_pid
+from bench.service_process import service_pid
 from keyq.broker.consume_rounds import ConsumeRequest, open_consumers
 from keyq.broker.consumers import close_all_keeping_consumers
 from keyq.broker.settings import Settings, load_settings

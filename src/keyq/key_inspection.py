@@ -190,15 +190,14 @@ def _first_of_key(
     headers = properties.headers or {}
     if mode is Mode.KEY:
         return True, headers.get(HEADER_PUBLISHED_AT)
+    events = [headers]
     if is_pack(properties.content_type):
         try:
-            events = decode_pack(body, headers.get(HEADER_PACK))
+            events = [event.headers for event in decode_pack(body, headers.get(HEADER_PACK))]
         except MalformedPack:
             return False, None
-        for event in events:
-            if event.headers.get(HEADER_KEY) in (key, key.encode()):
-                return True, event.headers.get(HEADER_PUBLISHED_AT)
-        return False, None
-    if headers.get(HEADER_KEY) in (key, key.encode()):
-        return True, headers.get(HEADER_PUBLISHED_AT)
+    owners = (key, key.encode())
+    for found in events:
+        if found.get(HEADER_KEY) in owners:
+            return True, found.get(HEADER_PUBLISHED_AT)
     return False, None
