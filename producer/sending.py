@@ -310,11 +310,16 @@ class Sender:
         published = not (message.returned or nacked)
         if lane.inflight == 0 and lane.gathering:
             self._to_flush.append(message.queue)
-        if published and time.monotonic() >= lane.lease_until:
+        if published and (
+            time.monotonic() >= lane.lease_until
+            or message.sent_to != incarnation_name(message.queue, lane.incarnation)
+        ):
             # RabbitMQ confirms an event whose queue was deleted after routing it: a confirm
             # proves the event reached the queue only while a lease held its deleter off
-            # (the grace outlasts every lease granted before a mark). Later, send it again;
-            # a copy of an event already applied is dropped by its seq.
+            # (the grace outlasts every lease granted before a mark), and only a lease of the
+            # incarnation it was sent to: a quorum queue deleted and declared anew under the
+            # next name leases that name, while a slow confirm may still come from the old.
+            # Later, send it again; a copy of an event already applied is dropped by its seq.
             published = False
             self.late_confirms += message.count
             log.debug("event %d to %s confirmed after its lease", message.number, message.sent_to)

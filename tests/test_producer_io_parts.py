@@ -237,6 +237,23 @@ def test_a_retired_queue_holds_its_events_and_asks_again(harness: Harness) -> No
     assert harness.channel.declared == ["q~1"] and harness.channel.published == ["q~1"]
 
 
+def test_a_confirm_from_a_retired_incarnation_sends_the_event_again(harness: Harness) -> None:
+    # A quorum queue is deleted once its mark's grace is over and declared anew under the
+    # next name; a confirm that comes from the old one after the new one is leased proves
+    # nothing (the old may have been deleted after routing the event), so the event goes again.
+    link, channel = harness.link, harness.channel
+    event = harness.publish("q")
+    harness.grant("q")
+    assert channel.published == ["q"] and event.sent_to == "q"
+    harness.grant("q", incarnation=1)  # the lane moved on while the confirm was slow
+    link.sender.on_confirm(ack(1))
+    assert link.late_confirms == 1 and harness.new_queues == []  # not counted as published
+    assert channel.declared[-1] == "q~1" and channel.published == ["q", "q~1"]
+    assert link.sender.by_number[event.number].sent_to == "q~1" and link.unsettled == 1
+    link.sender.on_confirm(ack(2))
+    assert link.unsettled == 0 and harness.new_queues == [{"q~1": "key-q"}]
+
+
 def test_a_lease_is_renewed_ahead_while_events_are_in_flight(harness: Harness) -> None:
     link = harness.link
     harness.publish("q")
