@@ -35,6 +35,10 @@ class QueueLane:
     registered: bool = False
     inflight: int = 0
     lease_until: float = 0.0  # monotonic time until which events may be sent
+    # Counts the breaks in the queue's leases: a lease refused (a retirement mark), one asked
+    # only after the last ran out, or a new incarnation. Between two breaks the queue was
+    # leased without a gap, so no deleter can have deleted it (``Sender._settle``).
+    lease_chain: int = 0
     leasing: bool = False  # a lease request is on its way
     incarnation: int = 0  # which incarnation of the queue leases name (see broker.naming)
     recoveries: int = 0  # recoveries in a row without an event published in between

@@ -68,6 +68,9 @@ class Leases:
                     lane.incarnation = incarnation
                     lane.declared = False
                     lane.registered = False
+                    lane.lease_chain += 1
+                elif issued_at >= lane.lease_until:
+                    lane.lease_chain += 1  # asked after the last lease ran out: a gap
                 lane.lease_until = issued_at + self.lease_s
                 link.ioloop.call_later(
                     self.lease_s / 2, lambda q=queue, s=lane: self._renew_in_flight(q, s)
@@ -79,6 +82,7 @@ class Leases:
                 # Being retired: hold its events, and declare it again once the mark is gone.
                 log.debug("queue %s is being retired: its events wait", queue)
                 lane.lease_until = 0.0
+                lane.lease_chain += 1
                 lane.park(ParkReason.HELD)
                 lane.declared = False
                 lane.registered = False

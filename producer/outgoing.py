@@ -25,6 +25,7 @@ class Outgoing:
     tag: int = 0  # delivery tag on the current channel
     sent_at: float = 0.0  # monotonic time of the latest send
     sent_to: str = ""  # the queue's incarnation it was last sent to (``queue`` is the base)
+    lease_chain: int = 0  # its lane's ``lease_chain`` when it was last sent
     returned: bool = False
     settled: bool = False
     confirmation: Confirmation | None = None  # told once the event is published

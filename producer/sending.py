@@ -190,6 +190,7 @@ class Sender:
         message.settled = False
         message.sent_at = now
         message.sent_to = name
+        message.lease_chain = lane.lease_chain
         channel.basic_publish("", name, message.body, message.properties, mandatory=True)
         if message.events is not None:
             self.packer.packs_sent += 1
@@ -311,15 +312,15 @@ class Sender:
         if lane.inflight == 0 and lane.gathering:
             self._to_flush.append(message.queue)
         if published and (
-            time.monotonic() >= lane.lease_until
-            or message.sent_to != incarnation_name(message.queue, lane.incarnation)
+            time.monotonic() >= lane.lease_until or message.lease_chain != lane.lease_chain
         ):
             # RabbitMQ confirms an event whose queue was deleted after routing it: a confirm
-            # proves the event reached the queue only while a lease held its deleter off
-            # (the grace outlasts every lease granted before a mark), and only a lease of the
-            # incarnation it was sent to: a quorum queue deleted and declared anew under the
-            # next name leases that name, while a slow confirm may still come from the old.
-            # Later, send it again; a copy of an event already applied is dropped by its seq.
+            # proves the event reached the queue only if leases held its deleter off from the
+            # send to the confirm without a gap (the grace outlasts every lease granted before
+            # a mark). A lease that lapsed, a mark, or a new incarnation in between (a quorum
+            # queue deleted and declared anew: the lane is leased for the next name while a
+            # slow confirm still comes from the old) breaks that. Send it again; a copy of an
+            # event already applied is dropped by its seq.
             published = False
             self.late_confirms += message.count
             log.debug("event %d to %s confirmed after its lease", message.number, message.sent_to)

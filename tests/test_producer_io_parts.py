@@ -254,6 +254,30 @@ def test_a_confirm_from_a_retired_incarnation_sends_the_event_again(harness: Har
     assert link.unsettled == 0 and harness.new_queues == [{"q~1": "key-q"}]
 
 
+def test_a_confirm_after_a_gap_in_the_leases_sends_the_event_again(harness: Harness) -> None:
+    # The lease ran out before the next was asked (a stalled Redis thread, say): a deleter may
+    # have marked and deleted the queue in the gap, so a confirm proves nothing.
+    link = harness.link
+    event = harness.publish("q")
+    harness.grant("q")
+    lane = link.sender.lanes["q"]
+    lane.lease_until = time.monotonic() - 0.01  # ran out with the event in flight
+    harness.grant("q")  # asked after it ran out: leased again, same incarnation
+    link.sender.on_confirm(ack(1))
+    assert link.late_confirms == 1 and harness.new_queues == []
+    assert link.sender.by_number[event.number].tag == 2 and link.unsettled == 1
+
+
+def test_a_confirm_under_leases_renewed_without_a_gap_counts(harness: Harness) -> None:
+    link = harness.link
+    harness.publish("q")
+    harness.grant("q")
+    harness.grant("q")  # renewed while the first still held
+    link.sender.on_confirm(ack(1))
+    assert link.late_confirms == 0 and link.unsettled == 0
+    assert harness.new_queues == [{"q": "key-q"}]
+
+
 def test_a_lease_is_renewed_ahead_while_events_are_in_flight(harness: Harness) -> None:
     link = harness.link
     harness.publish("q")
