@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from keyq.broker.clock import now_ms
-from keyq.broker.envelope import HEADER_KEY
 from keyq.broker.errors import CommitRefused, KeysStopped
 from keyq.broker.key_control import KeyControl, ParkedKey
 from keyq.broker.locks import Lease
@@ -124,17 +123,16 @@ class BatchAttempt:
         park = policy.poison_policy == "park"
         # The queues' declared keys are asked for all at once: a worker that has just taken
         # over a thousand queues must not make a thousand round trips before its first batch.
-        fallback = self._keys_of_queues({delivery.queue for delivery in deliveries})
-        decoded = decoder_for(fallback)
-        gate = self._gate(deliveries, fallback, decoded, park)
+        decoded = decoder_for(self._keys_of_queues({delivery.queue for delivery in deliveries}))
+        gate = self._gate(deliveries, decoded, park)
         progress.held.extend(gate.held)
         limiter = self._limiter_for(policy.rate_limit)
         if limiter is not None:
             limit_rates(gate, limiter)
             progress.limited.extend(gate.limited)
             if gate.limited:
-                keys = {d.headers.get(HEADER_KEY) for d in gate.limited}
-                due = [limiter.due_in(k) for k in keys if isinstance(k, str)]
+                keys = {key for d in gate.limited if (key := decoded(d).key) is not None}
+                due = [limiter.due_in(key) for key in keys]
                 progress.retry_limited_in = min(due, default=0.05)
         run = self._plan(gate.through, decoded, dead)
         deduped = self._dedupe.take_out_repeats(run.events, policy.dedupe_window_s)
@@ -204,16 +202,10 @@ class BatchAttempt:
         progress.leases.update(leases)
         return leases
 
-    def _gate(
-        self,
-        deliveries: Sequence[Delivery],
-        fallback: Mapping[str, str | None],
-        decoded: Decoder,
-        park: bool,
-    ) -> GateSorting:
-        """Sort the run by what holds its keys back, read fresh (one round trip)."""
-        keys = {key for key in fallback.values() if key is not None}
-        keys.update(k for d in deliveries if isinstance(k := d.headers.get(HEADER_KEY), str))
+    def _gate(self, deliveries: Sequence[Delivery], decoded: Decoder, park: bool) -> GateSorting:
+        """Sort the run by what holds its keys back, read fresh (one round trip) for the
+        keys its deliveries decode to."""
+        keys = {key for d in deliveries if (key := decoded(d).key) is not None}
         return sort_by_key_status(
             deliveries,
             decoded,
