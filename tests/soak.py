@@ -93,6 +93,10 @@ class Fault:
         return f"t={self.at:6.1f}s {self.kind:<16} {self.stream:<6} {self.seconds:.1f}s"
 
 
+# How long the drain may go on before the soak describes the queues of keys still short.
+STALL_DESCRIBED_AFTER_S = 60.0
+
+
 def fault_schedule(
     seed: int, seconds: float, mean_gap: float = 4.0, *, cluster: bool = False
 ) -> list[Fault]:
@@ -529,7 +533,10 @@ class Soak:
             self.cluster = RabbitCluster(folder / "cluster")
         else:
             self.rabbit = PrivateRabbit(folder / "rabbitmq")
-        self.worker_env = {**WORKER_ENV, **({"KEYQ_QUEUE_TYPE": "quorum"} if cluster else {})}
+        # On a cluster, workers log each consumer they open and close (its queue, epoch and
+        # consumer tag): a consumer the broker lists on a stuck queue is then traced to one.
+        cluster_env = {"KEYQ_QUEUE_TYPE": "quorum", "KEYQ_WORKER_LOG_LEVEL": "debug"}
+        self.worker_env = {**WORKER_ENV, **(cluster_env if cluster else {})}
         self.log_dir = folder / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.workers: dict[str, list[WorkerProcess]] = {"key": [], "bucket": []}
@@ -949,8 +956,18 @@ class Soak:
         client = open_redis(self.direct_settings)
         try:
             deadline = begun + drain_timeout
+            described = False
             while True:
                 self.check(client)
+                if not described and time.monotonic() - begun > STALL_DESCRIBED_AFTER_S:
+                    # A stall may clear before the drain ends: describe it while it lasts.
+                    described = True
+                    self.note(
+                        f"still draining: {self.report.lost} events missing, "
+                        f"{self.report.stalled} stalled, "
+                        f"{self.report.dead_letters_missing} dead letters missing"
+                    )
+                    self.describe_bad_queues(self.last_verdicts)
                 settled = self.report.stalled == sum(self.report.unconfirmed.values())
                 if (
                     self.report.lost == 0 and settled and self.report.dead_letters_missing == 0
@@ -1062,6 +1079,61 @@ class Soak:
         for queue, key in sorted(wanted.items()):
             rows = found.get(queue, "no such queue (any incarnation)")
             print(f"queue of bad key {key!r}: {rows}", flush=True)
+        self.describe_consumers({row["name"] for queue in wanted for row in found.get(queue, [])})
+
+    def describe_consumers(self, queues: set[str]) -> None:
+        """Print each node's view of these queues' consumers, and whether the channel each
+        consumer names is still open: a consumer whose channel is gone is one the broker
+        keeps for a client that left."""
+        assert self.cluster is not None
+        if not queues:
+            return
+        for index in range(len(self.cluster.nodes)):
+            if not self.cluster.is_up(index):
+                continue
+            try:
+                consumers = json.loads(
+                    self.cluster.ctl(
+                        index,
+                        "list_consumers",
+                        "-q",
+                        "queue_name",
+                        "channel_pid",
+                        "consumer_tag",
+                        "active",
+                        "activity_status",
+                        "--formatter",
+                        "json",
+                    )
+                    or "[]"
+                )
+                channels = json.loads(
+                    self.cluster.ctl(
+                        index,
+                        "list_channels",
+                        "-q",
+                        "pid",
+                        "name",
+                        "consumer_count",
+                        "messages_unacknowledged",
+                        "--formatter",
+                        "json",
+                    )
+                    or "[]"
+                )
+            except Exception as exc:  # noqa: BLE001 - a diagnostic must not cost the verdict
+                print(f"node {index}: could not list consumers: {exc!r}", flush=True)
+                continue
+            open_channels = {str(row.get("pid")): row for row in channels}
+            for row in consumers:
+                if row.get("queue_name") not in queues:
+                    continue
+                channel = open_channels.get(str(row.get("channel_pid")))
+                print(
+                    f"node {index}: consumer {row} on "
+                    + (f"open channel {channel}" if channel else "a channel no node lists"),
+                    flush=True,
+                )
 
     def check_dead_letters(self) -> None:
         report = self.report

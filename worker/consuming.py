@@ -155,6 +155,17 @@ class QueueConsumers:
                 log.warning("consuming %s failed: %s", queue, why)
             return Consumed(outcome)
         channel.add_on_cancel_callback(lambda _frame: self._cancelled(queue, epoch))
+        if log.isEnabledFor(logging.DEBUG):
+            # The tag is what the broker lists (``rabbitmqctl list_consumers``): it names the
+            # worker behind a consumer seen on a queue.
+            tags: Any = channel
+            log.debug(
+                "consuming %s as epoch %d on channel %d, consumer %s",
+                queue,
+                epoch,
+                channel.channel_number,
+                ",".join(tags._consumer_infos),
+            )
         self._channels[queue] = (epoch, channel)
         self._prefetches[queue] = prefetch
         self._unacked[(queue, epoch)] = ledger
@@ -191,10 +202,13 @@ class QueueConsumers:
             self._prefetches.pop(queue, None)
             self._unacked.pop((queue, held[0]), None)
             channels.append(held[1])
+            log.debug("closing the consumer of %s (epoch %d)", queue, held[0])
         # Never cancel first: the queue would look unused while it still holds our unacked
         # deliveries, and a janitor's delete(if_empty, if_unused) would take them with it.
-        with contextlib.suppress(pika.exceptions.AMQPError):
+        try:
             close_all_keeping_consumers(channels)
+        except pika.exceptions.AMQPError as exc:
+            log.warning("closing %d consumer(s) failed: %s", len(channels), describe_exception(exc))
 
     def ack(self, acks: Sequence[tuple[str, int, Sequence[tuple[int, int]]]]) -> int:
         """Settle (queue, epoch, events), each event a (tag, part): the messages now settled
