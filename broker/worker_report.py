@@ -51,6 +51,7 @@ class WorkerReport:
     released: int = 0
     peers_reaped: int = 0
     reconnects: int = 0
+    starved_moves: int = 0  # connections moved off a node that starved a queue
     late: int = 0
     gaps_skipped: int = 0
     gap_reopens: int = 0

@@ -8,6 +8,7 @@ modes, through a leader node's and a worker's kill -9.
 from __future__ import annotations
 
 import collections
+import json
 import threading
 import time
 import uuid
@@ -500,6 +501,74 @@ def test_a_quorum_queue_that_cannot_commit_does_not_hold_up_the_producers_other_
             cluster.restart(stopped)
         producer.flush(timeout=120)  # the stuck queue confirms once it has its quorum back
         assert producer.unconfirmed_by_queue.get(stuck, 0) == 0, producer.stats
+    finally:
+        producer.close(timeout=30)
+        stream.cleanup()
+
+
+def _node_of_worker(cluster: RabbitCluster, worker_id: str) -> int:
+    """The index of the node the worker's AMQP connection is open to (by its connection name
+    and the node's AMQP port)."""
+    rows = json.loads(
+        cluster.ctl(0, "list_connections", "-q", "client_properties", "port", "--formatter", "json")
+        or "[]"
+    )
+    for row in rows:
+        if f"worker-{worker_id}@" in json.dumps(row.get("client_properties")):
+            return cluster.ports.index(int(row["port"]))
+    raise AssertionError(f"no connection of {worker_id} in {rows}")
+
+
+def test_a_worker_moves_off_a_node_whose_replica_of_a_quorum_queue_is_down(
+    rabbit_cluster: RabbitCluster, redis_client: redis.Redis, workers: Any
+) -> None:
+    """RabbitMQ sends a quorum queue's deliveries through the queue's replica on the
+    consumer's node. With that replica down and its node up, a consumer connected there is
+    sent nothing, ever: the messages count as delivered to it, unacked. The worker sees its
+    holding end idle with nothing delivered and messages ready once it let go, twice in a
+    row, and moves its connection to another node, where every event arrives, in order."""
+    cluster = rabbit_cluster
+    name = f"{TEST_STREAM_PREFIX}starved-{uuid.uuid4().hex[:8]}"
+    every_node = ",".join(cluster.urls)
+    stream = StreamFixture(name, load_settings(amqp_url=cluster.urls[0]), redis_client).own()
+    env = {
+        "KEYQ_AMQP_URL": every_node,
+        "KEYQ_QUEUE_TYPE": "quorum",
+        "KEYQ_IDLE_RELEASE_MS": "2000",
+    }
+    key = "acct-1"
+    queue = key_queue_name(name, key)
+    producer = Producer(
+        name, mode="key", queue_type="quorum", settings=load_settings(amqp_url=every_node)
+    )
+    store = StateStore(redis_client, name)
+
+    def seen() -> list[int]:
+        state = store.get(key) or {"seen": {}}
+        return list(state["seen"].get("p", []))
+
+    try:
+        worker = workers(name, env=env, pipeline="tests.pipelines:ledger")
+        worker.wait_ready(120)
+        producer.publish(key, {"producer": "p", "n": 1})
+        producer.flush(timeout=60)
+        wait_until(lambda: seen() == [1], 60, "the first event applied")
+
+        node = _node_of_worker(cluster, worker.worker_id)
+        stopped = cluster.ctl(
+            node, "eval", f"ra:stop_server(quorum_queues, {{'%2F_{queue}', node()}})."
+        )
+        assert stopped.strip() == "ok", stopped
+        for n in range(2, 11):
+            producer.publish(key, {"producer": "p", "n": n})
+        producer.flush(timeout=60)
+
+        wait_until(lambda: len(seen()) >= 10, 120, "every event applied", every=1.0)
+        assert seen() == list(range(1, 11))
+        log = worker.log()
+        assert f"{queue}: held twice with nothing delivered" in log, log[-3000:]
+        assert _node_of_worker(cluster, worker.worker_id) != node
+        assert worker.terminate() == 0, worker.log()[-3000:]
     finally:
         producer.close(timeout=30)
         stream.cleanup()

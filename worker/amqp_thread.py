@@ -78,6 +78,8 @@ class AmqpThread:
         self._thread = threading.Thread(target=self._run, name="keyq-amqp", daemon=True)
         self.reconnects = 0
         self._lost_at: float | None = None  # when the connection last went away
+        # Set by ``move``: the connection is dropped and made again (to the next node).
+        self._move_reason: str | None = None
         self.max_loop_gap_s = 0.0
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -105,6 +107,20 @@ class AmqpThread:
     def reset_loop_gap(self) -> None:
         """Start measuring ``max_loop_gap_s`` afresh."""
         self.max_loop_gap_s = 0.0
+
+    def move(self, reason: str) -> None:
+        """Drop the connection and connect again, to the next node of the URL list (as
+        after a lost connection: every consumer ends as on a loss, its channel closed
+        first)."""
+        self._move_reason = reason
+
+    @property
+    def node(self) -> str | None:
+        """host:port of the node the connection is open to, if it is."""
+        connection = self.connection
+        params = getattr(getattr(connection, "_impl", None), "params", None)
+        host, port = getattr(params, "host", None), getattr(params, "port", None)
+        return f"{host}:{port}" if host is not None else None
 
     def stop(self) -> None:
         self._stopping.set()
@@ -186,6 +202,9 @@ class AmqpThread:
             last_iteration = now
             if not self.connection.is_open:  # lost inside a call made on this thread
                 return "connection to RabbitMQ lost"
+            if self._move_reason is not None:
+                reason, self._move_reason = self._move_reason, None
+                return reason
             try:
                 self.connection.process_data_events(time_limit=0.05)
             except (pika.exceptions.AMQPError, OSError) as exc:

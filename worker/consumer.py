@@ -89,6 +89,7 @@ class ConsumerLink:
             stream=stream, queue_type=queue_type, connection=connection
         )
         self._probe_channel: BlockingChannel | None = None
+        self._queue_type = queue_type
         self._epochs = itertools.count(1)
         self._epoch_lock = threading.Lock()
 
@@ -110,6 +111,20 @@ class ConsumerLink:
     def failure(self) -> KeyqError | None:
         """Why the link gave up for good (bad credentials), if it did."""
         return self._io.failure
+
+    @property
+    def node(self) -> str | None:
+        """host:port of the node the link is connected to, if it is."""
+        return self._io.node
+
+    @property
+    def queue_type(self) -> str:
+        return self._queue_type
+
+    def move(self, reason: str) -> None:
+        """Drop the connection and connect to the next node: every held queue ends as on
+        a lost connection, and is claimed again through the new one."""
+        self._io.move(reason)
 
     @property
     def reconnects(self) -> int:
@@ -262,11 +277,15 @@ class ConsumerLink:
 
     def message_count(self, queue: str) -> int:
         """Messages ready in ``queue`` (0 if it does not exist)."""
-        return self.call(lambda: self._queue_counts(queue)[0])
+        return self.queue_counts(queue)[0]
 
     def queue_counts(self, queue: str) -> tuple[int, int]:
-        """Messages ready in ``queue`` and its consumers ((0, 0) if it does not exist)."""
-        return self.call(lambda: self._queue_counts(queue))
+        """Messages ready in ``queue`` and its consumers ((0, 0) if it does not exist).
+        Raises ``BrokerUnavailable`` if the connection or the probe's channel fails."""
+        try:
+            return self.call(lambda: self._queue_counts(queue))
+        except pika.exceptions.AMQPError as exc:
+            raise BrokerUnavailable(f"probing {queue}: {describe_exception(exc)}") from None
 
     def held(self) -> dict[str, int]:
         """Queues with a live consumer, and their epochs."""

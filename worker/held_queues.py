@@ -15,6 +15,7 @@ import enum
 import logging
 import queue as queue_module
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from keyq.broker.registry import QueueRegistry
 from keyq.worker.consumer import Consumed, ConsumeOutcome, ConsumerLink
 from keyq.worker.deliveries import Delivery, DeliveryBuffer
 from keyq.worker.holdings import Held, Holdings
+from keyq.worker.starvation import StarvationWatch, ready_after_close
 
 log = logging.getLogger("keyq.worker.held")
 
@@ -90,8 +92,10 @@ class HeldQueues:
         # Side consumers of a holding the I/O thread ended: closed by the claim loop.
         self._sides_to_close: queue_module.SimpleQueue[tuple[str, int]] = queue_module.SimpleQueue()
         self._counts_lock = threading.Lock()
+        self._starvation = StarvationWatch()
         self.lost = 0  # holdings ended without handing the queue back
         self.released = 0  # queues handed back while running (idle, rebalance)
+        self.starved_moves = 0  # connections moved to another node (keyq.worker.starvation)
 
     # ---- what is held ----------------------------------------------------------------------
 
@@ -245,10 +249,12 @@ class HeldQueues:
             if (held := self._holdings.get(queue)) is not None
             and not (reason == "idle" and busy(queue))
         ]
+        silent = {held.queue for held in ended if self._silent(held)}  # before the drop
         ended = self._fence_all(ended, close=True)
         if not ended:
             return []
         queues = [held.queue for held in ended]
+        self._watch_starvation(queues, silent)  # the locks still ours: no peer has them yet
         try:
             self._locks.release([held.lease for held in ended])
         except _SERVICE_ERRORS as exc:
@@ -259,6 +265,46 @@ class HeldQueues:
         log.info("handed back %d queues", len(ended))
         self._report("revoked", queues, "released")
         return queues
+
+    def _silent(self, held: Held) -> bool:
+        """Nothing has arrived from ``held``'s queue since the holding began."""
+        last = self._buffer.last_arrival(held.queue)
+        return last is None or last < held.since
+
+    def _watch_starvation(self, queues: list[str], silent: set[str]) -> None:
+        """Quorum queues handed back having delivered nothing, that have messages ready
+        once closed, were starved (``keyq.worker.starvation``): twice in a row for one queue,
+        and the connection moves to another node."""
+        if self._link.queue_type != "quorum":
+            return
+        for queue in queues:
+            if queue not in silent:
+                self._starvation.delivered(queue)
+        if not silent:
+            return
+        try:
+            ready = ready_after_close(self._link.message_count, sorted(silent), time.sleep)
+        except (KeyqError, TimeoutError) as exc:
+            log.debug("looking into queues handed back silent failed: %s", exc)
+            return
+        for queue, count in ready.items():
+            if count and self._starvation.starved(queue):
+                node = self._link.node or "its node"
+                with about_queues([queue]):
+                    log.warning(
+                        "queue %s: held twice with nothing delivered while %d messages were "
+                        "ready; RabbitMQ does not deliver it through %s (a quorum queue sends "
+                        "through its replica on the consumer's node: that replica may be "
+                        "down). Moving this worker's connection to another node",
+                        queue,
+                        count,
+                        node,
+                    )
+                with self._counts_lock:
+                    self.starved_moves += 1
+                self._starvation.forget()
+                self._link.move(f"queue {queue} starved on {node}: moving to another node")
+                return
 
     def lose(self, lease: Lease, reason: str) -> None:
         """Stop a queue whose lock is no longer ours (found lost by a renewal or a refused

@@ -134,6 +134,12 @@ COUNTERS: tuple[Figure, ...] = (
         lambda report: report.reconnects,
     ),
     Figure(
+        "keyq_worker_starved_moves_total",
+        "Connections moved to another RabbitMQ node because a quorum queue delivered nothing "
+        "through this one while it had messages ready (its replica there may be down).",
+        lambda report: report.starved_moves,
+    ),
+    Figure(
         "keyq_worker_sequence_gaps_skipped_total",
         "Sequence gaps given up after waiting sequence_gap_timeout_ms: the events behind "
         "them were applied without the missing ones.",

@@ -41,6 +41,7 @@ def worker_report(
         released=session.held.released,
         peers_reaped=session.claims.peers_reaped,
         reconnects=session.link.reconnects,
+        starved_moves=session.held.starved_moves,
         late=batch.late,
         gaps_skipped=batch.gaps_skipped,
         gap_reopens=session.stuck.reopens,
