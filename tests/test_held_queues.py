@@ -38,6 +38,18 @@ class StandInLink:
         self.held_at_consume: list[bool] = []
         self.held: HeldQueues | None = None
         self.closings: list[list[str]] = []  # the queues of each close_queues call
+        self.queue_type = "classic"
+        self.ready: dict[str, int] = {}  # what a look into a queue finds ready
+        self.node = "127.0.0.1:5672"
+        self.moves: list[str] = []
+
+    def message_count(self, queue: str) -> int:
+        self.journal.note("look", queue)
+        return self.ready.get(queue, 0)
+
+    def move(self, reason: str) -> None:
+        self.journal.note("move", reason)
+        self.moves.append(reason)
 
     def new_epoch(self) -> int:
         return next(self.epochs)
@@ -201,6 +213,42 @@ def test_handing_back_closes_all_in_one_call_before_dropping_and_releases_all_in
     assert parts.locks.calls == [["q-a", "q-b"]]
     assert held.released == 2 and held.lost == 0
     assert parts.reports[-1] == ("revoked", ["q-a", "q-b"], "released")
+
+
+def test_a_quorum_queue_handed_back_silent_is_looked_into_before_its_lock_goes() -> None:
+    """The order of a starved hand-back (``keyq.worker.starvation``); whether the broker
+    starves a consumer is shown on a real cluster in ``tests/test_cluster.py``."""
+    held, journal, parts = make()
+    parts.link.queue_type = "quorum"
+    parts.link.ready = {"q-silent": 3}
+    for round_ in (1, 2):
+        held.claim([lease("q-silent"), lease("q-busy")], budget_s=1.0)
+        epoch = held.get("q-busy").epoch  # type: ignore[union-attr]
+        held._buffer.add(plain_delivery("q-busy", round_, epoch))
+        held._buffer.take(10, 0.0, 0.0)  # handled: nothing of it waits
+        journal.entries.clear()
+        held.release({"q-silent": "idle", "q-busy": "idle"}, busy=lambda _queue: False)
+        steps = [entry[:2] for entry in journal.entries if entry[0] != "drop"]
+        moved = [("move", steps[3][1])] if round_ == 2 else []  # starved twice in a row
+        assert steps == [
+            ("close", "q-silent"),
+            ("close", "q-busy"),
+            ("look", "q-silent"),  # only the queue whose holding received nothing
+            *moved,
+            ("release", "q-silent"),  # and only then its lock (with q-busy's)
+        ], steps
+    assert len(parts.link.moves) == 1 and "q-silent" in parts.link.moves[0]
+    assert held.starved_moves == 1
+
+
+def test_a_classic_queue_handed_back_silent_is_not_looked_into() -> None:
+    held, journal, parts = make()
+    parts.link.ready = {"q-silent": 3}
+    for _round in (1, 2):
+        held.claim([lease("q-silent")], budget_s=1.0)
+        held.release({"q-silent": "idle"}, busy=lambda _queue: False)
+    assert not [entry for entry in journal.entries if entry[0] in ("look", "move")]
+    assert held.starved_moves == 0
 
 
 def test_reopening_keeps_the_lock_and_the_waits_and_remembers_a_wider_prefetch() -> None:
