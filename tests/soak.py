@@ -1082,58 +1082,51 @@ class Soak:
         self.describe_consumers({row["name"] for queue in wanted for row in found.get(queue, [])})
 
     def describe_consumers(self, queues: set[str]) -> None:
-        """Print each node's view of these queues' consumers, and whether the channel each
-        consumer names is still open: a consumer whose channel is gone is one the broker
-        keeps for a client that left."""
+        """Print the broker's consumers of these queues (their tags name the worker, whose
+        debug log records each consumer it opens), then whether each one's channel is still
+        open: a consumer whose channel is gone is one the broker keeps for a client that
+        left. Both listings are cluster-wide; a channel that does not answer makes the
+        second fail, so the first is printed on its own."""
         assert self.cluster is not None
-        if not queues:
+        up = [index for index in range(len(self.cluster.nodes)) if self.cluster.is_up(index)]
+        if not queues or not up:
             return
-        for index in range(len(self.cluster.nodes)):
-            if not self.cluster.is_up(index):
-                continue
-            try:
-                consumers = json.loads(
-                    self.cluster.ctl(
-                        index,
-                        "list_consumers",
-                        "-q",
-                        "queue_name",
-                        "channel_pid",
-                        "consumer_tag",
-                        "active",
-                        "activity_status",
-                        "--formatter",
-                        "json",
-                    )
-                    or "[]"
+
+        def listing(*args: str) -> list[dict[str, Any]]:
+            assert self.cluster is not None
+            rows = json.loads(self.cluster.ctl(up[0], *args, "--formatter", "json") or "[]")
+            return [dict(row) for row in rows]
+
+        try:
+            consumers = [
+                row
+                for row in listing(
+                    "list_consumers", "-q", "queue_name", "channel_pid", "consumer_tag", "active"
                 )
-                channels = json.loads(
-                    self.cluster.ctl(
-                        index,
-                        "list_channels",
-                        "-q",
-                        "pid",
-                        "name",
-                        "consumer_count",
-                        "messages_unacknowledged",
-                        "--formatter",
-                        "json",
-                    )
-                    or "[]"
+                if row.get("queue_name") in queues
+            ]
+        except Exception as exc:  # noqa: BLE001 - a diagnostic must not cost the verdict
+            print(f"could not list consumers: {str(exc)[:300]}", flush=True)
+            return
+        for row in consumers:
+            print(f"consumer {row}", flush=True)
+        try:
+            channels = {
+                str(row.get("pid")): row
+                for row in listing(
+                    "list_channels", "-q", "pid", "consumer_count", "messages_unacknowledged"
                 )
-            except Exception as exc:  # noqa: BLE001 - a diagnostic must not cost the verdict
-                print(f"node {index}: could not list consumers: {exc!r}", flush=True)
-                continue
-            open_channels = {str(row.get("pid")): row for row in channels}
-            for row in consumers:
-                if row.get("queue_name") not in queues:
-                    continue
-                channel = open_channels.get(str(row.get("channel_pid")))
-                print(
-                    f"node {index}: consumer {row} on "
-                    + (f"open channel {channel}" if channel else "a channel no node lists"),
-                    flush=True,
-                )
+            }
+        except Exception as exc:  # noqa: BLE001 - a diagnostic must not cost the verdict
+            print(f"could not list channels: {str(exc)[:300]}", flush=True)
+            return
+        for row in consumers:
+            channel = channels.get(str(row.get("channel_pid")))
+            print(
+                f"consumer {row.get('consumer_tag')}: "
+                + (f"open channel {channel}" if channel else "a channel no node lists"),
+                flush=True,
+            )
 
     def check_dead_letters(self) -> None:
         report = self.report
