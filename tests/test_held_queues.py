@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, cast
 
+from keyq.broker.errors import BrokerUnavailable
 from keyq.broker.locks import FencedLocks, Lease
 from keyq.broker.registry import QueueRegistry
 from keyq.worker.consumer import Consumed, ConsumeOutcome, ConsumerLink
@@ -43,9 +44,24 @@ class StandInLink:
         self.node = "127.0.0.1:5672"
         self.moves: list[str] = []
 
+        self.reconnects = 0
+        self.single_node = False
+        self.looks_fail = False
+        self.unacked: dict[str, int] = {}
+
     def message_count(self, queue: str) -> int:
         self.journal.note("look", queue)
         return self.ready.get(queue, 0)
+
+    def unacked_of(self, queue: str) -> int | None:
+        return self.unacked.get(queue, 0)
+
+    def message_counts(self, queues: Sequence[str]) -> dict[str, int]:
+        for queue in queues:
+            self.journal.note("look", queue)
+        if self.looks_fail:
+            raise BrokerUnavailable("not connected to RabbitMQ")
+        return {queue: self.ready.get(queue, 0) for queue in queues}
 
     def move(self, reason: str) -> None:
         self.journal.note("move", reason)
@@ -249,6 +265,82 @@ def test_a_classic_queue_handed_back_silent_is_not_looked_into() -> None:
         held.release({"q-silent": "idle"}, busy=lambda _queue: False)
     assert not [entry for entry in journal.entries if entry[0] in ("look", "move")]
     assert held.starved_moves == 0
+
+
+def _silent_hand_backs(held: HeldQueues, queue: str, reasons: list[str]) -> None:
+    for reason in reasons:
+        held.claim([lease(queue)], budget_s=1.0)
+        if reason == "received":
+            epoch = held.get(queue).epoch  # type: ignore[union-attr]
+            held._buffer.add(plain_delivery(queue, 1, epoch))
+            held._buffer.take(10, 0.0, 0.0)
+        held.release(
+            {queue: "rebalance" if reason == "rebalance" else "idle"}, busy=lambda _q: False
+        )
+
+
+def test_a_holding_that_received_something_between_two_starved_ones_moves_nothing() -> None:
+    held, _journal, parts = make()
+    parts.link.queue_type = "quorum"
+    parts.link.ready = {"q": 3}
+    _silent_hand_backs(held, "q", ["silent", "received", "silent"])
+    assert parts.link.moves == [] and held.starved_moves == 0
+    _silent_hand_backs(held, "q", ["silent"])
+    assert len(parts.link.moves) == 1
+
+
+def test_only_idle_hand_backs_are_looked_into() -> None:
+    held, journal, parts = make()
+    parts.link.queue_type = "quorum"
+    parts.link.ready = {"q": 3}
+    _silent_hand_backs(held, "q", ["rebalance", "rebalance"])
+    assert not [entry for entry in journal.entries if entry[0] in ("look", "move")]
+
+
+def test_a_look_that_fails_still_releases_the_locks_and_moves_nothing() -> None:
+    held, journal, parts = make()
+    parts.link.queue_type = "quorum"
+    parts.link.ready = {"q": 3}
+    parts.link.looks_fail = True
+    _silent_hand_backs(held, "q", ["silent", "silent"])
+    assert parts.locks.calls == [["q"], ["q"]]
+    assert parts.link.moves == [] and held.starved_moves == 0
+    assert [entry[0] for entry in journal.entries].count("look") == 2
+
+
+def test_with_one_broker_url_a_starved_queue_is_reported_but_the_link_stays() -> None:
+    held, _journal, parts = make()
+    parts.link.queue_type = "quorum"
+    parts.link.ready = {"q": 3}
+    parts.link.single_node = True
+    _silent_hand_backs(held, "q", ["silent", "silent"])
+    assert parts.link.moves == [] and held.starved_moves == 0
+
+
+def test_bucket_mode_a_quiet_quorum_queue_with_ready_messages_and_none_unacked_moves() -> None:
+    held, journal, parts = make()
+    parts.link.queue_type = "quorum"
+    parts.link.ready = {"q-starved": 7, "q-busy": 7}
+    parts.link.unacked = {"q-busy": 5}  # a full prefetch: ready messages wait for room
+    held.claim([lease("q-starved"), lease("q-busy")], budget_s=1.0)
+    looks: dict[str, float] = {}
+    held.watch_quiet(0.0, looks)  # quiet for at least 0 s: looked into
+    assert parts.link.moves == []
+    held.watch_quiet(0.0, looks)  # the second look, an idle time (0 s) later
+    assert len(parts.link.moves) == 1 and "q-starved" in parts.link.moves[0]
+    assert ("look", "q-busy") in journal.entries and held.starved_moves == 1
+
+
+def test_bucket_mode_a_queue_quiet_for_less_than_the_idle_time_is_not_looked_into() -> None:
+    held, journal, parts = make()
+    parts.link.queue_type = "quorum"
+    parts.link.ready = {"q": 7}
+    held.claim([lease("q")], budget_s=1.0)
+    looks: dict[str, float] = {}
+    for _ in range(3):
+        held.watch_quiet(60.0, looks)
+    assert not [entry for entry in journal.entries if entry[0] == "look"]
+    assert parts.link.moves == []
 
 
 def test_reopening_keeps_the_lock_and_the_waits_and_remembers_a_wider_prefetch() -> None:

@@ -78,8 +78,8 @@ class AmqpThread:
         self._thread = threading.Thread(target=self._run, name="keyq-amqp", daemon=True)
         self.reconnects = 0
         self._lost_at: float | None = None  # when the connection last went away
-        # Set by ``move``: the connection is dropped and made again (to the next node).
-        self._move_reason: str | None = None
+        # Set by ``move``: that connection is dropped and made again (to the next node).
+        self._move: tuple[str, pika.BlockingConnection] | None = None
         self.max_loop_gap_s = 0.0
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -111,8 +111,11 @@ class AmqpThread:
     def move(self, reason: str) -> None:
         """Drop the connection and connect again, to the next node of the URL list (as
         after a lost connection: every consumer ends as on a loss, its channel closed
-        first)."""
-        self._move_reason = reason
+        first). Asked while no connection is open, or once it has gone, it does nothing:
+        the next connection is a new one already."""
+        connection = self.connection
+        if connection is not None:
+            self._move = (reason, connection)
 
     @property
     def node(self) -> str | None:
@@ -202,9 +205,9 @@ class AmqpThread:
             last_iteration = now
             if not self.connection.is_open:  # lost inside a call made on this thread
                 return "connection to RabbitMQ lost"
-            if self._move_reason is not None:
-                reason, self._move_reason = self._move_reason, None
-                return reason
+            move, self._move = self._move, None
+            if move is not None and move[1] is self.connection:
+                return move[0]
             try:
                 self.connection.process_data_events(time_limit=0.05)
             except (pika.exceptions.AMQPError, OSError) as exc:

@@ -107,6 +107,7 @@ class ClaimLoop:
         self._refused = RefusedClaims()
         self._members: list[str] = []
         self._probe_cursor = 0
+        self._quiet_looks: dict[str, float] = {}  # bucket mode: next look into a quiet queue
         self._stop = threading.Event()
         self._news = QueueNews(client, self._keys, self._stop)
         self._reaper = PeerReaper(
@@ -226,6 +227,8 @@ class ClaimLoop:
                 [h for h in self._held.all() if h.queue not in draining],
                 self._settings.idle_release_ms / 1000,
             )
+        else:  # key mode's idle hand-backs are watched as they happen (HeldQueues.release)
+            self._held.watch_quiet(self._settings.idle_release_ms / 1000, self._quiet_looks)
         return True
 
     def _news_round(self) -> bool:

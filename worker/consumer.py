@@ -22,6 +22,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 from keyq.broker.connections import describe_exception
 from keyq.broker.errors import BrokerUnavailable, KeyqError
 from keyq.broker.settings import Settings
+from keyq.broker.urls import split_urls
 from keyq.worker.amqp_thread import AmqpThread
 from keyq.worker.consume_outcomes import FIRST_BURST, PIPELINE_DEPTH, Consumed, ConsumeOutcome
 from keyq.worker.consuming import QueueConsumers
@@ -90,6 +91,7 @@ class ConsumerLink:
         )
         self._probe_channel: BlockingChannel | None = None
         self._queue_type = queue_type
+        self._settings = settings
         self._epochs = itertools.count(1)
         self._epoch_lock = threading.Lock()
 
@@ -202,6 +204,11 @@ class ConsumerLink:
         prefetch = prefetch or self._prefetch
         return self.call(lambda: self._queues.consume_all([(queue, epoch)], prefetch, None)[0])
 
+    def unacked_of(self, queue: str) -> int | None:
+        """Messages ``queue``'s consumer was sent and has not acked; None if it is not
+        consumed here."""
+        return self.call(lambda: self._queues.unacked_of(queue))
+
     def prefetch_of(self, queue: str) -> int | None:
         """The AMQP prefetch (messages) ``queue``'s consumer was opened with; None if it is
         not consumed here."""
@@ -278,6 +285,19 @@ class ConsumerLink:
     def message_count(self, queue: str) -> int:
         """Messages ready in ``queue`` (0 if it does not exist)."""
         return self.queue_counts(queue)[0]
+
+    def message_counts(self, queues: Sequence[str]) -> dict[str, int]:
+        """Messages ready in each of ``queues``, in one call to the I/O thread. Raises
+        ``BrokerUnavailable`` if the connection or the probe's channel fails."""
+        try:
+            return self.call(lambda: {queue: self._queue_counts(queue)[0] for queue in queues})
+        except pika.exceptions.AMQPError as exc:
+            raise BrokerUnavailable(f"probing queues: {describe_exception(exc)}") from None
+
+    @property
+    def single_node(self) -> bool:
+        """Only one broker URL is configured: a move would come back to the same node."""
+        return len(split_urls(self._settings.amqp_url)) == 1
 
     def queue_counts(self, queue: str) -> tuple[int, int]:
         """Messages ready in ``queue`` and its consumers ((0, 0) if it does not exist).

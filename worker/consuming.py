@@ -65,6 +65,15 @@ class QueueConsumers:
         """Queues with a live consumer, and their epochs."""
         return {q: e for q, (e, _c) in self._channels.items()}
 
+    def unacked_of(self, queue: str) -> int | None:
+        """Messages ``queue``'s live consumer was sent and has not acked; None if it is not
+        consumed here."""
+        held = self._channels.get(queue)
+        if held is None:
+            return None
+        ledger = self._unacked.get((queue, held[0]))
+        return len(ledger) if ledger is not None else 0
+
     def prefetch_of(self, queue: str) -> int | None:
         """The AMQP prefetch ``queue``'s live consumer was opened with, if there is one."""
         return self._prefetches.get(queue) if queue in self._channels else None

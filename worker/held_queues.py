@@ -249,12 +249,13 @@ class HeldQueues:
             if (held := self._holdings.get(queue)) is not None
             and not (reason == "idle" and busy(queue))
         ]
-        silent = {held.queue for held in ended if self._silent(held)}  # before the drop
-        ended = self._fence_all(ended, close=True)
+        silent: set[str] = set()
+        ended = self._fence_all(ended, close=True, silent=silent)
         if not ended:
             return []
         queues = [held.queue for held in ended]
-        self._watch_starvation(queues, silent)  # the locks still ours: no peer has them yet
+        # The locks are still ours: no peer has consumed what the closes gave back.
+        self._watch_starvation([q for q in queues if requests[q] == "idle"], silent)
         try:
             self._locks.release([held.lease for held in ended])
         except _SERVICE_ERRORS as exc:
@@ -271,40 +272,74 @@ class HeldQueues:
         last = self._buffer.last_arrival(held.queue)
         return last is None or last < held.since
 
-    def _watch_starvation(self, queues: list[str], silent: set[str]) -> None:
-        """Quorum queues handed back having delivered nothing, that have messages ready
-        once closed, were starved (``keyq.worker.starvation``): twice in a row for one queue,
-        and the connection moves to another node."""
-        if self._link.queue_type != "quorum":
+    def _watch_starvation(self, idle: list[str], silent: set[str]) -> None:
+        """Quorum queues handed back idle having delivered nothing, that have messages
+        ready once closed, were starved (``keyq.worker.starvation``)."""
+        if self._link.queue_type != "quorum" or not idle:
             return
-        for queue in queues:
+        for queue in idle:
             if queue not in silent:
                 self._starvation.delivered(queue)
-        if not silent:
+        looked_into = [queue for queue in idle if queue in silent]
+        if not looked_into:
             return
         try:
-            ready = ready_after_close(self._link.message_count, sorted(silent), time.sleep)
+            ready = ready_after_close(self._link.message_counts, looked_into, time.sleep)
         except (KeyqError, TimeoutError) as exc:
             log.debug("looking into queues handed back silent failed: %s", exc)
             return
         for queue, count in ready.items():
-            if count and self._starvation.starved(queue):
-                node = self._link.node or "its node"
-                with about_queues([queue]):
-                    log.warning(
-                        "queue %s: held twice with nothing delivered while %d messages were "
-                        "ready; RabbitMQ does not deliver it through %s (a quorum queue sends "
-                        "through its replica on the consumer's node: that replica may be "
-                        "down). Moving this worker's connection to another node",
-                        queue,
-                        count,
-                        node,
-                    )
-                with self._counts_lock:
-                    self.starved_moves += 1
-                self._starvation.forget()
-                self._link.move(f"queue {queue} starved on {node}: moving to another node")
+            if count and self._strike(queue, count):
                 return
+
+    def watch_quiet(self, quiet_after_s: float, next_look: dict[str, float]) -> None:
+        """Bucket mode, on the claim loop: a quorum queue held with nothing arriving for
+        ``quiet_after_s``, its consumer holding no unacked message, while the broker counts
+        messages ready, is starved (a consumer with room is sent ready messages at once;
+        ``keyq.worker.starvation``). ``next_look`` (queue -> monotonic time of its next
+        look, one idle time after the last) is the caller's, kept between calls."""
+        if self._link.queue_type != "quorum":
+            return
+        now = time.monotonic()
+        held_now = self._holdings.all()
+        for gone in next_look.keys() - {held.queue for held in held_now}:
+            del next_look[gone]
+        for held in held_now:
+            last = self._buffer.last_arrival(held.queue)
+            if last is not None and last >= held.since and now - last < quiet_after_s:
+                self._starvation.delivered(held.queue)
+                continue
+            if now - max(last or held.since, held.since) < quiet_after_s:
+                continue
+            if next_look.get(held.queue, 0.0) > now or self._buffer.depth(held.queue):
+                continue
+            next_look[held.queue] = now + quiet_after_s
+            ready = self._link.message_count(held.queue)
+            if ready and self._link.unacked_of(held.queue) == 0 and self._strike(held.queue, ready):
+                next_look.clear()
+                return
+
+    def _strike(self, queue: str, ready: int) -> bool:
+        """Count a starved holding of ``queue``; the second within the window through the
+        same connection moves it to another node (True), unless it has nowhere to go."""
+        if not self._starvation.starved(queue, time.monotonic(), self._link.reconnects):
+            return False
+        node = self._link.node or "its node"
+        why = (
+            f"queue {queue}: held twice with nothing delivered while {ready} messages were "
+            f"ready; RabbitMQ does not deliver it through {node} (a quorum queue sends "
+            "through its replica on the consumer's node: that replica may be down)"
+        )
+        with about_queues([queue]):
+            if self._link.single_node:
+                log.error("%s. Only one RabbitMQ URL is set: list every node to move to", why)
+                return False
+            log.warning("%s. Moving this worker's connection to another node", why)
+        with self._counts_lock:
+            self.starved_moves += 1
+        self._starvation.forget()
+        self._link.move(f"queue {queue} starved on {node}: moving to another node")
+        return True
 
     def lose(self, lease: Lease, reason: str) -> None:
         """Stop a queue whose lock is no longer ours (found lost by a renewal or a refused
@@ -392,7 +427,9 @@ class HeldQueues:
         """``_fence_all`` for one holding: False if it had ended already."""
         return bool(self._fence_all([held], close=close))
 
-    def _fence_all(self, helds: Sequence[Held], *, close: bool) -> list[Held]:
+    def _fence_all(
+        self, helds: Sequence[Held], *, close: bool, silent: set[str] | None = None
+    ) -> list[Held]:
         """The order every ending follows; returns the holdings it ended (not those that
         had ended already).
 
@@ -421,6 +458,8 @@ class HeldQueues:
         else:  # the I/O thread: it must not wait on itself (its own consumer is gone)
             for side in sides:
                 self._sides_to_close.put((side.queue, side.epoch))
+        if silent is not None:  # judged once nothing more of them can arrive
+            silent.update(held.queue for held in ended if self._silent(held))
         for held in ended + sides:
             self._buffer.drop(held.queue, held.epoch)
         return ended

@@ -2,77 +2,93 @@
 delivered.
 
 RabbitMQ hands a quorum queue's deliveries to a consumer through the queue's replica on the
-consumer's node: the leader leaves the sending to that replica. When that replica is down
-while its node runs (it did not come back after a restart, say), a consumer connected there
-is sent nothing, ever: its messages count as delivered to it, unacked, and stay so until its
-channel closes, while a consumer on another node would get them at once. A worker would hold
-such a queue, see it idle, hand it back and claim it again, forever, on the same node.
+consumer's node, when that node has one: the leader leaves the sending to it. When that
+replica is down while its node runs (it did not come back after a restart, say), a consumer
+connected there is sent nothing, ever: its messages count as delivered to it, unacked, and
+stay so until its channel closes, while a consumer on another node would get them at once. A
+worker would hold such a queue, see it idle, hand it back and claim it again, forever, on the
+same node.
 
-The signature is a holding that ends idle with nothing delivered after which the queue has
-messages ready (key mode: the hand-back gave them back), or a holding silent for the idle
-time while messages wait ready (bucket mode, whose queues are held for good). Twice in a row
-for one queue and the worker moves its connection to another node. Only quorum queues are
-watched: a classic queue has one process, which sends its deliveries itself.
+The signature, in key mode, is a holding handed back idle with nothing delivered, after which
+the queue has messages ready (closing gave them back); in bucket mode, whose queues are held
+for good, a queue quiet for the idle time whose consumer has nothing unacked while messages
+wait ready. Twice for one queue through one connection, within ``WINDOW_S``, and the worker
+moves its connection to another node. Only quorum queues are watched: a classic queue has
+one process, which sends its deliveries itself.
 """
 
 from __future__ import annotations
 
+import random
+import threading
 from collections.abc import Callable, Sequence
 
-# Starved holdings of one queue in a row that move the connection. One could be a peer's
-# consumer still active on the queue for a moment (a paused zombie, until its connection
-# times out); two, an idle period apart, are not.
+# Starved holdings of one queue that move the connection. One can be a race: a delivery
+# that arrived while the hand-back closed the channel, a peer's consumer still active on the
+# queue for a moment (single active consumer: a paused zombie until its connection times
+# out). Two, an idle period apart, through the same connection, are not.
 STARVED_TIMES = 2
+# Strikes older than this are forgotten: two rare races months apart are not a pattern.
+WINDOW_S = 120.0
 
 
 class StarvationWatch:
-    """Counts, per queue, holdings in a row that were starved; pure bookkeeping."""
+    """Counts, per queue, starved holdings seen through one connection; bookkeeping only,
+    safe from any thread."""
 
-    def __init__(self, times: int = STARVED_TIMES) -> None:
+    def __init__(self, times: int = STARVED_TIMES, window_s: float = WINDOW_S) -> None:
         self._times = times
-        self._counts: dict[str, int] = {}
+        self._window_s = window_s
+        self._lock = threading.Lock()
+        self._strikes: dict[str, list[float]] = {}
+        self._connection = 0
 
     def delivered(self, queue: str) -> None:
         """A holding of ``queue`` received something: the broker delivers it here."""
-        self._counts.pop(queue, None)
+        with self._lock:
+            self._strikes.pop(queue, None)
 
-    def starved(self, queue: str) -> bool:
-        """A holding of ``queue`` was starved; True once it has been ``times`` in a row
-        (the count then starts over)."""
-        count = self._counts.get(queue, 0) + 1
-        if count >= self._times:
-            self._counts.pop(queue, None)
-            return True
-        self._counts[queue] = count
-        return False
+    def starved(self, queue: str, now: float, connection: int) -> bool:
+        """A holding of ``queue`` was starved at ``now`` (monotonic s), through connection
+        number ``connection`` (strikes through an earlier one are forgotten). True once it
+        has been ``times`` within the window; its strikes then start over."""
+        with self._lock:
+            if connection != self._connection:
+                self._connection = connection
+                self._strikes.clear()
+            strikes = [t for t in self._strikes.get(queue, []) if now - t < self._window_s]
+            strikes.append(now)
+            if len(strikes) >= self._times:
+                self._strikes.pop(queue, None)
+                return True
+            self._strikes[queue] = strikes
+            return False
 
     def forget(self) -> None:
         """The connection moved: what was seen through the old one no longer counts."""
-        self._counts.clear()
+        with self._lock:
+            self._strikes.clear()
 
 
 # How long the broker is given to take back a closed consumer's messages (its channel's end
-# reaches the quorum queue's leader as a command of its log) before the queue is looked into,
-# and how many times it is looked into.
+# reaches the quorum queue's leader as a command of its log) before the queues are looked
+# into, once per hand-back: a starved queue missed now is seen at its next hand-back.
 SETTLE_S = 0.1
-LOOKS = 3
-# Queues looked into per hand-back: a silent holding is rare, a hand-back of hundreds is not.
+# Queues looked into per hand-back, picked at random: a silent holding is rare, a hand-back
+# of hundreds is not.
 MOST_LOOKED_INTO = 20
 
 
 def ready_after_close(
-    ready_of: Callable[[str], int], queues: Sequence[str], pause: Callable[[float], None]
+    ready_of: Callable[[Sequence[str]], dict[str, int]],
+    queues: Sequence[str],
+    pause: Callable[[float], None],
 ) -> dict[str, int]:
-    """The messages ready in each of ``queues`` (consumers just closed) once the broker has
-    taken back what it counted as delivered to them: looked into ``LOOKS`` times, ``SETTLE_S``
-    apart, until it shows some; 0 for a queue that never did."""
-    found: dict[str, int] = {}
-    todo = list(queues[:MOST_LOOKED_INTO])
-    for _look in range(LOOKS):
-        if not todo:
-            break
-        pause(SETTLE_S)
-        for queue in todo:
-            found[queue] = ready_of(queue)
-        todo = [queue for queue in todo if not found[queue]]
-    return found
+    """The messages ready in (at most ``MOST_LOOKED_INTO`` of) ``queues``, consumers just
+    closed, once the broker had ``SETTLE_S`` to take back what it counted as delivered to
+    them; ``ready_of`` looks into several queues in one call."""
+    picked = list(queues)
+    if len(picked) > MOST_LOOKED_INTO:
+        picked = random.sample(picked, MOST_LOOKED_INTO)
+    pause(SETTLE_S)
+    return ready_of(picked)
