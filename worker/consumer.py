@@ -287,25 +287,25 @@ class ConsumerLink:
         return self.queue_counts(queue)[0]
 
     def message_counts(self, queues: Sequence[str]) -> dict[str, int]:
-        """Messages ready in each of ``queues``, in one call to the I/O thread. Raises
-        ``BrokerUnavailable`` if the connection or the probe's channel fails."""
+        """Messages ready in each of ``queues``, in one call to the I/O thread."""
+        return self._probe(lambda: {q: self._queue_counts(q)[0] for q in queues}, "queues")
+
+    def queue_counts(self, queue: str) -> tuple[int, int]:
+        """Messages ready in ``queue`` and its consumers ((0, 0) if it does not exist)."""
+        return self._probe(lambda: self._queue_counts(queue), queue)
+
+    def _probe(self, action: Callable[[], T], what: str) -> T:
+        """``call`` for a passive declare: pika's errors (the connection or the probe's
+        channel failing) are ``BrokerUnavailable``."""
         try:
-            return self.call(lambda: {queue: self._queue_counts(queue)[0] for queue in queues})
+            return self.call(action)
         except pika.exceptions.AMQPError as exc:
-            raise BrokerUnavailable(f"probing queues: {describe_exception(exc)}") from None
+            raise BrokerUnavailable(f"probing {what}: {describe_exception(exc)}") from None
 
     @property
     def single_node(self) -> bool:
         """Only one broker URL is configured: a move would come back to the same node."""
         return len(split_urls(self._settings.amqp_url)) == 1
-
-    def queue_counts(self, queue: str) -> tuple[int, int]:
-        """Messages ready in ``queue`` and its consumers ((0, 0) if it does not exist).
-        Raises ``BrokerUnavailable`` if the connection or the probe's channel fails."""
-        try:
-            return self.call(lambda: self._queue_counts(queue))
-        except pika.exceptions.AMQPError as exc:
-            raise BrokerUnavailable(f"probing {queue}: {describe_exception(exc)}") from None
 
     def held(self) -> dict[str, int]:
         """Queues with a live consumer, and their epochs."""
