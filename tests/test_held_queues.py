@@ -147,6 +147,14 @@ def make(outcomes: dict[str, ConsumeOutcome] | None = None) -> tuple[HeldQueues,
     return held, journal, parts
 
 
+def make_quorum(ready: dict[str, int]) -> tuple[HeldQueues, Journal, Any]:
+    """``make`` for a quorum stream whose queues, looked into, show ``ready`` messages."""
+    held, journal, parts = make()
+    parts.link.queue_type = "quorum"
+    parts.link.ready = ready
+    return held, journal, parts
+
+
 def lease(queue: str, token: int = 1) -> Lease:
     return Lease(queue=queue, owner="me", token=token)
 
@@ -234,9 +242,7 @@ def test_handing_back_closes_all_in_one_call_before_dropping_and_releases_all_in
 def test_a_quorum_queue_handed_back_silent_is_looked_into_before_its_lock_goes() -> None:
     """The order of a starved hand-back (``keyq.worker.starvation``); whether the broker
     starves a consumer is shown on a real cluster in ``tests/test_cluster.py``."""
-    held, journal, parts = make()
-    parts.link.queue_type = "quorum"
-    parts.link.ready = {"q-silent": 3}
+    held, journal, parts = make_quorum({"q-silent": 3})
     for round_ in (1, 2):
         held.claim([lease("q-silent"), lease("q-busy")], budget_s=1.0)
         epoch = held.get("q-busy").epoch  # type: ignore[union-attr]
@@ -280,9 +286,7 @@ def _silent_hand_backs(held: HeldQueues, queue: str, reasons: list[str]) -> None
 
 
 def test_a_holding_that_received_something_between_two_starved_ones_moves_nothing() -> None:
-    held, _journal, parts = make()
-    parts.link.queue_type = "quorum"
-    parts.link.ready = {"q": 3}
+    held, _journal, parts = make_quorum({"q": 3})
     _silent_hand_backs(held, "q", ["silent", "received", "silent"])
     assert parts.link.moves == [] and held.starved_moves == 0
     _silent_hand_backs(held, "q", ["silent"])
@@ -290,17 +294,13 @@ def test_a_holding_that_received_something_between_two_starved_ones_moves_nothin
 
 
 def test_only_idle_hand_backs_are_looked_into() -> None:
-    held, journal, parts = make()
-    parts.link.queue_type = "quorum"
-    parts.link.ready = {"q": 3}
+    held, journal, _parts = make_quorum({"q": 3})
     _silent_hand_backs(held, "q", ["rebalance", "rebalance"])
     assert not [entry for entry in journal.entries if entry[0] in ("look", "move")]
 
 
 def test_a_look_that_fails_still_releases_the_locks_and_moves_nothing() -> None:
-    held, journal, parts = make()
-    parts.link.queue_type = "quorum"
-    parts.link.ready = {"q": 3}
+    held, journal, parts = make_quorum({"q": 3})
     parts.link.looks_fail = True
     _silent_hand_backs(held, "q", ["silent", "silent"])
     assert parts.locks.calls == [["q"], ["q"]]
@@ -309,18 +309,14 @@ def test_a_look_that_fails_still_releases_the_locks_and_moves_nothing() -> None:
 
 
 def test_with_one_broker_url_a_starved_queue_is_reported_but_the_link_stays() -> None:
-    held, _journal, parts = make()
-    parts.link.queue_type = "quorum"
-    parts.link.ready = {"q": 3}
+    held, _journal, parts = make_quorum({"q": 3})
     parts.link.single_node = True
     _silent_hand_backs(held, "q", ["silent", "silent"])
     assert parts.link.moves == [] and held.starved_moves == 0
 
 
 def test_bucket_mode_a_quiet_quorum_queue_with_ready_messages_and_none_unacked_moves() -> None:
-    held, journal, parts = make()
-    parts.link.queue_type = "quorum"
-    parts.link.ready = {"q-starved": 7, "q-busy": 7}
+    held, journal, parts = make_quorum({"q-starved": 7, "q-busy": 7})
     parts.link.unacked = {"q-busy": 5}  # a full prefetch: ready messages wait for room
     held.claim([lease("q-starved"), lease("q-busy")], budget_s=1.0)
     looks: dict[str, float] = {}
@@ -332,9 +328,7 @@ def test_bucket_mode_a_quiet_quorum_queue_with_ready_messages_and_none_unacked_m
 
 
 def test_bucket_mode_a_queue_quiet_for_less_than_the_idle_time_is_not_looked_into() -> None:
-    held, journal, parts = make()
-    parts.link.queue_type = "quorum"
-    parts.link.ready = {"q": 7}
+    held, journal, parts = make_quorum({"q": 7})
     held.claim([lease("q")], budget_s=1.0)
     looks: dict[str, float] = {}
     for _ in range(3):
