@@ -142,6 +142,27 @@ class StreamKeys:
         return f"{self._base}:dlq-lock"
 
     @property
+    def dead_letter_index_prefix(self) -> str:
+        """The start of every key of the index of dead letters (``broker.dead_letter_index``):
+        ``by-time`` (sorted set: entry -> dead at, ms), ``by-id`` (sorted set, all scores 0:
+        entries by letter id, read by lex range), ``rows`` and ``details`` (hashes: entry ->
+        JSON summary / headers and payload), ``copies`` and ``added`` (hashes: entry -> copies
+        in the queue / when first indexed, Redis time ms), ``reasons`` (hash: reason digest ->
+        reason), ``counts`` (hash: messages), ``key:<digest>`` and ``reason:<digest>`` (sorted
+        sets: one key's / one reason's entries by time)."""
+        return f"{self._base}:dlq-index:"
+
+    def dead_letter_index(self, part: str) -> str:
+        """One key of the index of dead letters: ``part`` as listed above."""
+        return f"{self.dead_letter_index_prefix}{part}"
+
+    @property
+    def stranded(self) -> str:
+        """Hash with a ttl: key (or queue) -> JSON of why its waiting events make no progress,
+        as the janitor's watchdog last found them (``broker.stranded``)."""
+        return f"{self._base}:stranded"
+
+    @property
     def janitor_lease(self) -> str:
         return f"{self._base}:janitor"
 

@@ -16,6 +16,7 @@ the next one before lifting its mark, so a producer declares it again under a na
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 
 import redis
@@ -73,20 +74,67 @@ return 1
 """
 
 
-# KEYS = retirement marks; ARGV[1] = owner, ARGV[2] = ttl ms. Each result: 1 if the mark is
-# still the owner's (its ttl renewed), 0 if it lapsed (expired, or someone else's now).
-_STILL_MARKED = """
-local held = {}
-for i = 1, #KEYS do
-  if redis.call('GET', KEYS[i]) == ARGV[1] then
-    redis.call('PEXPIRE', KEYS[i], ARGV[2])
-    held[i] = 1
+# A key-mode queue whose key has queues aside (``broker.key_control``) is never retired: only
+# the holder of the key's own queue drains what waits aside, so deleting that queue would leave
+# the key's events with no path to a worker (and nothing re-declares a quiet key's queue). The
+# check is made in the same script that marks, so no aside list can start between the two; and
+# again right before each delete, with the mark renewed.
+_HAS_ASIDE = """
+local function has_aside(queue)
+  local key = redis.call('HGET', KEYS[1], queue)
+  return key and redis.call('HEXISTS', KEYS[2], key) == 1
+end
+"""
+
+# KEYS[1] = queue keys, KEYS[2] = aside, KEYS[3..] = retirement marks; ARGV[1] = owner,
+# ARGV[2] = ttl ms, ARGV[3..] = the queues. Each result: 1 marked, 0 marked by someone else
+# already, 2 refused (its key has queues aside).
+_MARK = (
+    _HAS_ASIDE
+    + """
+local result = {}
+for i = 3, #KEYS do
+  if has_aside(ARGV[i]) then
+    result[i - 2] = 2
+  elseif redis.call('SET', KEYS[i], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    result[i - 2] = 1
   else
-    held[i] = 0
+    result[i - 2] = 0
+  end
+end
+return result
+"""
+)
+
+# KEYS[1] = queue keys, KEYS[2] = aside, KEYS[3..] = retirement marks; ARGV[1] = owner,
+# ARGV[2] = ttl ms, ARGV[3..] = the queues. Each result: 1 if the mark is still the owner's
+# (its ttl renewed), 0 if it lapsed (expired, or someone else's now), 2 if the queue's key has
+# queues aside now (a worker set events aside during the grace).
+_STILL_MARKED = (
+    _HAS_ASIDE
+    + """
+local held = {}
+for i = 3, #KEYS do
+  if redis.call('GET', KEYS[i]) ~= ARGV[1] then
+    held[i - 2] = 0
+  elseif has_aside(ARGV[i]) then
+    held[i - 2] = 2
+  else
+    redis.call('PEXPIRE', KEYS[i], ARGV[2])
+    held[i - 2] = 1
   end
 end
 return held
 """
+)
+
+
+class Mark(enum.Enum):
+    """What marking one queue as retiring came to."""
+
+    MARKED = 1
+    TAKEN = 0  # another deleter's mark is on it
+    ASIDE = 2  # refused: its key has events waiting aside
 
 
 class RetirementFence:
@@ -97,6 +145,7 @@ class RetirementFence:
         self._keys = StreamKeys(stream)
         self._lease = client.register_script(_LEASE)
         self._advance = client.register_script(_ADVANCE)
+        self._mark = client.register_script(_MARK)
         self._still_marked = client.register_script(_STILL_MARKED)
 
     def lease(self, queues: Sequence[str]) -> dict[str, int | None]:
@@ -118,29 +167,26 @@ class RetirementFence:
             for queue, flag in zip(queues, granted, strict=True)
         }
 
-    def mark(self, queues: Sequence[str], owner: str, ttl_ms: int) -> list[str]:
-        """For a deleter: mark queues (any incarnation) as retiring; returns those it marked
-        (not marked yet). The ttl bounds how long producers wait if the deleter dies before
-        ``unmark``."""
+    def mark(self, queues: Sequence[str], owner: str, ttl_ms: int) -> dict[str, Mark]:
+        """For a deleter: mark queues (any incarnation) as retiring, unless marked already or
+        their key has events aside (``Mark.ASIDE``: the queue must stay). The ttl bounds how
+        long producers wait if the deleter dies before ``unmark``."""
         if not queues:
-            return []
-        pipe = self._client.pipeline(transaction=False)
-        for queue in queues:
-            pipe.set(self._retiring(queue), owner, nx=True, px=ttl_ms)
-        return [queue for queue, ok in zip(queues, pipe.execute(), strict=True) if ok]
+            return {}
+        flags = self._mark(keys=self._checked_keys(queues), args=[owner, ttl_ms, *queues])
+        return {queue: Mark(int(flag)) for queue, flag in zip(queues, flags, strict=True)}
 
-    def still_marked(self, queues: Sequence[str], owner: str, ttl_ms: int) -> list[str]:
-        """For a deleter, right before deleting: the queues whose marks are still its own
-        (their ttl renewed). A mark that lapsed while the deleter was slow (the marks of a
-        pass's later chunks, on an overloaded broker) let producers publish again, so its
-        queue must not be deleted now: an event on its way into a queue that is deleted is
-        confirmed and lost (rabbitmq-server#4746)."""
+    def still_marked(self, queues: Sequence[str], owner: str, ttl_ms: int) -> dict[str, Mark]:
+        """For a deleter, right before deleting: ``Mark.MARKED`` for the queues whose marks are
+        still its own (their ttl renewed). A mark that lapsed while the deleter was slow (the
+        marks of a pass's later chunks, on an overloaded broker) let producers publish again,
+        so its queue must not be deleted now: an event on its way into a queue that is deleted
+        is confirmed and lost (rabbitmq-server#4746). ``Mark.ASIDE``: the queue's key has had
+        events set aside since it was marked, and the queue must stay."""
         if not queues:
-            return []
-        held = self._still_marked(
-            keys=[self._retiring(queue) for queue in queues], args=[owner, ttl_ms]
-        )
-        return [queue for queue, flag in zip(queues, held, strict=True) if int(flag)]
+            return {}
+        flags = self._still_marked(keys=self._checked_keys(queues), args=[owner, ttl_ms, *queues])
+        return {queue: Mark(int(flag)) for queue, flag in zip(queues, flags, strict=True)}
 
     def advance_incarnations(self, deleted: Sequence[str]) -> None:
         """For a deleter, while it still holds the marks: the next producer declares each of
@@ -160,6 +206,9 @@ class RetirementFence:
             return []
         values = self._client.mget([self._retiring(queue) for queue in queues])
         return [queue for queue, value in zip(queues, values, strict=True) if value is not None]
+
+    def _checked_keys(self, queues: Sequence[str]) -> list[str]:
+        return [self._keys.queue_keys, self._keys.aside, *map(self._retiring, queues)]
 
     def _retiring(self, queue: str) -> str:
         return self._keys.retiring(base_queue_name(queue))

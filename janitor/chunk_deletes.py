@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import redis
 
 from keyq.broker.locks import FencedLocks
-from keyq.broker.retirement import RetirementFence
+from keyq.broker.retirement import Mark, RetirementFence
 from keyq.janitor.cluster_probe import unreachable_nodes
 from keyq.janitor.config import JanitorSettings
 from keyq.janitor.deleter import Outcome, QueueDeleter
@@ -44,17 +44,19 @@ class Marks:
 
     def still_held(self, queues: list[str]) -> tuple[list[str], dict[str, Outcome]]:
         """The queues whose marks still stand (renewed, with those ``ahead``), and the
-        lapsed ones as outcomes: the grace protects a delete only while the mark that
-        started it stands."""
-        kept = set(self.fence.still_marked([*queues, *self.ahead], self.owner, self.ttl_ms))
-        lapsed = {queue: Outcome.LAPSED for queue in queues if queue not in kept}
+        others as outcomes: lapsed (the grace protects a delete only while the mark that
+        started it stands), or kept because their key has had events set aside since."""
+        marks = self.fence.still_marked([*queues, *self.ahead], self.owner, self.ttl_ms)
+        kept = [queue for queue in queues if marks[queue] is Mark.MARKED]
+        lapsed = {queue: Outcome.LAPSED for queue in queues if marks[queue] is Mark.TAKEN}
         if lapsed:
             log.warning(
                 "%d retirement marks lapsed before their queues' deletes (the janitor was "
                 "slower than their ttl); those queues are kept for a later pass",
                 len(lapsed),
             )
-        return [queue for queue in queues if queue in kept], lapsed
+        aside = {queue: Outcome.ASIDE for queue in queues if marks[queue] is Mark.ASIDE}
+        return kept, {**lapsed, **aside}
 
 
 def delete_marked(deleter: QueueDeleter, queues: list[str], marks: Marks) -> dict[str, Outcome]:

@@ -27,6 +27,13 @@ class JanitorSettings(Settings):
     # prometheus_url and management_url (the queue list, for queues a crash left
     # unregistered; with neither, that step is skipped) and fd_warn_ratio are shared
     # settings: keyq status reads them too.
+    stranded_after_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a key whose waiting events make no progress this long is reported "
+        "stranded by the watchdog (a key whose queue is gone with events aside is repaired "
+        "at once)",
+    )
     fd_warn_every_s: float = Field(
         default=600.0,
         gt=0,

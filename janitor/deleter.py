@@ -53,6 +53,8 @@ class Outcome(enum.Enum):
     # Not tried: the queue's retirement mark lapsed before its turn came (the janitor was
     # slower than the mark's ttl), so producers may be publishing to it again.
     LAPSED = "mark_lapsed"
+    # Not tried: the queue's key has events aside (its holder drains them), so it must stay.
+    ASIDE = "kept_aside"
 
 
 class _Lane:

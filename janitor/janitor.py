@@ -18,6 +18,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Any
 
+import pika.exceptions
 import redis
 import redis.exceptions
 
@@ -30,9 +31,9 @@ from keyq.broker.membership import Membership
 from keyq.broker.naming import Mode, check_stream_name, dead_letter_queue_name
 from keyq.broker.redis_keys import KEY_PREFIX
 from keyq.broker.registry import QueueRegistry
-from keyq.broker.retirement import RetirementFence
+from keyq.broker.retirement import Mark, RetirementFence
 from keyq.broker.settings import load_settings
-from keyq.broker.streams import load_stream_config
+from keyq.broker.streams import StreamConfig, load_stream_config
 from keyq.janitor.chunk_deletes import MARK_MARGIN_MS, Marks, delete_locked, delete_marked
 from keyq.janitor.cluster_probe import unreachable_nodes
 from keyq.janitor.config import JanitorSettings
@@ -41,6 +42,7 @@ from keyq.janitor.fd_watch import FdWatch
 from keyq.janitor.inventory import InventoryUnavailable, list_queues
 from keyq.janitor.leader import Leadership
 from keyq.janitor.stream_gauges import StreamGauges
+from keyq.janitor.watchdog import Watchdog
 
 log = logging.getLogger("keyq.janitor")
 
@@ -72,6 +74,7 @@ class Janitor:
         # stream has queues to delete (None: not probed yet in this pass).
         self._nodes_down: list[str] | None = None
         self.gauges = StreamGauges(self.settings, self.janitor_id)
+        self.watchdog = Watchdog(self.settings, self.janitor_id, self.gauges.figures, self.stats)
         self._turned_at: float | None = None  # monotonic: the loop's last sign of life
         self._passed = False  # the last pass reached Redis and RabbitMQ
 
@@ -146,6 +149,7 @@ class Janitor:
                     break
         finally:
             self.gauges.close()
+            self.watchdog.close()
             if deleter is not None:
                 deleter.close()
             if client is not None:
@@ -178,6 +182,7 @@ class Janitor:
         leader = Leadership(client, stream, self.janitor_id, self.settings.janitor_lease_ms)
         if not leader.hold():
             self.gauges.forget(stream)
+            self.watchdog.forget(stream)
             if config.mode is Mode.KEY:
                 self.stats["not_leader"] += 1
             return
@@ -185,6 +190,7 @@ class Janitor:
             # Only read where someone can scrape them: without a listing endpoint they cost
             # the broker a passive declare per queue and pass.
             self.gauges.measure(client, stream, config)
+        self._watch(client, stream, config)
         if config.mode is not Mode.KEY:
             return
         registry = QueueRegistry(client, stream)
@@ -227,6 +233,16 @@ class Janitor:
             quorum=quorum,
         )
 
+    def _watch(self, client: redis.Redis, stream: str, config: StreamConfig) -> None:
+        """The no-progress watchdog's look at ``stream``; a broker that cannot be asked
+        leaves it for the next pass (said at WARNING) without stopping the deletes."""
+        try:
+            self.watchdog.look(client, stream, config)
+        except (KeyqError, pika.exceptions.AMQPError, OSError) as exc:
+            self.gauges.close()
+            self.watchdog.close()
+            log.warning("stream %s: the watchdog could not look: %s", stream, exc)
+
     def _retire(
         self,
         *,
@@ -249,7 +265,9 @@ class Janitor:
         try:
             while waiting or in_flight:
                 if waiting and len(in_flight) < CHUNKS_IN_FLIGHT:
-                    marked = fence.mark(waiting.popleft(), self.janitor_id, mark_ttl)
+                    tried = fence.mark(waiting.popleft(), self.janitor_id, mark_ttl)
+                    marked = [queue for queue, mark in tried.items() if mark is Mark.MARKED]
+                    self.stats["skipped_aside"] += sum(m is Mark.ASIDE for m in tried.values())
                     if marked:
                         in_flight.append((marked, time.monotonic()))
                     continue
@@ -304,6 +322,7 @@ class Janitor:
         self.stats["skipped_in_use"] += tally[Outcome.IN_USE.value]
         self.stats["skipped_unreachable"] += tally[Outcome.UNREACHABLE.value]
         self.stats["skipped_lapsed"] += tally[Outcome.LAPSED.value]
+        self.stats["skipped_aside"] += tally[Outcome.ASIDE.value]
         gone = {
             queue: seen[queue]
             for queue, outcome in outcomes.items()

@@ -53,6 +53,12 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
         "Quorum queues deleted while a node stopped answering (its replica may be left behind).",
     ),
     (
+        "watchdog_repairs",
+        "keyq_janitor_watchdog_repairs_total",
+        "Keys the no-progress watchdog gave a path to a worker again (their queue declared, "
+        "registered and announced).",
+    ),
+    (
         "not_leader",
         "keyq_janitor_not_leader_total",
         "Stream passes skipped because another janitor leads the stream.",
@@ -66,6 +72,7 @@ SKIP_REASONS: tuple[tuple[str, str], ...] = (
     ("in_use", "skipped_in_use"),
     ("unreachable", "skipped_unreachable"),
     ("mark_lapsed", "skipped_lapsed"),
+    ("aside", "skipped_aside"),
 )
 
 
@@ -126,8 +133,8 @@ class JanitorCollector(Collector):
         skipped = CounterMetricFamily(
             "keyq_janitor_skipped_total",
             "Idle queues not deleted, by reason: held by a worker, not empty, in use "
-            "(a consumer attached), unreachable, or their retirement mark lapsed before "
-            "the delete.",
+            "(a consumer attached), unreachable, their retirement mark lapsed before "
+            "the delete, or their key has events aside.",
             labels=["janitor", "reason"],
         )
         for reason, key in SKIP_REASONS:
@@ -167,6 +174,15 @@ class JanitorCollector(Collector):
                 if value is not None:
                     gauge.add_metric([stream, janitor.janitor_id], value)
             yield gauge
+        stranded = GaugeMetricFamily(
+            "keyq_stream_stranded_keys",
+            "Keys whose waiting events made no progress for KEYQ_STRANDED_AFTER_S, as the "
+            "watchdog last found them (keyq status and keyq inspect say why).",
+            labels=["stream", "janitor"],
+        )
+        for stream, count in sorted(dict(janitor.watchdog.latest).items()):
+            stranded.add_metric([stream, janitor.janitor_id], count)
+        yield stranded
 
 
 class JanitorMetrics:

@@ -92,7 +92,7 @@ class StreamGauges:
         queues = [q for q in QueueRegistry(client, stream).queues() if q != _dlq(stream)]
         dead_letters = ready = age = None
         try:
-            figures = self._figures(stream, [*queues, _dlq(stream)])
+            figures = self.figures(stream, [*queues, _dlq(stream)])
             dead = figures.get(_dlq(stream))
             dead_letters = dead[0] if dead is not None else 0
             ready = self._ready(figures, queues)
@@ -136,7 +136,7 @@ class StreamGauges:
             return None  # more queues than are declared per pass: not measured
         return sum(found[0] for queue in queues if (found := figures[queue]) is not None)
 
-    def _figures(self, stream: str, queues: list[str]) -> Figures:
+    def figures(self, stream: str, queues: list[str]) -> Figures:
         """(ready, consumers) of ``queues``: from a listing when one is set and answers
         (queues it does not report are declared), else declared, up to the limit."""
         settings = self._settings

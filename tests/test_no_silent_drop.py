@@ -26,7 +26,7 @@ from keyq import Producer
 from keyq.broker.envelope import HEADER_KEY, HEADER_SEQ
 from keyq.broker.naming import key_queue_name
 from keyq.broker.packs import decode_pack, is_pack
-from keyq.broker.retirement import RetirementFence
+from keyq.broker.retirement import Mark, RetirementFence
 from keyq.broker.settings import load_settings
 from tests.conftest import StreamFixture
 from tests.helpers import drain
@@ -68,7 +68,8 @@ def delete_over_and_over(
     seen: list[tuple[str, int]] = []
     deletions = refused = 0
     while not stop.is_set():
-        marked = fence.mark(queues, "test-deleter", ttl_ms=10_000)
+        marks = fence.mark(queues, "test-deleter", ttl_ms=10_000)
+        marked = [queue for queue, mark in marks.items() if mark is Mark.MARKED]
         time.sleep(grace_s)
         for queue in marked:
             try:

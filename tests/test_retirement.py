@@ -10,7 +10,7 @@ import pika
 from keyq import Producer
 from keyq.broker.naming import key_queue_name
 from keyq.broker.registry import QueueRegistry
-from keyq.broker.retirement import RetirementFence
+from keyq.broker.retirement import Mark, RetirementFence
 from keyq.broker.settings import load_settings
 from tests.conftest import StreamFixture
 from tests.helpers import drain, queue_depth
@@ -21,8 +21,8 @@ def test_lease_refused_while_marked_and_touches_when_granted(stream: StreamFixtu
     registry = QueueRegistry(stream.redis, stream.name)
     registry.register({"q1": "a", "q2": "b"})
     before = registry.queues()
-    assert fence.mark(["q1"], "janitor-1", ttl_ms=5000) == ["q1"]
-    assert fence.mark(["q1", "q2"], "janitor-2", ttl_ms=5000) == ["q2"]  # NX: one deleter
+    assert marked(fence.mark(["q1"], "janitor-1", ttl_ms=5000)) == ["q1"]
+    assert marked(fence.mark(["q1", "q2"], "janitor-2", ttl_ms=5000)) == ["q2"]  # one deleter
     assert fence.marked(["q1", "q2", "q3"]) == ["q1", "q2"]
     fence.unmark(["q2"])
     time.sleep(0.01)
@@ -74,20 +74,45 @@ def test_a_deleter_keeps_only_the_marks_that_still_stand_and_renews_them(
     stream: StreamFixture,
 ) -> None:
     fence = RetirementFence(stream.redis, stream.name)
-    assert fence.mark(["mine", "lapsing", "theirs"], "janitor-1", ttl_ms=300) == [
-        "mine",
-        "lapsing",
-        "theirs",
-    ]
+    queues = ["mine", "lapsing", "theirs"]
+    assert marked(fence.mark(queues, "janitor-1", ttl_ms=300)) == queues
     stream.redis.delete(stream.keys.retiring("theirs"))
-    assert fence.mark(["theirs"], "janitor-2", ttl_ms=5000) == ["theirs"]
+    assert marked(fence.mark(["theirs"], "janitor-2", ttl_ms=5000)) == ["theirs"]
     time.sleep(0.1)
-    assert fence.still_marked(["mine", "theirs", "never"], "janitor-1", 5000) == ["mine"]
+    assert marked(fence.still_marked(["mine", "theirs", "never"], "janitor-1", 5000)) == ["mine"]
     time.sleep(0.4)  # past the first ttl: only the renewed mark is left of janitor-1's
-    assert fence.still_marked(["mine", "lapsing"], "janitor-1", 5000) == ["mine"]
+    assert marked(fence.still_marked(["mine", "lapsing"], "janitor-1", 5000)) == ["mine"]
     assert fence.marked(["mine", "lapsing", "theirs"]) == ["mine", "theirs"]
     assert fence.lease(["mine", "lapsing"]) == {"mine": None, "lapsing": 0}
-    assert fence.still_marked([], "janitor-1", 5000) == []
+    assert fence.still_marked([], "janitor-1", 5000) == {}
+
+
+def test_a_queue_whose_key_has_events_aside_is_never_marked_for_retirement(
+    stream: StreamFixture,
+) -> None:
+    """Only the holder of a key's own queue drains what waits aside for the key: the queue
+    is refused in the script that marks (no window between the check and the mark), and a
+    queue whose key had events set aside during the grace is refused before its delete."""
+    fence = RetirementFence(stream.redis, stream.name)
+    QueueRegistry(stream.redis, stream.name).register({"q-a": "a", "q-b": "b", "q-c": "c"})
+    stream.redis.hset(stream.keys.aside, "a", '["side-a"]')
+    marks = fence.mark(["q-a", "q-b", "q-c", "unkeyed"], "janitor", ttl_ms=5000)
+    assert marks == {
+        "q-a": Mark.ASIDE,
+        "q-b": Mark.MARKED,
+        "q-c": Mark.MARKED,
+        "unkeyed": Mark.MARKED,
+    }
+    assert fence.marked(["q-a", "q-b", "q-c"]) == ["q-b", "q-c"]
+    stream.redis.hset(stream.keys.aside, "b", '["side-b"]')  # set aside during the grace
+    assert fence.still_marked(["q-b", "q-c"], "janitor", 5000) == {
+        "q-b": Mark.ASIDE,
+        "q-c": Mark.MARKED,
+    }
+
+
+def marked(marks: dict[str, Mark]) -> list[str]:
+    return [queue for queue, mark in marks.items() if mark is Mark.MARKED]
 
 
 def test_a_deleted_queue_is_leased_under_its_next_incarnation(stream: StreamFixture) -> None:
@@ -98,7 +123,7 @@ def test_a_deleted_queue_is_leased_under_its_next_incarnation(stream: StreamFixt
     registry = QueueRegistry(stream.redis, stream.name)
     registry.register({"q~1": "a", "q": "a"})
     before = registry.queues()
-    assert fence.mark(["q"], "janitor", ttl_ms=5000) == ["q"]
+    assert marked(fence.mark(["q"], "janitor", ttl_ms=5000)) == ["q"]
     fence.advance_incarnations(["q"])
     assert fence.lease(["q"]) == {"q": None}  # still marked
     fence.unmark(["q"])
@@ -106,7 +131,7 @@ def test_a_deleted_queue_is_leased_under_its_next_incarnation(stream: StreamFixt
     assert fence.lease(["q"]) == {"q": 1}
     after = registry.queues()
     assert after["q~1"] > before["q~1"] and after["q"] == before["q"]
-    assert fence.mark(["q~1"], "janitor", ttl_ms=5000) == ["q~1"]
+    assert marked(fence.mark(["q~1"], "janitor", ttl_ms=5000)) == ["q~1"]
     assert fence.marked(["q", "q~1", "q~7"]) == ["q", "q~1", "q~7"]  # one mark per base name
     assert fence.lease(["q"]) == {"q": None}
     fence.advance_incarnations(["q~1"])

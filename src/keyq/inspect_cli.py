@@ -51,6 +51,9 @@ def render_inspection(found: dict[str, Any]) -> str:
         + (", being retired" if queue["retiring"] else "")
         + ")"
     )
+    stranded = found.get("stranded")
+    if stranded is not None:
+        lines.append(f"STRANDED      {stranded['reason']}")
     holder = found["holder"]
     if holder is None:
         lines.append("held by       nobody")

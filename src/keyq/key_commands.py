@@ -11,6 +11,7 @@ import orjson
 
 from keyq.broker.errors import InvalidInput, KeyqError
 from keyq.broker.key_control import KeyControl
+from keyq.broker.key_wake import wake_keys
 from keyq.broker.stream_policy import (
     POISON_POLICIES,
     StreamPolicies,
@@ -19,7 +20,6 @@ from keyq.broker.stream_policy import (
     check_rate_limit,
 )
 from keyq.command_errors import OneLineCommand, OneLineGroup, fail, usage
-from keyq.key_wake import wake_keys
 from keyq.operator_context import OperatorContext, check_keys
 
 stream_option = click.option("--stream", required=True, help="Stream name.")

@@ -21,11 +21,12 @@ import pika.exceptions
 from keyq.broker.clock import now_ms
 from keyq.broker.dead_letter_queue import DeadLetterWalk
 from keyq.broker.envelope import HEADER_KEY, HEADER_PUBLISHED_AT
-from keyq.broker.key_control import KeyControl
+from keyq.broker.key_control import KeyControl, KeyStatus
 from keyq.broker.locks import FencedLocks
 from keyq.broker.naming import Mode, incarnation_name
 from keyq.broker.packs import HEADER_PACK, MalformedPack, decode_pack, is_pack
 from keyq.broker.retirement import RetirementFence
+from keyq.broker.stranded import Stranded, StrandedRecord, stranded_row
 from keyq.broker.stream_policy import StreamPolicies
 from keyq.broker.worker_report import WorkerReport
 from keyq.dead_letter_listing import letter_row
@@ -124,7 +125,30 @@ def inspect_key(ctx: OperatorContext, key: str, *, dlq_wait_s: float) -> dict[st
         "marks": None if raw_marks is None else orjson.loads(raw_marks),
         "oldest_waiting": oldest,
         "dead_letters": letters,
+        "stranded": _stranded(
+            StrandedRecord(client, ctx.stream).of(key),
+            status,
+            held=lease is not None,
+            queue_there=depth is not None and activity is not None,
+        ),
     }
+
+
+def _stranded(
+    found: Stranded | None, status: KeyStatus, *, held: bool, queue_there: bool
+) -> dict[str, object] | None:
+    """Why the key does not move, as the janitor's watchdog last found it; or, for a key
+    whose events wait aside with no queue of its own to drain them, said here and now."""
+    if found is not None:
+        return stranded_row(found)
+    if status.aside and not status.stopped and not held and not queue_there:
+        reason = (
+            "its events wait aside but its own queue is gone or unregistered, so no worker "
+            "drains them: a janitor's watchdog declares it again on its next pass (is a "
+            "janitor running?), as does `keyq resume --key`"
+        )
+        return {"key": "", "queue": "", "reason": reason, "since_ms": None, "repaired": False}
+    return None
 
 
 def _depths(

@@ -46,10 +46,10 @@ from keyq.broker.envelope import (
 )
 from keyq.broker.errors import InvalidInput, KeyqError, LockLost
 from keyq.broker.key_control import KeyControl
+from keyq.broker.key_wake import wake_keys
 from keyq.broker.naming import redrive_queue_name
 from keyq.broker.topology import keyed_queue_arguments
 from keyq.dlq_lock import DeadLetterLock
-from keyq.key_wake import wake_keys
 from keyq.letter_selection import by_ids, of_key, whole_packs
 from keyq.operator_context import OperatorContext
 

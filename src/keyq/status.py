@@ -34,6 +34,7 @@ from keyq.broker.prometheus_api import queue_figures as prometheus_figures
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings
+from keyq.broker.stranded import Stranded, stranded_row
 from keyq.broker.stream_policy import StreamPolicies
 from keyq.broker.streams import StreamConfig
 from keyq.broker.urls import vhost_of
@@ -112,7 +113,8 @@ class StatusReader:
             pipe.hgetall(keys.member_info)
             pipe.hlen(keys.paused_keys)
             pipe.hlen(keys.parked_keys)
-            raw_config, registered, members, infos, paused, parked = pipe.execute()
+            pipe.hgetall(keys.stranded)
+            raw_config, registered, members, infos, paused, parked, stranded = pipe.execute()
         if raw_config is None:
             raise StreamNotFound(
                 f"stream {self.stream!r} has no producer yet (no config recorded in Redis)"
@@ -183,6 +185,9 @@ class StatusReader:
                 "parked_keys": int(parked),
             },
             "queues": [*queues, dead_letter],
+            "stranded": [
+                stranded_row(Stranded.from_json(raw)) for _, raw in sorted(stranded.items())
+            ],
             "workers": workers,
             "totals": {
                 "queues": len(queues),

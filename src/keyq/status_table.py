@@ -106,6 +106,7 @@ def render_table(status: dict[str, Any], *, width: int = PIPE_WIDTH) -> str:
         _print_gaps(console, status["workers"])
     else:
         console.print("no live workers")
+    _print_stranded(console, status.get("stranded") or [])
     console.print()
     console.print(
         f"dead-letter queue {status['dead_letter_queue']}: "
@@ -113,6 +114,16 @@ def render_table(status: dict[str, Any], *, width: int = PIPE_WIDTH) -> str:
     )
     text = cast(io.StringIO, console.file).getvalue()
     return "".join(line.rstrip() + "\n" for line in text.splitlines())
+
+
+def _print_stranded(console: Console, stranded: list[dict[str, Any]]) -> None:
+    """What the janitor's watchdog found waiting with no progress (``keyq inspect`` a key)."""
+    if not stranded:
+        return
+    console.print()
+    console.print(f"stranded keys {len(stranded)} (no progress; keyq inspect --key says why)")
+    for row in stranded[:TABLE_LIMIT]:
+        console.print(f"  {printable(row['key'])}: {row['reason']}", markup=False)
 
 
 def _print_gaps(console: Console, workers: list[dict[str, Any]]) -> None:

@@ -1,0 +1,175 @@
+"""No key is left stranded: every event that waits aside has a path to a worker.
+
+Only the holder of a key's own queue drains the queues its events wait in aside. A janitor that
+deleted that queue while events waited aside (drained, idle, unheld: its worker killed, say)
+left them with no path to any worker, for good. The janitor now refuses such a queue, and its
+watchdog re-declares the queue of a key found in that state, and reports what it cannot
+repair (a parked key whose dead letter is gone)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pika.exceptions
+import pytest
+
+from keyq import Producer
+from keyq.broker.key_control import KeyControl, ParkedKey
+from keyq.broker.naming import key_queue_name
+from keyq.broker.settings import load_settings
+from keyq.broker.stranded import StrandedRecord
+from keyq.janitor.config import JanitorSettings
+from keyq.janitor.janitor import Janitor
+from keyq.worker.state_store import StateStore
+from tests.conftest import StreamFixture
+from tests.workers import run_keyq, wait_until
+
+pytestmark = pytest.mark.slow
+
+KEY = "acct-63"
+EVENTS = 30
+
+
+def janitor(stream: StreamFixture, **overrides: Any) -> Janitor:
+    values: dict[str, Any] = {
+        "idle_ttl_s": 1.0,
+        "janitor_interval_s": 0.2,
+        "stranded_after_s": 2.0,
+        "amqp_url": stream.settings.amqp_url,
+        "redis_url": stream.settings.redis_url,
+        **overrides,
+    }
+    return Janitor([stream.name], settings=load_settings(JanitorSettings, **values))
+
+
+def keyq(stream: StreamFixture, *args: str) -> str:
+    done = run_keyq(stream.settings, *args)
+    assert done.returncode == 0, done.stderr + done.stdout
+    return done.stdout
+
+
+def applied(store: StateStore, key: str) -> int:
+    return int((store.get(key) or {"applied": 0})["applied"])
+
+
+def in_order_once(store: StateStore, key: str) -> bool:
+    state = store.get(key) or {}
+    return state.get("applied") == EVENTS and not state.get("violations")
+
+
+def queue_exists(amqp: Any, queue: str) -> bool:
+    channel = amqp.channel()
+    try:
+        channel.queue_declare(queue, passive=True)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        assert exc.reply_code == 404, exc
+        return False
+    channel.close()
+    return True
+
+
+def set_aside_with_no_worker(
+    stream: StreamFixture, workers: Any, producer: Producer
+) -> tuple[KeyControl, str]:
+    """A paused key's events set aside by a worker that is then killed -9, the key resumed:
+    its own queue is drained, idle and unheld while its events wait aside."""
+    control = KeyControl(stream.redis, stream.name)
+    worker = workers(stream.name, pipeline="tests.pipelines:audit", mode="key")
+    worker.wait_ready()
+    keyq(stream, "pause", "--stream", stream.name, "--key", KEY)
+    for n in range(1, EVENTS + 1):
+        producer.publish(KEY, {"n": n})
+    producer.flush(timeout=30)
+    queue = key_queue_name(stream.name, KEY)
+    wait_until(lambda: control.status(KEY).aside, 60, "the paused key's events set aside")
+    wait_until(
+        lambda: stream.redis.get(stream.keys.lock(queue)) is None and not _depth(stream, queue),
+        60,
+        "its own queue drained and handed back",
+    )
+    worker.kill()
+    keyq(stream, "resume", "--stream", stream.name, "--key", KEY)
+    return control, queue
+
+
+def _depth(stream: StreamFixture, queue: str) -> int:
+    connection = pika.BlockingConnection(pika.URLParameters(stream.settings.amqp_url))
+    try:
+        return int(connection.channel().queue_declare(queue, passive=True).method.message_count)
+    finally:
+        connection.close()
+
+
+def test_the_janitor_keeps_a_key_queue_while_the_key_has_events_aside(
+    stream: StreamFixture, workers: Any, producer: Producer, amqp: Any
+) -> None:
+    """The stranding found in the field: the janitor deleted the key's drained, idle, unheld
+    queue while its events waited aside, and no worker ever claimed them again."""
+    control, queue = set_aside_with_no_worker(stream, workers, producer)
+    store = StateStore(stream.redis, stream.name)
+    tender = janitor(stream)
+    wait_until(lambda: stream.redis.get(stream.keys.lock(queue)) is None, 30, "lock expiry")
+    for _ in range(10):  # well past the idle ttl: retired if it ever would be
+        tender.run(once=True)
+        time.sleep(0.3)
+    assert queue_exists(amqp, queue), "the key's queue was deleted with its events aside"
+    assert tender.stats["skipped_aside"] >= 1, tender.stats
+    assert tender.stats["watchdog_repairs"] == 0, tender.stats  # nothing needed repair
+
+    worker = workers(stream.name, pipeline="tests.pipelines:audit", mode="key")
+    worker.wait_ready()
+    wait_until(lambda: applied(store, KEY) >= EVENTS, 90, "the aside events applied")
+    assert in_order_once(store, KEY), store.get(KEY)
+    wait_until(lambda: not control.status(KEY).aside, 30, "the aside queues drained")
+
+
+def test_the_watchdog_declares_again_the_queue_of_a_key_stranded_with_events_aside(
+    stream: StreamFixture, workers: Any, producer: Producer, amqp: Any
+) -> None:
+    """A key already stranded (as an older janitor left it: its queue deleted and forgotten)
+    gets its queue back within one look, and a worker drains what waited aside."""
+    control, queue = set_aside_with_no_worker(stream, workers, producer)
+    store = StateStore(stream.redis, stream.name)
+    wait_until(lambda: stream.redis.get(stream.keys.lock(queue)) is None, 30, "lock expiry")
+    amqp.channel().queue_delete(queue)
+    stream.redis.zrem(stream.keys.registry, queue)
+    stream.redis.hdel(stream.keys.queue_keys, queue)
+    worker = workers(stream.name, pipeline="tests.pipelines:audit", mode="key")
+    worker.wait_ready()
+
+    tender = janitor(stream, idle_ttl_s=3600.0)
+    tender.run(once=True)
+    assert tender.stats["watchdog_repairs"] == 1, tender.stats
+    assert queue_exists(amqp, queue)
+    wait_until(lambda: applied(store, KEY) >= EVENTS, 90, "the aside events applied")
+    assert in_order_once(store, KEY), store.get(KEY)
+    wait_until(lambda: not control.status(KEY).aside, 30, "the aside queues drained")
+    tender.run(once=True)
+    assert StrandedRecord(stream.redis, stream.name).all() == {}
+
+
+def test_the_watchdog_reports_a_parked_key_whose_dead_letter_is_gone(
+    stream: StreamFixture, producer: Producer, tmp_path: Path
+) -> None:
+    """What it cannot repair it reports: in the stranded gauge, ``keyq status`` and ``keyq
+    inspect``; a key that flows is not reported."""
+    producer.publish("flowing", {"n": 1})
+    producer.publish("parked", {"n": 1})
+    producer.flush(timeout=30)
+    control = KeyControl(stream.redis, stream.name)
+    control.park("parked", ParkedKey(at_ms=1, reason="pipeline failed: boom", producer="p", seq=7))
+    tender = janitor(stream, idle_ttl_s=3600.0)
+    tender.run(once=True)
+    found = StrandedRecord(stream.redis, stream.name).all()
+    assert list(found) == ["parked"], found
+    assert "no dead letter" in found["parked"].reason
+    assert tender.watchdog.latest == {stream.name: 1}
+
+    status = keyq(stream, "status", "--stream", stream.name)
+    assert "stranded" in status and "parked" in status, status
+    inspected = keyq(stream, "inspect", "--stream", stream.name, "--key", "parked")
+    assert "no dead letter" in inspected, inspected
+    calm = keyq(stream, "inspect", "--stream", stream.name, "--key", "flowing")
+    assert "stranded" not in calm, calm
