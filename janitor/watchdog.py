@@ -14,7 +14,8 @@ Run by the leader of each stream once a pass. What it looks at, and what it does
   reported; its holder's lock keeps anyone else away, so only the holder or an operator can
   act.
 - **Parked keys with no dead letter.** A parked key waits for the redrive of its poison
-  event; with none in the dead-letter queue, a redrive has nothing to apply.
+  event; with none in the dead-letter queue, a redrive has nothing to put back (``--skip``
+  unparks it).
 - **Gaps open too long.** A worker waiting on an earlier seq of a key past
   ``stranded_after_s`` (from the worker's heartbeat report).
 
@@ -247,7 +248,7 @@ class Watchdog:
                 subject=key,
                 queue=config.queue_for(key),
                 reason=f"parked at {where.reason!r} but no dead letter waits to be redriven "
-                f"(dropped?): `keyq dlq redrive --key` has nothing to apply",
+                f"(dropped?): `keyq dlq redrive --key KEY --skip` lets it go on",
                 since_ms=where.at_ms,
             )
             for key, where in parked.items()
