@@ -18,6 +18,8 @@ Run by the leader of each stream once a pass. What it looks at, and what it does
   unparks it).
 - **Gaps open too long.** A worker waiting on an earlier seq of a key past
   ``stranded_after_s`` (from the worker's heartbeat report).
+- **Workers that apply nothing.** A live worker holding unapplied events that has applied
+  none for ``stranded_after_s`` (a pipeline or Spark job that hangs), by its heartbeat.
 
 Paused keys, and parked keys whose dead letter waits, wait for an operator by design and are
 not stranded. Unheld queues with a backlog are the janitor's own pass's: a non-empty queue it
@@ -167,8 +169,10 @@ class Watchdog:
         )
         found += self._parked_without_letter(control, config, figures)
         found += self._open_gaps(reports)
+        found += self._workers_not_applying(stream, reports, now)
         for slot in [s for s in self._tracks if s[0] == stream and s not in seen]:
-            del self._tracks[slot]
+            if not slot[1].startswith("worker:"):
+                del self._tracks[slot]
         for slot in [s for s in self._unheld_since if s[0] == stream and s not in seen]:
             del self._unheld_since[slot]
         ttl_ms = int(RECORD_TTL_LOOKS * max(self._settings.janitor_interval_s, 5.0) * 1000)
@@ -268,6 +272,36 @@ class Watchdog:
                             since_ms=now_ms() - int(gap.waited_s * 1000),
                         )
                     )
+        return found
+
+    def _workers_not_applying(
+        self, stream: str, reports: dict[str, WorkerReport], now: float
+    ) -> list[Stranded]:
+        """Live workers holding unapplied events that applied none for a while: a pipeline or
+        Spark job that hangs holds every key it has taken (their events unacked, so no queue
+        shows them ready)."""
+        found = []
+        for worker, report in reports.items():
+            slot = (stream, f"worker:{worker}")
+            if report.oldest_event_ms is None:
+                self._tracks.pop(slot, None)
+                continue
+            stalled = self._stalled(stream, slot[1], 1, report.events, now=now, seen=set())
+            held_s = max(0.0, (now_ms() - report.oldest_event_ms) / 1000)
+            after_s = self._settings.stranded_after_s
+            if stalled is not None and now - stalled >= after_s and held_s >= after_s:
+                found.append(
+                    self._entry(
+                        f"worker {worker}",
+                        "",
+                        f"holds events published {held_s:.0f} s ago and applied none for "
+                        f"{now - stalled:.0f} s (a pipeline or Spark job that hangs?)",
+                        stalled,
+                    )
+                )
+        for slot in [s for s in self._tracks if s[0] == stream and s[1].startswith("worker:")]:
+            if slot[1][len("worker:") :] not in reports:
+                del self._tracks[slot]
         return found
 
     # ---- helpers ------------------------------------------------------------------------------

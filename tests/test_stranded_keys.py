@@ -173,3 +173,34 @@ def test_the_watchdog_reports_a_parked_key_whose_dead_letter_is_gone(
     assert "no dead letter" in inspected, inspected
     calm = keyq(stream, "inspect", "--stream", stream.name, "--key", "flowing")
     assert "stranded" not in calm, calm
+
+
+def test_the_watchdog_reports_a_held_queue_and_a_worker_that_apply_nothing(
+    stream: StreamFixture, workers: Any, producer: Producer, tmp_path: Path
+) -> None:
+    """A pipeline that hangs: its worker keeps its locks (renewed on another thread) and its
+    queue's events stay ready behind a small prefetch; the watchdog names the key and the
+    worker. Only the holder can act, so nothing is repaired."""
+    env = {
+        "KEYQ_TEST_BATCH_MARKER": str(tmp_path / "batch"),
+        "KEYQ_TEST_BATCH_PAUSE": "600",
+        "KEYQ_PREFETCH": "10",
+        "KEYQ_BATCH_MAX_EVENTS": "10",
+    }
+    worker = workers(stream.name, pipeline="tests.pipelines:audit_slow", mode="key", env=env)
+    worker.wait_ready()
+    for n in range(1, 51):
+        producer.publish("hung", {"n": n})
+    producer.flush(timeout=30)
+    wait_until((tmp_path / "batch").exists, 90, "the worker to be inside its first batch")
+    tender = janitor(stream, idle_ttl_s=3600.0)
+
+    def reported() -> dict[str, Any]:
+        tender.run(once=True)
+        found = StrandedRecord(stream.redis, stream.name).all()
+        return found if {"hung", f"worker {worker.worker_id}"} <= set(found) else {}
+
+    found = wait_until(reported, 30, "the key and its worker reported", every=0.5)
+    assert "held by " + worker.worker_id in found["hung"].reason, found
+    assert "applied none" in found[f"worker {worker.worker_id}"].reason, found
+    assert tender.stats["watchdog_repairs"] == 0, tender.stats
