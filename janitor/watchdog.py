@@ -54,7 +54,7 @@ from keyq.janitor.config import JanitorSettings
 log = logging.getLogger("keyq.janitor")
 
 WATCH_LIMIT = 500  # queues whose depth is read per stream and look
-HOLDERS_LIMIT = 20_000  # queues whose holder is read per stream and look
+HOLDERS_LIMIT = 20_000  # most recently active queues whose holder is read per stream and look
 RECORD_TTL_LOOKS = 6  # the stranded record outlives this many of the janitor's passes
 
 Figures = dict[str, tuple[int, int] | None]  # queue -> (ready, consumers); None: not there
@@ -104,8 +104,18 @@ class Watchdog:
         statuses = control.statuses([*aside, *control.parked()])
         flowing = {k: q for k, q in aside.items() if q and not statuses.get(k, FLOWING).stopped}
         queue_of = self._current_queues(client, stream, config, flowing)
-        registered = QueueRegistry(client, stream).queues()
-        holders = _holders(client, stream, [*registered, *queue_of.values()])
+        keys = StreamKeys(stream)
+        own = sorted(set(queue_of.values()))
+        registered = {
+            queue
+            for queue, score in zip(
+                own, client.zmscore(keys.registry, own) if own else [], strict=True
+            )
+            if score is not None
+        }
+        # Held queues are among the most recently active: workers touch what they commit.
+        recent = [str(q) for q in client.zrevrange(keys.registry, 0, HOLDERS_LIMIT - 1)]
+        holders = _holders(client, stream, [*own, *recent])
         aside_queues = {*queue_of.values(), *(q[0] for q in flowing.values())}
         held = [q for q, lease in holders.items() if lease is not None and q not in aside_queues]
         watched = [*sorted(aside_queues), *held][:WATCH_LIMIT]
