@@ -144,12 +144,13 @@ class StreamKeys:
     @property
     def dead_letter_index_prefix(self) -> str:
         """The start of every key of the index of dead letters (``broker.dead_letter_index``):
-        ``by-time`` (sorted set: entry -> dead at, ms), ``by-id`` (sorted set, all scores 0:
-        entries by letter id, read by lex range), ``rows`` and ``details`` (hashes: entry ->
-        JSON summary / headers and payload), ``copies`` and ``added`` (hashes: entry -> copies
-        in the queue / when first indexed, Redis time ms), ``reasons`` (hash: reason digest ->
-        reason), ``counts`` (hash: messages), ``key:<digest>`` and ``reason:<digest>`` (sorted
-        sets: one key's / one reason's entries by time)."""
+        ``by-time`` (sorted set: entry -> dead at in ms, plus its order of indexing within that
+        ms as a fraction), ``by-id`` (sorted set, all scores 0: entries by letter id, read by
+        lex range), ``rows`` and ``details`` (hashes: entry -> JSON summary / headers and
+        payload), ``copies`` and ``added`` (hashes: entry -> copies in the queue / when first
+        indexed, Redis time ms), ``reasons`` (hash: reason digest -> reason), ``counts`` (hash:
+        letters, messages, order), ``key:<digest>`` and ``reason:<digest>`` (sorted sets: one
+        key's / one reason's entries by time)."""
         return f"{self._base}:dlq-index:"
 
     def dead_letter_index(self, part: str) -> str:

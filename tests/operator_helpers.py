@@ -12,9 +12,13 @@ import orjson
 import pika
 from click.testing import CliRunner, Result
 
+from keyq.broker.connections import open_redis
+from keyq.broker.dead_letter_index import DeadLetterIndex
+from keyq.broker.dead_letter_queue import letters_of
 from keyq.broker.envelope import CONTENT_JSON, HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
 from keyq.broker.key_control import KeyControl
 from keyq.broker.naming import dead_letter_queue_name
+from keyq.broker.settings import load_settings
 from keyq.broker.streams import StreamConfig, ensure_stream_config
 from keyq.broker.topology import dead_letter_queue_arguments
 from keyq.cli import cli
@@ -82,16 +86,26 @@ def dead_letter(
     *,
     queue_type: str = "classic",
     reason: str = "poison: bad payload",
+    indexed: bool = True,
 ) -> None:
-    """Publish dead letters, confirmed, exactly as a worker's ``DeadLetterPublisher`` does."""
+    """Publish dead letters, confirmed, exactly as a worker's ``DeadLetterPublisher`` does, and
+    index them as its batch does (``indexed=False``: as RabbitMQ dead-letters, unindexed)."""
     channel = connection.channel()
     queue = dead_letter_queue_name(stream)
     channel.queue_declare(queue, durable=True, arguments=dead_letter_queue_arguments(queue_type))
     channel.confirm_delivery()
+    copies = []
     for delivery in deliveries:
         properties = dead_letter_properties(DeadLetter(delivery, reason, attempts=3))
         channel.basic_publish("", queue, delivery.body, properties, mandatory=True)
+        copies.extend(letters_of(0, 0, delivery.body, properties))
     channel.close()
+    if indexed:
+        client = open_redis(load_settings())
+        try:
+            DeadLetterIndex(client, stream).add(copies)
+        finally:
+            client.close()
 
 
 def letters_for(stream: str, plan: list[tuple[str, int]], producer: str = "p1") -> list[Delivery]:

@@ -379,8 +379,9 @@ class LinkStandIn:
     def __init__(self, journal: Journal) -> None:
         self.journal = journal
 
-    def dead_letter(self, letters: Sequence[DeadLetter]) -> None:
+    def dead_letter(self, letters: Sequence[DeadLetter]) -> list[Any]:
         self.journal.calls.append(("dead_letter", tags([letter.delivery for letter in letters])))
+        return []
 
     def ack(self, acks: Sequence[tuple[str, int, Sequence[tuple[int, int]]]]) -> int:
         self.journal.calls.append(("ack", [(q, e, list(t)) for q, e, t in acks]))

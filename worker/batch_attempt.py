@@ -17,7 +17,11 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import pika
+
 from keyq.broker.clock import now_ms
+from keyq.broker.dead_letter_index import DeadLetterIndex
+from keyq.broker.dead_letter_queue import letters_of
 from keyq.broker.errors import CommitRefused, KeysStopped
 from keyq.broker.key_control import KeyControl, ParkedKey
 from keyq.broker.locks import Lease
@@ -88,6 +92,7 @@ class BatchAttempt:
         self._control = control
         self._policy = policy
         self._dedupe = DedupeIds(store.client, stream)
+        self._dead_letter_index: DeadLetterIndex | None = None  # made on first dead letter
         self._spans = BatchSpans(stream)
         self._job = job
         self._output = output
@@ -287,11 +292,22 @@ class BatchAttempt:
 
     def _dead_letter(self, letters: Sequence[Undecodable], attempt: int) -> None:
         # Before the commit: once the marks move past a dead event, a redelivery would skip
-        # it, so its copy must be safe in the dead-letter queue first.
+        # it, so its copy must be safe in the dead-letter queue first; and indexed in the same
+        # step, before the original is acked, so the index never lags a letter for long.
         if letters:
-            self._link.dead_letter(
+            copies = self._link.dead_letter(
                 [DeadLetter(letter.delivery, letter.reason, attempt) for letter in letters]
             )
+            self._index_dead_letters(copies)
+
+    def _index_dead_letters(self, copies: Sequence[tuple[bytes, pika.BasicProperties]]) -> None:
+        if not copies:
+            return
+        if self._dead_letter_index is None:
+            self._dead_letter_index = DeadLetterIndex(self._store.client, self._stream)
+        self._dead_letter_index.add(
+            [found for body, properties in copies for found in letters_of(0, 0, body, properties)]
+        )
 
     def _ack(self, deliveries: Sequence[Delivery], progress: BatchProgress) -> None:
         """Settle ``deliveries``, each a (tag, part) of its consumer: the link acks the

@@ -251,13 +251,16 @@ class ConsumerLink:
         settled whole; returns how many consumers were still there to ack."""
         return self.call(lambda: self._queues.ack(acks))
 
-    def dead_letter(self, letters: Sequence[DeadLetter]) -> None:
-        """Publish copies with the reason to the dead-letter queue, confirmed. Raises
-        ``BrokerUnavailable`` when they are not (the batch then waits and retries)."""
+    def dead_letter(
+        self, letters: Sequence[DeadLetter]
+    ) -> list[tuple[bytes, pika.BasicProperties]]:
+        """Publish copies with the reason to the dead-letter queue, confirmed, and return
+        them (body, properties). Raises ``BrokerUnavailable`` when they are not (the batch
+        then waits and retries)."""
         if not letters:
-            return
+            return []
         try:
-            self.call(lambda: self._dead_letters.publish(letters))
+            return self.call(lambda: self._dead_letters.publish(letters))
         except pika.exceptions.AMQPError as exc:
             raise BrokerUnavailable(
                 f"dead letters not confirmed: {describe_exception(exc)}"

@@ -129,9 +129,9 @@ class DeadLetterPublisher:
             channel.close()
         return True
 
-    def publish(self, letters: Sequence[DeadLetter]) -> None:
+    def publish(self, letters: Sequence[DeadLetter]) -> list[tuple[bytes, pika.BasicProperties]]:
         """Publish each letter's copy, confirmed (pika raises if one is not); declares the
-        queue first if it was unavailable so far."""
+        queue first if it was unavailable so far. Returns the copies, for the index."""
         channel = self._channel
         if channel is None:
             raise BrokerUnavailable("not connected to RabbitMQ")
@@ -139,9 +139,12 @@ class DeadLetterPublisher:
             self._ready = self._declare()
             if not self._ready:
                 raise BrokerUnavailable(f"dead-letter queue {self.queue} is unavailable")
+        copies = []
         for letter in letters:
             properties = dead_letter_properties(letter)
             channel.basic_publish("", self.queue, letter.delivery.body, properties, mandatory=True)
+            copies.append((letter.delivery.body, properties))
+        return copies
 
     def set_aside(self, queue: str, key: str, deliveries: Sequence[Delivery]) -> None:
         """Copy ``deliveries`` (all of ``key``), in order, to ``queue``, declared durable

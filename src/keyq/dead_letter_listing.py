@@ -4,91 +4,44 @@
 
 from __future__ import annotations
 
-import base64
 import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from keyq.broker.dead_letter_index import letter_extra, letter_fields, preview
 from keyq.broker.dead_letter_queue import DeadLetterMessage
 from keyq.status_table import blank, printable
 
-PREVIEW_BYTES = 60
-
-
-def preview(body: bytes, limit: int = PREVIEW_BYTES) -> str:
-    """The first ``limit`` bytes as printable text: undecodable bytes and control characters
-    shown as ``.``, and ``…`` when the body is longer."""
-    text = body[:limit].decode("utf-8", "replace")
-    shown = "".join(char if char.isprintable() and char != "\ufffd" else "." for char in text)
-    return shown + ("…" if len(body) > limit else "")
+__all__ = [
+    "detail_of",
+    "letter_detail",
+    "letter_row",
+    "preview",
+    "render_detail",
+    "render_rows",
+    "when",
+]
 
 
 def letter_row(letter: DeadLetterMessage) -> dict[str, Any]:
-    """One letter's summary, JSON-ready."""
-    return {
-        "position": letter.position,
-        "id": letter.letter_id,
-        "key": None if letter.foreign else letter.key,
-        "foreign": letter.foreign,
-        "producer": letter.producer,
-        "seq": letter.seq,
-        "reason": letter.reason,
-        "attempts": letter.attempts,
-        "dead_at_ms": letter.dead_at_ms,
-        "dead_queue": letter.dead_queue,
-        "published_at_ms": letter.published_at_ms,
-        "content_type": letter.content_type,
-        "bytes": len(letter.body),
-        "preview": preview(letter.body),
-        "pack": _pack(letter),
-    }
-
-
-def _pack(letter: DeadLetterMessage) -> dict[str, Any] | None:
-    if letter.pack is None:
-        return None
-    return {
-        "message_id": letter.pack.message_id,
-        "events": letter.pack.events,
-        "part": letter.pack.part,
-    }
+    """One letter's summary as a walk met it, JSON-ready."""
+    return {"position": letter.position} | letter_fields(letter)
 
 
 def letter_detail(letter: DeadLetterMessage) -> dict[str, Any]:
-    """One letter whole: its summary, every header, the message id and the full payload
-    (as text when it is UTF-8, else base64)."""
-    row = letter_row(letter)
-    del row["preview"]
-    try:
-        payload: str = letter.body.decode("utf-8")
-        encoding = "utf-8"
-    except UnicodeDecodeError:
-        payload = base64.b64encode(letter.body).decode()
-        encoding = "base64"
-    if letter.pack is not None:
-        row["pack"] |= {"headers": _plain(letter.pack.headers)}
-    return row | {
-        "key_header": letter.key,
-        "message_id": letter.message_id,
-        "headers": _plain(letter.headers),
-        "payload": payload,
-        "payload_encoding": encoding,
-    }
+    """One letter whole, as a walk met it: its summary, every header, the message id and the
+    full payload (as text when it is UTF-8, else base64)."""
+    return detail_of(letter_row(letter) | letter_extra(letter))
 
 
-def _plain(value: object) -> Any:
-    if isinstance(value, Mapping):
-        return {str(name): _plain(item) for name, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
-    if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError:
-            return "base64:" + base64.b64encode(value).decode()
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    return str(value)
+def detail_of(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """A summary with its extra fields (``broker.dead_letter_index.letter_extra``) as
+    ``render_detail`` and ``--json`` show them: the pack's headers inside ``pack``."""
+    detail = {name: value for name, value in fields.items() if name != "preview"}
+    pack_headers = detail.pop("pack_headers", None)
+    if detail.get("pack") is not None:
+        detail["pack"] = dict(detail["pack"]) | {"headers": pack_headers or {}}
+    return detail
 
 
 def when(ms: int | None) -> str:
@@ -134,7 +87,7 @@ def render_detail(detail: Mapping[str, Any]) -> str:
     lines = [
         f"id            {detail['id']}"
         + ("   (foreign: no keyq key header)" if detail["foreign"] else ""),
-        f"position      {detail['position']}",
+        f"position      {blank(detail.get('position'))}",
         f"key           {printable(detail['key_header'])}",
         f"producer/seq  {blank(detail['producer'])} / {blank(detail['seq'])}",
         f"published at  {when(detail['published_at_ms'])}",

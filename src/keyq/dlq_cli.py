@@ -1,25 +1,32 @@
-"""``keyq dlq``: list, show, drop and redrive a stream's dead letters.
+"""``keyq dlq``: list, show, drop, redrive and reindex a stream's dead letters.
 
-Every subcommand walks the dead-letter queue under the stream's dead-letter lock and hands
-back, in place, every letter it does not remove (``keyq.broker.dead_letter_queue``).
+Listing and showing read the index of dead letters (``keyq.broker.dead_letter_index``) and never
+touch the queue but for its depth. Only what moves letters (drop, redrive, reindex) walks the
+dead-letter queue, under the stream's dead-letter lock, handing back in place every letter it
+does not remove (``keyq.broker.dead_letter_queue``) and bringing the index up to date.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import click
 import orjson
+import pika
+import pika.exceptions
 
-from keyq.broker.dead_letter_queue import DeadLetterMessage, DeadLetterWalk
+from keyq.broker.dead_letter_index import DeadLetterIndex
+from keyq.broker.dead_letter_queue import NOT_FOUND, DeadLetterMessage, DeadLetterWalk
 from keyq.broker.errors import InvalidInput, KeyqError
+from keyq.bulk_redrive import BulkRequest, redrive_many
 from keyq.command_errors import OneLineGroup, fail, usage
-from keyq.dead_letter_listing import letter_detail, letter_row, render_detail, render_rows
+from keyq.dead_letter_listing import detail_of, letter_detail, render_detail, render_rows
 from keyq.dlq_lock import DeadLetterLock
-from keyq.letter_selection import by_ids, of_key, whole_packs
+from keyq.letter_selection import LetterNotFound, by_ids, of_key, whole_packs
 from keyq.operator_context import OperatorContext, check_keys
 from keyq.redrive import RedriveRequest, redrive
 
@@ -49,46 +56,92 @@ def dlq_group() -> None:
 
 @contextlib.contextmanager
 def locked_walk(ctx: OperatorContext, wait: float) -> Iterator[DeadLetterWalk]:
-    """A walk of the stream's dead-letter queue, under its lock (one walk at a time)."""
-    with (
-        DeadLetterLock(ctx.redis, ctx.stream, wait_s=wait),
-        DeadLetterWalk(ctx.amqp(), ctx.config.dead_letter_queue) as walk,
-    ):
-        yield walk
+    """A walk of the stream's dead-letter queue, under its lock (one walk at a time), that
+    brings the index up to date with what it meets."""
+    index = DeadLetterIndex(ctx.redis, ctx.stream)
+    with DeadLetterLock(ctx.redis, ctx.stream, wait_s=wait):
+        started = index.clock_ms()
+        with DeadLetterWalk(ctx.amqp(), ctx.config.dead_letter_queue) as walk:
+            index.reconcile(walk.read(), started)
+            yield walk
+
+
+def queue_depth(ctx: OperatorContext) -> int | None:
+    """Messages ready in the dead-letter queue (one passive declare), None if it is missing."""
+    channel = ctx.amqp().channel()
+    try:
+        declared = channel.queue_declare(ctx.config.dead_letter_queue, passive=True)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code != NOT_FOUND:
+            raise
+        return None
+    with contextlib.suppress(pika.exceptions.AMQPError):
+        channel.close()
+    return int(declared.method.message_count)
 
 
 @dlq_group.command("list")
 @stream_option
 @click.option("--key", default=None, help="Only this key's letters.")
+@click.option("--reason", default=None, help="Only letters whose reason holds this text.")
 @click.option("--limit", type=int, default=None, help="At most this many letters.")
 @json_option
-@wait_option
+@click.option("--wait", type=float, default=None, hidden=True)  # kept: the index takes no lock
 def list_command(
-    stream: str, key: str | None, limit: int | None, as_json: bool, wait: float
+    *,
+    stream: str,
+    key: str | None,
+    reason: str | None,
+    limit: int | None,
+    as_json: bool,
+    wait: float | None,
 ) -> None:
-    """Each dead letter in queue order (nothing is consumed or moved)."""
+    """The dead letters, oldest first, from the index (nothing is consumed or moved)."""
+    del wait
     if limit is not None and limit <= 0:
         usage(f"--limit must be above 0, got {limit}")
     try:
         _keys(key)
         with OperatorContext(stream) as ctx, ctx.services():
             queue = ctx.config.dead_letter_queue
-            with locked_walk(ctx, wait) as walk:
-                letters = walk.read()
-                ready = walk.ready_at_start
+            index = DeadLetterIndex(ctx.redis, ctx.stream)
+            if reason is not None:
+                page = index.with_reason(reason, limit, key)
+            elif key is not None:
+                page = index.of_key(key, limit)
+            else:
+                page = index.page(limit)
+            letters, messages = index.counts()
+            ready = queue_depth(ctx) or 0
     except KeyqError as exc:
         fail(exc)
-    chosen = of_key(letters, key) if key is not None else letters
-    rows = [letter_row(letter) for letter in chosen[:limit]]
+    rows = [{"position": place} | row for place, row in enumerate(page.rows)]
+    in_step = ready == messages
     if as_json:
-        _echo_json({"stream": stream, "queue": queue, "ready": ready, "letters": rows})
+        _echo_json(
+            {
+                "stream": stream,
+                "queue": queue,
+                "ready": ready,
+                "indexed": {"letters": letters, "messages": messages, "in_step": in_step},
+                "matched": page.matched,
+                "letters": rows,
+            }
+        )
         return
-    shown = f"{len(rows)} shown" + (f" of key {key}" if key is not None else "")
-    packs = len({letter.delivery_tag for letter in letters if letter.pack is not None})
-    held = f"{ready} letters"
-    if packs:
-        held = f"{ready} messages, {len(letters)} letters ({packs} packs shown as their events)"
-    click.echo(f"dead-letter queue {queue}: {held}, {shown}")
+    chosen = "".join(
+        f" {what} {value}" for what, value in (("of key", key), ("with reason", reason)) if value
+    )
+    click.echo(
+        f"dead-letter queue {queue}: {ready} messages; the index lists {letters} letters "
+        f"({page.matched} match{chosen}), {len(rows)} shown, oldest first"
+    )
+    if not in_step:
+        click.echo(
+            f"the queue holds {ready} messages but the index {messages}: letters dead-lettered "
+            f"by RabbitMQ itself are indexed by the next redrive or drop, or at once by "
+            f"keyq dlq reindex --stream {stream}"
+        )
     if rows:
         click.echo(render_rows(rows), nl=False)
 
@@ -97,25 +150,85 @@ def list_command(
 @stream_option
 @click.option("--id", "letter_id", required=True, help="The letter's id (from dlq list).")
 @click.option("--key", default=None, help="The letter's key, when its id names several.")
+@click.option(
+    "--walk",
+    "walk_queue",
+    is_flag=True,
+    help="Read the letter from the queue, not the index (a payload the index keeps cut).",
+)
 @json_option
 @wait_option
-def show_command(stream: str, letter_id: str, key: str | None, as_json: bool, wait: float) -> None:
-    """One letter whole: every header and the full payload."""
+def show_command(
+    *, stream: str, letter_id: str, key: str | None, walk_queue: bool, as_json: bool, wait: float
+) -> None:
+    """One letter whole: every header and the payload."""
     try:
         _keys(key)
         with OperatorContext(stream) as ctx, ctx.services():
             queue = ctx.config.dead_letter_queue
-            with locked_walk(ctx, wait) as walk:
-                picked = by_ids(walk.read(), [letter_id], key=key, queue=queue)
+            if walk_queue:
+                with locked_walk(ctx, wait) as walk:
+                    picked = by_ids(walk.read(), [letter_id], key=key, queue=queue)
+                detail = letter_detail(picked[0]) | {"copies": len(picked)}
+            else:
+                detail = _indexed(DeadLetterIndex(ctx.redis, ctx.stream), letter_id, key, queue)
     except KeyqError as exc:
         fail(exc)
-    detail = letter_detail(picked[0]) | {"copies": len(picked)}
     if as_json:
         _echo_json(detail)
         return
     click.echo(render_detail(detail), nl=False)
-    if len(picked) > 1:
-        click.echo(f"({len(picked)} copies of this letter are in {queue})")
+    if detail.get("payload_cut"):
+        click.echo(f"(the index keeps the payload cut; --walk reads it whole from {queue})")
+    if detail["copies"] > 1:
+        click.echo(f"({detail['copies']} copies of this letter are in {queue})")
+
+
+def _indexed(index: DeadLetterIndex, letter_id: str, key: str | None, queue: str) -> dict[str, Any]:
+    """The index's entry of ``letter_id`` (of ``key``) as ``show`` prints it."""
+    entries = [row for row in index.by_id(letter_id) if key is None or row["key"] == key]
+    if not entries:
+        where = f" of key {key!r}" if key is not None else ""
+        raise LetterNotFound(f"no dead letter {letter_id}{where} in the index of {queue}")
+    if len(entries) > 1:
+        raise InvalidInput(
+            f"id {letter_id} names letters of {len(entries)} keys: add --key to choose one"
+        )
+    return detail_of(entries[0])
+
+
+@dlq_group.command("reindex")
+@stream_option
+@json_option
+@wait_option
+def reindex_command(stream: str, as_json: bool, wait: float) -> None:
+    """Walk the dead-letter queue once and bring the index in step with it (every letter
+    stays in its place)."""
+    try:
+        with OperatorContext(stream) as ctx, ctx.services():
+            queue = ctx.config.dead_letter_queue
+            index = DeadLetterIndex(ctx.redis, ctx.stream)
+            before = index.counts()
+            with locked_walk(ctx, wait) as walk:
+                met, ready = len(walk.read()), walk.ready_at_start
+            after = index.counts()
+    except KeyqError as exc:
+        fail(exc)
+    report = {
+        "stream": stream,
+        "queue": queue,
+        "ready": ready,
+        "letters_met": met,
+        "indexed_before": {"letters": before[0], "messages": before[1]},
+        "indexed": {"letters": after[0], "messages": after[1]},
+    }
+    if as_json:
+        _echo_json(report)
+        return
+    click.echo(
+        f"walked {queue}: {ready} messages, {met} letters; the index listed {before[0]} "
+        f"letters and now {after[0]}"
+    )
 
 
 @dlq_group.command("drop")
@@ -136,19 +249,23 @@ def drop_command(
 ) -> None:
     """Remove letters for good; every other letter stays, in its place.
 
-    With --id, --key narrows an id that names letters of several keys."""
+    With --id, --key narrows an id that names letters of several keys. The question is asked
+    (from the index) before the dead-letter queue is taken."""
     if key is None and not letter_ids:
         usage("drop needs --key or --id")
     try:
         _keys(key)
         with OperatorContext(stream) as ctx, ctx.services():
             queue = ctx.config.dead_letter_queue
+            if not yes:
+                index = DeadLetterIndex(ctx.redis, ctx.stream)
+                if not _confirmed(_to_drop_indexed(index, key, letter_ids), queue):
+                    raise NothingDropped("not confirmed: nothing dropped")
             with locked_walk(ctx, wait) as walk:
                 letters = walk.read()
                 picked = _to_drop(letters, key, letter_ids, queue)
-                if not yes and not _confirmed(picked, queue):
-                    raise NothingDropped("not confirmed: nothing dropped")
                 walk.ack(picked)
+                DeadLetterIndex(ctx.redis, ctx.stream).remove(picked)
     except KeyqError as exc:
         fail(exc)
     ids = list(dict.fromkeys(letter.letter_id for letter in picked))
@@ -176,12 +293,30 @@ def _to_drop(
     return picked
 
 
-def _confirmed(picked: list[DeadLetterMessage], queue: str) -> bool:
-    click.echo(f"{len(picked)} letters of {queue} will be removed for good:", err=True)
-    for letter in picked[:20]:
-        click.echo(f"  {letter.letter_id}  key {letter.key}  {letter.reason}", err=True)
-    if len(picked) > 20:
-        click.echo(f"  … and {len(picked) - 20} more", err=True)
+def _to_drop_indexed(
+    index: DeadLetterIndex, key: str | None, ids: tuple[str, ...]
+) -> list[dict[str, Any]]:
+    """What the index says a drop will remove (the walk then finds the letters themselves)."""
+    if not ids:
+        assert key is not None
+        return index.of_key(key, None).rows
+    return [
+        row
+        for letter_id in dict.fromkeys(ids)
+        for row in index.by_id(letter_id)
+        if key is None or row["key"] == key
+    ]
+
+
+def _confirmed(rows: list[dict[str, Any]], queue: str) -> bool:
+    copies = sum(int(row.get("copies") or 1) for row in rows)
+    click.echo(f"{copies} letters of {queue} will be removed for good:", err=True)
+    for row in rows[:20]:
+        click.echo(f"  {row['id']}  key {row['key']}  {row['reason']}", err=True)
+    if len(rows) > 20:
+        click.echo(f"  … and {len(rows) - 20} more", err=True)
+    if not rows:
+        click.echo("  (the index lists none: the walk removes whatever the queue holds)", err=True)
     return click.confirm("drop them?", default=False, err=True)
 
 
@@ -196,6 +331,13 @@ def _confirmed(picked: list[DeadLetterMessage], queue: str) -> bool:
     help="With --id: the corrected payload (valid JSON for a JSON letter).",
 )
 @click.option("--skip", is_flag=True, help="Unpark --key without putting anything back.")
+@click.option("--all", "every", is_flag=True, help="Put back every keyed letter, key by key.")
+@click.option("--reason", default=None, help="Put back the letters whose reason holds this text.")
+@click.option(
+    "--keys-file",
+    default=None,
+    help="Put back the letters of the keys in this file (one a line; - reads stdin).",
+)
 @json_option
 @wait_option
 def redrive_command(
@@ -206,13 +348,27 @@ def redrive_command(
     to_key: str | None,
     payload_file: str | None,
     skip: bool,
+    every: bool,
+    reason: str | None,
+    keys_file: str | None,
     as_json: bool,
     wait: float,
 ) -> None:
     """Put a key's dead letters back, in order, ahead of everything of it that waits, and
-    unpark it. Safe to run again after it was killed."""
+    unpark it; with --all, --reason or --keys-file, many keys' in one walk. Safe to run again
+    after it was killed."""
+    bulk = every or reason is not None or keys_file is not None
+    if bulk:
+        if letter_id is not None or to_key is not None or payload_file is not None or skip:
+            usage(
+                "--all, --reason and --keys-file go with no --id, --to-key, --payload-file, --skip"
+            )
+        if every and (reason is not None or keys_file is not None or key is not None):
+            usage("--all goes alone: it puts back every keyed letter")
+        _redrive_many(stream, key, reason, keys_file, every=every, as_json=as_json, wait=wait)
+        return
     if key is None and letter_id is None:
-        usage("redrive needs --key or --id")
+        usage("redrive needs --key, --id, --all, --reason or --keys-file")
     if (to_key is not None or payload_file is not None) and letter_id is None:
         usage("--to-key and --payload-file go with --id")
     if skip and (letter_id is not None or key is None):
@@ -255,3 +411,62 @@ def _read_payload(path: str | None) -> bytes | None:
         return Path(path).read_bytes()
     except OSError as exc:
         raise InvalidInput(f"cannot read the payload file {path}: {exc.strerror}") from None
+
+
+def _redrive_many(
+    stream: str,
+    key: str | None,
+    reason: str | None,
+    keys_file: str | None,
+    *,
+    every: bool,
+    as_json: bool,
+    wait: float,
+) -> None:
+    try:
+        keys = None if keys_file is None else _read_keys(keys_file)
+        if key is not None:
+            keys = [*(keys or []), key]
+        request = BulkRequest(
+            every=every,
+            reason=reason,
+            keys=None if keys is None else tuple(check_keys(keys)),
+            wait_s=wait,
+        )
+        with OperatorContext(stream) as ctx:
+            result = redrive_many(ctx, request)
+    except KeyqError as exc:
+        fail(exc)
+    if as_json:
+        _echo_json({"stream": stream} | result.as_dict())
+        return
+    click.echo(
+        f"put {result.letters} letters of {len(result.redriven)} keys back, each key's in "
+        "order ahead of its waiting events; those keys unparked"
+    )
+    for done in result.redriven[:20]:
+        click.echo(f"  {done.key}: {done.letters} letters in {done.queue}")
+    if len(result.redriven) > 20:
+        click.echo(f"  … and {len(result.redriven) - 20} more keys")
+    if result.without_letters:
+        click.echo(
+            f"no dead letters of {len(result.without_letters)} keys of the file: "
+            + ", ".join(result.without_letters[:20])
+        )
+    for skipped, why in result.skipped.items():
+        click.echo(f"skipped key {skipped}: {why}")
+    if result.orphans_deleted:
+        click.echo(f"deleted {len(result.orphans_deleted)} queues of earlier killed redrives")
+    click.echo(f"woke {len(result.woken)} queues")
+
+
+def _read_keys(path: str) -> list[str]:
+    """Keys of a keys file, one a line (blank lines left out)."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"cannot read the keys file {path}: {exc}") from None
+    keys = [line.strip() for line in text.splitlines() if line.strip()]
+    if not keys:
+        raise InvalidInput(f"the keys file {path} names no key")
+    return keys

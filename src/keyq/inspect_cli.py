@@ -115,7 +115,7 @@ def render_inspection(found: dict[str, Any]) -> str:
     lines.append("state         " + orjson.dumps(found["state"]).decode())
     lines.append("marks         " + orjson.dumps(found["marks"]).decode())
     letters = found["dead_letters"]
-    lines.append(f"dead letters  {len(letters)}")
+    lines.append(f"dead letters  {found.get('dead_letters_total', len(letters))}")
     text = "\n".join(lines) + "\n"
     if letters:
         text += render_rows(letters)

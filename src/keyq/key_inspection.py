@@ -1,6 +1,7 @@
 """Everything keyq knows about one key, for ``keyq inspect``: its queue and depth, who holds it,
 whether it is paused or parked, the queues its events wait in aside, its open sequence gaps,
-its committed state and marks, how old its oldest waiting event is, and its dead letters.
+its committed state and marks, how old its oldest waiting event is, and its dead letters (read
+from their index, ``keyq.broker.dead_letter_index``: the dead-letter queue is not walked).
 
 Read-only but for one thing: the age of the oldest waiting event is read by taking the head
 of the key's queue unacked and handing it back (its channel closed), which RabbitMQ marks as
@@ -19,7 +20,7 @@ import pika
 import pika.exceptions
 
 from keyq.broker.clock import now_ms
-from keyq.broker.dead_letter_queue import DeadLetterWalk
+from keyq.broker.dead_letter_index import DeadLetterIndex
 from keyq.broker.envelope import HEADER_KEY, HEADER_PUBLISHED_AT
 from keyq.broker.key_control import KeyControl, KeyStatus
 from keyq.broker.locks import FencedLocks
@@ -29,17 +30,17 @@ from keyq.broker.retirement import RetirementFence
 from keyq.broker.stranded import Stranded, StrandedRecord, stranded_row
 from keyq.broker.stream_policy import StreamPolicies
 from keyq.broker.worker_report import WorkerReport
-from keyq.dead_letter_listing import letter_row
-from keyq.dlq_lock import DeadLetterLock
-from keyq.letter_selection import of_key
 from keyq.operator_context import OperatorContext
 
 NOT_FOUND = 404
+DEAD_LETTERS_SHOWN = 100  # of a key, oldest first, from the index of dead letters
 BUCKET_SCAN = 20  # messages looked at for the key's first event in a shared bucket queue
 
 
 def inspect_key(ctx: OperatorContext, key: str, *, dlq_wait_s: float) -> dict[str, Any]:
-    """The key's picture as JSON-ready data (see the module docstring)."""
+    """The key's picture as JSON-ready data (see the module docstring). ``dlq_wait_s`` is
+    kept for callers: the index is read without the dead-letter lock."""
+    del dlq_wait_s
     client, keys, config = ctx.redis, ctx.keys, ctx.config
     with ctx.services():
         base = config.queue_for(key)
@@ -69,11 +70,8 @@ def inspect_key(ctx: OperatorContext, key: str, *, dlq_wait_s: float) -> dict[st
             oldest = {"age_ms": None, "note": note}
         else:
             oldest = _oldest_waiting(connection, queue, key, config.mode, held or retiring)
-        with (
-            DeadLetterLock(client, ctx.stream, wait_s=dlq_wait_s),
-            DeadLetterWalk(connection, config.dead_letter_queue) as walk,
-        ):
-            letters = [letter_row(letter) for letter in of_key(walk.read(), key)]
+        dead = DeadLetterIndex(client, ctx.stream).of_key(key, DEAD_LETTERS_SHOWN)
+        letters = [{"position": place} | row for place, row in enumerate(dead.rows)]
     info = orjson.loads(raw_info) if raw_info else {}
     gaps = [] if report is None else [vars(gap) for gap in report.gaps if gap.key == key]
     depth = depths[queue]
@@ -125,6 +123,7 @@ def inspect_key(ctx: OperatorContext, key: str, *, dlq_wait_s: float) -> dict[st
         "marks": None if raw_marks is None else orjson.loads(raw_marks),
         "oldest_waiting": oldest,
         "dead_letters": letters,
+        "dead_letters_total": dead.matched,
         "stranded": _stranded(
             StrandedRecord(client, ctx.stream).of(key),
             status,

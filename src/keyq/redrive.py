@@ -3,14 +3,16 @@
 The protocol, in the order that makes a run killed anywhere safe to run again:
 
 1. hold the stream's dead-letter lock (``keyq.dlq_lock``);
-2. walk the dead-letter queue and pick the letters (nothing acked yet);
+2. walk the dead-letter queue, bring the index of dead letters in step with what it meets
+   (``broker.dead_letter_index``) and pick the letters (nothing acked yet);
 3. delete the redrive queues of killed runs: recorded in ``StreamKeys.redrives`` but never
    put in a key's aside list;
 4. record a fresh redrive queue, declare it, publish the picked letters into it in order,
    confirmed, each with ``x-keyq-redrive-id`` (the worker applies a redrive id once);
 5. put the queue at the head of the key's aside list and unpark the key, in one step
    (``KeyControl.put_ahead_and_unpark``): the point of no return;
-6. ack the picked letters; the walk's channel closes and the rest go back in place;
+6. ack the picked letters and take them out of the index; the walk's channel closes and the
+   rest go back in place;
 7. wake the key's queue so that a worker claims it and drains the redrive queue first.
 
 Killed before 5, the letters are still in the dead-letter queue and the next run deletes the
@@ -32,6 +34,7 @@ import orjson
 import pika
 import pika.exceptions
 
+from keyq.broker.dead_letter_index import DeadLetterIndex
 from keyq.broker.dead_letter_queue import BROKER_HEADERS, DeadLetterMessage, DeadLetterWalk
 from keyq.broker.envelope import (
     CONTENT_JSON,
@@ -115,9 +118,12 @@ def redrive(ctx: OperatorContext, request: RedriveRequest) -> RedriveResult:
             result.unparked = control.unpark(request.key)
             result.woken = wake_keys(ctx.redis, connection, ctx.config, [request.key])
         return result
+    index = DeadLetterIndex(ctx.redis, ctx.stream)
     with ctx.services(), DeadLetterLock(ctx.redis, ctx.stream, wait_s=request.wait_s) as lock:
+        started = index.clock_ms()
         walk = DeadLetterWalk(ctx.amqp(), ctx.config.dead_letter_queue)
         try:
+            index.reconcile(walk.read(), started)  # the walk meets what the index may lack
             key, picked = _pick(walk, request)
             bodies = [_body(letter, request.payload) for letter in picked]
             result = RedriveResult(key=key, letters=len(picked))
@@ -129,6 +135,7 @@ def redrive(ctx: OperatorContext, request: RedriveRequest) -> RedriveResult:
             control.put_ahead_and_unpark(key, result.queue)  # the point of no return
             result.unparked = True
             walk.ack(picked)
+            index.remove(picked)
         finally:
             walk.close()
     with ctx.services():
