@@ -39,6 +39,7 @@ import redis
 
 from keyq.broker.clock import now_ms
 from keyq.broker.connections import open_blocking_connection
+from keyq.broker.dead_letter_index import DeadLetterIndex
 from keyq.broker.key_control import FLOWING, KeyControl
 from keyq.broker.key_wake import wake_keys
 from keyq.broker.locks import FencedLocks, Lease
@@ -54,6 +55,7 @@ from keyq.janitor.config import JanitorSettings
 log = logging.getLogger("keyq.janitor")
 
 WATCH_LIMIT = 500  # queues whose depth is read per stream and look
+PARKED_LIMIT = 1000  # parked keys looked up in the index of dead letters per look
 HOLDERS_LIMIT = 20_000  # most recently active queues whose holder is read per stream and look
 RECORD_TTL_LOOKS = 6  # the stranded record outlives this many of the janitor's passes
 
@@ -177,7 +179,7 @@ class Watchdog:
         found += self._held_not_moving(
             client, stream, holders=holders, reports=reports, figures=figures, now=now, seen=seen
         )
-        found += self._parked_without_letter(control, config, figures)
+        found += self._parked_without_letter(client, control, config, figures)
         found += self._open_gaps(reports)
         found += self._workers_not_applying(stream, reports, now)
         for slot in [s for s in self._tracks if s[0] == stream and s not in seen]:
@@ -247,25 +249,35 @@ class Watchdog:
 
     def _parked_without_letter(
         self,
+        client: redis.Redis,
         control: KeyControl,
         config: StreamConfig,
         figures: Figures,
     ) -> list[Stranded]:
-        """Parked keys while the dead-letter queue is empty: their poison event was dropped,
-        so a redrive has nothing to put back; only a resume lets them go on."""
+        """Parked keys none of whose dead letters waits: their poison event was dropped, so a
+        redrive has nothing to put back (``--skip`` lets them go on). Read off the index of
+        dead letters while it is in step with the queue (letters RabbitMQ dead-lettered by
+        itself are indexed only by the next walk); else only an empty queue says so."""
         counts = figures.get(config.dead_letter_queue)
-        if counts is not None and counts[0] > 0:
-            return []
+        depth = None if counts is None else counts[0]
         parked = control.parked()
+        if not parked or depth is None:
+            return []
+        index = DeadLetterIndex(client, config.stream)
+        if depth > 0 and index.counts()[1] != depth:
+            return []  # the index is not in step: no per-key verdict
+        waiting = [] if depth == 0 else list(parked)[:PARKED_LIMIT]
+        lettered = {key for key in waiting if index.of_key(key, 1).matched}
         return [
             Stranded(
                 subject=key,
                 queue=config.queue_for(key),
-                reason=f"parked at {where.reason!r} but no dead letter waits to be redriven "
-                f"(dropped?): `keyq dlq redrive --key KEY --skip` lets it go on",
+                reason=f"parked at {where.reason!r} but no dead letter of it waits to be "
+                f"redriven (dropped?): `keyq dlq redrive --key KEY --skip` lets it go on",
                 since_ms=where.at_ms,
             )
             for key, where in parked.items()
+            if key not in lettered and (depth == 0 or key in waiting)
         ]
 
     def _open_gaps(self, reports: dict[str, WorkerReport]) -> list[Stranded]:

@@ -24,6 +24,7 @@ from keyq.janitor.config import JanitorSettings
 from keyq.janitor.janitor import Janitor
 from keyq.worker.state_store import StateStore
 from tests.conftest import StreamFixture
+from tests.operator_helpers import dead_letter, keyq_delivery
 from tests.workers import run_keyq, wait_until
 
 pytestmark = pytest.mark.slow
@@ -154,12 +155,17 @@ def test_the_watchdog_reports_a_parked_key_whose_dead_letter_is_gone(
     stream: StreamFixture, producer: Producer, tmp_path: Path
 ) -> None:
     """What it cannot repair it reports: in the stranded gauge, ``keyq status`` and ``keyq
-    inspect``; a key that flows is not reported."""
-    producer.publish("flowing", {"n": 1})
-    producer.publish("parked", {"n": 1})
+    inspect``; a key that flows, and a parked key whose dead letter waits, are not reported
+    (told apart by the index of dead letters)."""
+    for key in ("flowing", "parked", "lettered"):
+        producer.publish(key, {"n": 1})
     producer.flush(timeout=30)
     control = KeyControl(stream.redis, stream.name)
-    control.park("parked", ParkedKey(at_ms=1, reason="pipeline failed: boom", producer="p", seq=7))
+    for key in ("parked", "lettered"):
+        control.park(key, ParkedKey(at_ms=1, reason="pipeline failed: boom", producer="p", seq=7))
+    queue = key_queue_name(stream.name, "lettered")
+    with pika.BlockingConnection(pika.URLParameters(stream.settings.amqp_url)) as connection:
+        dead_letter(connection, stream.name, [keyq_delivery(queue, "lettered", "p", 7, b"{}")])
     tender = janitor(stream, idle_ttl_s=3600.0)
     tender.run(once=True)
     found = StrandedRecord(stream.redis, stream.name).all()
