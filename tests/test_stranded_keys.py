@@ -24,6 +24,7 @@ from keyq.janitor.config import JanitorSettings
 from keyq.janitor.janitor import Janitor
 from keyq.worker.state_store import StateStore
 from tests.conftest import StreamFixture
+from tests.helpers import queue_depth
 from tests.operator_helpers import dead_letter, keyq_delivery
 from tests.workers import run_keyq, wait_until
 
@@ -60,19 +61,8 @@ def in_order_once(store: StateStore, key: str) -> bool:
     return state.get("applied") == EVENTS and not state.get("violations")
 
 
-def queue_exists(amqp: Any, queue: str) -> bool:
-    channel = amqp.channel()
-    try:
-        channel.queue_declare(queue, passive=True)
-    except pika.exceptions.ChannelClosedByBroker as exc:
-        assert exc.reply_code == 404, exc
-        return False
-    channel.close()
-    return True
-
-
 def set_aside_with_no_worker(
-    stream: StreamFixture, workers: Any, producer: Producer
+    stream: StreamFixture, workers: Any, producer: Producer, amqp: Any
 ) -> tuple[KeyControl, str]:
     """A paused key's events set aside by a worker that is then killed -9, the key resumed:
     its own queue is drained, idle and unheld while its events wait aside."""
@@ -86,7 +76,7 @@ def set_aside_with_no_worker(
     queue = key_queue_name(stream.name, KEY)
     wait_until(lambda: control.status(KEY).aside, 60, "the paused key's events set aside")
     wait_until(
-        lambda: stream.redis.get(stream.keys.lock(queue)) is None and not _depth(stream, queue),
+        lambda: stream.redis.get(stream.keys.lock(queue)) is None and queue_depth(amqp, queue) == 0,
         60,
         "its own queue drained and handed back",
     )
@@ -95,27 +85,19 @@ def set_aside_with_no_worker(
     return control, queue
 
 
-def _depth(stream: StreamFixture, queue: str) -> int:
-    connection = pika.BlockingConnection(pika.URLParameters(stream.settings.amqp_url))
-    try:
-        return int(connection.channel().queue_declare(queue, passive=True).method.message_count)
-    finally:
-        connection.close()
-
-
 def test_the_janitor_keeps_a_key_queue_while_the_key_has_events_aside(
     stream: StreamFixture, workers: Any, producer: Producer, amqp: Any
 ) -> None:
     """The stranding found in the field: the janitor deleted the key's drained, idle, unheld
     queue while its events waited aside, and no worker ever claimed them again."""
-    control, queue = set_aside_with_no_worker(stream, workers, producer)
+    control, queue = set_aside_with_no_worker(stream, workers, producer, amqp)
     store = StateStore(stream.redis, stream.name)
     tender = janitor(stream)
     wait_until(lambda: stream.redis.get(stream.keys.lock(queue)) is None, 30, "lock expiry")
     for _ in range(10):  # well past the idle ttl: retired if it ever would be
         tender.run(once=True)
         time.sleep(0.3)
-    assert queue_exists(amqp, queue), "the key's queue was deleted with its events aside"
+    assert queue_depth(amqp, queue) is not None, "the key's queue was deleted with its events aside"
     assert tender.stats["skipped_aside"] >= 1, tender.stats
     assert tender.stats["watchdog_repairs"] == 0, tender.stats  # nothing needed repair
 
@@ -131,7 +113,7 @@ def test_the_watchdog_declares_again_the_queue_of_a_key_stranded_with_events_asi
 ) -> None:
     """A key already stranded (as an older janitor left it: its queue deleted and forgotten)
     gets its queue back within one look, and a worker drains what waited aside."""
-    control, queue = set_aside_with_no_worker(stream, workers, producer)
+    control, queue = set_aside_with_no_worker(stream, workers, producer, amqp)
     store = StateStore(stream.redis, stream.name)
     wait_until(lambda: stream.redis.get(stream.keys.lock(queue)) is None, 30, "lock expiry")
     amqp.channel().queue_delete(queue)
@@ -143,7 +125,7 @@ def test_the_watchdog_declares_again_the_queue_of_a_key_stranded_with_events_asi
     tender = janitor(stream, idle_ttl_s=3600.0)
     tender.run(once=True)
     assert tender.stats["watchdog_repairs"] == 1, tender.stats
-    assert queue_exists(amqp, queue)
+    assert queue_depth(amqp, queue) is not None
     wait_until(lambda: applied(store, KEY) >= EVENTS, 90, "the aside events applied")
     assert in_order_once(store, KEY), store.get(KEY)
     wait_until(lambda: not control.status(KEY).aside, 30, "the aside queues drained")
