@@ -116,13 +116,17 @@ def fill(settings: Settings, stream: str, keys: int, per_key: int, reason: str) 
 
 
 def full_walk_seconds(settings: Settings, stream: str) -> tuple[float, int]:
-    """The listing before the index: every letter taken by ``basic.get`` and handed back."""
+    """The listing before the index: every letter taken by ``basic.get`` (to be handed back).
+    The queue is deleted before the walk's channel closes: RabbitMQ 3.10 hands 100,000
+    letters back at about 55 a second, which would load the broker for half an hour."""
     connection = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
+    queue = dead_letter_queue_name(stream)
     started = time.perf_counter()
-    with DeadLetterWalk(connection, dead_letter_queue_name(stream)) as walk:
+    with DeadLetterWalk(connection, queue) as walk:
         letters = walk.read()
         first = [letter.letter_id for letter in letters[:20]]
-    seconds = time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        connection.channel().queue_delete(queue)
     connection.close()
     assert len(first) == 20
     return seconds, len(letters)
