@@ -9,6 +9,10 @@
 # `keyq services: docker` and exits 0 so the caller lets testcontainers start
 # them. Otherwise it says why per service and exits 1.
 #
+# It also installs promtool (Debian's prometheus package), which the tests use to check
+# deploy/prometheus's alert rules, when it is missing and it can (as root with apt-get);
+# otherwise it says so, and those tests fail in CI (skip elsewhere) naming the package.
+#
 # --check only probes and reports; it never starts or installs anything.
 #
 # Passwords are never printed: URLs are shown with the password as `***`.
@@ -24,7 +28,7 @@ case "${1:-}" in
     "") ;;
     --check) MODE=check ;;
     -h | --help)
-        sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
         exit 0
         ;;
     *)
@@ -100,13 +104,13 @@ is_local() {
 }
 
 APT_UPDATED=0
-# apt_install PACKAGE: install quietly, running `apt-get update` at most once.
+# apt_install PACKAGE [OPTION...]: install quietly, running `apt-get update` at most once.
 apt_install() {
     if ((APT_UPDATED == 0)); then
         apt-get update -qq >&2 || return 1
         APT_UPDATED=1
     fi
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$1" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >&2
 }
 
 # start_rabbitmq HOST PORT: REASON is set when it fails.
@@ -202,6 +206,31 @@ ensure() {
         FAILURES+=("$prefix; $REASON")
     fi
 }
+
+# ensure_tool BINARY PACKAGE WHAT: install a tool the tests use, never a failure here (the
+# tests that need it say what is missing).
+ensure_tool() {
+    local binary=$1 package=$2 what=$3
+    command -v "$binary" >/dev/null 2>&1 && return 0
+    if [[ $MODE == check ]]; then
+        say "$binary is not installed ($what)"
+    elif [[ $(id -u) -ne 0 ]]; then
+        say "$binary is not installed and we are not root to install it ($what): apt-get install $package"
+    elif ! command -v apt-get >/dev/null 2>&1; then
+        say "$binary is not installed and apt-get is unavailable ($what)"
+    else
+        echo "keyq services: installing $package with apt-get ..." >&2
+        # Without its recommends (a node exporter, disk and IPMI tools): promtool is all.
+        if apt_install "$package" --no-install-recommends &&
+            command -v "$binary" >/dev/null 2>&1; then
+            say "installed $binary ($package)"
+        else
+            say "apt-get install $package failed: $binary is missing ($what)"
+        fi
+    fi
+}
+
+ensure_tool promtool prometheus "the tests check deploy/prometheus's alert rules with it"
 
 ensure RabbitMQ amqp "$AMQP_URL" rabbitmq-server rabbitmq-server start_rabbitmq
 ensure Redis redis "$REDIS_URL" redis-server redis-server start_redis
