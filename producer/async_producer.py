@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from keyq.broker.errors import KeyqError, ProducerClosed, PublishTimeout
 from keyq.broker.naming import Mode
 from keyq.broker.settings import Settings
@@ -106,8 +108,9 @@ class AsyncProducer:
 
     ``async with AsyncProducer("orders", mode="key") as producer`` connects (in a worker
     thread) and closes; ``await AsyncProducer.connect(...)`` and ``await producer.close()``
-    do the same by hand. The options are the threaded ``Producer``'s. Use it from the event
-    loop that started it.
+    do the same by hand. The options are the threaded ``Producer``'s (``metrics=True`` too:
+    the same families, recorded by the same I/O thread). Use it from the event loop that
+    started it.
     """
 
     def __init__(
@@ -124,6 +127,7 @@ class AsyncProducer:
         max_message_bytes: int | None = None,
         producer_id: str | None = None,
         queue_type: str | None = None,
+        metrics: bool | CollectorRegistry = False,
     ) -> None:
         self._connect = functools.partial(
             Producer,
@@ -138,6 +142,7 @@ class AsyncProducer:
             max_message_bytes=max_message_bytes,
             producer_id=producer_id,
             queue_type=queue_type,
+            metrics=metrics,
         )
         self.stream = stream
         self._core: Producer | None = None

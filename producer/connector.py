@@ -115,6 +115,7 @@ class Connector:
         self._delays.reset()
         if self.lost_at is not None:
             self.reconnects += 1
+            link.meter.reconnected()
             log.info(
                 "reconnected to RabbitMQ; re-sending %d unconfirmed events", len(link.sender.resend)
             )

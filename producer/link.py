@@ -30,6 +30,7 @@ from keyq.broker.topology import keyed_queue_arguments
 from keyq.producer.connector import Connector
 from keyq.producer.lanes import QueueLane
 from keyq.producer.leases import Leases
+from keyq.producer.metrics import NO_METRICS, Meter
 from keyq.producer.outgoing import Outgoing
 from keyq.producer.overdue import ConfirmWatch
 from keyq.producer.probes import Probes
@@ -54,6 +55,7 @@ class PublisherLink:
         *,
         on_new_queues: NewQueues,
         request_lease: Callable[[str], None],
+        meter: Meter = NO_METRICS,
     ) -> None:
         self.settings = settings
         self.stream = stream
@@ -67,6 +69,9 @@ class PublisherLink:
             settings.confirm_window,
             lambda: self.ioloop.add_callback_threadsafe(self.sender.drain),
         )
+        # Recorded into by the I/O thread; reads the window at each scrape (``metrics``).
+        self.meter = meter
+        meter.watch(self.window)
         # Owned by the I/O thread.
         self.connector = Connector(self)
         self.sender = Sender(self)
@@ -119,6 +124,7 @@ class PublisherLink:
 
     def stop(self) -> None:
         """Close the connection and end the I/O thread (unconfirmed events are abandoned)."""
+        self.meter.unwatch(self.window)
         if self._thread.is_alive():
             self.ioloop.add_callback_threadsafe(self.connector.shutdown)
             self._thread.join(timeout=self.settings.connect_timeout + 5)

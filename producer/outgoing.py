@@ -23,6 +23,7 @@ class Outgoing:
     body: bytes
     properties: pika.BasicProperties
     tag: int = 0  # delivery tag on the current channel
+    accepted_at: float = 0.0  # monotonic time ``publish`` handed it to the window
     sent_at: float = 0.0  # monotonic time of the latest send
     sent_to: str = ""  # the queue's incarnation it was last sent to (``queue`` is the base)
     lease_chain: int = 0  # its lane's ``lease_chain`` when it was last sent

@@ -21,6 +21,7 @@ from typing import Any
 
 import pika
 import redis
+from prometheus_client import CollectorRegistry
 
 from keyq.broker.clock import now_ms
 from keyq.broker.connections import open_redis, redis_errors
@@ -56,6 +57,7 @@ from keyq.broker.tracing import inject_trace_context
 from keyq.producer.confirmation import Confirmation
 from keyq.producer.encoding import check_dedupe_id, encode_event
 from keyq.producer.link import PublisherLink
+from keyq.producer.metrics import meter_for
 from keyq.producer.outgoing import Outgoing
 from keyq.producer.registrar import Registrar
 
@@ -119,6 +121,11 @@ class Producer:
     ``producer_id`` names the producer in message ids, headers and dead letters; each
     instance appends a unique suffix (``producer.producer_id`` is the full id), so that a
     restarted producer using the same name is never taken for a duplicate of the old one.
+
+    ``metrics`` turns on Prometheus metrics (``keyq_producer_*``, labelled ``stream``, see
+    docs/operations.md): ``True`` records into prometheus_client's default registry (what
+    its ``start_http_server`` serves), a ``CollectorRegistry`` into that one. Off by
+    default, so that a library never registers metrics an application did not ask for.
     """
 
     def __init__(
@@ -135,6 +142,7 @@ class Producer:
         max_message_bytes: int | None = None,
         producer_id: str | None = None,
         queue_type: str | None = None,
+        metrics: bool | CollectorRegistry = False,
     ) -> None:
         self.stream = check_stream_name(stream)
         base = settings.model_dump() if settings is not None else {}
@@ -160,6 +168,7 @@ class Producer:
         instance = uuid.uuid4().hex
         self.producer_id = instance if producer_id is None else f"{producer_id}.{instance[:12]}"
         requested_config(self.stream, mode, buckets)  # bad arguments fail before any I/O
+        meter = meter_for(metrics, self.stream)
 
         self._redis = open_redis(self.settings)
         self._presence = ProducerPresence(self._redis, self.stream)
@@ -188,6 +197,7 @@ class Producer:
             chosen_type,
             on_new_queues=self._registrar.add_new,
             request_lease=self._registrar.request_lease,
+            meter=meter,
         )
         self._seqs: dict[str, int] = {}
         self._numbers = itertools.count(1)

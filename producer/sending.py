@@ -21,7 +21,7 @@ import pika
 
 from keyq.broker.naming import incarnation_name
 from keyq.producer.lanes import ParkReason, QueueLane, forget_quiet
-from keyq.producer.outgoing import Outgoing
+from keyq.producer.outgoing import Outgoing, events_in
 from keyq.producer.packing import Packer, record_of
 
 if TYPE_CHECKING:
@@ -92,7 +92,9 @@ class Sender:
         """On a new publishing channel: what the lost connection left unconfirmed, in order."""
         self.next_tag = 1
         resend, self.resend = self.resend, []
-        self.resent_events += sum(message.count for message in resend)
+        again = events_in(resend)
+        self.resent_events += again
+        self._link.meter.resent(again, "reconnect")
         for message in self.packer.pack(resend):
             self.send(message)
 
@@ -338,6 +340,7 @@ class Sender:
             self.returned_events += message.count if message.returned or nacked else 0
         if lane.parked_for(ParkReason.RECOVERING) and lane.inflight == 0:
             to_recover.append(message.queue)
+        self._link.meter.settled(message, nacked=nacked, published=published)
         return published
 
     # ---------------------------------------------------------------------- recovery
@@ -368,6 +371,7 @@ class Sender:
         # Fresh records: a settled one may still sit in the in-flight window (behind an older
         # unconfirmed message), where its delivery tag must stay what it was.
         again = [dataclasses.replace(m, tag=0, returned=False, settled=False) for m in returned]
+        self._link.meter.resent(events_in(again), "redeclare")
         for message in self.packer.pack([*again, *parked]):
             self.send(message)
 

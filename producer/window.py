@@ -58,6 +58,7 @@ class ConfirmWindow:
             if remaining <= 0:
                 raise PublishTimeout(f"publish timed out: {self.wait_reason(message.queue)}")
             self.cond.wait(remaining)
+        message.accepted_at = time.monotonic()  # where its publish-to-confirm time starts
         self.unsettled += 1
         self.by_queue[message.queue] = self.by_queue.get(message.queue, 0) + 1
         self.outbox.append(message)
