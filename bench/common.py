@@ -28,6 +28,7 @@ from keyq import Producer
 from keyq.broker.connections import open_blocking_connection, open_redis
 from keyq.broker.errors import KeyqError
 from keyq.broker.naming import dead_letter_queue_name
+from keyq.broker.packs import HEADER_PACK
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.settings import Settings
 
@@ -176,17 +177,47 @@ def message_counts(settings: Settings, queues: Sequence[str]) -> dict[str, int |
     return counts
 
 
+def event_counts(settings: Settings, queues: Sequence[str]) -> dict[str, int | None]:
+    """Events waiting in each queue, a pack's each counted (its ``x-keyq-pack`` header): read
+    without acking and handed back as the channel closes; None for a missing queue."""
+    counts: dict[str, int | None] = {}
+    with amqp(settings, "bench-count") as connection:
+        for queue in queues:
+            channel = connection.channel()
+            try:
+                events = 0
+                while True:
+                    method, properties, _body = channel.basic_get(queue, auto_ack=False)
+                    if method is None:
+                        break
+                    declared = (properties.headers or {}).get(HEADER_PACK)
+                    events += int(declared) if declared is not None else 1
+                counts[queue] = events
+                channel.close()
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                if exc.reply_code != 404:
+                    raise
+                counts[queue] = None
+    return counts
+
+
 def wait_for_total(
-    settings: Settings, queues: Sequence[str], expected: int, timeout: float = 15.0
+    settings: Settings,
+    queues: Sequence[str],
+    expected: int,
+    timeout: float = 15.0,
+    *,
+    events: bool = False,
 ) -> tuple[int, list[str]]:
-    """Sum of messages in ``queues``, polled until it reaches ``expected`` or ``timeout``.
+    """Sum of messages (with ``events``, of events, packs counted by what they hold) in
+    ``queues``, polled until it reaches ``expected`` or ``timeout``.
 
     Unconfirmed publishes may still be on their way into the queues when the publisher
     returns, hence the polling. Returns the last total and the queues that do not exist.
     """
     deadline = time.monotonic() + timeout
     while True:
-        counts = message_counts(settings, queues)
+        counts = (event_counts if events else message_counts)(settings, queues)
         missing = [queue for queue, count in counts.items() if count is None]
         total = sum(count for count in counts.values() if count is not None)
         if (total >= expected and not missing) or time.monotonic() >= deadline:
