@@ -40,6 +40,7 @@ import orjson
 import pika
 import pika.exceptions
 import redis
+from prometheus_client import CollectorRegistry
 
 from bench.common import (
     Cleanup,
@@ -79,16 +80,18 @@ from keyq.broker.topology import keyed_queue_arguments
 RAW_UNCONFIRMED = "raw_pika_unconfirmed"
 RAW_CONFIRM_EACH = "raw_pika_confirm_each"
 KEYQ = "keyq"
+KEYQ_METRICS = "keyq_metrics"  # keyq with its Prometheus metrics on (a private registry)
 NEW_KEYS = "new_keys"
 RAW_NEW_QUEUES = "raw_pika_new_queues"
 RAW_NEW_PARALLEL = "raw_pika_new_queues_parallel"
 NEW_QUEUE_VARIANTS = (NEW_KEYS, RAW_NEW_QUEUES, RAW_NEW_PARALLEL)
 PARALLEL_CONNECTIONS = 4
-THROUGHPUT_VARIANTS = (RAW_UNCONFIRMED, RAW_CONFIRM_EACH, KEYQ)
+THROUGHPUT_VARIANTS = (RAW_UNCONFIRMED, RAW_CONFIRM_EACH, KEYQ, KEYQ_METRICS)
 SHORT_NAMES = {
     RAW_UNCONFIRMED: "raw",
     RAW_CONFIRM_EACH: "rawc",
     KEYQ: "kq",
+    KEYQ_METRICS: "kqm",
     NEW_KEYS: "nk",
     RAW_NEW_QUEUES: "rnk",
     RAW_NEW_PARALLEL: "rnkp",
@@ -209,14 +212,18 @@ def run_raw(
 
 
 def run_keyq(
-    settings: Settings, cleanup: Cleanup, events: Events, stream: str
+    settings: Settings, cleanup: Cleanup, events: Events, stream: str, *, metrics: bool = False
 ) -> tuple[float, list[str]]:
-    """One keyq run in key mode; returns the elapsed seconds and the queues it filled."""
+    """One keyq run in key mode (``metrics``: into a registry of its own); returns the
+    elapsed seconds and the queues it filled."""
     cleanup.add_stream(stream)
     cleanup.add_queues([dead_letter_queue_name(stream)])
     queues = sorted({key_queue_name(stream, key) for key, _ in events})
     cleanup.add_queues(queues)
-    with Producer(stream, mode="key", settings=settings, confirm_window=CONFIRM_WINDOW) as p:
+    registry = CollectorRegistry() if metrics else False
+    with Producer(
+        stream, mode="key", settings=settings, confirm_window=CONFIRM_WINDOW, metrics=registry
+    ) as p:
         elapsed = publish_all(p, events, FLUSH_TIMEOUT_S)
         stats = p.stats
     if stats["returned"] or stats["resent"]:
@@ -304,7 +311,9 @@ def check_total(
     run: Run, settings: Settings, variant: str, queues: Sequence[str], expected: int
 ) -> None:
     # keyq packs events: its queues are counted in events, the raw variants' in messages.
-    total, missing = wait_for_total(settings, queues, expected, events=variant == KEYQ)
+    total, missing = wait_for_total(
+        settings, queues, expected, events=variant in (KEYQ, KEYQ_METRICS)
+    )
     if missing or total != expected:
         run.errors.append(
             f"{variant}: {total} events in {len(queues)} queues, expected {expected}"
@@ -351,15 +360,16 @@ def measure(run: Run, settings: Settings, cleanup: Cleanup) -> None:
             order = chosen if repeat % 2 == 0 else chosen[::-1]
             for variant in order:
                 stream = run.stream(variant, repeat)
-                if variant == KEYQ:
-                    elapsed, queues = run_keyq(settings, cleanup, events, stream)
+                if variant in (KEYQ, KEYQ_METRICS):
+                    metered = variant == KEYQ_METRICS
+                    elapsed, queues = run_keyq(settings, cleanup, events, stream, metrics=metered)
                 else:
                     confirm = variant == RAW_CONFIRM_EACH
                     elapsed, queues = run_raw(run, settings, cleanup, events, stream, confirm)
                 rate = run.record(variant, len(events), elapsed)
                 log(f"repeat {repeat + 1}/{run.repeats} {variant}: {rate:,.0f} events/s")
                 check_total(run, settings, variant, queues, len(events))
-                if variant == KEYQ:
+                if variant in (KEYQ, KEYQ_METRICS):
                     check_registry(run, client, variant, stream, len(queues))
                 cleanup.run()
 
@@ -400,6 +410,7 @@ def report(run: Run, machine: dict[str, Any]) -> dict[str, Any]:
             }
     vs_raw = ratio(medians.get(KEYQ), medians.get(RAW_UNCONFIRMED))
     vs_confirm = ratio(medians.get(KEYQ), medians.get(RAW_CONFIRM_EACH))
+    metered = ratio(medians.get(KEYQ_METRICS), medians.get(KEYQ))
     new_keys = medians.get(NEW_KEYS)
     vs_raw_new = ratio(new_keys, medians.get(RAW_NEW_QUEUES))
     vs_ceiling = ratio(new_keys, medians.get(RAW_NEW_PARALLEL))
@@ -441,6 +452,7 @@ def report(run: Run, machine: dict[str, Any]) -> dict[str, Any]:
         "ratios": {
             "keyq/raw_pika_unconfirmed": vs_raw,
             "keyq/raw_pika_confirm_each": vs_confirm,
+            "keyq_metrics/keyq": metered,
             "new_keys/raw_pika_new_queues": vs_raw_new,
             "new_keys/raw_pika_new_queues_parallel": vs_ceiling,
             "paired_keyq/raw_pika_unconfirmed": [
