@@ -23,15 +23,21 @@ import redis
 
 from keyq.broker.clock import now_ms
 from keyq.broker.locks import Lease
+from keyq.broker.naming import base_queue_name, key_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.text import as_text
 
-# KEYS = aside hash, lock key; ARGV = key, lease value, queue. Sets the key's aside list to
-# [queue] when it is empty; returns the list (JSON) as it is after, or false if the lease is
-# not current.
+# KEYS = aside hash, lock key, queue keys; ARGV = key, lease value, queue, the leased queue if
+# it is the key's own (key mode; else ''). Sets the key's aside list to [queue] when it is
+# empty; returns the list (JSON) as it is after, or false if the lease is not current. The key's
+# own queue is recorded as the key's, so that no janitor retires it while events wait aside,
+# whatever registered it (``broker.retirement``).
 _SET_ASIDE_TAIL = """
 if redis.call('GET', KEYS[2]) ~= ARGV[2] then
   return false
+end
+if ARGV[4] ~= '' then
+  redis.call('HSET', KEYS[3], ARGV[4], ARGV[1])
 end
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
 if raw then
@@ -229,9 +235,13 @@ class KeyControl:
     def set_aside_tail(self, key: str, lease: Lease, queue: str) -> list[str] | None:
         """The key's aside list, starting it with ``queue`` if it is empty; None if ``lease``
         (of the queue the key's events come from) is no longer current."""
+        stream = self._keys.stream
+        own = base_queue_name(lease.queue) in {
+            key_queue_name(stream, key, incarnations=quorum) for quorum in (False, True)
+        }
         raw = self._set_tail(
-            keys=[self._keys.aside, self._keys.lock(lease.queue)],
-            args=[key, lease.value, queue],
+            keys=[self._keys.aside, self._keys.lock(lease.queue), self._keys.queue_keys],
+            args=[key, lease.value, queue, lease.queue if own else ""],
         )
         return None if raw is None else list(orjson.loads(raw))
 

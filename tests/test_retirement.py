@@ -8,7 +8,9 @@ import time
 import pika
 
 from keyq import Producer
-from keyq.broker.naming import key_queue_name
+from keyq.broker.key_control import KeyControl
+from keyq.broker.locks import FencedLocks
+from keyq.broker.naming import bucket_queue_name, key_queue_name
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.retirement import Mark, RetirementFence
 from keyq.broker.settings import load_settings
@@ -109,6 +111,26 @@ def test_a_queue_whose_key_has_events_aside_is_never_marked_for_retirement(
         "q-b": Mark.ASIDE,
         "q-c": Mark.MARKED,
     }
+
+
+def test_a_key_queue_registered_without_its_key_is_kept_once_its_events_go_aside(
+    stream: StreamFixture,
+) -> None:
+    """A key-mode queue can be registered without its key (adopted by a janitor after a
+    crash, registered again by a worker after a Redis failover): setting the key's events
+    aside records it as the key's, so the janitor still refuses it."""
+    fence = RetirementFence(stream.redis, stream.name)
+    locks = FencedLocks(stream.redis, stream.name)
+    own, bucket = key_queue_name(stream.name, "d"), bucket_queue_name(stream.name, 3)
+    QueueRegistry(stream.redis, stream.name).register({own: None, bucket: None}, announce=False)
+    control = KeyControl(stream.redis, stream.name)
+    for queue, key in ((own, "d"), (bucket, "e")):
+        lease = locks.acquire(queue, "worker", 5000)
+        assert lease is not None
+        assert control.set_aside_tail(key, lease, f"side-{key}") == [f"side-{key}"]
+        locks.release([lease])
+    assert fence.mark([own], "janitor", ttl_ms=5000) == {own: Mark.ASIDE}
+    assert stream.redis.hget(stream.keys.queue_keys, bucket) is None  # a bucket is no key's
 
 
 def marked(marks: dict[str, Mark]) -> list[str]:
