@@ -108,13 +108,16 @@ def delete_locked(
             )
             outcomes.update(dict.fromkeys(queues[start:], Outcome.UNREACHABLE))
             return outcomes, down
-        part, lapsed = marks.still_held(queues[start : start + QUORUM_DELETES_PER_PROBE])
-        outcomes.update(lapsed)
+        # The locks first, then the marks: with a queue's lock held no worker can set its
+        # key's events aside, so a check that finds none aside stays true until the delete.
+        part = queues[start : start + QUORUM_DELETES_PER_PROBE]
         taken = {queue: locks.acquire(queue, marks.owner, ttl_ms) for queue in part}
         held = [lease for lease in taken.values() if lease is not None]
         outcomes.update({queue: Outcome.IN_USE for queue, lease in taken.items() if lease is None})
         try:
-            done = deleter.delete([lease.queue for lease in held], checked=True)
+            kept, lapsed = marks.still_held([lease.queue for lease in held])
+            outcomes.update(lapsed)
+            done = deleter.delete(kept, checked=True)
         finally:
             locks.release(held)
         outcomes.update(done)

@@ -26,9 +26,10 @@ from keyq.broker.backoff import Backoff
 from keyq.broker.clock import now_ms
 from keyq.broker.connections import open_redis, redis_errors
 from keyq.broker.errors import AuthenticationFailed, ConfigurationError, KeyqError
+from keyq.broker.key_control import KeyControl
 from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
-from keyq.broker.naming import Mode, check_stream_name, dead_letter_queue_name
+from keyq.broker.naming import Mode, base_queue_name, check_stream_name, dead_letter_queue_name
 from keyq.broker.redis_keys import KEY_PREFIX
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.retirement import Mark, RetirementFence
@@ -195,7 +196,11 @@ class Janitor:
             return
         registry = QueueRegistry(client, stream)
         cutoff = now_ms() - int(self.settings.idle_ttl_s * 1000)
-        idle = registry.idle_since(cutoff, limit=self.settings.janitor_batch)
+        # The queues of keys with events aside stay (refused again where they are marked):
+        # read past them, or a stream with many paused keys would never retire anything.
+        kept = {config.queue_for(key) for key in KeyControl(client, stream).keys_aside()}
+        idle = registry.idle_since(cutoff, limit=self.settings.janitor_batch + len(kept))
+        idle = {q: at for q, at in idle.items() if base_queue_name(q) not in kept}
         idle.pop(dead_letter_queue_name(stream), None)
         if not idle:
             return
@@ -241,6 +246,7 @@ class Janitor:
         except (KeyqError, pika.exceptions.AMQPError, OSError) as exc:
             self.gauges.close()
             self.watchdog.close()
+            self.watchdog.forget(stream)  # no verdict rather than a stale one
             log.warning("stream %s: the watchdog could not look: %s", stream, exc)
 
     def _retire(

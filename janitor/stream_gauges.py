@@ -208,6 +208,11 @@ class StreamGauges:
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     def _open_channel(self) -> Any:
+        if self._connection is not None and self._connection.is_open:
+            try:  # heartbeats: a connection idle between passes is dropped by the broker
+                self._connection.process_data_events(0)
+            except pika.exceptions.AMQPError:
+                self.close()
         if self._connection is None or not self._connection.is_open:
             self._channel = None
             self._connection = open_blocking_connection(self._settings, self._name)

@@ -33,14 +33,17 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import pika
+import pika.exceptions
 import redis
 
 from keyq.broker.clock import now_ms
 from keyq.broker.connections import open_blocking_connection
 from keyq.broker.dead_letter_index import DeadLetterIndex
-from keyq.broker.key_control import FLOWING, KeyControl
+from keyq.broker.errors import KeyqError
+from keyq.broker.key_control import FLOWING, KeyControl, ParkedKey
 from keyq.broker.key_wake import wake_keys
 from keyq.broker.locks import FencedLocks, Lease
 from keyq.broker.membership import Membership
@@ -48,16 +51,22 @@ from keyq.broker.naming import incarnation_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.stranded import Stranded, StrandedRecord
+from keyq.broker.stream_policy import StreamPolicies
 from keyq.broker.streams import StreamConfig
 from keyq.broker.worker_report import WorkerReport
+from keyq.janitor.cluster_probe import unreachable_nodes
 from keyq.janitor.config import JanitorSettings
 
 log = logging.getLogger("keyq.janitor")
 
-WATCH_LIMIT = 500  # queues whose depth is read per stream and look
+WATCH_LIMIT = 300  # queues whose depth is read per stream and look
+REPAIRS_PER_LOOK = 100  # stranded keys' queues declared again per stream and look
 PARKED_LIMIT = 1000  # parked keys looked up in the index of dead letters per look
 HOLDERS_LIMIT = 20_000  # most recently active queues whose holder is read per stream and look
-RECORD_TTL_LOOKS = 6  # the stranded record outlives this many of the janitor's passes
+# The stranded record outlives the longest of these, so that it outlives the gap between two
+# looks, and a janitor that stopped looking leaves no stale verdict for long.
+RECORD_TTL_LOOKS = 6  # passes
+RECORD_TTL_MIN_MS = 120_000
 
 Figures = dict[str, tuple[int, int] | None]  # queue -> (ready, consumers); None: not there
 FiguresOf = Callable[[str, list[str]], Figures]
@@ -88,115 +97,96 @@ class Watchdog:
         self._figures = figures
         self._connection: pika.BlockingConnection | None = None
         self._tracks: dict[tuple[str, str], _Track] = {}
-        self._unheld_since: dict[tuple[str, str], float] = {}
+        self._since: dict[tuple[str, str], float] = {}  # (stream, slot) -> since when
         self.latest: dict[str, int] = {}
         self.stats = stats
 
     def forget(self, stream: str) -> None:
+        """No longer this janitor's to watch (or its look failed): what it knew goes stale."""
         self.latest.pop(stream, None)
+        for known in (self._tracks, self._since):
+            for slot in [slot for slot in known if slot[0] == stream]:
+                del known[slot]
 
     def look(self, client: redis.Redis, stream: str, config: StreamConfig) -> list[Stranded]:
         """One look at ``stream``; returns (and records) what is stranded. Errors propagate:
-        the janitor's pass fails as a whole and is tried again."""
+        the janitor's pass goes on without this look."""
         now = time.monotonic()
+        view = _View.read(client, stream, config, self._settings, self._figures)
+        found: list[Stranded] = []
+        seen: set[tuple[str, str]] = set()
+        if not view.stream_paused:  # a paused stream is held by nobody, by design
+            found += self._aside_without_path(view, now, seen)
+            found += self._held_not_moving(view, now, seen)
+            found += self._workers_not_applying(view, now, seen)
+        found += self._parked_without_letter(view, now, seen)
+        found += self._open_gaps(view)
+        for known in (self._tracks, self._since):
+            for slot in [slot for slot in known if slot[0] == stream and slot not in seen]:
+                del known[slot]
+        unique = list({entry.subject: entry for entry in reversed(found)}.values())[::-1]
+        after_ms = self._settings.stranded_after_s * 1000
+        interval_ms = self._settings.janitor_interval_s * 1000
+        ttl_ms = int(max(RECORD_TTL_MIN_MS, 4 * after_ms, RECORD_TTL_LOOKS * interval_ms))
+        StrandedRecord(client, stream).replace(unique, ttl_ms)
+        self.latest[stream] = len(unique)
+        if unique:
+            log.warning(
+                "stream %s: %d keys stranded: %s",
+                stream,
+                len(unique),
+                "; ".join(f"{entry.subject!r}: {entry.reason}" for entry in unique[:5]),
+            )
+        return unique
+
+    def _aside_without_path(
+        self, view: _View, now: float, seen: set[tuple[str, str]]
+    ) -> list[Stranded]:
+        """Keys that may flow with events aside: their queue declared again where it is gone
+        (a repair), announced again and reported where nobody holds it, reported where its
+        holder drains nothing."""
         after_s = self._settings.stranded_after_s
         found: list[Stranded] = []
-        control = KeyControl(client, stream)
-        aside = control.keys_aside()
-        statuses = control.statuses([*aside, *control.parked()])
-        flowing = {k: q for k, q in aside.items() if q and not statuses.get(k, FLOWING).stopped}
-        queue_of = self._current_queues(client, stream, config, flowing)
-        keys = StreamKeys(stream)
-        own = sorted(set(queue_of.values()))
-        registered = {
-            queue
-            for queue, score in zip(
-                own, client.zmscore(keys.registry, own) if own else [], strict=True
-            )
-            if score is not None
-        }
-        # Held queues are among the most recently active: workers touch what they commit.
-        recent = [str(q) for q in client.zrevrange(keys.registry, 0, HOLDERS_LIMIT - 1)]
-        holders = _holders(client, stream, [*own, *recent])
-        aside_queues = {*queue_of.values(), *(q[0] for q in flowing.values())}
-        held = [q for q, lease in holders.items() if lease is not None and q not in aside_queues]
-        watched = [*sorted(aside_queues), *held][:WATCH_LIMIT]
-        figures = self._figures(stream, [*watched, config.dead_letter_queue])
-        live = Membership(client, stream, self._settings.member_ttl_ms).alive()
-        reports = _reports(client, stream, live)
-        seen: set[tuple[str, str]] = set()
-
-        to_wake: list[str] = []
-        for key, queues in flowing.items():
-            queue, head = queue_of[key], queues[0]
-            waiting = (figures.get(head) or (0, 0))[0]
-            lease = holders.get(queue)
-            if lease is None:
-                slot = (stream, queue)
-                seen.add(slot)
-                if queue not in registered or (queue in figures and figures[queue] is None):
-                    to_wake.append(key)  # no path at all: repaired now
-                    log.warning(
-                        "stream %s: key %r has events aside (%s) but its queue %s is gone; "
-                        "declaring it again so a worker drains them",
-                        stream,
-                        key,
-                        ", ".join(queues),
-                        queue,
-                    )
-                    continue
-                since = self._unheld_since.setdefault(slot, now)
-                if now - since >= after_s:
-                    if live:
-                        to_wake.append(key)  # announced again: one may have missed it
-                    who = "no worker is alive" if not live else "no worker claims it"
+        gone: list[str] = []
+        unheld: list[str] = []
+        for key, queues in view.flowing.items():
+            queue, head = view.queue_of[key], queues[0]
+            waiting = (view.figures.get(head) or (0, 0))[0]
+            lease = view.holders.get(queue)
+            if lease is not None:
+                applied = _applied(view.reports, lease)
+                stalled = self._stalled(view.stream, head, waiting, applied, now=now, seen=seen)
+                if stalled is not None and now - stalled >= after_s:
                     found.append(
                         self._entry(
                             key,
                             queue,
-                            f"{waiting} events wait aside in {head} and nobody holds its "
-                            f"queue ({who}) for {now - since:.0f} s",
-                            since,
-                            repaired=bool(live),
+                            f"{waiting} events wait aside in {head}, held by {lease.owner}, "
+                            f"and none has drained for {now - stalled:.0f} s",
+                            stalled,
                         )
                     )
                 continue
-            applied = _applied(reports, lease)
-            stalled = self._stalled(stream, head, waiting, applied, now=now, seen=seen)
-            if stalled is not None and now - stalled >= after_s:
+            if queue not in view.registered or view.figures.get(queue, (0, 0)) is None:
+                gone.append(key)  # no path at all: repaired now
+                continue
+            since = self._since_of((view.stream, queue), now, seen)
+            if now - since >= after_s:
+                unheld.append(key)
+                who = "no worker is alive" if not view.live else "no worker claims it"
                 found.append(
                     self._entry(
                         key,
                         queue,
-                        f"{waiting} events wait aside in {head}, held by {lease.owner}, and "
-                        f"none has drained for {now - stalled:.0f} s",
-                        stalled,
+                        f"{waiting} events wait aside in {head} and nobody holds its queue "
+                        f"({who}) for {now - since:.0f} s",
+                        since,
                     )
                 )
-        if to_wake:
-            self._wake(client, config, to_wake)
-
-        found += self._held_not_moving(
-            client, stream, holders=holders, reports=reports, figures=figures, now=now, seen=seen
-        )
-        found += self._parked_without_letter(client, control, config, figures)
-        found += self._open_gaps(reports)
-        found += self._workers_not_applying(stream, reports, now)
-        for slot in [s for s in self._tracks if s[0] == stream and s not in seen]:
-            if not slot[1].startswith("worker:"):
-                del self._tracks[slot]
-        for slot in [s for s in self._unheld_since if s[0] == stream and s not in seen]:
-            del self._unheld_since[slot]
-        ttl_ms = int(RECORD_TTL_LOOKS * max(self._settings.janitor_interval_s, 5.0) * 1000)
-        StrandedRecord(client, stream).replace(found, ttl_ms)
-        self.latest[stream] = len(found)
-        if found:
-            log.warning(
-                "stream %s: %d keys stranded: %s",
-                stream,
-                len(found),
-                "; ".join(f"{entry.subject!r}: {entry.reason}" for entry in found[:5]),
-            )
+        if gone:
+            self._repair(view, gone)
+        if unheld and view.live:
+            self._wake(view, unheld)  # announced again: a worker may have missed it
         return found
 
     def close(self) -> None:
@@ -210,35 +200,24 @@ class Watchdog:
     # ---- the looks ----------------------------------------------------------------------------
 
     def _held_not_moving(
-        self,
-        client: redis.Redis,
-        stream: str,
-        *,
-        holders: dict[str, Lease | None],
-        reports: dict[str, WorkerReport],
-        figures: Figures,
-        now: float,
-        seen: set[tuple[str, str]],
+        self, view: _View, now: float, seen: set[tuple[str, str]]
     ) -> list[Stranded]:
         """Held queues among those measured with events ready whose count has not fallen,
         while their holder applied nothing, for a while."""
-        measured = {
-            q: (lease, counts)
-            for q, counts in figures.items()
-            if counts is not None and counts[0] > 0 and (lease := holders.get(q)) is not None
-        }
-        keys = QueueRegistry(client, stream).original_keys(measured)
         found = []
-        for queue, (lease, (ready, consumers)) in measured.items():
-            stalled = self._stalled(
-                stream, queue, ready, _applied(reports, lease), now=now, seen=seen
-            )
+        for queue in view.held:
+            counts, lease = view.figures.get(queue), view.holders.get(queue)
+            if counts is None or counts[0] <= 0 or lease is None:
+                continue
+            ready, consumers = counts
+            applied = _applied(view.reports, lease)
+            stalled = self._stalled(view.stream, queue, ready, applied, now=now, seen=seen)
             if stalled is None or now - stalled < self._settings.stranded_after_s:
                 continue
             why = "it has no consumer" if consumers == 0 else "its consumer receives nothing"
             found.append(
                 self._entry(
-                    keys.get(queue) or queue,
+                    view.keys_of.get(queue) or queue,
                     queue,
                     f"{ready} events ready, held by {lease.owner}, and none applied for "
                     f"{now - stalled:.0f} s ({why}, or the worker is stuck)",
@@ -248,43 +227,50 @@ class Watchdog:
         return found
 
     def _parked_without_letter(
-        self,
-        client: redis.Redis,
-        control: KeyControl,
-        config: StreamConfig,
-        figures: Figures,
+        self, view: _View, now: float, seen: set[tuple[str, str]]
     ) -> list[Stranded]:
-        """Parked keys none of whose dead letters waits: their poison event was dropped, so a
-        redrive has nothing to put back (``--skip`` lets them go on). Read off the index of
-        dead letters while it is in step with the queue (letters RabbitMQ dead-lettered by
-        itself are indexed only by the next walk); else only an empty queue says so."""
-        counts = figures.get(config.dead_letter_queue)
-        depth = None if counts is None else counts[0]
-        parked = control.parked()
-        if not parked or depth is None:
+        """Parked keys none of whose dead letters waits, past ``stranded_after_s``: their
+        poison event was dropped, so a redrive has nothing to put back (``--skip`` lets them
+        go on). Read off the index of dead letters while it is in step with the queue
+        (letters RabbitMQ dead-lettered by itself are indexed only by the next walk); else
+        only an empty queue says so. Not judged while a command walks the dead-letter queue:
+        the letters it holds unacked are not counted as ready."""
+        counts = view.figures.get(view.config.dead_letter_queue)
+        if view.walking_letters:  # no verdict now; what was seen before still counts
+            seen.update((view.stream, f"parked:{key}") for key in view.parked)
+        if not view.parked or counts is None or view.walking_letters:
             return []
-        index = DeadLetterIndex(client, config.stream)
+        depth = counts[0]
+        index = DeadLetterIndex(view.client, view.stream)
         if depth > 0 and index.counts()[1] != depth:
             return []  # the index is not in step: no per-key verdict
-        waiting = [] if depth == 0 else list(parked)[:PARKED_LIMIT]
-        lettered = {key for key in waiting if index.of_key(key, 1).matched}
-        return [
-            Stranded(
-                subject=key,
-                queue=config.queue_for(key),
-                reason=f"parked at {where.reason!r} but no dead letter of it waits to be "
-                f"redriven (dropped?): `keyq dlq redrive --key KEY --skip` lets it go on",
-                since_ms=where.at_ms,
-            )
-            for key, where in parked.items()
-            if key not in lettered and (depth == 0 or key in waiting)
-        ]
-
-    def _open_gaps(self, reports: dict[str, WorkerReport]) -> list[Stranded]:
+        looked = list(view.parked)[:PARKED_LIMIT]
+        lettered = set() if depth == 0 else {k for k in looked if index.of_key(k, 1).matched}
         found = []
-        for worker, report in reports.items():
+        for key in looked:
+            if key in lettered:
+                continue
+            since = self._since_of((view.stream, f"parked:{key}"), now, seen)
+            if now - since < self._settings.stranded_after_s:
+                continue
+            where = view.parked[key]
+            found.append(
+                Stranded(
+                    subject=key,
+                    queue=view.config.queue_for(key),
+                    reason=f"parked at {where.reason!r} but no dead letter of it waits to be "
+                    f"redriven (dropped?): `keyq dlq redrive --key KEY --skip` lets it go on",
+                    since_ms=where.at_ms,
+                )
+            )
+        return found
+
+    @staticmethod
+    def _open_gaps(view: _View) -> list[Stranded]:
+        found = []
+        for worker, report in view.reports.items():
             for gap in report.gaps:
-                if gap.waited_s >= self._settings.stranded_after_s:
+                if gap.waited_s >= view.settings.stranded_after_s:
                     found.append(
                         Stranded(
                             subject=gap.key,
@@ -297,18 +283,17 @@ class Watchdog:
         return found
 
     def _workers_not_applying(
-        self, stream: str, reports: dict[str, WorkerReport], now: float
+        self, view: _View, now: float, seen: set[tuple[str, str]]
     ) -> list[Stranded]:
         """Live workers holding unapplied events that applied none for a while: a pipeline or
         Spark job that hangs holds every key it has taken (their events unacked, so no queue
         shows them ready)."""
         found = []
-        for worker, report in reports.items():
-            slot = (stream, f"worker:{worker}")
+        for worker, report in view.reports.items():
             if report.oldest_event_ms is None:
-                self._tracks.pop(slot, None)
                 continue
-            stalled = self._stalled(stream, slot[1], 1, report.events, now=now, seen=set())
+            slot = f"worker:{worker}"
+            stalled = self._stalled(view.stream, slot, 1, report.events, now=now, seen=seen)
             held_s = max(0.0, (now_ms() - report.oldest_event_ms) / 1000)
             after_s = self._settings.stranded_after_s
             if stalled is not None and now - stalled >= after_s and held_s >= after_s:
@@ -321,12 +306,59 @@ class Watchdog:
                         stalled,
                     )
                 )
-        for slot in [s for s in self._tracks if s[0] == stream and s[1].startswith("worker:")]:
-            if slot[1][len("worker:") :] not in reports:
-                del self._tracks[slot]
         return found
 
+    # ---- repairs ------------------------------------------------------------------------------
+
+    def _repair(self, view: _View, keys: list[str]) -> None:
+        """Declare, register and announce the queues of keys stranded with events aside, each
+        on its own (a queue the broker refuses does not hold the others back), at most
+        ``REPAIRS_PER_LOOK`` a look; quorum queues only while every node answers (one
+        declared during an outage would lack that node's replica)."""
+        if view.config.queue_type == "quorum" and unreachable_nodes(self._settings):
+            log.info("stream %s: %d stranded keys wait for every node", view.stream, len(keys))
+            return
+        for key in keys[:REPAIRS_PER_LOOK]:
+            log.warning(
+                "stream %s: key %r has events aside (%s) but its queue %s is gone; declaring "
+                "it again so a worker drains them",
+                view.stream,
+                key,
+                ", ".join(view.flowing[key]),
+                view.queue_of[key],
+            )
+            if self._wake(view, [key]):
+                self.stats["watchdog_repairs"] += 1
+
+    def _wake(self, view: _View, keys: list[str]) -> bool:
+        """``wake_keys`` on a connection checked alive first (an idle one is dropped by the
+        broker after a few heartbeats); False, said at WARNING, if the broker refused."""
+        try:
+            wake_keys(view.client, self._live_connection(), view.config, keys)
+        except (KeyqError, pika.exceptions.AMQPError) as exc:
+            if isinstance(exc, pika.exceptions.AMQPConnectionError):
+                self.close()
+            log.warning("stream %s: waking %s failed: %s", view.stream, ", ".join(keys), exc)
+            return False
+        return True
+
+    def _live_connection(self) -> pika.BlockingConnection:
+        connection = self._connection
+        if connection is not None and connection.is_open:
+            try:
+                connection.process_data_events(0)  # heartbeats; raises if it was dropped
+                return connection
+            except pika.exceptions.AMQPError:
+                self.close()
+        self._connection = open_blocking_connection(self._settings, self._name)
+        return self._connection
+
     # ---- helpers ------------------------------------------------------------------------------
+
+    def _since_of(self, slot: tuple[str, str], now: float, seen: set[tuple[str, str]]) -> float:
+        """Since when a condition about ``slot`` has held, look after look."""
+        seen.add(slot)
+        return self._since.setdefault(slot, now)
 
     def _stalled(
         self,
@@ -354,35 +386,95 @@ class Watchdog:
         return track.still_since
 
     @staticmethod
-    def _entry(
-        subject: str, queue: str, reason: str, since: float, *, repaired: bool = False
-    ) -> Stranded:
+    def _entry(subject: str, queue: str, reason: str, since: float) -> Stranded:
         since_ms = now_ms() - int((time.monotonic() - since) * 1000)
-        return Stranded(subject, queue, reason, since_ms, repaired)
+        return Stranded(subject, queue, reason, since_ms)
 
-    @staticmethod
-    def _current_queues(
-        client: redis.Redis, stream: str, config: StreamConfig, keys: dict[str, list[str]]
-    ) -> dict[str, str]:
-        """Each key's own queue under its current incarnation."""
-        bases = {key: config.queue_for(key) for key in keys}
-        names = sorted(set(bases.values()))
-        raw = client.hmget(StreamKeys(stream).incarnations, names) if names else []
-        current = {
-            base: incarnation_name(base, int(value or 0))
-            for base, value in zip(names, raw, strict=True)
-        }
-        return {key: current[base] for key, base in bases.items()}
 
-    def _wake(self, client: redis.Redis, config: StreamConfig, keys: list[str]) -> None:
-        if self._connection is None or not self._connection.is_open:
-            self._connection = open_blocking_connection(self._settings, self._name)
-        try:
-            wake_keys(client, self._connection, config, keys)
-        except Exception:
-            self.close()
-            raise
-        self.stats["watchdog_repairs"] += len(keys)
+@dataclass(frozen=True)
+class _View:
+    """What one look reads of a stream, in a few round trips."""
+
+    client: redis.Redis
+    stream: str
+    config: StreamConfig
+    settings: JanitorSettings
+    stream_paused: bool
+    flowing: dict[str, list[str]]  # keys that may flow with queues aside -> those queues
+    parked: dict[str, ParkedKey]
+    queue_of: dict[str, str]  # such a key -> its own queue, current incarnation
+    registered: set[str]  # of those own queues
+    holders: dict[str, Lease | None]
+    held: list[str]  # other held queues, least recently active first
+    keys_of: dict[str, str | None]  # held queue -> its key (key mode)
+    figures: Figures
+    live: list[str]
+    reports: dict[str, WorkerReport]
+    walking_letters: bool  # a command holds the dead-letter queue's lock
+
+    @classmethod
+    def read(
+        cls,
+        client: redis.Redis,
+        stream: str,
+        config: StreamConfig,
+        settings: JanitorSettings,
+        figures_of: FiguresOf,
+    ) -> _View:
+        keys = StreamKeys(stream)
+        control = KeyControl(client, stream)
+        aside = control.keys_aside()
+        parked = control.parked()
+        statuses = control.statuses(aside)
+        flowing = {k: q for k, q in aside.items() if q and not statuses.get(k, FLOWING).stopped}
+        queue_of = _current_queues(client, stream, config, flowing)
+        own = sorted(set(queue_of.values()))
+        scores = client.zmscore(keys.registry, own) if own else []
+        registered = {queue for queue, at in zip(own, scores, strict=True) if at is not None}
+        # Held queues are among the most recently active (workers touch what they commit);
+        # of those, a stuck one is the least recently active.
+        recent = cast(
+            list[tuple[str, float]],
+            client.zrevrange(keys.registry, 0, HOLDERS_LIMIT - 1, withscores=True),
+        )
+        by_age = [str(queue) for queue, _at in sorted(recent, key=lambda pair: pair[1])]
+        holders = _holders(client, stream, [*own, *by_age])
+        aside_queues = {*own, *(queues[0] for queues in flowing.values())}
+        held = [q for q in by_age if holders.get(q) is not None and q not in aside_queues]
+        watched = [*sorted(aside_queues), *held][:WATCH_LIMIT]
+        live = Membership(client, stream, settings.member_ttl_ms).alive()
+        return cls(
+            client=client,
+            stream=stream,
+            config=config,
+            settings=settings,
+            stream_paused=StreamPolicies(client, stream).load().paused,
+            flowing=flowing,
+            parked=parked,
+            queue_of=queue_of,
+            registered=registered,
+            holders=holders,
+            held=[q for q in held if q in watched],
+            keys_of=QueueRegistry(client, stream).original_keys(held[:WATCH_LIMIT]),
+            figures=figures_of(stream, [*watched, config.dead_letter_queue]),
+            live=live,
+            reports=_reports(client, stream, live),
+            walking_letters=bool(client.exists(keys.redrive_lock)),
+        )
+
+
+def _current_queues(
+    client: redis.Redis, stream: str, config: StreamConfig, keys: dict[str, list[str]]
+) -> dict[str, str]:
+    """Each key's own queue under its current incarnation."""
+    bases = {key: config.queue_for(key) for key in keys}
+    names = sorted(set(bases.values()))
+    raw = client.hmget(StreamKeys(stream).incarnations, names) if names else []
+    current = {
+        base: incarnation_name(base, int(value or 0))
+        for base, value in zip(names, raw, strict=True)
+    }
+    return {key: current[base] for key, base in bases.items()}
 
 
 def _holders(client: redis.Redis, stream: str, queues: list[str]) -> dict[str, Lease | None]:
