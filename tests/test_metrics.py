@@ -186,6 +186,7 @@ def test_a_janitor_scrape_counts_its_deletions(
         "in_use",
         "unreachable",
         "mark_lapsed",
+        "aside",
     }
     assert all(s[1]["janitor"] == janitor.janitor_id and s[2] == 0 for s in skipped.samples)
     for name in (

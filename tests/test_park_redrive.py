@@ -159,8 +159,14 @@ def test_a_redrive_survives_the_draining_worker_killed_half_way_in_key_mode(
     keyq(stream, "dlq", "redrive", "--stream", stream.name, "--key", PARKED)
     wait_until(lambda: len(seen(store, PARKED, producer)) > 5, 60, "the drain to start")
     queue = key_queue_name(stream.name, PARKED)
-    owners = held_by(stream.redis, stream.name)
-    draining = next(w for w in (first, second) if queue in owners.get(w.worker_id, []))
+
+    def holder() -> Any:
+        """The worker holding the key's queue (none for a moment while a rebalance hands it
+        from one worker to the other)."""
+        owners = held_by(stream.redis, stream.name)
+        return next((w for w in (first, second) if queue in owners.get(w.worker_id, [])), None)
+
+    draining = wait_until(holder, 30, "a worker holding the key's queue", every=0.05)
     draining.kill()
     at_kill = len(seen(store, PARKED, producer))
     print(f"killed the draining worker with {at_kill} of {total} events of the key applied")
