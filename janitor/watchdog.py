@@ -442,6 +442,7 @@ class _View:
         aside_queues = {*own, *(queues[0] for queues in flowing.values())}
         held = [q for q in by_age if holders.get(q) is not None and q not in aside_queues]
         watched = [*sorted(aside_queues), *held][:WATCH_LIMIT]
+        measured_held = held[: max(0, WATCH_LIMIT - len(aside_queues))]
         live = Membership(client, stream, settings.member_ttl_ms).alive()
         return cls(
             client=client,
@@ -454,8 +455,8 @@ class _View:
             queue_of=queue_of,
             registered=registered,
             holders=holders,
-            held=[q for q in held if q in watched],
-            keys_of=QueueRegistry(client, stream).original_keys(held[:WATCH_LIMIT]),
+            held=measured_held,
+            keys_of=QueueRegistry(client, stream).original_keys(measured_held),
             figures=figures_of(stream, [*watched, config.dead_letter_queue]),
             live=live,
             reports=_reports(client, stream, live),
