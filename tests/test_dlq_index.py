@@ -88,6 +88,8 @@ def test_a_listing_reads_the_index_with_the_queue_held_and_locked(
     assert listing["ready"] == 0  # all held: the listing did not take one
     first = listing["letters"][:3]
     assert [(row["key"], row["seq"]) for row in first] == [("k0", 1), ("k2", 1), ("k4", 1)]
+    # The holder's close hands its letters back asynchronously: all of them, in time.
+    wait_until(lambda: depth(amqp, queue) == len(before), 30, "the held letters back")
     assert ids_in(amqp, queue) == before  # nothing consumed, nothing moved
 
     of_key = _json("dlq", "list", "--stream", stream.name, "--key", "k7", "--limit", "3")
