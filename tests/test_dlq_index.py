@@ -39,6 +39,13 @@ from tests.operator_helpers import (
 from tests.workers import REPO, keyq_environment, run_keyq, wait_until
 
 
+def settled_ids(amqp: pika.BlockingConnection, queue: str, count: int) -> list[str]:
+    """The queue's letter ids once all ``count`` are back: a walk's channel, closed, hands
+    its letters back asynchronously."""
+    wait_until(lambda: depth(amqp, queue) == count, 30, f"{count} letters in {queue}")
+    return ids_in(amqp, queue)
+
+
 @pytest.fixture
 def ops_stream(stream: StreamFixture) -> Iterator[StreamFixture]:
     yield from with_operator_queues(stream)
@@ -88,9 +95,7 @@ def test_a_listing_reads_the_index_with_the_queue_held_and_locked(
     assert listing["ready"] == 0  # all held: the listing did not take one
     first = listing["letters"][:3]
     assert [(row["key"], row["seq"]) for row in first] == [("k0", 1), ("k2", 1), ("k4", 1)]
-    # The holder's close hands its letters back asynchronously: all of them, in time.
-    wait_until(lambda: depth(amqp, queue) == len(before), 30, "the held letters back")
-    assert ids_in(amqp, queue) == before  # nothing consumed, nothing moved
+    assert settled_ids(amqp, queue, len(before)) == before  # nothing consumed, nothing moved
 
     of_key = _json("dlq", "list", "--stream", stream.name, "--key", "k7", "--limit", "3")
     assert [(row["key"], row["seq"]) for row in of_key["letters"]] == [("k7", s) for s in (1, 2, 3)]
@@ -130,7 +135,7 @@ def test_reindex_repairs_an_index_emptied_by_hand(
     assert listing["indexed"]["in_step"] is True and listing["matched"] == 20
     assert [f"{row['producer']}:{row['seq']}" for row in listing["letters"]] == before
     assert _json("dlq", "list", "--stream", stream.name, "--key", "k9")["matched"] == 2
-    assert ids_in(amqp, queue) == before  # every letter in its place
+    assert settled_ids(amqp, queue, len(before)) == before  # every letter in its place
 
     # an entry whose letter is gone (moved by hand) goes at the next walk
     channel = amqp.channel()
@@ -165,7 +170,7 @@ def test_drop_asks_before_it_takes_the_lock(
 
     dropped = CliRunner().invoke(cli, drop[:-2], input="y\n", catch_exceptions=False)
     assert dropped.exit_code == 0, dropped.stderr
-    assert ids_in(amqp, queue) == ["p1:1", "p1:2", "p1:3"]
+    assert settled_ids(amqp, queue, 3) == ["p1:1", "p1:2", "p1:3"]
     listing = _json("dlq", "list", "--stream", stream.name)
     assert {row["key"] for row in listing["letters"]} == {"k0"}
     assert listing["indexed"] == {"letters": 3, "messages": 3, "in_step": True}
