@@ -39,6 +39,7 @@ from tests.operator_helpers import (
     record_stream,
     with_operator_queues,
 )
+from tests.support import KEYQ_WITH_SEAMS
 from tests.workers import REPO, keyq_environment, wait_until
 
 
@@ -288,14 +289,15 @@ def test_bad_input_is_one_line_and_changes_nothing(
 
 
 def _start_redrive(
-    settings: Settings, stream: str, key: str, env: dict[str, str]
+    settings: Settings, stream: str, key: str, seams: list[str]
 ) -> subprocess.Popen[str]:
+    command = ["dlq", "redrive", "--stream", stream, "--key", key]
     return subprocess.Popen(
-        [sys.executable, "-m", "keyq", "dlq", "redrive", "--stream", stream, "--key", key],
+        [sys.executable, str(KEYQ_WITH_SEAMS), *seams, "--", *command],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=keyq_environment(settings, env),
+        env=keyq_environment(settings),
         cwd=REPO,
     )
 
@@ -311,8 +313,8 @@ def test_a_redrive_killed_half_way_is_safe_to_run_again(
 ) -> None:
     stream = ops_stream
     queue = _fill(stream, amqp)
-    env = {"KEYQ_TEST_REDRIVE_PAUSE_AFTER": "2", "KEYQ_TEST_DLQ_LOCK_TTL_MS": "3000"}
-    killed = _start_redrive(stream.settings, stream.name, "a", env)
+    seams = ["--pause-after", "2", "--lock-ttl-ms", "3000"]
+    killed = _start_redrive(stream.settings, stream.name, "a", seams)
     try:
         _wait_paused(killed)
         [orphan] = [str(queue) for queue in stream.redis.hkeys(stream.keys.redrives)]
@@ -349,8 +351,8 @@ def test_two_redrives_at_once_take_turns(
 ) -> None:
     stream = ops_stream
     _fill(stream, amqp)
-    env = {"KEYQ_TEST_REDRIVE_PAUSE_AFTER": "1", "KEYQ_TEST_REDRIVE_PAUSE_S": "3"}
-    first = _start_redrive(stream.settings, stream.name, "a", env)
+    seams = ["--pause-after", "1", "--pause-s", "3"]
+    first = _start_redrive(stream.settings, stream.name, "a", seams)
     try:
         _wait_paused(first)
         impatient = keyq("dlq", "redrive", "--stream", stream.name, "--key", "a", "--wait", "0.5")

@@ -36,6 +36,7 @@ from tests.operator_helpers import (
     record_stream,
     with_operator_queues,
 )
+from tests.support import KEYQ_WITH_SEAMS
 from tests.workers import REPO, keyq_environment, run_keyq, wait_until
 
 
@@ -192,14 +193,14 @@ def _bulk(stream: StreamFixture, *args: str, env: dict[str, str] | None = None) 
     return dict(orjson.loads(done.stdout))
 
 
-def _start_bulk(stream: StreamFixture, env: dict[str, str]) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "keyq", "dlq", "redrive", "--stream", stream.name, "--all"]
+def _start_bulk(stream: StreamFixture, seams: list[str]) -> subprocess.Popen[str]:
+    command = ["dlq", "redrive", "--stream", stream.name, "--all"]
     return subprocess.Popen(
-        command,
+        [sys.executable, str(KEYQ_WITH_SEAMS), *seams, "--", *command],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=keyq_environment(stream.settings, env),
+        env=keyq_environment(stream.settings),
         cwd=REPO,
     )
 
@@ -266,12 +267,9 @@ def test_the_worker_indexes_and_bulk_redrives_apply_each_key_once_in_order(
         # --all killed -9 half way, one key a chunk: the first key put back and unparked, the
         # second's letter published but not put back, the third not touched; nothing acked.
         # Run again, every key applies each event once, in order.
-        env = {
-            "KEYQ_TEST_REDRIVE_PAUSE_AFTER": "2",
-            "KEYQ_TEST_REDRIVE_CHUNK_KEYS": "1",
-            "KEYQ_TEST_DLQ_LOCK_TTL_MS": "3000",
-        }
-        killed = _start_bulk(stream, env)
+        killed = _start_bulk(
+            stream, ["--pause-after", "2", "--chunk-keys", "1", "--lock-ttl-ms", "3000"]
+        )
         try:
             assert killed.stderr is not None
             line = killed.stderr.readline()

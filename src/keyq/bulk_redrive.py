@@ -16,9 +16,6 @@ queues (deleted).
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,17 +31,9 @@ from keyq.broker.naming import redrive_queue_name
 from keyq.broker.topology import keyed_queue_arguments
 from keyq.dlq_lock import DeadLetterLock
 from keyq.operator_context import OperatorContext
-from keyq.redrive import (
-    PAUSE_AFTER_VARIABLE,
-    PAUSE_SECONDS_VARIABLE,
-    NothingToRedrive,
-    delete_orphans,
-    redriven_properties,
-)
+from keyq.redrive import NothingToRedrive, delete_orphans, redriven_properties
 
-CHUNK_KEYS = 200
-# For tests only: fewer keys a chunk, so that a kill can land between two chunks.
-CHUNK_VARIABLE = "KEYQ_TEST_REDRIVE_CHUNK_KEYS"
+CHUNK_KEYS = 200  # keys whose letters are published before any of them is put back
 
 
 @dataclass(frozen=True)
@@ -118,10 +107,9 @@ def redrive_many(ctx: OperatorContext, request: BulkRequest) -> BulkResult:
                 raise NothingToRedrive(f"no dead letters to put back in {walk.queue}")
             result.orphans_deleted = delete_orphans(ctx, control)
             publisher = ConfirmWindow(ctx.amqp())
-            pause = _TestPause()
             try:
                 for chunk in _chunks(list(groups.items())):
-                    queues = _publish_chunk(ctx, publisher, chunk, pause)
+                    queues = _publish_chunk(ctx, publisher, chunk)
                     for key, picked in chunk:
                         if lock.lost:
                             raise LockLost("the dead-letter lock ran out before all keys were done")
@@ -176,30 +164,13 @@ def _select(
 def _chunks(
     groups: list[tuple[str, list[DeadLetterMessage]]],
 ) -> list[list[tuple[str, list[DeadLetterMessage]]]]:
-    size = max(1, int(os.environ.get(CHUNK_VARIABLE, CHUNK_KEYS)))
-    return [groups[start : start + size] for start in range(0, len(groups), size)]
-
-
-class _TestPause:
-    """For tests only: sleep after this many letters were published (then be killed)."""
-
-    def __init__(self) -> None:
-        self.after = int(os.environ.get(PAUSE_AFTER_VARIABLE, "-1"))
-        self.published = 0
-
-    def count(self, publisher: ConfirmWindow) -> None:
-        self.published += 1
-        if self.published == self.after:
-            publisher.wait()
-            print(f"paused after {self.published}", file=sys.stderr, flush=True)
-            time.sleep(float(os.environ.get(PAUSE_SECONDS_VARIABLE, "3600")))
+    return [groups[start : start + CHUNK_KEYS] for start in range(0, len(groups), CHUNK_KEYS)]
 
 
 def _publish_chunk(
     ctx: OperatorContext,
     publisher: ConfirmWindow,
     chunk: Sequence[tuple[str, list[DeadLetterMessage]]],
-    pause: _TestPause,
 ) -> dict[str, str]:
     """A fresh redrive queue per key, recorded before it is declared, with the key's letters in
     order, all confirmed; key -> queue."""
@@ -214,7 +185,6 @@ def _publish_chunk(
     for key, picked in chunk:
         for letter in picked:
             publisher.publish(queues[key], letter.body, redriven_properties(letter))
-            pause.count(publisher)
     publisher.wait()
     return queues
 

@@ -11,7 +11,6 @@ within one ttl.
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
 import threading
 import time
@@ -22,9 +21,7 @@ import redis
 from keyq.broker.errors import KeyqError
 from keyq.broker.redis_keys import StreamKeys
 
-LOCK_TTL_MS = 30_000
-# For tests only: a shorter ttl, so that a lock a killed command left runs out sooner.
-TTL_VARIABLE = "KEYQ_TEST_DLQ_LOCK_TTL_MS"
+LOCK_TTL_MS = 30_000  # a lock a killed command left runs out within this
 POLL_S = 0.2
 
 # KEYS[1] = lock; ARGV[1] = token, ARGV[2] = ttl ms. 1 if still ours (renewed), else 0.
@@ -58,7 +55,7 @@ class DeadLetterLock:
         self._client = client
         self._key = StreamKeys(stream).redrive_lock
         self._wait_s = wait_s
-        self._ttl_ms = ttl_ms or int(os.environ.get(TTL_VARIABLE, LOCK_TTL_MS))
+        self._ttl_ms = ttl_ms or LOCK_TTL_MS
         self._token = secrets.token_hex(12)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)

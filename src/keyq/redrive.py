@@ -22,9 +22,6 @@ back carry the same redrive ids.
 
 from __future__ import annotations
 
-import os
-import sys
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,6 +31,7 @@ import orjson
 import pika
 import pika.exceptions
 
+from keyq.broker.confirm_window import ConfirmWindow
 from keyq.broker.dead_letter_index import DeadLetterIndex
 from keyq.broker.dead_letter_queue import BROKER_HEADERS, DeadLetterMessage, DeadLetterWalk
 from keyq.broker.envelope import (
@@ -55,10 +53,6 @@ from keyq.broker.topology import keyed_queue_arguments
 from keyq.dlq_lock import DeadLetterLock
 from keyq.letter_selection import by_ids, of_key, whole_packs
 from keyq.operator_context import OperatorContext
-
-# For tests only: sleep this long after publishing this many letters (then be killed).
-PAUSE_AFTER_VARIABLE = "KEYQ_TEST_REDRIVE_PAUSE_AFTER"
-PAUSE_SECONDS_VARIABLE = "KEYQ_TEST_REDRIVE_PAUSE_S"
 
 DEAD_HEADERS = frozenset(
     {HEADER_DEAD_REASON, HEADER_DEAD_QUEUE, HEADER_ATTEMPTS, HEADER_DEAD_AT, *BROKER_HEADERS}
@@ -203,22 +197,16 @@ def _publish_aside(
     bodies: Sequence[bytes],
     to_key: str | None,
 ) -> str:
-    """A fresh redrive queue, recorded before it is declared, holding the letters in order."""
+    """A fresh redrive queue, recorded before it is declared, holding the letters in order,
+    all confirmed."""
     queue = redrive_queue_name(ctx.stream, key, uuid.uuid4().hex[:12])
     ctx.redis.hset(ctx.keys.redrives, queue, key)
-    channel = ctx.amqp().channel()
-    channel.queue_declare(
-        queue, durable=True, arguments=keyed_queue_arguments(ctx.stream, ctx.config.queue_type)
-    )
-    channel.confirm_delivery()
-    pause_after = int(os.environ.get(PAUSE_AFTER_VARIABLE, "-1"))
-    for count, (letter, body) in enumerate(zip(letters, bodies, strict=True), start=1):
-        properties = redriven_properties(letter, to_key)
-        channel.basic_publish("", queue, body, properties, mandatory=True)
-        if count == pause_after:
-            print(f"paused after {count}", file=sys.stderr, flush=True)
-            time.sleep(float(os.environ.get(PAUSE_SECONDS_VARIABLE, "3600")))
-    channel.close()
+    publisher = ConfirmWindow(ctx.amqp())
+    publisher.declare(queue, keyed_queue_arguments(ctx.stream, ctx.config.queue_type))
+    for letter, body in zip(letters, bodies, strict=True):
+        publisher.publish(queue, body, redriven_properties(letter, to_key))
+    publisher.wait()
+    publisher.close()
     return queue
 
 
