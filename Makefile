@@ -1,4 +1,5 @@
-# keyq — the usual targets. `make test` is all a fresh machine needs.
+# keyq — the usual targets. `make test` is all a fresh machine needs: Python 3.11 and Java 17,
+# with RabbitMQ and Redis running, installable (as root) or, failing both, a Docker engine.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -6,18 +7,20 @@ BIN := $(VENV)/bin
 PACKAGES := src/keyq broker producer worker janitor
 CODE := $(PACKAGES) tests bench scripts
 
-.PHONY: help install services rabbitmq4 lint typecheck test test-rabbitmq4 test-fast bench demo \
-	compose-check clean
+.PHONY: help install services rabbitmq4 lint typecheck package test test-rabbitmq4 test-fast bench \
+	demo compose-check clean
 
 help:
-	@echo "make test       install into $(VENV), find or start RabbitMQ and Redis, lint, type-check, run the tests"
+	@echo "make test       install into $(VENV), find or start RabbitMQ and Redis, lint, type-check,"
+	@echo "                check the package, run the tests (PYTEST_ARGS: a subset)"
 	@echo "make test-fast  the unit tests alone: no RabbitMQ, Redis or Spark needed (under a minute)"
 	@echo "make test-rabbitmq4  the tests on RabbitMQ 4.3 and Valkey 9, private nodes and clusters"
 	@echo "                included, every deprecated feature denied (as root; PYTEST_ARGS: a subset)"
 	@echo "make rabbitmq4  make and start RabbitMQ 4.3 and Valkey 9 (scripts/rabbitmq4.sh; as root)"
 	@echo "make demo       the demo: order events through workers and a janitor, with chaos, verified"
 	@echo "make bench      every benchmark, keyq against its baselines, into bench/results/all.json"
-	@echo "make services   find or start RabbitMQ and Redis (scripts/services.sh)"
+	@echo "make services   find or start RabbitMQ and Redis, locally or with docker compose"
+	@echo "make package    build the sdist and wheel, twine check them, use the wheel in a fresh venv"
 	@echo "make compose-check  docker-compose.yml end to end in a Docker engine (~5 min a run):"
 	@echo "                build, demo, scale and kill, metrics, Parquet, teardown"
 	@echo "make lint | typecheck | install | clean"
@@ -56,8 +59,14 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-test: install services lint typecheck
-	$(BIN)/pytest
+# The sdist and wheel as an index takes them; the wheel installed alone, without extras, into a
+# fresh venv and used on the services (scripts/package_check.sh; ~15 s, nothing left behind).
+package: install services
+	PYTHON=$(BIN)/python scripts/package_check.sh
+
+# PYTEST_ARGS: a subset, e.g. PYTEST_ARGS=tests/test_status.py
+test: install services lint typecheck package
+	$(BIN)/pytest $(PYTEST_ARGS)
 
 # The suite against RabbitMQ 4.3 and Valkey 9: the shared services are those of `make
 # rabbitmq4`, and the private nodes, clusters and Redis servers the tests start come from the
@@ -84,4 +93,4 @@ compose-check:
 	$(PYTHON) scripts/compose_check.py $(COMPOSE_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build dist *.egg-info

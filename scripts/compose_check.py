@@ -13,10 +13,13 @@ Each run, under a compose project of its own:
 6. counts the Parquet files and rows the workers wrote into the data volume;
 7. tears everything down with its volumes, and checks nothing of the project is left.
 
+Before the runs it builds the Dockerfile's ``slim`` target (``pip install keyq``: no Java, no
+Spark) as ``keyq:slim`` and runs ``keyq --version`` and ``keyq settings`` in it.
+
 It fails if the verdict is not OK, any container but the crashed one restarted (a start-up
 race would show here) or the crashed one did not, more than one service built an image, a
-metrics endpoint did not answer, or no Parquet landed. A JSON summary of every run goes to
-stdout (and to --out), progress to stderr.
+metrics endpoint did not answer, no Parquet landed, or the slim image failed. A JSON summary
+of every run goes to stdout (and to --out), progress to stderr.
 
     python3 scripts/compose_check.py [--runs 3] [--host-network] [--out FILE]
 
@@ -39,6 +42,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE = "keyq:local"
+SLIM_IMAGE = "keyq:slim"
 KEYQ_SERVICES = ("worker", "janitor", "producer")
 METRICS_LINE = re.compile(r"serving metrics on http://[^:/]+:(\d+)/metrics")
 SPARK_READY = re.compile(r"spark ready in ([\d.]+)s")
@@ -145,6 +149,28 @@ def build(deployment: Deployment) -> dict[str, Any]:
         raise CheckFailed(f"the image was built by {built}; only the worker service builds it")
     size = int(run("docker", "image", "inspect", IMAGE, "--format", "{{.Size}}").stdout)
     return {"seconds": round(time.monotonic() - started, 1), "built_by": built, "bytes": size}
+
+
+def check_slim(host_network: bool) -> dict[str, Any]:
+    """The slim image builds, and its keyq runs (with no network) and has no Spark."""
+    started = time.monotonic()
+    network = ["--network", "host"] if host_network else []
+    run("docker", "build", *network, "--target", "slim", "-t", SLIM_IMAGE, ".", timeout=1800)
+    seconds = round(time.monotonic() - started, 1)
+    offline = ["docker", "run", "--rm", "--network", "none"]
+    version = run(*offline, SLIM_IMAGE, "--version").stdout.strip()
+    settings = run(*offline, SLIM_IMAGE, "settings").stdout
+    spark = run(*offline, "--entrypoint", "python", SLIM_IMAGE, "-c", "import pyspark", check=False)
+    if spark.returncode == 0:
+        raise CheckFailed(f"{SLIM_IMAGE} has pyspark: the slim target must not")
+    size = int(run("docker", "image", "inspect", SLIM_IMAGE, "--format", "{{.Size}}").stdout)
+    return {
+        "seconds": seconds,
+        "bytes": size,
+        "version": version,
+        "settings_lines": len(settings.splitlines()),
+        "ok": True,
+    }
 
 
 def wait_for(what: str, condition: Any, timeout: float, every: float = 1.0) -> Any:
@@ -372,6 +398,13 @@ def main() -> int:
     except CheckFailed as exc:
         say(str(exc))
         return 2
+    say(f"building {SLIM_IMAGE}")
+    try:
+        slim = check_slim(options.host_network)
+        say(f"{SLIM_IMAGE}: {slim['version']}, {slim['bytes'] / 1e9:.2f} GB")
+    except (CheckFailed, subprocess.TimeoutExpired) as exc:
+        slim = {"ok": False, "failure": str(exc)}
+        say(f"{SLIM_IMAGE} FAILED: {exc}")
     runs = []
     for number in range(1, options.runs + 1):
         say(f"run {number} of {options.runs}")
@@ -379,8 +412,8 @@ def main() -> int:
         if not runs[-1]["ok"]:
             say(f"run {number} FAILED: {runs[-1].get('failure')}")
             break
-    summary = {"engine": engine, "files": files, "runs": runs, "ok": all(r["ok"] for r in runs)}
-    summary["ok"] = summary["ok"] and len(runs) == options.runs
+    summary = {"engine": engine, "files": files, "slim": slim, "runs": runs}
+    summary["ok"] = slim["ok"] and len(runs) == options.runs and all(r["ok"] for r in runs)
     text = json.dumps(summary, indent=2)
     print(text)
     if options.out:

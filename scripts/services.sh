@@ -5,9 +5,11 @@
 #
 # Reads KEYQ_AMQP_URL and KEYQ_REDIS_URL. A reachable service is used as is.
 # An unreachable *local* one is started (and, as root with apt-get, installed
-# first). If that is impossible but a Docker engine answers, the script prints
-# `keyq services: docker` and exits 0 so the caller lets testcontainers start
-# them. Otherwise it says why per service and exits 1.
+# first). If that is impossible but a Docker engine answers, the compose file's
+# rabbitmq and redis services are started (`docker compose up -d --wait`; they
+# publish the default ports, and COMPOSE_FILE may layer others) and awaited at
+# the same URLs; `docker compose down -v` stops them. Otherwise it says why per
+# service and exits 1.
 #
 # It also installs promtool (Debian's prometheus package), which the tests use to check
 # deploy/prometheus's alert rules, when it is missing and it can (as root with apt-get);
@@ -22,13 +24,14 @@ AMQP_URL="${KEYQ_AMQP_URL:-amqp://guest:guest@localhost:5672/%2F}"
 REDIS_URL="${KEYQ_REDIS_URL:-redis://localhost:6379/0}"
 RABBIT_WAIT_S=90
 REDIS_WAIT_S=15
+COMPOSE_WAIT_S=180
 
 MODE=fix
 case "${1:-}" in
     "") ;;
     --check) MODE=check ;;
     -h | --help)
-        sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
         exit 0
         ;;
     *)
@@ -159,7 +162,33 @@ start_redis() {
     return 1
 }
 
+# start_locally BINARY PACKAGE STARTER HOST PORT: install BINARY if need be and can be, then
+# start it; REASON is set when that fails.
+start_locally() {
+    local binary=$1 package=$2 starter=$3
+    if ! command -v "$binary" >/dev/null 2>&1; then
+        if [[ $(id -u) -ne 0 ]]; then
+            REASON="$binary is not installed and we are not root to install it"
+            return 1
+        fi
+        if ! command -v apt-get >/dev/null 2>&1; then
+            REASON="$binary is not installed and apt-get is unavailable"
+            return 1
+        fi
+        echo "keyq services: installing $package with apt-get ..." >&2
+        if ! apt_install "$package" || ! command -v "$binary" >/dev/null 2>&1; then
+            REASON="apt-get install $package failed"
+            return 1
+        fi
+    fi
+    "$starter" "$4" "$5"
+}
+
 FAILURES=()
+# The local services that could not be started here, for docker compose: the compose
+# service's name, and "host<TAB>port<TAB>shown-url<TAB>name" to await it at.
+COMPOSED=()
+COMPOSED_AT=()
 
 # ensure NAME KIND URL BINARY PACKAGE STARTER
 ensure() {
@@ -184,27 +213,45 @@ ensure() {
         FAILURES+=("$prefix; host '$host' is not local, so it cannot be started here")
         return
     fi
-    if ! command -v "$binary" >/dev/null 2>&1; then
-        if [[ $(id -u) -ne 0 ]]; then
-            FAILURES+=("$prefix; $binary is not installed and we are not root to install it")
-            return
-        fi
-        if ! command -v apt-get >/dev/null 2>&1; then
-            FAILURES+=("$prefix; $binary is not installed and apt-get is unavailable")
-            return
-        fi
-        echo "keyq services: installing $package with apt-get ..." >&2
-        if ! apt_install "$package" || ! command -v "$binary" >/dev/null 2>&1; then
-            FAILURES+=("$prefix; apt-get install $package failed")
-            return
-        fi
-    fi
     REASON="" STARTED=""
-    if "$starter" "$host" "$port"; then
+    if start_locally "$binary" "$package" "$starter" "$host" "$port"; then
         say "$STARTED at $shown"
     else
         FAILURES+=("$prefix; $REASON")
+        COMPOSED+=("${name,,}")
+        COMPOSED_AT+=("$host"$'\t'"$port"$'\t'"$shown"$'\t'"$name")
     fi
+}
+
+# compose_up: start COMPOSED with the compose file (COMPOSE_FILE may layer an override) and
+# wait until each is healthy and answers at its URL. A published port accepts connections
+# before the service behind it does, hence `--wait` on the compose file's health checks.
+compose_up() {
+    local at host port shown name output
+    say "a Docker engine answers: docker compose up -d --wait ${COMPOSED[*]}"
+    if ! output=$(cd "$(dirname "$0")/.." && docker compose up -d --wait \
+        --wait-timeout "$COMPOSE_WAIT_S" "${COMPOSED[@]}" 2>&1); then
+        echo "$output" >&2
+        if [[ $output == *rlimit* ]]; then
+            say "the Docker engine may not raise RabbitMQ's open-files limit to ${KEYQ_RABBITMQ_NOFILE:-65536}: set KEYQ_RABBITMQ_NOFILE to the engine's own (docker-compose.yml)" >&2
+        else
+            say "docker compose could not start ${COMPOSED[*]} (see above; docker compose logs ${COMPOSED[*]})" >&2
+        fi
+        return 1
+    fi
+    for at in "${COMPOSED_AT[@]}"; do
+        IFS=$'\t' read -r host port shown name <<<"$at"
+        if ! wait_port "$host" "$port" 10; then
+            say "$name is up in docker compose but not at $shown: the compose file publishes 5672 and 6379 (COMPOSE_FILE may layer other ports)" >&2
+            return 1
+        fi
+        say "$name reachable at $shown (docker compose; \`docker compose down -v\` removes it)"
+    done
+}
+
+docker_answers() {
+    command -v docker >/dev/null 2>&1 && timeout 10 docker info >/dev/null 2>&1 &&
+        docker compose version >/dev/null 2>&1
 }
 
 # ensure_tool BINARY PACKAGE WHAT: install a tool the tests use, never a failure here (the
@@ -237,16 +284,15 @@ ensure Redis redis "$REDIS_URL" redis-server redis-server start_redis
 
 ((${#FAILURES[@]} == 0)) && exit 0
 
-if [[ $MODE == fix ]] && command -v docker >/dev/null 2>&1 &&
-    timeout 10 docker info >/dev/null 2>&1; then
-    for f in "${FAILURES[@]}"; do
-        say "$f; a Docker engine answers, so the test session will start it with testcontainers"
-    done
-    say docker
-    exit 0
-fi
-
 for f in "${FAILURES[@]}"; do
     say "$f" >&2
 done
+# Every failure a local service that could not be started: docker compose starts them all.
+if [[ $MODE == fix ]] && ((${#COMPOSED[@]} == ${#FAILURES[@]})); then
+    if docker_answers; then
+        compose_up && exit 0
+    else
+        say "no Docker engine (with Compose v2) answers either, to run ${COMPOSED[*]} in containers" >&2
+    fi
+fi
 exit 1

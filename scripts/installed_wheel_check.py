@@ -1,0 +1,80 @@
+"""Use an installed keyq wheel as a producer would, on the real RabbitMQ and Redis.
+
+Run by scripts/package_check.sh with the fresh venv's python, from outside the repository:
+publishes a few events to a stream of its own with the SDK, checks that ``keyq status`` sees
+them, then deletes the stream's queues and Redis keys. Exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pika
+import redis
+
+import keyq
+from keyq import Producer, load_settings
+from keyq.broker.naming import dead_letter_queue_name
+from keyq.broker.redis_keys import StreamKeys
+
+EVENTS = 3
+
+
+def installed_from_venv() -> None:
+    """The keyq imported is the wheel's, not a source tree's."""
+    where = Path(keyq.__file__).resolve()
+    if not where.is_relative_to(Path(sys.prefix).resolve()):
+        sys.exit(f"keyq was imported from {where}, not from the venv {sys.prefix}")
+
+
+def published_and_seen(stream: str) -> None:
+    with Producer(stream, mode="key") as producer:
+        for n in range(EVENTS):
+            producer.publish("order-1", {"n": n})
+        producer.flush()
+    keyq_command = Path(sys.executable).parent / "keyq"
+    status = subprocess.run(
+        [str(keyq_command), "status", "--stream", stream, "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    queues = [q for q in json.loads(status.stdout)["queues"] if q["key"] == "order-1"]
+    if not queues or queues[0]["depth"] < 1:
+        sys.exit(f"keyq status --stream {stream} does not show order-1's events: {queues}")
+
+
+def remove(stream: str) -> None:
+    """Every queue and Redis key of the stream."""
+    settings = load_settings()
+    keys = StreamKeys(stream)
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    connection = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
+    try:
+        channel = connection.channel()
+        for queue in [*client.zrange(keys.registry, 0, -1), dead_letter_queue_name(stream)]:
+            channel.queue_delete(str(queue))
+        for pattern in keys.all_patterns():
+            for key in client.scan_iter(match=pattern, count=1000):
+                client.delete(key)
+    finally:
+        connection.close()
+        client.close()
+
+
+def main() -> None:
+    installed_from_venv()
+    stream = f"pkg-{uuid.uuid4().hex[:12]}"
+    try:
+        published_and_seen(stream)
+    finally:
+        remove(stream)
+    print(f"keyq package: the wheel published {EVENTS} events and keyq status saw them")
+
+
+if __name__ == "__main__":
+    main()
