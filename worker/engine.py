@@ -165,7 +165,7 @@ class SparkEngine:
                         "spark.driver.extraJavaOptions": jvm,
                     }
                 )
-            self._session = builder.getOrCreate()
+            self._session = self._create_keeping_sigint(builder)
         except Exception as exc:  # noqa: BLE001 - Spark fails in many ways; all are config
             where = settings.spark_remote or settings.spark_master
             raise ConfigurationError(f"cannot start Spark ({where}): {exc}") from None
@@ -176,6 +176,18 @@ class SparkEngine:
         elapsed = time.monotonic() - started
         log.info("spark ready in %.1fs (%s)", elapsed, self.describe())
         return elapsed
+
+    @staticmethod
+    def _create_keeping_sigint(builder: Any) -> SparkSession:
+        """pyspark's SparkContext installs a SIGINT handler of its own (cancel every job, raise
+        KeyboardInterrupt): the daemon's is put back, so Ctrl-C stays a clean stop."""
+        handler = signal.getsignal(signal.SIGINT)
+        try:
+            session: SparkSession = builder.getOrCreate()
+        finally:
+            if handler is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, handler)
+        return session
 
     def describe(self) -> str:
         return self._settings.spark_remote or self._settings.spark_master
