@@ -1,15 +1,23 @@
 """An HTTP service that publishes one keyq event per request, with the asyncio producer.
 
-``POST /orders/{order_id}/events`` with a JSON object publishes it as the next event of that
-order's key and answers 202 with where it went; ``?durable=true`` answers only once RabbitMQ
-confirmed this one event. The producer opens with the application (its lifespan) and is
-flushed and closed when it stops, so no accepted event is dropped by a clean shutdown.
+``POST /orders/{order_id}/events`` with an order event (a JSON object, the ``order`` field
+taken from the path) publishes it as the next event of that order's key and answers 202 with
+where it went; ``?durable=true`` answers only once RabbitMQ confirmed this one event. The
+producer opens with the application (its lifespan) and is flushed and closed when it stops, so
+no accepted event is dropped by a clean shutdown.
 
-Needs ``pip install keyq fastapi uvicorn`` and a RabbitMQ and Redis (``make services``):
+The events are those of the order pipeline, ``keyq.orders``: ``created``, ``item_added`` and
+``item_removed`` (with ``sku``, ``qty``, ``price_cents``), ``paid``, ``cancelled``,
+``shipped``. Needs ``pip install . fastapi uvicorn`` in a checkout and a RabbitMQ and Redis
+(``make services``); a worker folds the events into each order's state:
 
-    KEYQ_AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2F uvicorn examples.fastapi_app:app
+    uvicorn examples.fastapi_app:app
+    keyq worker --stream orders --pipeline keyq.orders:pipeline      # needs ".[worker]"
     curl -X POST localhost:8000/orders/order-17/events -H 'content-type: application/json' \\
-        -d '{"type": "created", "total": 0}'
+        -d '{"type": "created"}'
+    curl -X POST localhost:8000/orders/order-17/events -H 'content-type: application/json' \\
+        -d '{"type": "item_added", "sku": "tea", "qty": 2, "price_cents": 450}'
+    keyq state --stream orders --key order-17
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ def create_app(stream: str = STREAM, **producer_options: Any) -> FastAPI:
         order_id: str, event: dict[str, Any], durable: bool = False
     ) -> dict[str, Any]:
         producer: Producer = app.state.producer
+        if event.setdefault("order", order_id) != order_id:
+            raise HTTPException(status_code=422, detail="the event's order is not the path's")
         try:
             receipt = await producer.publish(order_id, event)
             if durable:

@@ -584,9 +584,9 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_worker_settings_tick_must_be_a_third_of_the_lock_ttl() -> None:
     ok = load_settings(WorkerSettings, tick_ms=1000, lock_ttl_ms=3000)
     assert (ok.tick_ms, ok.lock_ttl_ms) == (1000, 3000)
-    with pytest.raises(ConfigurationError, match="tick_ms must be at most a third of lock_ttl_ms"):
+    with pytest.raises(ConfigurationError, match="KEYQ_TICK_MS must be at most a third of KEYQ_LOCK_TTL_MS"):
         load_settings(WorkerSettings, tick_ms=1001, lock_ttl_ms=3000)
-    with pytest.raises(ConfigurationError, match="tick_ms must be at most a third"):
+    with pytest.raises(ConfigurationError, match="KEYQ_TICK_MS must be at most a third"):
         load_settings(WorkerSettings, tick_ms=2000)  # default ttl 4000
 
 
@@ -594,11 +594,11 @@ def test_worker_settings_tick_must_be_a_third_of_the_lock_ttl() -> None:
 def test_worker_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KEYQ_TICK_MS", "900")
     monkeypatch.setenv("KEYQ_LOCK_TTL_MS", "2000")
-    with pytest.raises(ConfigurationError, match="tick_ms"):
+    with pytest.raises(ConfigurationError, match="KEYQ_TICK_MS"):
         load_settings(WorkerSettings)
     monkeypatch.setenv("KEYQ_MAX_ATTEMPTS", "0")
     monkeypatch.setenv("KEYQ_TICK_MS", "200")
-    with pytest.raises(ConfigurationError, match="max_attempts"):
+    with pytest.raises(ConfigurationError, match="KEYQ_MAX_ATTEMPTS"):
         load_settings(WorkerSettings)
     monkeypatch.setenv("KEYQ_MAX_ATTEMPTS", "2")
     assert load_settings(WorkerSettings).max_attempts == 2

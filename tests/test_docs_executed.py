@@ -1,0 +1,258 @@
+"""The docs run as written: the README's quickstart, step by step, and every command of the
+runbook in docs/operations.md, pasted with its placeholders filled.
+
+The quickstart's blocks are the fenced blocks that follow a ``<!-- quickstart:KIND -->``
+comment in README.md. Each runs unmodified, on the real services, but for the stream name
+``orders``, which becomes the test's own: a worker block is a background process started from
+its own command line (stopped with Ctrl-C's SIGINT when the next worker starts, as the README
+says), a python block runs in this venv's python, a shell block in bash with the venv's
+``bin`` first on PATH, all from the checkout's root. An output block says what the block before
+it prints; ``…`` stands for text that differs between runs, and lines may be left out. A block
+that only reads (``keyq state``, ``keyq inspect``) is run again until it prints that, since
+the worker needs a moment. The step that starts RabbitMQ and Redis is skipped when they
+already answer, as the README allows; otherwise it runs too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+from urllib.parse import urlsplit
+
+import orjson
+import pika
+import pytest
+
+from keyq.broker.settings import Settings, load_settings
+from tests.conftest import StreamFixture
+from tests.operator_helpers import dead_letter, letters_for, record_stream, with_operator_queues
+
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+OPERATIONS = REPO / "docs" / "operations.md"
+BIN = Path(sys.executable).parent
+
+STEP = re.compile(r"<!-- quickstart:(\w+) -->\n```\w+\n(.*?)\n```", re.DOTALL)
+DOC_STREAM = re.compile(r"\borders\b")
+READS = ("keyq state ", "keyq inspect ")
+WORKER_UP = ("serving stream {stream}", "stream {stream} has no producer yet")
+WORKER_START_S = 180.0
+WORKER_STOP_S = 60.0
+SETTLE_S = 120.0
+
+RUNBOOK_SECTION = "## When something goes wrong"
+RUNBOOK_COMMAND = re.compile(r"`(keyq [^`]+)`")
+REASON = "poison: bad payload"
+FIXED_PAYLOAD = {"type": "created", "order": "order-17"}
+USAGE_ERROR = 2
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str  # services, worker, python, shell or output
+    text: str
+
+
+def quickstart(stream: str) -> list[Step]:
+    """The README's quickstart steps, on ``stream`` instead of ``orders``."""
+    steps = [
+        Step(kind, DOC_STREAM.sub(stream, text)) for kind, text in STEP.findall(README.read_text())
+    ]
+    assert [step.kind for step in steps][:3] == ["services", "worker", "python"], steps
+    return steps
+
+
+def environment(settings: Settings) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PATH": os.pathsep.join([str(BIN), os.environ.get("PATH", "")]),
+        "KEYQ_AMQP_URL": settings.amqp_url,
+        "KEYQ_REDIS_URL": settings.redis_url,
+    }
+
+
+def answers(url: str, default_port: int) -> bool:
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection(
+            (parts.hostname or "localhost", parts.port or default_port), 2
+        ):
+            return True
+    except OSError:
+        return False
+
+
+def services_answer(settings: Settings) -> bool:
+    """Do RabbitMQ and Redis answer (the session found or started them)?"""
+    return answers(settings.amqp_url, 5672) and answers(settings.redis_url, 6379)
+
+
+def prints(expected: str, actual: str) -> bool:
+    """Does ``actual`` print what the README shows: the same JSON, or else each shown line,
+    in order, with ``…`` matching anything (whitespace runs compare equal)?"""
+    try:
+        return bool(orjson.loads(actual) == orjson.loads(expected))
+    except orjson.JSONDecodeError:
+        pass
+    lines = iter(" ".join(line.split()) for line in actual.splitlines())
+    for shown in expected.splitlines():
+        pattern = ".*".join(re.escape(" ".join(part.split())) for part in shown.split("…"))
+        if not any(re.fullmatch(pattern, line) for line in lines):
+            return False
+    return True
+
+
+class Workers:
+    """The worker the README runs in its second terminal: one at a time."""
+
+    def __init__(self, env: dict[str, str], log_dir: Path) -> None:
+        self._env = env
+        self._log_dir = log_dir
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def start(self, command: str, stream: str) -> None:
+        self.stop()
+        path = self._log_dir / f"worker-{time.monotonic_ns()}.log"
+        self._log = path.open("wb")
+        self._process = subprocess.Popen(
+            ["bash", "-c", command],
+            cwd=REPO,
+            env=self._env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        marks = [mark.format(stream=stream) for mark in WORKER_UP]
+        deadline = time.monotonic() + WORKER_START_S
+        while not any(mark in path.read_text() for mark in marks):
+            assert self._process.poll() is None, f"worker exited: {path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"worker not up: {path.read_text()[-3000:]}"
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """Ctrl-C: the worker finishes its batch, hands its queues back and exits 0."""
+        if self._process is None:
+            return
+        process, self._process = self._process, None
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            assert process.wait(WORKER_STOP_S) == 0
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            assert self._log is not None
+            self._log.close()
+
+
+@pytest.fixture
+def workers(settings: Settings, tmp_path: Path) -> Iterator[Workers]:
+    running = Workers(environment(settings), tmp_path)
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def ops_stream(stream: StreamFixture) -> Iterator[StreamFixture]:
+    yield from with_operator_queues(stream)
+
+
+def run(step: Step, env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    if step.kind == "python":
+        script = tmp_path / "quickstart_step.py"
+        script.write_text(step.text + "\n")
+        command = [sys.executable, str(script)]
+    else:
+        command = ["bash", "-e", "-c", step.text]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_readme_quickstart_runs_as_written_and_prints_what_it_shows(
+    stream: StreamFixture,
+    settings: Settings,
+    workers: Workers,
+    tmp_path: Path,
+    spark_class_archive: Path | None,
+) -> None:
+    env = environment(settings)
+    steps = quickstart(stream.name)
+    checked = 0
+    for index, step in enumerate(steps):
+        shown = (
+            steps[index + 1].text
+            if index + 1 < len(steps) and steps[index + 1].kind == "output"
+            else None
+        )
+        if step.kind == "output":
+            continue
+        if step.kind == "services" and services_answer(settings):
+            continue  # skipped only because RabbitMQ and Redis already answer
+        if step.kind == "worker":
+            workers.start(step.text, stream.name)
+            continue
+        reads = all(line.startswith(READS) for line in step.text.splitlines())
+        deadline = time.monotonic() + (SETTLE_S if reads else 0)
+        while True:
+            done = run(step, env, tmp_path)
+            matches = done.returncode == 0 and (shown is None or prints(shown, done.stdout))
+            if matches or time.monotonic() >= deadline:
+                break
+            time.sleep(1)
+        assert done.returncode == 0, f"{step.text}\n{done.stderr}"
+        assert matches, f"{step.text}\nprinted:\n{done.stdout}\nthe README shows:\n{shown}"
+        checked += shown is not None
+    assert checked >= 6
+
+
+def runbook_commands(stream: str) -> list[str]:
+    """Every ``keyq …`` command of the runbook, on ``stream``; each ``ID`` becomes a letter of
+    its own (``p1:1``, ``p2:1``…: producer, seq)."""
+    text = OPERATIONS.read_text()
+    section = text[text.index(RUNBOOK_SECTION) :]
+    section = section[: section.index("\n## ", len(RUNBOOK_SECTION))]
+    numbers = itertools.count(1)
+    commands = []
+    for command in RUNBOOK_COMMAND.findall(section):
+        filled = DOC_STREAM.sub(stream, command)
+        commands.append(re.sub(r"\bID\b", lambda _: f"p{next(numbers)}:1", filled))
+    return commands
+
+
+def test_every_runbook_command_is_pasteable(
+    ops_stream: StreamFixture, amqp: pika.BlockingConnection, tmp_path: Path
+) -> None:
+    """No command of the runbook is refused as bad usage (exit 2), on a stream whose key
+    ``order-17`` has dead letters, as a parked key has, and each ``ID`` a letter to act on."""
+    commands = runbook_commands(ops_stream.name)
+    assert len(commands) >= 15, commands
+    ids = [letter for command in commands for letter in re.findall(r"--id p\d+:1", command)]
+    record_stream(ops_stream)
+    letters = letters_for(ops_stream.name, [("order-17", 1), ("order-17", 2)], producer="p0")
+    for number, _ in enumerate(ids, 1):
+        letters += letters_for(ops_stream.name, [(f"order-{100 + number}", 1)], f"p{number}")
+    dead_letter(amqp, ops_stream.name, letters, reason=REASON)
+    (tmp_path / "fixed.json").write_bytes(orjson.dumps(FIXED_PAYLOAD))
+    env = environment(load_settings())
+    for command in commands:
+        assert f"--stream {ops_stream.name}" in command, f"{command}: no --stream"
+        done = subprocess.run(
+            ["bash", "-c", command],
+            cwd=tmp_path,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode != USAGE_ERROR, f"{command}: {done.stderr}"
