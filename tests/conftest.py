@@ -35,7 +35,7 @@ from keyq.broker.settings import Settings, load_settings
 TEST_STREAM_PREFIX = "t-"
 
 
-def _reachable(url: str, default_port: int) -> bool:
+def reachable(url: str, default_port: int) -> bool:
     parts = urlsplit(url)
     try:
         with socket.create_connection(
@@ -76,8 +76,8 @@ def _services_for_marked_tests(request: pytest.FixtureRequest) -> None:
 def services() -> Iterator[Settings]:
     """The services' settings; containers are started only if nothing answers locally."""
     settings = load_settings()
-    amqp_ok = _reachable(settings.amqp_url, 5672)
-    redis_ok = _reachable(settings.redis_url, 6379)
+    amqp_ok = reachable(settings.amqp_url, 5672)
+    redis_ok = reachable(settings.redis_url, 6379)
     containers: list[object] = []
     if not (amqp_ok and redis_ok):
         if not _docker_answers():

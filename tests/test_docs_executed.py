@@ -19,7 +19,6 @@ import itertools
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,14 +26,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
-from urllib.parse import urlsplit
 
 import orjson
 import pika
 import pytest
 
 from keyq.broker.settings import Settings, load_settings
-from tests.conftest import StreamFixture
+from tests.conftest import StreamFixture, reachable
 from tests.operator_helpers import dead_letter, letters_for, record_stream, with_operator_queues
 
 REPO = Path(__file__).resolve().parent.parent
@@ -81,20 +79,9 @@ def environment(settings: Settings) -> dict[str, str]:
     }
 
 
-def answers(url: str, default_port: int) -> bool:
-    parts = urlsplit(url)
-    try:
-        with socket.create_connection(
-            (parts.hostname or "localhost", parts.port or default_port), 2
-        ):
-            return True
-    except OSError:
-        return False
-
-
 def services_answer(settings: Settings) -> bool:
     """Do RabbitMQ and Redis answer (the session found or started them)?"""
-    return answers(settings.amqp_url, 5672) and answers(settings.redis_url, 6379)
+    return reachable(settings.amqp_url, 5672) and reachable(settings.redis_url, 6379)
 
 
 def prints(expected: str, actual: str) -> bool:
