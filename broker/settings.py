@@ -1,4 +1,5 @@
-"""Settings shared by every keyq component, read from ``KEYQ_*`` environment variables.
+"""Settings shared by every keyq component, read from ``KEYQ_*`` environment variables and,
+below them, from a ``.env`` file in the working directory.
 
 Defaults favour fast failover (short heartbeats and lock ttls) over the minute-long defaults
 of AMQP clients, because a crashed worker's keys should move within seconds.
@@ -26,19 +27,35 @@ from keyq.broker.urls import (
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@localhost:5672/%2F"
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+ENV_PREFIX = "KEYQ_"
+ENV_FILE = ".env"  # in the working directory; the environment wins over it
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a settings field: what people set, so what errors name."""
+    return f"{ENV_PREFIX}{field.upper()}"
 
 
 class Settings(BaseSettings):
-    """Connection and tuning settings; every field is also ``KEYQ_<FIELD>`` in the env."""
+    """Connection and tuning settings; every field is also ``KEYQ_<FIELD>`` in the env, or in
+    ``.env`` in the working directory (the environment wins)."""
 
-    model_config = SettingsConfigDict(env_prefix="KEYQ_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_file=ENV_FILE, extra="ignore", frozen=True
+    )
 
-    # One URL, or a cluster's nodes comma-separated: each connection takes the next in turn,
-    # so a reconnect after a node is lost goes to another node.
-    amqp_url: str = Field(default=DEFAULT_AMQP_URL, repr=False)
-    # One server (redis://), a Cluster (redis+cluster://host:7000,host:7001) or a primary
-    # under Sentinel (redis+sentinel://host:26379,host:26380/service): broker/redis_topology.
-    redis_url: str = Field(default=DEFAULT_REDIS_URL, repr=False)
+    amqp_url: str = Field(
+        default=DEFAULT_AMQP_URL,
+        repr=False,
+        description="RabbitMQ (amqps:// for TLS), or a cluster's nodes comma-separated: each "
+        "connection takes the next, so a reconnect after a lost node goes to another",
+    )
+    redis_url: str = Field(
+        default=DEFAULT_REDIS_URL,
+        repr=False,
+        description="Redis (rediss:// for TLS), a Redis Cluster (redis+cluster://host:7000,"
+        "host:7001) or a primary under Sentinel (redis+sentinel://host:26379,host:26380/service)",
+    )
     redis_min_replicas: int | None = Field(
         default=None,
         ge=0,
@@ -65,11 +82,13 @@ class Settings(BaseSettings):
         description="RabbitMQ's rabbitmq_prometheus listener on each node "
         "(http://host:15692, comma-separated): queue depths and consumers (status), file "
         "descriptors (status, janitor), queues a crash left unregistered (janitor); read "
-        "before management_url, and the only source where RabbitMQ 4.x has the management "
+        "before KEYQ_MANAGEMENT_URL, and the only source where RabbitMQ 4.x has the management "
         "metrics collection off",
     )
 
-    amqp_heartbeat: int = Field(default=5, ge=1, le=600, description="AMQP heartbeat, seconds")
+    amqp_heartbeat: int = Field(
+        default=5, ge=1, le=600, description="AMQP heartbeat, s: a dead peer is noticed in seconds"
+    )
     connect_timeout: float = Field(
         default=5.0,
         gt=0,
@@ -83,7 +102,9 @@ class Settings(BaseSettings):
         "node restart and a rolling upgrade (docs/operations.md)",
     )
 
-    max_message_bytes: int = Field(default=1_048_576, ge=1024, le=134_217_728)
+    max_message_bytes: int = Field(
+        default=1_048_576, ge=1024, le=134_217_728, description="largest message accepted"
+    )
     confirm_window: int = Field(default=10_000, ge=1, description="unconfirmed events in flight")
     pack_max_events: int = Field(
         default=20,
@@ -92,14 +113,14 @@ class Settings(BaseSettings):
         description=(
             "most events of one queue a producer sends as one message (a pack) when they wait "
             "together; 1 = every event a message of its own. Workers size their AMQP prefetch "
-            "as prefetch / pack_max_events messages: set it alike on producers and workers"
+            "as KEYQ_PREFETCH / KEYQ_PACK_MAX_EVENTS messages: set it alike on both"
         ),
     )
     pack_max_bytes: int = Field(
         default=262_144,
         ge=1024,
         le=134_217_728,
-        description="most bytes of one pack (max_message_bytes if that is less)",
+        description="most bytes of one pack (KEYQ_MAX_MESSAGE_BYTES if that is less)",
     )
     pack_linger_ms: float = Field(
         default=0.0,
@@ -110,7 +131,9 @@ class Settings(BaseSettings):
             "event goes at once (packs form only from events already waiting)"
         ),
     )
-    publish_timeout: float = Field(default=30.0, gt=0, description="backpressure wait, s")
+    publish_timeout: float = Field(
+        default=30.0, gt=0, description="how long publish waits under backpressure, s"
+    )
     confirm_timeout: float = Field(
         default=15.0,
         gt=0,
@@ -132,11 +155,14 @@ class Settings(BaseSettings):
         default=2000, ge=10, description="a producer re-checks a queue's retirement this often"
     )
     retire_grace_ms: int = Field(
-        default=5000, ge=20, description="a deleter waits this long after marking a queue"
+        default=5000,
+        ge=20,
+        description="a deleter waits this long after marking a queue (at least twice "
+        "KEYQ_PUBLISH_LEASE_MS)",
     )
 
     metrics_port: int | None = Field(
-        default=None, ge=0, le=65535, description="serve Prometheus /metrics on this port"
+        default=None, ge=0, le=65535, description="worker and janitor: serve /metrics on this port"
     )
     metrics_host: str = Field(default="0.0.0.0", description="address the metrics endpoint binds")
     metrics_port_span: int = Field(
@@ -144,7 +170,7 @@ class Settings(BaseSettings):
         ge=1,
         le=1000,
         description=(
-            "how many ports from metrics_port a daemon may take: the first free one, logged "
+            "how many ports from KEYQ_METRICS_PORT a daemon may take: the first free one, logged "
             "(daemons sharing one network); 1 = that port or a clear error"
         ),
     )
@@ -170,7 +196,11 @@ class Settings(BaseSettings):
         "gone: a sequence gap its events left is given up once their queue is drained",
     )
 
-    lock_ttl_ms: int = Field(default=4000, ge=100, description="queue lock ttl")
+    lock_ttl_ms: int = Field(
+        default=4000,
+        ge=100,
+        description="queue lock ttl: a stalled worker loses its queues after this",
+    )
     member_ttl_ms: int = Field(default=4000, ge=100, description="worker membership ttl")
 
     @field_validator("amqp_url")
@@ -216,8 +246,8 @@ class Settings(BaseSettings):
     def _grace_outlasts_lease(self) -> Settings:
         if self.retire_grace_ms < 2 * self.publish_lease_ms:
             raise ValueError(
-                "retire_grace_ms must be at least twice publish_lease_ms, or a deleter could "
-                "remove a queue a producer still publishes to"
+                "KEYQ_RETIRE_GRACE_MS must be at least twice KEYQ_PUBLISH_LEASE_MS, or a deleter "
+                "could remove a queue a producer still publishes to"
             )
         return self
 
@@ -242,10 +272,11 @@ SettingsT = TypeVar("SettingsT", bound=Settings)
 
 
 def load_settings(kind: type[SettingsT] = Settings, **overrides: Any) -> SettingsT:  # type: ignore[assignment]
-    """Settings (of ``kind``) from the environment, with explicit non-None overrides on top.
+    """Settings (of ``kind``) from the environment and ``.env``, with explicit non-None
+    overrides on top.
 
-    Raises ``ConfigurationError`` (never pydantic's error, which would echo the input URL
-    with its password).
+    Raises ``ConfigurationError`` naming each bad setting's environment variable (never
+    pydantic's error, which would echo the input URL with its password).
     """
     given = {name: value for name, value in overrides.items() if value is not None}
     try:
@@ -255,7 +286,8 @@ def load_settings(kind: type[SettingsT] = Settings, **overrides: Any) -> Setting
     except ValidationError as exc:
         problems = []
         for error in exc.errors(include_input=False, include_url=False):
-            where = ".".join(str(part) for part in error["loc"]) or "settings"
             message = str(error["msg"]).removeprefix("Value error, ")
-            problems.append(f"{where}: {message}")
-        raise ConfigurationError("invalid settings: " + "; ".join(problems)) from None
+            variable = env_name(str(error["loc"][0])) if error["loc"] else ""
+            named = not variable or message.startswith(variable)
+            problems.append(message if named else f"{variable}: {message}")
+        raise ConfigurationError("; ".join(problems)) from None

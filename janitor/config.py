@@ -1,4 +1,5 @@
-"""The janitor's settings, on top of the shared ones (each also ``KEYQ_<FIELD>``)."""
+"""The janitor's settings, on top of the shared ones (each also ``KEYQ_<FIELD>``, in the
+environment or ``.env``)."""
 
 from __future__ import annotations
 

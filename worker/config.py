@@ -1,6 +1,7 @@
 """The worker's settings: batching, Spark, poison handling, on top of the shared ones.
 
-Every field is also a ``KEYQ_<FIELD>`` environment variable, like the shared settings.
+Every field is also a ``KEYQ_<FIELD>`` environment variable (or ``.env`` entry), like the
+shared settings.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class WorkerSettings(Settings):
         default="local[*]", description="Spark master URL (local[*], spark://host:7077, yarn, …)"
     )
     spark_remote: str | None = Field(
-        default=None, description="Spark Connect URL (sc://host:15002); wins over spark_master"
+        default=None, description="Spark Connect URL (sc://host:15002); wins over KEYQ_SPARK_MASTER"
     )
     spark_conf: str | None = Field(
         default=None,
@@ -83,8 +84,8 @@ class WorkerSettings(Settings):
         default=1000,
         ge=1,
         le=65535,
-        description="unacked events per queue (its AMQP prefetch is prefetch / pack_max_events "
-        "messages, since a message may be a pack of events)",
+        description="unacked events per queue (its AMQP prefetch is KEYQ_PREFETCH / "
+        "KEYQ_PACK_MAX_EVENTS messages, since a message may be a pack of events)",
     )
     max_held_queues: int | None = Field(
         default=None,
@@ -108,7 +109,10 @@ class WorkerSettings(Settings):
     retry_backoff_ms: int = Field(default=200, ge=0, description="first retry delay, doubled")
 
     tick_ms: int = Field(
-        default=250, ge=10, description="how often locks are renewed and claims reconsidered"
+        default=250,
+        ge=10,
+        description="how often locks are renewed and claims reconsidered (at most a third of "
+        "KEYQ_LOCK_TTL_MS)",
     )
     scan_interval_ms: int = Field(
         default=1000, ge=10, description="full registry scan, a fallback to announcements"
@@ -127,7 +131,7 @@ class WorkerSettings(Settings):
     def _renew_well_within_ttl(self) -> WorkerSettings:
         if self.tick_ms * 3 > self.lock_ttl_ms:
             raise ValueError(
-                "tick_ms must be at most a third of lock_ttl_ms, or locks could expire "
-                "between two renewals"
+                "KEYQ_TICK_MS must be at most a third of KEYQ_LOCK_TTL_MS, or locks could "
+                "expire between two renewals"
             )
         return self
