@@ -61,7 +61,7 @@ def test_bad_settings_exit_2_in_one_line(settings: Settings) -> None:
     process = keyq(settings, "janitor", "--once", env={"KEYQ_JANITOR_CONNECTIONS": "0"})
     _out, err = process.communicate(timeout=60)
     assert process.returncode == EXIT_USAGE
-    assert "janitor_connections" in err
+    assert "KEYQ_JANITOR_CONNECTIONS" in err
     assert "Traceback" not in err
 
 

@@ -37,4 +37,4 @@ def test_a_janitor_logs_one_json_object_per_line(settings: Settings, stream: Str
 def test_an_unknown_log_format_is_a_usage_error(settings: Settings) -> None:
     done = run_keyq(settings, "janitor", "--once", env={"KEYQ_LOG_FORMAT": "xml"}, timeout=60)
     assert done.returncode == 2
-    assert "log_format" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert "KEYQ_LOG_FORMAT" in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -38,8 +38,8 @@ def _keyq(*args: str, env: dict[str, str] | None = None) -> subprocess.Completed
 def _assert_usage_error(done: subprocess.CompletedProcess[str], level: str) -> None:
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
-    errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("keyq: "), done.stderr
     assert "--log-level" in errors[0] and repr(level) in errors[0], errors[0]
     assert all(repr(name) in errors[0] for name in LOG_LEVELS), errors[0]
 

@@ -230,7 +230,7 @@ def test_the_reducer_and_the_pipeline_pickle_by_reference() -> None:
 
 
 def test_the_pipeline_folds_with_the_order_reducer() -> None:
-    from keyq.worker.pipeline import load_pipeline
+    from keyq.worker.pipeline_loading import load_pipeline
 
     assert load_pipeline("keyq.orders:pipeline") is pipeline
     calls: list[tuple[Any, Any]] = []

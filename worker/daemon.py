@@ -47,7 +47,8 @@ from keyq.worker.deliveries import DeliveryBuffer
 from keyq.worker.engine import SparkEngine
 from keyq.worker.handbacks import HandBacks
 from keyq.worker.held_queues import HeldQueues
-from keyq.worker.pipeline import Pipeline, load_pipeline
+from keyq.worker.pipeline import Pipeline
+from keyq.worker.pipeline_loading import load_pipeline
 from keyq.worker.policy_cache import PolicyCache
 from keyq.worker.reporting import worker_report
 from keyq.worker.serving import (

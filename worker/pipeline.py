@@ -8,17 +8,13 @@ id, the SparkSession and ``ctx.state``, the exactly-once keyed state.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
 
-from keyq.broker.errors import ConfigurationError, PipelineError
+from keyq.broker.errors import PipelineError
 from keyq.worker.fold import STATE_SCHEMA_DDL, Decoder, Reducer, make_folder
 from keyq.worker.state_store import StateStore
 
@@ -81,42 +77,3 @@ class BatchContext:
     queues: Sequence[str]
     attempt: int = 1
     extras: dict[str, Any] = field(default_factory=dict)
-
-
-def load_pipeline(spec: str) -> Pipeline:
-    """Import ``module:function`` (or ``module.function``); a module found nowhere else is
-    looked for in the working directory."""
-    module_name, sep, attribute = spec.partition(":")
-    if not sep:
-        module_name, _, attribute = spec.rpartition(".")
-    if not module_name or not attribute:
-        raise ConfigurationError(f"pipeline {spec!r} must be written module:function")
-    _search_working_directory(module_name)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigurationError(f"cannot import pipeline module {module_name!r}: {exc}") from None
-    function = getattr(module, attribute, None)
-    if not callable(function):
-        raise ConfigurationError(f"pipeline {spec!r}: {attribute!r} is not a function")
-    return function  # type: ignore[no-any-return]
-
-
-def _search_working_directory(module_name: str) -> None:
-    """``keyq worker --pipeline app:pipeline`` run from the folder holding ``app.py`` finds it
-    (the ``keyq`` script alone would not: its own folder heads ``sys.path``). The folder goes
-    last, and only when the module is not found otherwise, so it never shadows an installed
-    package. Spark's local Python workers, which import the pipeline's functions by module
-    name, are told the same through ``PYTHONPATH``: they start later, from this environment."""
-    top = module_name.split(".", maxsplit=1)[0]
-    try:
-        if importlib.util.find_spec(top) is not None:
-            return
-    except (ImportError, ValueError):
-        return  # let the import itself say what is wrong
-    folder = os.getcwd()
-    if folder not in sys.path:
-        sys.path.append(folder)
-    paths = [path for path in os.environ.get("PYTHONPATH", "").split(os.pathsep) if path]
-    if folder not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, folder])

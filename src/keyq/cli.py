@@ -1,7 +1,8 @@
 """``keyq``: one command for producing, inspecting and (later) running keyq's daemons.
 
-Errors are printed in one line without a traceback, with exit codes scripts can rely on:
-0 ok, 1 a runtime failure (service down, timeout), 2 bad usage or configuration.
+Errors are printed in one line without a traceback, with exit codes scripts can rely on
+(``keyq.command_errors``): 0 ok, 1 a runtime failure (a service down, a timeout), 2 bad usage,
+input or configuration, refused before any service is contacted, 3 a failed demo verdict.
 """
 
 from __future__ import annotations
@@ -12,25 +13,23 @@ from typing import Any
 import click
 import orjson
 
-from keyq.broker.errors import ConfigurationError, InvalidInput, KeyqError
-from keyq.broker.settings import Settings, load_settings
+from keyq.broker.settings import load_settings
+from keyq.broker.streams import requested_config
+from keyq.cli_checks import NON_NEGATIVE, POSITIVE, json_event, key_name, stream_name
+from keyq.command_errors import EXIT_FAILURE, EXIT_VERDICT, OneLineGroup, exit_with, usage
 from keyq.dlq_cli import dlq_group
 from keyq.extras import require_worker_extra
 from keyq.inspect_cli import inspect_command
 from keyq.key_commands import pause_command, resume_command, stream_group
 from keyq.producer import Producer
+from keyq.settings_cli import settings_command
 from keyq.status import status_command
 
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
-EXIT_VERDICT = 3
+__all__ = ["EXIT_VERDICT", "LOG_LEVELS", "cli", "main"]
 
-
-def _fail(exc: KeyqError) -> None:
-    code = EXIT_USAGE if isinstance(exc, (ConfigurationError, InvalidInput)) else EXIT_FAILURE
-    click.echo(f"keyq: {exc}", err=True)
-    sys.exit(code)
-
+stream_option = click.option("--stream", required=True, callback=stream_name, help="Stream name.")
+mode_option = click.option("--mode", type=click.Choice(["key", "bucket"]), default=None)
+buckets_option = click.option("--buckets", type=int, default=None)
 
 metrics_port_option = click.option(
     "--metrics-port",
@@ -50,57 +49,50 @@ log_level_option = click.option(
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "KEYQ"})
+@click.group(
+    cls=OneLineGroup,
+    context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "KEYQ"},
+)
 @click.version_option(package_name="keyq")
 def cli() -> None:
     """Keyed event streams on RabbitMQ: per-key queues, one worker per key at a time."""
 
 
-@cli.command("settings")
-def show_settings() -> None:
-    """Print the effective settings (from KEYQ_* variables) as JSON, without passwords."""
-    try:
-        settings: Settings = load_settings()
-    except KeyqError as exc:
-        _fail(exc)
-    click.echo(orjson.dumps(settings.describe(), option=orjson.OPT_INDENT_2).decode())
-
-
 @cli.command("publish")
-@click.option("--stream", required=True, help="Stream name.")
-@click.option("--key", "keys", multiple=True, required=True, help="Key; repeat for several.")
-@click.option("--event", "event_json", required=True, help="The event as a JSON object.")
-@click.option("--mode", type=click.Choice(["key", "bucket"]), default=None)
-@click.option("--buckets", type=int, default=None)
+@stream_option
+@click.option(
+    "--key",
+    "keys",
+    multiple=True,
+    required=True,
+    callback=key_name,
+    help="Key; repeat for several.",
+)
+@click.option("--event", required=True, callback=json_event, help="The event as a JSON object.")
+@mode_option
+@buckets_option
 def publish(
-    stream: str, keys: tuple[str, ...], event_json: str, mode: str | None, buckets: int | None
+    stream: str, keys: tuple[str, ...], event: dict[str, Any], mode: str | None, buckets: int | None
 ) -> None:
     """Publish one JSON event to each given key and wait until RabbitMQ confirmed them."""
-    try:
-        event: Any = orjson.loads(event_json)
-    except orjson.JSONDecodeError as exc:
-        click.echo(f"keyq: --event is not valid JSON: {exc}", err=True)
-        sys.exit(EXIT_USAGE)
-    try:
-        with Producer(stream, mode=mode, buckets=buckets) as producer:
-            receipts = [producer.publish(key, event) for key in keys]
-    except KeyqError as exc:
-        _fail(exc)
+    requested_config(stream, mode, buckets)
+    with Producer(stream, mode=mode, buckets=buckets) as producer:
+        receipts = [producer.publish(key, event) for key in keys]
     for receipt in receipts:
         click.echo(f"{receipt.key}\t{receipt.queue}\tseq={receipt.seq}")
 
 
 @cli.command("worker")
-@click.option("--stream", required=True, help="Stream to process.")
+@stream_option
 @click.option(
     "--pipeline", required=True, help="The pipeline as module:function, e.g. keyq.orders:pipeline."
 )
 @click.option("--sink", default=None, help="Batch output: parquet:/path/to/folder (default none).")
-@click.option("--mode", type=click.Choice(["key", "bucket"]), default=None)
-@click.option("--buckets", type=int, default=None)
+@mode_option
+@buckets_option
 @click.option(
     "--until-idle",
-    type=float,
+    type=NON_NEGATIVE,
     default=None,
     help="Stop by itself once nothing arrived for this many seconds (drain mode).",
 )
@@ -124,23 +116,21 @@ def worker_command(
     SIGTERM or Ctrl-C finishes the batch in flight, commits, acks and hands every queue back
     before exiting 0.
     """
-    try:
-        require_worker_extra("keyq worker")
-        from keyq.worker_daemon import run_worker_daemon  # noqa: PLC0415 - imports Spark
+    requested_config(stream, mode, buckets)
+    require_worker_extra("keyq worker")
+    from keyq.worker_daemon import run_worker_daemon  # noqa: PLC0415 - imports Spark
 
-        run_worker_daemon(
-            stream=stream,
-            pipeline=pipeline,
-            sink=sink,
-            mode=mode,
-            buckets=buckets,
-            until_idle=until_idle,
-            worker_id=worker_id,
-            metrics_port=metrics_port,
-            log_level=log_level,
-        )
-    except KeyqError as exc:
-        _fail(exc)
+    run_worker_daemon(
+        stream=stream,
+        pipeline=pipeline,
+        sink=sink,
+        mode=mode,
+        buckets=buckets,
+        until_idle=until_idle,
+        worker_id=worker_id,
+        metrics_port=metrics_port,
+        log_level=log_level,
+    )
 
 
 @cli.command("spark-cache")
@@ -151,26 +141,27 @@ def spark_cache_command() -> None:
     from keyq.worker.config import WorkerSettings  # noqa: PLC0415 - keeps startup light
     from keyq.worker.spark_classes import archive_path, build_archive  # noqa: PLC0415
 
-    try:
-        require_worker_extra("keyq spark-cache")
-        settings = load_settings(WorkerSettings)
-    except KeyqError as exc:
-        _fail(exc)
+    require_worker_extra("keyq spark-cache")
+    settings = load_settings(WorkerSettings)
     if archive_path(settings) is None:
-        click.echo("keyq: no archive: KEYQ_SPARK_CLASS_CACHE is off, or no java found", err=True)
-        sys.exit(EXIT_USAGE)
+        usage("no archive: KEYQ_SPARK_CLASS_CACHE is off, or no java found")
     built = build_archive(settings)
     if built is None:
-        click.echo("keyq: could not build Spark's class-data archive (see the log above)", err=True)
-        sys.exit(EXIT_FAILURE)
+        exit_with("could not build Spark's class-data archive (see the log above)", EXIT_FAILURE)
     click.echo(str(built))
 
 
 @cli.command("janitor")
-@click.option("--stream", "streams", multiple=True, help="Stream to tend; repeat. Default: all.")
+@click.option(
+    "--stream",
+    "streams",
+    multiple=True,
+    callback=stream_name,
+    help="Stream to tend; repeat. Default: all.",
+)
 @click.option(
     "--idle-ttl",
-    type=float,
+    type=NON_NEGATIVE,
     default=None,
     help="Seconds a queue must be idle before it is reclaimed (KEYQ_IDLE_TTL_S, default 60).",
 )
@@ -194,28 +185,27 @@ def janitor_command(
     """
     from keyq.janitor_daemon import run_janitor_daemon  # noqa: PLC0415 - light imports elsewhere
 
-    try:
-        run_janitor_daemon(
-            streams=streams,
-            idle_ttl=idle_ttl,
-            once=once,
-            janitor_id=janitor_id,
-            metrics_port=metrics_port,
-            log_level=log_level,
-        )
-    except KeyqError as exc:
-        _fail(exc)
+    run_janitor_daemon(
+        streams=streams,
+        idle_ttl=idle_ttl,
+        once=once,
+        janitor_id=janitor_id,
+        metrics_port=metrics_port,
+        log_level=log_level,
+    )
 
 
 @cli.command("produce")
-@click.option("--stream", required=True, help="Stream name.")
+@stream_option
 @click.option("--keys", type=click.IntRange(min=1), default=1000, show_default=True)
 @click.option("--events", type=click.IntRange(min=1), default=100_000, show_default=True)
-@click.option("--rate", type=float, default=0.0, show_default=True, help="events/s; 0 = max")
-@click.option("--skew", type=float, default=1.1, show_default=True, help="Zipf exponent; 0 = even")
+@click.option("--rate", type=NON_NEGATIVE, default=0.0, show_default=True, help="events/s; 0 = max")
+@click.option(
+    "--skew", type=NON_NEGATIVE, default=1.1, show_default=True, help="Zipf exponent; 0 = even"
+)
 @click.option("--payload-bytes", type=click.IntRange(min=0), default=200, show_default=True)
-@click.option("--mode", type=click.Choice(["key", "bucket"]), default=None)
-@click.option("--buckets", type=int, default=None)
+@mode_option
+@buckets_option
 @click.option("--seed", type=int, default=1, show_default=True)
 def produce_command(
     *,
@@ -232,10 +222,8 @@ def produce_command(
     """Publish synthetic keyed load and print what was done as JSON."""
     from keyq.produce import Load, produce  # noqa: PLC0415 - keeps startup light
 
-    try:
-        done = produce(Load(stream, keys, events, rate, skew, payload_bytes, mode, buckets, seed))
-    except KeyqError as exc:
-        _fail(exc)
+    requested_config(stream, mode, buckets)
+    done = produce(Load(stream, keys, events, rate, skew, payload_bytes, mode, buckets, seed))
     click.echo(orjson.dumps(done).decode())
 
 
@@ -249,14 +237,23 @@ def produce_command(
     is_flag=True,
     help="Use workers already running (e.g. docker compose) on --stream (default orders).",
 )
-@click.option("--stream", default=None, help="Stream name (default: a fresh demo-… stream).")
+@click.option(
+    "--stream",
+    default=None,
+    callback=stream_name,
+    help="Stream name (default: a fresh demo-… stream).",
+)
 @click.option("--seed", type=int, default=7, show_default=True)
-@click.option("--idle-ttl", type=float, default=30.0, show_default=True, help="Janitor idle ttl.")
-@click.option("--timeout", type=float, default=600.0, show_default=True, help="Drain timeout, s.")
-@click.option("--rate", type=float, default=0.0, show_default=True, help="events/s; 0 = max")
+@click.option(
+    "--idle-ttl", type=NON_NEGATIVE, default=30.0, show_default=True, help="Janitor idle ttl."
+)
+@click.option(
+    "--timeout", type=POSITIVE, default=600.0, show_default=True, help="Drain timeout, s."
+)
+@click.option("--rate", type=NON_NEGATIVE, default=0.0, show_default=True, help="events/s; 0 = max")
 @click.option(
     "--wait-for-services",
-    type=click.FloatRange(min=0),
+    type=NON_NEGATIVE,
     default=120.0,
     show_default=True,
     help="Seconds to wait for RabbitMQ and Redis to accept connections; 0 = fail at once.",
@@ -307,52 +304,47 @@ def demo_command(
     from keyq.demo import DemoOptions  # noqa: PLC0415 - keeps startup light
     from keyq.demo_cli import run_demo  # noqa: PLC0415
 
-    try:
-        if not external_workers:
-            require_worker_extra("keyq demo without --external-workers")
-        options = DemoOptions(
-            orders=orders,
-            events=events,
-            workers=workers,
-            chaos=chaos,
-            external_workers=external_workers,
-            stream=stream,
-            seed=seed,
-            idle_ttl=idle_ttl,
-            drain_timeout=timeout,
-            rate=rate,
-            wait_for_services=wait_for_services,
-            mode=mode,
-            buckets=buckets,
-            queue_type=queue_type,
-        )
-        ok = run_demo(options, as_json=as_json)
-    except KeyqError as exc:
-        _fail(exc)
-    if not ok:
+    if events < orders:
+        usage(f"--events ({events}) must be at least --orders ({orders}): an order has events")
+    if not external_workers:
+        require_worker_extra("keyq demo without --external-workers")
+    options = DemoOptions(
+        orders=orders,
+        events=events,
+        workers=workers,
+        chaos=chaos,
+        external_workers=external_workers,
+        stream=stream,
+        seed=seed,
+        idle_ttl=idle_ttl,
+        drain_timeout=timeout,
+        rate=rate,
+        wait_for_services=wait_for_services,
+        mode=mode,
+        buckets=buckets,
+        queue_type=queue_type,
+    )
+    if not run_demo(options, as_json=as_json):
         sys.exit(EXIT_VERDICT)
 
 
 @cli.command("state")
-@click.option("--stream", required=True, help="Stream name.")
-@click.option("--key", required=True, help="The key whose state to print.")
+@stream_option
+@click.option("--key", required=True, callback=key_name, help="The key whose state to print.")
 @click.option("--marks", is_flag=True, help="Also print the exactly-once marks (per producer).")
 def state_command(stream: str, key: str, marks: bool) -> None:
     """Print a key's committed state as JSON (exit 1 if it has none)."""
     from keyq.key_state import read_state  # noqa: PLC0415 - keeps startup light
 
-    try:
-        found, value, key_marks = read_state(stream, key)
-    except KeyqError as exc:
-        _fail(exc)
+    found, value, key_marks = read_state(stream, key)
     if not found:
-        click.echo(f"keyq: no state for key {key!r} in stream {stream!r}", err=True)
-        sys.exit(EXIT_FAILURE)
+        exit_with(f"no state for key {key!r} in stream {stream!r}", EXIT_FAILURE)
     shown: Any = {"key": key, "state": value, "marks": key_marks} if marks else value
     click.echo(orjson.dumps(shown, option=orjson.OPT_INDENT_2).decode())
 
 
 cli.add_command(status_command)
+cli.add_command(settings_command)
 
 for operator_command in (dlq_group, pause_command, resume_command, stream_group, inspect_command):
     cli.add_command(operator_command)

@@ -1,10 +1,12 @@
-"""How an operator command ends on an error: one line ``keyq: ...`` on stderr, exit 2 for bad
-usage or input, 1 for a runtime failure."""
+"""How every ``keyq`` command ends on an error: one line ``keyq: ...`` on stderr, no traceback,
+and an exit code a script can rely on: 2 for bad usage, input or configuration (refused before
+any service is contacted), 1 for a runtime failure (a service down, a timeout), 3 for a demo
+whose verdict failed."""
 
 from __future__ import annotations
 
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 
@@ -12,45 +14,74 @@ from keyq.broker.errors import ConfigurationError, InvalidInput, KeyqError
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+EXIT_VERDICT = 3
+
+
+def one_line(text: str) -> str:
+    """``text`` with its lines joined: a message from a library may span several."""
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def exit_with(message: str, code: int) -> NoReturn:
+    click.echo(f"keyq: {one_line(message)}", err=True)
+    sys.exit(code)
 
 
 def fail(exc: KeyqError) -> NoReturn:
     code = EXIT_USAGE if isinstance(exc, (ConfigurationError, InvalidInput)) else EXIT_FAILURE
-    click.echo(f"keyq: {exc}", err=True)
-    sys.exit(code)
+    exit_with(str(exc), code)
 
 
 def usage(message: str) -> NoReturn:
     """Bad usage that click's own checks do not catch (options that go together)."""
-    click.echo(f"keyq: {message}", err=True)
-    sys.exit(EXIT_USAGE)
+    exit_with(message, EXIT_USAGE)
 
 
-class OneLineCommand(click.Command):
-    """A command whose usage errors (a missing or malformed option) are one line, exit 2."""
+def _click_failure(exc: click.ClickException) -> NoReturn:
+    message = exc.format_message()
+    if isinstance(exc, click.UsageError) and exc.ctx is not None:
+        message = f"{message.rstrip('.')} (see {exc.ctx.command_path} --help)"
+    exit_with(message, exc.exit_code)
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+
+class OneLineErrors(click.Command):
+    """Ends usage errors (a missing, unknown or malformed option, an unknown command), the
+    ``KeyqError``s a command lets through and an abort in one line each. Only the outermost
+    command of a run catches: its subcommands' errors pass through its own ``invoke``."""
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
         try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as exc:
-            usage(exc.format_message())
+            return super().make_context(info_name, args, parent, **extra)
+        except click.exceptions.NoArgsIsHelpError:
+            raise  # the help text itself, as asked for
+        except click.ClickException as exc:
+            _click_failure(exc)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.ClickException as exc:
+            _click_failure(exc)
+        except KeyqError as exc:
+            fail(exc)
+        except click.Abort:
+            exit_with("aborted", EXIT_FAILURE)
 
 
-class OneLineGroup(click.Group):
-    """A group whose commands are ``OneLineCommand``s."""
+class OneLineCommand(OneLineErrors):
+    """A command whose errors are one line each."""
+
+
+class OneLineGroup(OneLineErrors, click.Group):
+    """A group whose errors, and its commands' and subgroups', are one line each."""
 
     command_class = OneLineCommand
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as exc:
-            usage(exc.format_message())
-
-    def resolve_command(
-        self, ctx: click.Context, args: list[str]
-    ) -> tuple[str | None, click.Command | None, list[str]]:
-        try:
-            return super().resolve_command(ctx, args)
-        except click.UsageError as exc:
-            usage(exc.format_message())
+    group_class = type  # subgroups are OneLineGroups too

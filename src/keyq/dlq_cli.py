@@ -23,18 +23,19 @@ from keyq.broker.dead_letter_index import DeadLetterIndex
 from keyq.broker.dead_letter_queue import NOT_FOUND, DeadLetterMessage, DeadLetterWalk
 from keyq.broker.errors import InvalidInput, KeyqError
 from keyq.bulk_redrive import BulkRequest, redrive_many
-from keyq.command_errors import OneLineGroup, fail, usage
+from keyq.cli_checks import NON_NEGATIVE, key_name, letter_id, stream_name
+from keyq.command_errors import OneLineGroup, usage
 from keyq.dead_letter_listing import detail_of, letter_detail, render_detail, render_rows
 from keyq.dlq_lock import DeadLetterLock
 from keyq.letter_selection import LetterNotFound, by_ids, of_key, whole_packs
 from keyq.operator_context import OperatorContext, check_keys
 from keyq.redrive import RedriveRequest, redrive
 
-stream_option = click.option("--stream", required=True, help="Stream name.")
+stream_option = click.option("--stream", required=True, callback=stream_name, help="Stream name.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 wait_option = click.option(
     "--wait",
-    type=float,
+    type=NON_NEGATIVE,
     default=30.0,
     show_default=True,
     help="Seconds to wait for another command working on the dead-letter queue.",
@@ -43,10 +44,6 @@ wait_option = click.option(
 
 def _echo_json(value: Any) -> None:
     click.echo(orjson.dumps(value, option=orjson.OPT_INDENT_2).decode())
-
-
-def _keys(*keys: str | None) -> None:
-    check_keys([key for key in keys if key is not None])
 
 
 @click.group("dlq", cls=OneLineGroup)
@@ -82,9 +79,9 @@ def queue_depth(ctx: OperatorContext) -> int | None:
 
 @dlq_group.command("list")
 @stream_option
-@click.option("--key", default=None, help="Only this key's letters.")
+@click.option("--key", default=None, callback=key_name, help="Only this key's letters.")
 @click.option("--reason", default=None, help="Only letters whose reason holds this text.")
-@click.option("--limit", type=int, default=None, help="At most this many letters.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many.")
 @json_option
 @click.option("--wait", type=float, default=None, hidden=True)  # kept: the index takes no lock
 def list_command(
@@ -98,23 +95,17 @@ def list_command(
 ) -> None:
     """The dead letters, oldest first, from the index (nothing is consumed or moved)."""
     del wait
-    if limit is not None and limit <= 0:
-        usage(f"--limit must be above 0, got {limit}")
-    try:
-        _keys(key)
-        with OperatorContext(stream) as ctx, ctx.services():
-            queue = ctx.config.dead_letter_queue
-            index = DeadLetterIndex(ctx.redis, ctx.stream)
-            if reason is not None:
-                page = index.with_reason(reason, limit, key)
-            elif key is not None:
-                page = index.of_key(key, limit)
-            else:
-                page = index.page(limit)
-            letters, messages = index.counts()
-            ready = queue_depth(ctx) or 0
-    except KeyqError as exc:
-        fail(exc)
+    with OperatorContext(stream) as ctx, ctx.services():
+        queue = ctx.config.dead_letter_queue
+        index = DeadLetterIndex(ctx.redis, ctx.stream)
+        if reason is not None:
+            page = index.with_reason(reason, limit, key)
+        elif key is not None:
+            page = index.of_key(key, limit)
+        else:
+            page = index.page(limit)
+        letters, messages = index.counts()
+        ready = queue_depth(ctx) or 0
     rows = [{"position": place} | row for place, row in enumerate(page.rows)]
     in_step = ready == messages
     if as_json:
@@ -148,8 +139,12 @@ def list_command(
 
 @dlq_group.command("show")
 @stream_option
-@click.option("--id", "letter_id", required=True, help="The letter's id (from dlq list).")
-@click.option("--key", default=None, help="The letter's key, when its id names several.")
+@click.option(
+    "--id", "letter_id", required=True, callback=letter_id, help="The letter's id (from dlq list)."
+)
+@click.option(
+    "--key", default=None, callback=key_name, help="The letter's key, when its id names several."
+)
 @click.option(
     "--walk",
     "walk_queue",
@@ -162,18 +157,14 @@ def show_command(
     *, stream: str, letter_id: str, key: str | None, walk_queue: bool, as_json: bool, wait: float
 ) -> None:
     """One letter whole: every header and the payload."""
-    try:
-        _keys(key)
-        with OperatorContext(stream) as ctx, ctx.services():
-            queue = ctx.config.dead_letter_queue
-            if walk_queue:
-                with locked_walk(ctx, wait) as walk:
-                    picked = by_ids(walk.read(), [letter_id], key=key, queue=queue)
-                detail = letter_detail(picked[0]) | {"copies": len(picked)}
-            else:
-                detail = _indexed(DeadLetterIndex(ctx.redis, ctx.stream), letter_id, key, queue)
-    except KeyqError as exc:
-        fail(exc)
+    with OperatorContext(stream) as ctx, ctx.services():
+        queue = ctx.config.dead_letter_queue
+        if walk_queue:
+            with locked_walk(ctx, wait) as walk:
+                picked = by_ids(walk.read(), [letter_id], key=key, queue=queue)
+            detail = letter_detail(picked[0]) | {"copies": len(picked)}
+        else:
+            detail = _indexed(DeadLetterIndex(ctx.redis, ctx.stream), letter_id, key, queue)
     if as_json:
         _echo_json(detail)
         return
@@ -204,16 +195,13 @@ def _indexed(index: DeadLetterIndex, letter_id: str, key: str | None, queue: str
 def reindex_command(stream: str, as_json: bool, wait: float) -> None:
     """Walk the dead-letter queue once and bring the index in step with it (every letter
     stays in its place)."""
-    try:
-        with OperatorContext(stream) as ctx, ctx.services():
-            queue = ctx.config.dead_letter_queue
-            index = DeadLetterIndex(ctx.redis, ctx.stream)
-            before = index.counts()
-            with locked_walk(ctx, wait) as walk:
-                met, ready = len(walk.read()), walk.ready_at_start
-            after = index.counts()
-    except KeyqError as exc:
-        fail(exc)
+    with OperatorContext(stream) as ctx, ctx.services():
+        queue = ctx.config.dead_letter_queue
+        index = DeadLetterIndex(ctx.redis, ctx.stream)
+        before = index.counts()
+        with locked_walk(ctx, wait) as walk:
+            met, ready = len(walk.read()), walk.ready_at_start
+        after = index.counts()
     report = {
         "stream": stream,
         "queue": queue,
@@ -233,8 +221,14 @@ def reindex_command(stream: str, as_json: bool, wait: float) -> None:
 
 @dlq_group.command("drop")
 @stream_option
-@click.option("--key", default=None, help="Drop every letter of this key.")
-@click.option("--id", "letter_ids", multiple=True, help="Drop this letter (every copy); repeat.")
+@click.option("--key", default=None, callback=key_name, help="Drop every letter of this key.")
+@click.option(
+    "--id",
+    "letter_ids",
+    multiple=True,
+    callback=letter_id,
+    help="Drop this letter (every copy); repeat.",
+)
 @click.option("--yes", is_flag=True, help="Do not ask.")
 @json_option
 @wait_option
@@ -253,21 +247,17 @@ def drop_command(
     (from the index) before the dead-letter queue is taken."""
     if key is None and not letter_ids:
         usage("drop needs --key or --id")
-    try:
-        _keys(key)
-        with OperatorContext(stream) as ctx, ctx.services():
-            queue = ctx.config.dead_letter_queue
-            if not yes:
-                index = DeadLetterIndex(ctx.redis, ctx.stream)
-                if not _confirmed(_to_drop_indexed(index, key, letter_ids), queue):
-                    raise NothingDropped("not confirmed: nothing dropped")
-            with locked_walk(ctx, wait) as walk:
-                letters = walk.read()
-                picked = _to_drop(letters, key, letter_ids, queue)
-                walk.ack(picked)
-                DeadLetterIndex(ctx.redis, ctx.stream).remove(picked)
-    except KeyqError as exc:
-        fail(exc)
+    with OperatorContext(stream) as ctx, ctx.services():
+        queue = ctx.config.dead_letter_queue
+        if not yes:
+            index = DeadLetterIndex(ctx.redis, ctx.stream)
+            if not _confirmed(_to_drop_indexed(index, key, letter_ids), queue):
+                raise NothingDropped("not confirmed: nothing dropped")
+        with locked_walk(ctx, wait) as walk:
+            letters = walk.read()
+            picked = _to_drop(letters, key, letter_ids, queue)
+            walk.ack(picked)
+            DeadLetterIndex(ctx.redis, ctx.stream).remove(picked)
     ids = list(dict.fromkeys(letter.letter_id for letter in picked))
     if as_json:
         _echo_json({"stream": stream, "queue": queue, "dropped": len(picked), "ids": ids})
@@ -322,9 +312,19 @@ def _confirmed(rows: list[dict[str, Any]], queue: str) -> bool:
 
 @dlq_group.command("redrive")
 @stream_option
-@click.option("--key", default=None, help="Put back this key's letters (and unpark it).")
-@click.option("--id", "letter_id", default=None, help="Put back this one letter (every copy).")
-@click.option("--to-key", default=None, help="With --id: the key the letter goes to.")
+@click.option(
+    "--key", default=None, callback=key_name, help="Put back this key's letters (and unpark it)."
+)
+@click.option(
+    "--id",
+    "letter_id",
+    default=None,
+    callback=letter_id,
+    help="Put back this one letter (every copy).",
+)
+@click.option(
+    "--to-key", default=None, callback=key_name, help="With --id: the key the letter goes to."
+)
 @click.option(
     "--payload-file",
     default=None,
@@ -373,21 +373,16 @@ def redrive_command(
         usage("--to-key and --payload-file go with --id")
     if skip and (letter_id is not None or key is None):
         usage("--skip goes with --key alone")
-    try:
-        _keys(key, to_key)
-        payload = _read_payload(payload_file)
-        request = RedriveRequest(
-            key=key,
-            letter_id=letter_id,
-            to_key=to_key,
-            payload=payload,
-            skip=skip,
-            wait_s=wait,
-        )
-        with OperatorContext(stream) as ctx:
-            result = redrive(ctx, request)
-    except KeyqError as exc:
-        fail(exc)
+    request = RedriveRequest(
+        key=key,
+        letter_id=letter_id,
+        to_key=to_key,
+        payload=_read_payload(payload_file),
+        skip=skip,
+        wait_s=wait,
+    )
+    with OperatorContext(stream) as ctx:
+        result = redrive(ctx, request)
     if as_json:
         _echo_json({"stream": stream} | result.as_dict())
         return
@@ -423,20 +418,17 @@ def _redrive_many(
     as_json: bool,
     wait: float,
 ) -> None:
-    try:
-        keys = None if keys_file is None else _read_keys(keys_file)
-        if key is not None:
-            keys = [*(keys or []), key]
-        request = BulkRequest(
-            every=every,
-            reason=reason,
-            keys=None if keys is None else tuple(check_keys(keys)),
-            wait_s=wait,
-        )
-        with OperatorContext(stream) as ctx:
-            result = redrive_many(ctx, request)
-    except KeyqError as exc:
-        fail(exc)
+    keys = None if keys_file is None else _read_keys(keys_file)
+    if key is not None:
+        keys = [*(keys or []), key]
+    request = BulkRequest(
+        every=every,
+        reason=reason,
+        keys=None if keys is None else tuple(check_keys(keys)),
+        wait_s=wait,
+    )
+    with OperatorContext(stream) as ctx:
+        result = redrive_many(ctx, request)
     if as_json:
         _echo_json({"stream": stream} | result.as_dict())
         return

@@ -7,20 +7,20 @@ from typing import Any
 import click
 import orjson
 
-from keyq.broker.errors import KeyqError
-from keyq.command_errors import OneLineCommand, fail
+from keyq.cli_checks import NON_NEGATIVE, key_name, stream_name
+from keyq.command_errors import OneLineCommand
 from keyq.dead_letter_listing import render_rows, when
 from keyq.key_inspection import inspect_key
-from keyq.operator_context import OperatorContext, check_keys
+from keyq.operator_context import OperatorContext
 
 
 @click.command("inspect", cls=OneLineCommand)
-@click.option("--stream", required=True, help="Stream name.")
-@click.option("--key", required=True, help="The key.")
+@click.option("--stream", required=True, callback=stream_name, help="Stream name.")
+@click.option("--key", required=True, callback=key_name, help="The key.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option(
     "--wait",
-    type=float,
+    type=NON_NEGATIVE,
     default=30.0,
     show_default=True,
     help="Seconds to wait for a command working on the dead-letter queue.",
@@ -28,12 +28,8 @@ from keyq.operator_context import OperatorContext, check_keys
 def inspect_command(stream: str, key: str, as_json: bool, wait: float) -> None:
     """Where a key stands: its queue, holder, pause and park, aside queues, gaps, state,
     marks, oldest waiting event and dead letters."""
-    try:
-        check_keys([key])
-        with OperatorContext(stream) as ctx:
-            found = inspect_key(ctx, key, dlq_wait_s=wait)
-    except KeyqError as exc:
-        fail(exc)
+    with OperatorContext(stream) as ctx:
+        found = inspect_key(ctx, key, dlq_wait_s=wait)
     if as_json:
         click.echo(orjson.dumps(found, option=orjson.OPT_INDENT_2).decode())
         return

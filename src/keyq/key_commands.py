@@ -9,7 +9,7 @@ from typing import Any
 import click
 import orjson
 
-from keyq.broker.errors import InvalidInput, KeyqError
+from keyq.broker.errors import InvalidInput
 from keyq.broker.key_control import KeyControl
 from keyq.broker.key_wake import wake_keys
 from keyq.broker.stream_policy import (
@@ -19,11 +19,14 @@ from keyq.broker.stream_policy import (
     check_dedupe_window,
     check_rate_limit,
 )
-from keyq.command_errors import OneLineCommand, OneLineGroup, fail, usage
+from keyq.cli_checks import key_name, stream_name
+from keyq.command_errors import OneLineCommand, OneLineGroup, usage
 from keyq.operator_context import OperatorContext, check_keys
 
-stream_option = click.option("--stream", required=True, help="Stream name.")
-keys_option = click.option("--key", "keys", multiple=True, help="A key; repeat for several.")
+stream_option = click.option("--stream", required=True, callback=stream_name, help="Stream name.")
+keys_option = click.option(
+    "--key", "keys", multiple=True, callback=key_name, help="A key; repeat for several."
+)
 keys_file_option = click.option(
     "--keys-file", default=None, help="A file of keys, one a line (blank lines ignored)."
 )
@@ -65,16 +68,13 @@ def pause_command(
 ) -> None:
     """Stop applying keys' events (or the whole stream's) until resumed; nothing is lost,
     their events wait."""
-    try:
-        names = _chosen(keys, keys_file, whole_stream)
-        with OperatorContext(stream) as ctx, ctx.services():
-            if whole_stream:
-                StreamPolicies(ctx.redis, ctx.stream).set_paused(True)
-                changed: list[str] = []
-            else:
-                changed = KeyControl(ctx.redis, ctx.stream).pause(names)
-    except KeyqError as exc:
-        fail(exc)
+    names = _chosen(keys, keys_file, whole_stream)
+    with OperatorContext(stream) as ctx, ctx.services():
+        if whole_stream:
+            StreamPolicies(ctx.redis, ctx.stream).set_paused(True)
+            changed: list[str] = []
+        else:
+            changed = KeyControl(ctx.redis, ctx.stream).pause(names)
     if as_json:
         _echo_json({"stream": stream, "all": whole_stream, "keys": names, "paused": changed})
     elif whole_stream:
@@ -93,19 +93,16 @@ def resume_command(
     stream: str, keys: tuple[str, ...], keys_file: str | None, whole_stream: bool, as_json: bool
 ) -> None:
     """Apply paused keys' events again (or the stream's), waking their queues."""
-    try:
-        names = _chosen(keys, keys_file, whole_stream)
-        with OperatorContext(stream) as ctx, ctx.services():
-            if whole_stream:
-                StreamPolicies(ctx.redis, ctx.stream).set_paused(False)
-                changed: list[str] = []
-                woken: list[str] = []
-            else:
-                connection = ctx.amqp()  # before any change: RabbitMQ down changes nothing
-                changed = KeyControl(ctx.redis, ctx.stream).resume(names)
-                woken = wake_keys(ctx.redis, connection, ctx.config, changed)
-    except KeyqError as exc:
-        fail(exc)
+    names = _chosen(keys, keys_file, whole_stream)
+    with OperatorContext(stream) as ctx, ctx.services():
+        if whole_stream:
+            StreamPolicies(ctx.redis, ctx.stream).set_paused(False)
+            changed: list[str] = []
+            woken: list[str] = []
+        else:
+            connection = ctx.amqp()  # before any change: RabbitMQ down changes nothing
+            changed = KeyControl(ctx.redis, ctx.stream).resume(names)
+            woken = wake_keys(ctx.redis, connection, ctx.config, changed)
     if as_json:
         _echo_json(
             {
@@ -159,23 +156,20 @@ def stream_set_command(
     second."""
     if poison_policy is None and rate_limit is None and dedupe_window is None:
         usage("nothing to set: give --poison-policy, --rate-limit or --dedupe-window")
-    try:
+    if poison_policy is not None:
+        StreamPolicy(poison_policy=poison_policy)
+    if dedupe_window is not None:
+        check_dedupe_window(dedupe_window)
+    limit = _rate_limit(rate_limit) if rate_limit is not None else None
+    with OperatorContext(stream) as ctx, ctx.services():
+        policies = StreamPolicies(ctx.redis, ctx.stream)
         if poison_policy is not None:
-            StreamPolicy(poison_policy=poison_policy)
+            policies.set_poison_policy(poison_policy)
+        if rate_limit is not None:
+            policies.set_rate_limit(limit)
         if dedupe_window is not None:
-            check_dedupe_window(dedupe_window)
-        limit = _rate_limit(rate_limit) if rate_limit is not None else None
-        with OperatorContext(stream) as ctx, ctx.services():
-            policies = StreamPolicies(ctx.redis, ctx.stream)
-            if poison_policy is not None:
-                policies.set_poison_policy(poison_policy)
-            if rate_limit is not None:
-                policies.set_rate_limit(limit)
-            if dedupe_window is not None:
-                policies.set_dedupe_window(dedupe_window)
-            policy = policies.load()
-    except KeyqError as exc:
-        fail(exc)
+            policies.set_dedupe_window(dedupe_window)
+        policy = policies.load()
     click.echo(_describe(stream, policy))
 
 
@@ -184,14 +178,11 @@ def stream_set_command(
 @json_option
 def stream_show_command(stream: str, as_json: bool) -> None:
     """A stream's layout and operator settings, and how many keys are paused or parked."""
-    try:
-        with OperatorContext(stream) as ctx, ctx.services():
-            policy = StreamPolicies(ctx.redis, ctx.stream).load()
-            control = KeyControl(ctx.redis, ctx.stream)
-            paused, parked = control.paused(), control.parked()
-            config = ctx.config
-    except KeyqError as exc:
-        fail(exc)
+    with OperatorContext(stream) as ctx, ctx.services():
+        policy = StreamPolicies(ctx.redis, ctx.stream).load()
+        control = KeyControl(ctx.redis, ctx.stream)
+        paused, parked = control.paused(), control.parked()
+        config = ctx.config
     shown = {
         "stream": stream,
         "mode": config.mode.value,

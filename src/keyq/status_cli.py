@@ -4,27 +4,19 @@ from __future__ import annotations
 
 import shutil
 import sys
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import click
 import orjson
 
-from keyq.broker.errors import ConfigurationError, InvalidInput, KeyqError
 from keyq.broker.settings import load_settings
+from keyq.cli_checks import POSITIVE, stream_name
+from keyq.command_errors import OneLineCommand
 from keyq.status_rows import add_rates
 from keyq.status_table import PIPE_WIDTH, render_table
 
 if TYPE_CHECKING:
     from keyq.status import StatusReader
-
-EXIT_FAILURE = 1
-EXIT_USAGE = 2
-
-
-def _fail(exc: KeyqError) -> NoReturn:
-    code = EXIT_USAGE if isinstance(exc, (ConfigurationError, InvalidInput)) else EXIT_FAILURE
-    click.echo(f"keyq: {exc}", err=True)
-    sys.exit(code)
 
 
 def _show(status: dict[str, Any], as_json: bool, *, watching: bool) -> None:
@@ -54,12 +46,12 @@ def _watch(reader: StatusReader, as_json: bool, every: float) -> None:
         reader.wait(every)
 
 
-@click.command("status")
-@click.option("--stream", required=True, help="Stream name.")
+@click.command("status", cls=OneLineCommand)
+@click.option("--stream", required=True, callback=stream_name, help="Stream name.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @click.option(
     "--watch",
-    type=click.FloatRange(min=0, min_open=True),
+    type=POSITIVE,
     default=None,
     metavar="SECONDS",
     help="Refresh every SECONDS until Ctrl-C; with --json, one JSON object per line.",
@@ -69,18 +61,12 @@ def status_command(stream: str, as_json: bool, watch: float | None) -> None:
     # keyq.status imports this module to re-export the command: its reader comes in here.
     from keyq.status import StatusReader  # noqa: PLC0415
 
-    try:
-        reader = StatusReader(load_settings(), stream)
-    except KeyqError as exc:
-        _fail(exc)
+    reader = StatusReader(load_settings(), stream)
     try:
         if watch is None:
             _show(reader.collect(), as_json, watching=False)
         else:
             _watch(reader, as_json, watch)
-    except KeyqError as exc:
-        reader.close()
-        _fail(exc)
     except KeyboardInterrupt:
         pass  # Ctrl-C ends --watch; exit 0
     finally:
