@@ -287,7 +287,11 @@ def load_settings(kind: type[SettingsT] = Settings, **overrides: Any) -> Setting
         problems = []
         for error in exc.errors(include_input=False, include_url=False):
             message = str(error["msg"]).removeprefix("Value error, ")
-            variable = env_name(str(error["loc"][0])) if error["loc"] else ""
+            field = str(error["loc"][0]) if error["loc"] else ""
+            # A value given in code is named as in code; one from outside by its variable.
+            variable = field if field in given or not field else env_name(field)
             named = not variable or message.startswith(variable)
             problems.append(message if named else f"{variable}: {message}")
         raise ConfigurationError("; ".join(problems)) from None
+    except (UnicodeDecodeError, OSError) as exc:
+        raise ConfigurationError(f"cannot read the settings file {ENV_FILE}: {exc}") from None

@@ -13,11 +13,9 @@ import sys
 import uuid
 from pathlib import Path
 
-import pika
-import redis
-
 import keyq
 from keyq import Producer, load_settings
+from keyq.broker.connections import open_blocking_connection, open_redis
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.redis_keys import StreamKeys
 
@@ -52,8 +50,8 @@ def remove(stream: str) -> None:
     """Every queue and Redis key of the stream."""
     settings = load_settings()
     keys = StreamKeys(stream)
-    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
-    connection = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
+    client = open_redis(settings)
+    connection = open_blocking_connection(settings, "keyq-package-check")
     try:
         channel = connection.channel()
         for queue in [*client.zrange(keys.registry, 0, -1), dead_letter_queue_name(stream)]:

@@ -16,7 +16,15 @@ trap 'rm -rf "$work"' EXIT
 
 say() { echo "keyq package: $*"; }
 
-"$PYTHON" -m build --outdir "$work/dist" . >"$work/build.log" 2>&1 || {
+# From a copy of the tracked files (of the tree, outside git), so the build's keyq.egg-info
+# lands in the copy.
+mkdir "$work/src-copy"
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$work/src-copy"
+else
+    tar --exclude=./.venv --exclude=./build -cf - . | tar -xf - -C "$work/src-copy"
+fi
+"$PYTHON" -m build --outdir "$work/dist" "$work/src-copy" >"$work/build.log" 2>&1 || {
     tail -40 "$work/build.log" >&2
     say "python -m build failed" >&2
     exit 1
@@ -28,5 +36,6 @@ say "built $(cd "$work/dist" && echo *)"
 "$work/venv/bin/python" -m pip install -q --disable-pip-version-check "$work"/dist/*.whl
 say "installed the wheel: $("$work/venv/bin/keyq" --version)"
 "$work/venv/bin/keyq" settings >/dev/null
-# Run from the temporary folder, so that only the installed keyq is importable.
-(cd "$work" && venv/bin/python "$root/scripts/installed_wheel_check.py")
+# Run from the checkout, so a .env there counts as for every command: the script's own folder
+# (scripts/) heads sys.path, and it holds no keyq, so only the installed one is importable.
+"$work/venv/bin/python" "$root/scripts/installed_wheel_check.py"

@@ -67,6 +67,17 @@ ROWS: dict[str, Row] = {
     "event not an object": row(
         USAGE, "publish", *STREAM, "--key", "a", "--event", "[1,2]", says="JSON object"
     ),
+    "event int past 64 bits": row(
+        USAGE,
+        "publish",
+        *STREAM,
+        "--key",
+        "a",
+        "--event",
+        '{"a": 18446744073709551616}',
+        says="64-bit",
+    ),
+    "event NaN": row(USAGE, "publish", *STREAM, "--key", "a", "--event", '{"a": NaN}', says="NaN"),
     "event not JSON": row(USAGE, "publish", *STREAM, "--key", "a", "--event", '{"a":', says="JSON"),
     "empty key": row(USAGE, "publish", *STREAM, "--key", "", "--event", "{}", says="empty"),
     "bad stream name": row(

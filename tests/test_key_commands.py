@@ -13,6 +13,7 @@ import pytest
 from keyq.broker.key_control import KeyControl, ParkedKey
 from keyq.broker.stream_policy import StreamPolicies, StreamPolicy
 from keyq.key_commands import read_keys
+from keyq.operator_context import keys_in_file
 from tests.conftest import StreamFixture
 from tests.operator_helpers import depth, keyq, one_line_error, record_stream, with_operator_queues
 
@@ -181,3 +182,9 @@ def test_rabbitmq_down_is_exit_1_and_changes_nothing(
         assert "cannot reach RabbitMQ" in one_line_error(keyq(*args), 1)
     assert set(control.paused()) == {"a"} and set(control.parked()) == {"a"}
     assert not stream.redis.exists(stream.keys.redrive_lock, stream.keys.redrives)
+
+
+def test_a_keys_file_keeps_each_keys_own_spaces(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(" padded \nplain\r\n\n   \nlast")
+    assert keys_in_file(str(keys_file)) == [" padded ", "plain", "last"]

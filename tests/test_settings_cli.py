@@ -12,7 +12,8 @@ from typing import Any
 import orjson
 import pytest
 
-from keyq.broker.settings import Settings
+from keyq.broker.errors import ConfigurationError
+from keyq.broker.settings import Settings, load_settings
 from keyq.janitor.config import JanitorSettings
 from keyq.worker.config import WorkerSettings
 
@@ -118,3 +119,16 @@ def test_the_daemons_name_the_variable_too(tmp_path: Path) -> None:
     worker = keyq(tmp_path, "worker", "--stream", "s", "--pipeline", "keyq.orders:pipeline")
     assert worker.returncode == EXIT_USAGE
     assert worker.stderr.startswith("keyq: KEYQ_MAX_ATTEMPTS: Input should be greater than or")
+
+
+def test_an_unreadable_env_file_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / ".env").write_bytes(b"APP_NAME=caf\xe9\n")  # another application's, not UTF-8
+    done = keyq(tmp_path, "settings")
+    assert done.returncode == EXIT_USAGE
+    assert done.stderr.startswith("keyq: cannot read the settings file .env"), done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+
+
+def test_a_value_given_in_code_is_named_as_in_code() -> None:
+    with pytest.raises(ConfigurationError, match=r"^confirm_window: Input should be greater"):
+        load_settings(Settings, confirm_window=0)

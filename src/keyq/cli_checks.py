@@ -4,12 +4,12 @@ service is contacted (not reported as an unreachable Redis)."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from typing import Any
 
 import click
-import orjson
 
 from keyq.broker.errors import InvalidInput, KeyqError
 from keyq.broker.naming import check_stream_name, encode_key
@@ -51,8 +51,10 @@ _JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a num
 def json_event(ctx: click.Context, param: click.Parameter, value: str) -> dict[str, Any]:
     """``--event`` parsed: a JSON object the producer will accept."""
     try:
-        event = orjson.loads(value)
-    except orjson.JSONDecodeError as exc:
+        # The standard parser keeps integers whole (orjson's would turn one past 64 bits into
+        # a float), so the producer's own check refuses what it cannot send as given.
+        event = json.loads(value, parse_constant=_no_constant)
+    except ValueError as exc:
         raise click.BadParameter(f"not valid JSON: {exc}", ctx, param) from None
     if not isinstance(event, dict):
         kind = _JSON_TYPES.get(type(event), "null" if event is None else "a boolean")
@@ -62,6 +64,10 @@ def json_event(ctx: click.Context, param: click.Parameter, value: str) -> dict[s
     except KeyqError as exc:
         raise click.BadParameter(str(exc), ctx, param) from None
     return event
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
 
 
 class FiniteFloat(click.FloatRange):

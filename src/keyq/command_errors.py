@@ -72,7 +72,7 @@ class OneLineErrors(click.Command):
             _click_failure(exc)
         except KeyqError as exc:
             fail(exc)
-        except click.Abort:
+        except (click.Abort, KeyboardInterrupt):
             exit_with("aborted", EXIT_FAILURE)
 
 

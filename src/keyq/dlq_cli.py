@@ -9,7 +9,6 @@ does not remove (``keyq.broker.dead_letter_queue``) and bringing the index up to
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from keyq.command_errors import OneLineGroup, usage
 from keyq.dead_letter_listing import detail_of, letter_detail, render_detail, render_rows
 from keyq.dlq_lock import DeadLetterLock
 from keyq.letter_selection import LetterNotFound, by_ids, of_key, whole_packs
-from keyq.operator_context import OperatorContext, check_keys
+from keyq.operator_context import OperatorContext, check_keys, keys_in_file
 from keyq.redrive import RedriveRequest, redrive
 
 stream_option = click.option("--stream", required=True, callback=stream_name, help="Stream name.")
@@ -453,12 +452,7 @@ def _redrive_many(
 
 
 def _read_keys(path: str) -> list[str]:
-    """Keys of a keys file, one a line (blank lines left out)."""
-    try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InvalidInput(f"cannot read the keys file {path}: {exc}") from None
-    keys = [line.strip() for line in text.splitlines() if line.strip()]
+    keys = keys_in_file(path)
     if not keys:
         raise InvalidInput(f"the keys file {path} names no key")
     return keys

@@ -3,7 +3,6 @@ and on a stream, in Redis, for workers to honour at their next tick."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import click
@@ -21,14 +20,16 @@ from keyq.broker.stream_policy import (
 )
 from keyq.cli_checks import key_name, stream_name
 from keyq.command_errors import OneLineCommand, OneLineGroup, usage
-from keyq.operator_context import OperatorContext, check_keys
+from keyq.operator_context import OperatorContext, check_keys, keys_in_file
 
 stream_option = click.option("--stream", required=True, callback=stream_name, help="Stream name.")
 keys_option = click.option(
     "--key", "keys", multiple=True, callback=key_name, help="A key; repeat for several."
 )
 keys_file_option = click.option(
-    "--keys-file", default=None, help="A file of keys, one a line (blank lines ignored)."
+    "--keys-file",
+    default=None,
+    help="A file of keys, one a line (blank lines ignored; - for stdin).",
 )
 all_option = click.option("--all", "whole_stream", is_flag=True, help="The whole stream.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -38,12 +39,7 @@ def read_keys(keys: tuple[str, ...], keys_file: str | None) -> list[str]:
     """The keys of ``--key`` and ``--keys-file`` together, in order, each once, checked."""
     named = list(keys)
     if keys_file is not None:
-        try:
-            text = Path(keys_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-            raise InvalidInput(f"cannot read the keys file {keys_file}: {reason}") from None
-        named += [line.rstrip("\r") for line in text.split("\n") if line.strip()]
+        named += keys_in_file(keys_file)
     return list(dict.fromkeys(check_keys(named)))
 
 

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from types import TracebackType
 
 import pika
@@ -33,6 +35,17 @@ def check_keys(keys: Iterator[str] | list[str] | tuple[str, ...]) -> list[str]:
             raise type(exc)(f"key {key!r}: {exc}") from None
         checked.append(key)
     return checked
+
+
+def keys_in_file(path: str) -> list[str]:
+    """The keys of a keys file (``-``: stdin), one a line, blank lines left out. A key's own
+    spaces are kept: a key may begin or end with one."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise InvalidInput(f"cannot read the keys file {path}: {reason}") from None
+    return [line.rstrip("\r") for line in text.split("\n") if line.strip()]
 
 
 class OperatorContext:

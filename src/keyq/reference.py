@@ -53,7 +53,8 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
         "bad usage, input or configuration, refused before any service is contacted: an "
         "unknown or missing option, a bad value, key, event or id, a pipeline that fails to "
         "import (named with its file and line); a bad setting is named by its environment "
-        "variable (`keyq: KEYQ_METRICS_PORT: Input should be a valid integer…`)",
+        "variable (`keyq: KEYQ_METRICS_PORT: Input should be a valid integer…`). Found once "
+        "Redis answers: a stream nothing has used yet, or one asked for in another mode",
     ),
     (EXIT_VERDICT, "`keyq demo`: some order's state differs from a plain fold of its events"),
 )
