@@ -304,10 +304,10 @@ def demo_command(
     from keyq.demo import DemoOptions  # noqa: PLC0415 - keeps startup light
     from keyq.demo_cli import run_demo  # noqa: PLC0415
 
-    if events < orders:
-        usage(f"--events ({events}) must be at least --orders ({orders}): an order has events")
     if not external_workers:
         require_worker_extra("keyq demo without --external-workers")
+    if events < orders:
+        usage(f"--events ({events}) must be at least --orders ({orders}): an order has events")
     options = DemoOptions(
         orders=orders,
         events=events,
