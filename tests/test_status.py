@@ -255,7 +255,7 @@ def test_a_stream_nothing_produced_to_is_a_one_line_failure(
 def test_a_bad_stream_name_is_a_usage_error(settings: Settings) -> None:
     done = keyq_status(settings, "--stream", "no spaces")
     assert done.returncode == EXIT_USAGE
-    assert done.stderr.startswith("keyq: invalid stream name")
+    assert done.stderr.startswith("keyq: Invalid value for '--stream': invalid stream name")
     assert len(done.stderr.strip().splitlines()) == 1
 
 
