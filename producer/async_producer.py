@@ -26,8 +26,9 @@ from keyq.broker.errors import KeyqError, ProducerClosed, PublishTimeout
 from keyq.broker.naming import Mode
 from keyq.broker.settings import Settings
 from keyq.broker.streams import StreamConfig
+from keyq.producer.encoding import PreparedEvent
 from keyq.producer.loop_bridge import LoopWaker, resolve, resolve_from_thread
-from keyq.producer.producer import Offer, PreparedEvent, Producer, Receipt
+from keyq.producer.producer import Offer, Producer, Receipt
 
 # A publish that found the window's lock held looks again this much later (without holding
 # up the loop meanwhile).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -12,6 +13,17 @@ from keyq.broker.envelope import CONTENT_BYTES, CONTENT_JSON
 from keyq.broker.errors import InvalidEvent
 
 MAX_DEPTH = 200
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedEvent:
+    """An event checked and encoded for its queue, not yet numbered or sent."""
+
+    queue: str
+    key: str
+    body: bytes
+    content_type: str
+    headers: dict[str, Any]
 
 
 def _check_finite(value: Any, depth: int = 0) -> None:

@@ -113,7 +113,7 @@ class StreamMeter(Meter):
                 observe(now - event.accepted_at)
         elif message.returned:
             self._returned.inc(count)
-        else:  # acked after its queue's lease lapsed: sent again (``Sender._settle``)
+        else:  # acked after its queue's lease lapsed: sent again (``ConfirmLedger``)
             self._late.inc(count)
 
     def resent(self, events: int, reason: ResendReason) -> None:

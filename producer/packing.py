@@ -4,6 +4,10 @@ The broker's cost is per message, not per event, so when several events of a que
 waiting to be sent they go as one pack (``keyq.broker.packs``), up to ``pack_max_events`` and
 ``pack_max_bytes``. A lone event still goes as a message of its own, unchanged. The confirm
 window, confirms, returns and re-sends treat a pack as one message that counts its events.
+
+The packer also decides when a queue's events gather (in its lane) for a pack rather than go at
+once: while an earlier message of the queue awaits its confirm (then the next pack is as large
+as what arrived meanwhile), or for the linger; a full pack goes at once.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from keyq.broker.packs import (
     encode_record,
 )
 from keyq.broker.settings import Settings
+from keyq.producer.lanes import QueueLane
 from keyq.producer.outgoing import Outgoing
 
 
@@ -53,6 +58,42 @@ class Packer:
             else:
                 packed.extend(self._chunks(events))
         return packed
+
+    def count_sent(self, message: Outgoing) -> None:
+        if message.events is not None:
+            self.packs_sent += 1
+            self.events_packed += len(message.events)
+
+    def gathers(self, lane: QueueLane, stalled: bool) -> bool:
+        """Whether the lane's next message waits for others to join its pack."""
+        return (
+            self.enabled
+            and not (lane.waits or stalled)
+            and bool(lane.inflight or lane.gathering or self.linger_s)
+        )
+
+    def gather(self, lane: QueueLane, message: Outgoing, now: float) -> tuple[list[Outgoing], bool]:
+        """``message`` gathers in ``lane``: the full packs to send now, and whether a linger
+        starts (the first to gather)."""
+        size = sum(len(record_of(event)) for event in message.members)
+        lane.gather(message, size, now)
+        if self.full(lane.gathered_events, lane.gathered_bytes):
+            return self.take_gathered(lane, keep_partial=True), False
+        return [], bool(self.linger_s) and len(lane.gathering) == 1
+
+    def take_gathered(self, lane: QueueLane, *, keep_partial: bool = False) -> list[Outgoing]:
+        """What gathered in ``lane``, packed. With ``keep_partial`` (a pack filled up) only
+        full packs are taken; the rest goes on gathering."""
+        since = lane.gathered_at
+        packs = self.pack(lane.take_gathered())
+        if keep_partial and packs and not self.full(packs[-1].count, len(packs[-1].body)):
+            rest = packs.pop()
+            lane.gather(rest, sum(len(record_of(e)) for e in rest.members), since)
+        return packs
+
+    def lingered(self, lane: QueueLane, now: float) -> bool:
+        """Nothing of the queue is in flight any more and the linger is over."""
+        return not lane.inflight and now - lane.gathered_at >= self.linger_s
 
     def full(self, events: int, size: int) -> bool:
         """Whether waiting events of one queue (``size``: their records' bytes) fill a pack."""

@@ -1,4 +1,4 @@
-"""Queues whose node is down, declared aside until they answer; on the producer's I/O thread.
+"""Queues whose node is down, probed until they answer; on the producer's I/O thread.
 
 A declaration or publish to a classic queue on a stopped cluster node closes its channel with
 a 404. Such a queue's events wait (``UNREACHABLE``) while every other queue's flow, and the
@@ -9,40 +9,43 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import pika.exceptions
 
+from keyq.broker.backoff import Backoff
 from keyq.broker.naming import base_queue_name
 from keyq.broker.topology import dead_letter_queue_arguments
-from keyq.producer.lanes import ParkReason
-
-if TYPE_CHECKING:
-    from keyq.producer.link import PublisherLink
+from keyq.producer.context import IoContext
+from keyq.producer.lanes import Lanes
 
 log = logging.getLogger("keyq.producer")
 
-# A queue whose node is down is declared again on a channel of its own after these delays.
-PROBE_DELAYS = (0.5, 1.0, 2.0, 4.0)
-
-
-def probe_delay(attempt: int) -> float:
-    """The wait before declaring again after ``attempt`` (from 0) went unanswered."""
-    return PROBE_DELAYS[min(attempt, len(PROBE_DELAYS) - 1)]
+# A queue whose node is down is declared again on a channel of its own, with backoff.
+PROBE_FIRST_S = 0.5
+PROBE_MAX_S = 4.0
 
 
 class Probes:
-    """Unreachable queues (kept across reconnects) and their chains of declarations."""
+    """Unreachable queues (``Lanes.unreachable``, kept across reconnects) and their chains of
+    declarations."""
 
-    def __init__(self, link: PublisherLink) -> None:
-        self._link = link
-        self.unreachable: dict[str, str] = {}  # base name -> the incarnation that was down
+    def __init__(
+        self,
+        ctx: IoContext,
+        lanes: Lanes,
+        dead_letter: tuple[str, str],  # the dead-letter queue and the stream's queue type
+        release: Callable[[str], None],  # ``Publisher.release``
+    ) -> None:
+        self._ctx = ctx
+        self._lanes = lanes
+        self.unreachable = lanes.unreachable
+        self._dead_letter = dead_letter
+        self._release = release
         # queue -> the token of its one live chain of declarations (a new connection starts
         # a new chain; an older chain that sees another token stops).
         self.probing: dict[str, object] = {}
-
-    def is_unreachable(self, queue: str) -> bool:
-        return queue in self.unreachable
 
     def mark_unreachable(self, queue: str, why: str) -> None:
         """``queue`` (an incarnation's name) answered 404: its events wait for it."""
@@ -54,31 +57,38 @@ class Probes:
     def probe_all(self) -> None:
         """On a new connection: the dead-letter queue (whose node may be down too: publishing
         must not stop for it) and every queue still unreachable."""
-        link = self._link
-        self.probe(link.dlq, dead_letter_queue_arguments(link.queue_type))
+        queue, queue_type = self._dead_letter
+        self.probe(queue, dead_letter_queue_arguments(queue_type))
         for queue in self.unreachable.values():
-            self.probe(queue, link.queue_args)
+            self.probe(queue, self._ctx.queue_args)
 
     def probe(self, queue: str, arguments: dict[str, Any]) -> None:
-        """Start declaring ``queue`` aside on this connection, in place of any earlier chain:
+        """Start probing ``queue`` on this connection, in place of any earlier chain:
         one that a lost connection cut off must not leave the queue waiting for good."""
         token = object()
         self.probing[queue] = token
-        self._declare(queue, arguments, token, 0)
+        self._declare(queue, arguments, token, Backoff(PROBE_FIRST_S, PROBE_MAX_S), first=True)
 
-    def _declare(self, queue: str, arguments: dict[str, Any], token: object, attempt: int) -> None:
+    def _declare(
+        self,
+        queue: str,
+        arguments: dict[str, Any],
+        token: object,
+        delays: Backoff,
+        *,
+        first: bool = False,
+    ) -> None:
         """Declare ``queue`` on a channel of its own, so that a 404 (its node is down)
         closes only that channel; retried with backoff until it works, or until the next
         connection starts a chain of its own (``probe``)."""
-        link = self._link
-        if link.connector.stopping or self.probing.get(queue) is not token:
+        ctx = self._ctx
+        if ctx.stopping or self.probing.get(queue) is not token:
             return  # stopping, declared, or superseded by a newer connection's chain
-        connection = link.connector.connection
-        delay = probe_delay(attempt)
+        connection = ctx.connection
 
         def again() -> None:  # called at most once: each way out below takes one path
-            link.ioloop.call_later(
-                delay, lambda: self._declare(queue, arguments, token, attempt + 1)
+            ctx.ioloop.call_later(
+                delays.next(), lambda: self._declare(queue, arguments, token, delays)
             )
 
         if connection is None or not connection.is_open:
@@ -95,9 +105,9 @@ class Probes:
             self._reachable(queue)
 
         def on_closed(_channel: Any, reason: BaseException) -> None:
-            if declared or link.connector.stopping:
+            if declared or ctx.stopping:
                 return
-            if attempt == 0:
+            if first:
                 log.warning("%s is unavailable, retrying: %s", queue, reason)
             again()
 
@@ -122,9 +132,8 @@ class Probes:
             return
         del self.unreachable[base]
         log.info("queue %s is available again", queue)
-        lane = self._link.sender.lanes.get(base)
+        lane = self._lanes.get(base)
         if lane is None:
             return
-        lane.unpark(ParkReason.UNREACHABLE)
-        lane.declared = True
-        self._link.sender.release_parked(base)
+        lane.reachable()
+        self._release(base)

@@ -10,10 +10,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import itertools
-import re
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -24,7 +22,7 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from keyq.broker.clock import now_ms
-from keyq.broker.connections import open_redis, redis_errors
+from keyq.broker.connections import redis_errors
 from keyq.broker.envelope import (
     HEADER_DEDUPE_ID,
     HEADER_KEY,
@@ -35,33 +33,21 @@ from keyq.broker.envelope import (
     check_user_headers,
     header_bytes,
 )
-from keyq.broker.errors import (
-    ConfigurationError,
-    KeyqError,
-    MessageTooLarge,
-    ProducerClosed,
-    StreamConfigMismatch,
-)
+from keyq.broker.errors import KeyqError, MessageTooLarge, ProducerClosed
 from keyq.broker.naming import Mode, check_stream_name, dead_letter_queue_name, encode_key
-from keyq.broker.producer_presence import ProducerPresence
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.retirement import RetirementFence
-from keyq.broker.settings import Settings, load_settings
-from keyq.broker.streams import (
-    StreamConfig,
-    ensure_stream_config,
-    load_stream_config,
-    requested_config,
-)
+from keyq.broker.settings import Settings
+from keyq.broker.streams import StreamConfig, ensure_stream_config, requested_config
 from keyq.broker.tracing import inject_trace_context
 from keyq.producer.confirmation import Confirmation
-from keyq.producer.encoding import check_dedupe_id, encode_event
+from keyq.producer.encoding import PreparedEvent, check_dedupe_id, encode_event
 from keyq.producer.link import PublisherLink
 from keyq.producer.metrics import meter_for
 from keyq.producer.outgoing import Outgoing
 from keyq.producer.registrar import Registrar
+from keyq.producer.startup import instance_id, open_redis_presence, resolve_settings
 
-_PRODUCER_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 # Room kept for AMQP properties and keyq's headers when checking the size limit.
 HEADER_ALLOWANCE = 512
 
@@ -101,17 +87,6 @@ class Offer(enum.Enum):
     BUSY = "busy"  # the I/O thread holds the window this moment: look again shortly
 
 
-@dataclass(frozen=True, slots=True)
-class PreparedEvent:
-    """An event checked and encoded for its queue, not yet numbered or sent."""
-
-    queue: str
-    key: str
-    body: bytes
-    content_type: str
-    headers: dict[str, Any]
-
-
 class Producer:
     """Publishes keyed events to one stream.
 
@@ -145,45 +120,26 @@ class Producer:
         metrics: bool | CollectorRegistry = False,
     ) -> None:
         self.stream = check_stream_name(stream)
-        base = settings.model_dump() if settings is not None else {}
-        overrides = {
-            "amqp_url": amqp_url,
-            "redis_url": redis_url,
-            "confirm_window": confirm_window,
-            "publish_timeout": publish_timeout,
-            "max_message_bytes": max_message_bytes,
-            "queue_type": queue_type,
-        }
-        given = {name: value for name, value in overrides.items() if value is not None}
-        self.settings = load_settings(**{**base, **given})
-        if producer_id is not None and (
-            not isinstance(producer_id, str) or not _PRODUCER_ID.fullmatch(producer_id)
-        ):
-            raise ConfigurationError(
-                f"producer_id must be 1-128 characters of A-Z a-z 0-9 _ . -, got {producer_id!r}"
-            )
-        # Sequence numbers start at 1 in every instance: a name reused by a restarted
-        # producer would make workers take its new events for duplicates of the old ones, so
-        # each instance adds a suffix of its own to the name it is given.
-        instance = uuid.uuid4().hex
-        self.producer_id = instance if producer_id is None else f"{producer_id}.{instance[:12]}"
+        self.settings = resolve_settings(
+            settings,
+            amqp_url=amqp_url,
+            redis_url=redis_url,
+            confirm_window=confirm_window,
+            publish_timeout=publish_timeout,
+            max_message_bytes=max_message_bytes,
+            queue_type=queue_type,
+        )
+        self.producer_id = instance_id(producer_id)
         requested_config(self.stream, mode, buckets)  # bad arguments fail before any I/O
         meter = meter_for(metrics, self.stream)
 
-        self._redis = open_redis(self.settings)
-        self._presence = ProducerPresence(self._redis, self.stream)
-        try:
-            # The queues must be declared as the stream's type: a recorded stream's, or the
-            # asked (else classic) one for a new stream, fixed below once both services answer.
-            with redis_errors(self.settings.redis_url):
-                known = load_stream_config(self._redis, self.stream)
-                # Present before its first event can be sent: a worker gives up a sequence
-                # gap of a producer it cannot see once the gap's queue is drained.
-                self._presence.announce(self.producer_id, self.settings.producer_ttl_ms)
-            chosen_type = self._queue_type(known)
-        except BaseException:
-            self._redis.close()
-            raise
+        self._redis, self._presence, chosen_type = open_redis_presence(
+            self.settings, self.stream, self.producer_id
+        )
+        self._seqs: dict[str, int] = {}
+        self._numbers = itertools.count(1)
+        self._closed = False
+        self._close_lock = threading.Lock()
         self._registrar = Registrar(
             QueueRegistry(self._redis, self.stream),
             RetirementFence(self._redis, self.stream),
@@ -193,31 +149,36 @@ class Producer:
         self._link = PublisherLink(
             self.settings,
             self.stream,
-            dead_letter_queue_name(self.stream),
-            chosen_type,
+            (dead_letter_queue_name(self.stream), chosen_type),
             on_new_queues=self._registrar.add_new,
             request_lease=self._registrar.request_lease,
             meter=meter,
         )
-        self._seqs: dict[str, int] = {}
-        self._numbers = itertools.count(1)
-        self._closed = False
-        self._close_lock = threading.Lock()
-        self._registrar.start(self._link.apply_leases)
+        self._registrar.start(self._link.leases.apply)
         try:
-            self._link.start()
-            # Only a producer that reached both services fixes the stream's mode.
-            with redis_errors(self.settings.redis_url):
-                self.config: StreamConfig = ensure_stream_config(
-                    self._redis, self.stream, mode, buckets, chosen_type
-                )
+            self.config: StreamConfig = self._connect(mode, buckets, chosen_type)
         except BaseException:
-            self._link.stop()
-            self._registrar.stop()
-            with contextlib.suppress(redis.exceptions.RedisError):
-                self._presence.withdraw(self.producer_id)
-            self._redis.close()
+            self._shut_down()
             raise
+
+    def _connect(self, mode: str | Mode | None, buckets: int | None, kind: str) -> StreamConfig:
+        """Connect to RabbitMQ; only a producer that reached both services fixes the
+        stream's mode."""
+        self._link.start()
+        with redis_errors(self.settings.redis_url):
+            return ensure_stream_config(self._redis, self.stream, mode, buckets, kind)
+
+    def _shut_down(self, abandoned: int = 0) -> None:
+        """Stop both threads and leave Redis: what was not confirmed will never be sent, so
+        workers may give up the gaps it left (if Redis is unreachable now, the presence
+        expires)."""
+        self._link.stop()
+        if abandoned:  # receipts still waiting learn that their events never will be
+            self._link.window.fail(ProducerClosed(f"closed with {abandoned} unconfirmed"))
+        self._registrar.stop()
+        with contextlib.suppress(redis.exceptions.RedisError):
+            self._presence.withdraw(self.producer_id)
+        self._redis.close()
 
     # ------------------------------------------------------------------- publishing
     def publish(
@@ -244,7 +205,7 @@ class Producer:
         prepared = self.prepare(key, event, headers, content_type=content_type, dedupe_id=dedupe_id)
         wait = self.settings.publish_timeout if timeout is None else timeout
         deadline = time.monotonic() + wait
-        with self._link.cond:
+        with self._link.window.cond:
             return self._accept(prepared, deadline)
 
     def prepare(
@@ -281,11 +242,11 @@ class Producer:
         for the window's lock (for an event loop: a lock held by the I/O thread while the
         OS or the GIL has it wait would stall the loop too). Raises ``ProducerClosed`` once
         the producer failed."""
-        cond = self._link.cond
+        cond = self._link.window.cond
         if not cond.acquire(blocking=False):
             return Offer.BUSY
         try:
-            if self._link.failure is None and not self._link.window.has_room(prepared.queue):
+            if self._link.window.failure is None and not self._link.window.has_room(prepared.queue):
                 return Offer.NO_ROOM
             return self._accept(prepared, time.monotonic())
         finally:
@@ -293,14 +254,14 @@ class Producer:
 
     def wait_reason(self, queue: str) -> str:
         """Why an event for ``queue`` would wait now."""
-        with self._link.cond:
+        with self._link.window.cond:
             return self._link.window.wait_reason(queue)
 
     def listen(self, callback: Callable[[], None]) -> None:
         """Have ``callback`` called, from any thread and with the window's lock held (so it
         must not block), whenever a waiter may go on: events confirmed, publishers
         unblocked, the producer failed."""
-        with self._link.cond:
+        with self._link.window.cond:
             self._link.window.listeners.append(callback)
 
     def settled(self) -> bool:
@@ -312,7 +273,7 @@ class Producer:
     @property
     def failed(self) -> bool:
         """Whether the producer failed for good (``flush`` and ``publish`` raise why)."""
-        return self._link.failure is not None
+        return self._link.window.failure is not None
 
     def wait_registered(self, deadline: float | None) -> None:
         """Block until every confirmed queue is registered in Redis (the second half of
@@ -357,7 +318,7 @@ class Producer:
         longer than ``reconnect_timeout``).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._link.wait_settled(deadline)
+        self._link.window.wait_settled(deadline)
         self._registrar.wait_idle(deadline)
 
     @property
@@ -365,46 +326,25 @@ class Producer:
         """Counters: events returned or refused by the broker and sent again, events re-sent
         after a lost connection, events sent again because their confirm came after the
         queue's publish lease ran out (the queue may have been deleted meanwhile), reconnects
-        because a confirm was overdue (``confirm_timeout``), reconnects of any cause,
+        because a confirm was overdue (``confirm_timeout``), stalled queues' own channels
+        reset because their confirm was overdue, reconnects of any cause,
         events not yet confirmed, and the packs sent and the events inside them
         (``docs/pack-format.md``)."""
-        return {
-            "returned": self._link.returned_events,
-            "resent": self._link.resent_events,
-            "late_confirms": self._link.late_confirms,
-            "overdue_reconnects": self._link.overdue_reconnects,
-            "silent_channel_resets": self._link.silent_channel_resets,
-            "reconnects": self._link.reconnects,
-            "unconfirmed": self._link.unsettled,
-            "packs": self._link.packs_sent,
-            "events_in_packs": self._link.events_packed,
-        }
+        return self._link.stats()
 
     @property
     def unconfirmed(self) -> int:
         """Events accepted but not yet confirmed by the broker."""
-        return self._link.unsettled
+        return self._link.window.unsettled
 
     @property
     def unconfirmed_by_queue(self) -> dict[str, int]:
         """The unconfirmed events of each queue that has some: which keys a flush that
         timed out is waiting for (a key's events are confirmed in order, so a queue's
         unconfirmed events are the last ones of its keys)."""
-        return self._link.unsettled_by_queue()
+        return self._link.window.unsettled_by_queue()
 
     # ---------------------------------------------------------------------- closing
-    def _queue_type(self, known: StreamConfig | None) -> str:
-        """The type to declare queues as: a stream's own, checked against what was asked."""
-        asked = self.settings.queue_type
-        if known is None:
-            return asked or "classic"
-        if asked is not None and asked != known.queue_type:
-            raise StreamConfigMismatch(
-                f"stream {self.stream!r} is fixed at {known.describe()}; this client asked "
-                f"for queue type {asked}"
-            )
-        return known.queue_type
-
     def close(self, timeout: float | None = None) -> None:
         """Flush (up to ``timeout``, default ``publish_timeout``), then disconnect.
 
@@ -416,22 +356,14 @@ class Producer:
                 return
             wait = self.settings.publish_timeout if timeout is None else timeout
             try:
-                if self._link.failure is None:
+                if self._link.window.failure is None:
                     self.flush(wait)
             finally:
-                with self._link.cond:
+                with self._link.window.cond:
                     self._closed = True
-                abandoned = self._link.unsettled
-                failure = self._link.failure
-                self._link.stop()
-                if abandoned:  # receipts still waiting learn that their events never will be
-                    self._link.window.fail(ProducerClosed(f"closed with {abandoned} unconfirmed"))
-                self._registrar.stop()
-                # Gone: what it did not have confirmed will never be sent, so workers may give
-                # up the gaps it left (if Redis is unreachable now, the presence expires).
-                with contextlib.suppress(redis.exceptions.RedisError):
-                    self._presence.withdraw(self.producer_id)
-                self._redis.close()
+                abandoned = self._link.window.unsettled
+                failure = self._link.window.failure
+                self._shut_down(abandoned)
             if failure is not None and abandoned:
                 raise ProducerClosed(
                     f"{abandoned} events were never confirmed: {failure}"

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from keyq.broker.backoff import Backoff
 from keyq.broker.connections import redis_errors
 from keyq.broker.errors import KeyqError, PublishTimeout
 from keyq.broker.producer_presence import ProducerPresence
@@ -24,6 +25,9 @@ from keyq.broker.retirement import RetirementFence
 log = logging.getLogger("keyq.producer")
 
 LEASE_BATCH = 500
+# Waits before trying Redis again after a failure: from 0.1 s, doubling up to 2 s, jittered.
+RETRY_FIRST_S = 0.1
+RETRY_MAX_S = 2.0
 # Per base queue: its current incarnation if leased, None if being retired.
 LeaseResults = Callable[[dict[str, int | None], float], None]
 
@@ -86,6 +90,7 @@ class Registrar:
 
     def _run(self) -> None:
         failures = 0
+        delays = Backoff(RETRY_FIRST_S, RETRY_MAX_S)
         while True:
             with self._lock:
                 while not (self._new or self._leases or self._stop):
@@ -105,6 +110,7 @@ class Registrar:
                     self._grant(sorted(leases))
                     self._registry.register(new)
                 failures = 0
+                delays.reset()
             except KeyqError as exc:
                 failures += 1
                 log.warning(
@@ -120,7 +126,7 @@ class Registrar:
                     stopping = self._stop
                 if stopping and failures >= 3:
                     return
-                time.sleep(min(0.05 * 2**failures, 2.0))
+                time.sleep(delays.next())
             finally:
                 with self._lock:
                     self._in_progress = 0

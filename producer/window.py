@@ -2,8 +2,9 @@
 
 Application threads hand events over through ``outbox`` and wait on ``cond`` for room among
 the unconfirmed events; the I/O thread settles them and wakes the waiters. Everything here is
-guarded by ``cond`` (the I/O thread reads ``silent`` and ``blocked`` without it: it is their
-only writer).
+guarded by ``cond`` (the I/O thread reads ``stalled`` and ``blocked`` without it: it is their
+only writer). The window never calls into the I/O thread: ``submit`` and ``drain_again`` say
+when it must be woken, and the caller wakes it.
 """
 
 from __future__ import annotations
@@ -28,15 +29,14 @@ REFUSING_QUEUE_ROOM = 100
 class ConfirmWindow:
     """Unconfirmed events, overall and by queue, under a limit every key shares."""
 
-    def __init__(self, size: int, wake: Callable[[], None]) -> None:
+    def __init__(self, size: int) -> None:
         self.size = size
-        self._wake = wake  # has the I/O thread drain ``outbox`` (from any thread)
         self.cond = threading.Condition()
         self.outbox: deque[Outgoing] = deque()
         self.unsettled = 0
         self.by_queue: dict[str, int] = {}
         self.refusing: set[str] = set()  # queues refused over and over, until one confirm
-        self.silent: set[str] = set()  # queues whose confirm was overdue, until one confirm
+        self.stalled: set[str] = set()  # queues whose confirm was overdue, until one confirm
         self.wake_scheduled = False
         self.blocked = False
         self.disconnected_since: float | None = None  # monotonic, while reconnecting
@@ -46,9 +46,10 @@ class ConfirmWindow:
         self.listeners: list[Callable[[], None]] = []
 
     # ----------------------------------------------------------- application threads
-    def submit(self, message: Outgoing, deadline: float) -> None:
+    def submit(self, message: Outgoing, deadline: float) -> bool:
         """Queue an event for the I/O thread, waiting while the window is full or the
-        broker blocks publishers. Call with ``cond`` held."""
+        broker blocks publishers; True when the I/O thread must be woken to drain ``outbox``.
+        Call with ``cond`` held."""
         while True:
             if self.failure is not None:
                 raise ProducerClosed(f"producer failed: {self.failure}") from self.failure
@@ -62,16 +63,17 @@ class ConfirmWindow:
         self.unsettled += 1
         self.by_queue[message.queue] = self.by_queue.get(message.queue, 0) + 1
         self.outbox.append(message)
-        if not self.wake_scheduled:
-            self.wake_scheduled = True
-            self._wake()
+        if self.wake_scheduled:
+            return False
+        self.wake_scheduled = True
+        return True
 
     def has_room(self, queue: str) -> bool:
         """Whether an event for ``queue`` may be submitted now. Call with ``cond`` held."""
         return self.unsettled < self.size and not self.blocked and not self._crowded(queue)
 
     def _crowded(self, queue: str) -> bool:
-        troubled = queue in self.refusing or queue in self.silent
+        troubled = queue in self.refusing or queue in self.stalled
         return troubled and self.by_queue.get(queue, 0) >= REFUSING_QUEUE_ROOM
 
     def wait_reason(self, queue: str) -> str:
@@ -173,18 +175,19 @@ class ConfirmWindow:
         with self.cond:
             self.wake_scheduled = False
 
-    def drain_again(self) -> None:
-        """``outbox`` was left non-empty: drain it again in a later turn of the loop."""
+    def drain_again(self) -> bool:
+        """``outbox`` was left non-empty: True when a later turn of the loop must drain it."""
         with self.cond:
-            if not self.wake_scheduled:
-                self.wake_scheduled = True
-                self._wake()
+            if self.wake_scheduled:
+                return False
+            self.wake_scheduled = True
+            return True
 
     def settle(self, published: list[str]) -> set[str]:
         """Count one event of each entry of ``published`` (queue names) as confirmed; those
-        queues refuse no more and are silent no more. Returns the silent ones heard again."""
+        queues refuse no more and are stalled no more. Returns the stalled ones heard again."""
         with self.cond:
-            heard_again = set(published) & self.silent
+            heard_again = set(published) & self.stalled
             self.unsettled -= len(published)
             for queue in published:
                 left = self.by_queue[queue] - 1
@@ -193,14 +196,14 @@ class ConfirmWindow:
                 else:
                     del self.by_queue[queue]
                 self.refusing.discard(queue)
-            self.silent -= heard_again
+            self.stalled -= heard_again
             self._wake_waiters()
         return heard_again
 
-    def mark_silent(self, queues: set[str]) -> None:
+    def mark_stalled(self, queues: set[str]) -> None:
         """Publishing to these waits once each holds its room, until one confirms."""
         with self.cond:
-            self.silent |= queues
+            self.stalled |= queues
 
     def mark_refusing(self, queue: str) -> None:
         """Publishing to ``queue`` waits once it holds its room, until it confirms."""

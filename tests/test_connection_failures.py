@@ -35,6 +35,7 @@ from keyq.broker.errors import (
 )
 from keyq.broker.naming import dead_letter_queue_name, key_queue_name
 from keyq.broker.settings import Settings, load_settings
+from keyq.producer.lanes import WaitReason
 from tests.conftest import StreamFixture
 from tests.faults import FaultProxy
 from tests.helpers import Landed, drain, events_in
@@ -539,7 +540,7 @@ def test_a_queue_the_broker_keeps_refusing_does_not_hold_up_other_keys(
     left without its replicas). Its events are kept and re-sent, but only up to a room of
     their own: then publishing to that key times out with the reason, and every other key
     still has the whole window."""
-    from keyq.producer.link import REFUSING_QUEUE_ROOM
+    from keyq.producer.window import REFUSING_QUEUE_ROOM
 
     settings = _with(stream.settings, amqp_url=private_rabbit.url, publish_timeout=2.0)
     stuck = key_queue_name(stream.name, "stuck")
@@ -632,21 +633,21 @@ def test_a_confirm_that_never_comes_makes_the_producer_send_again(
     and sends everything unconfirmed again, instead of waiting with a full window; once the
     queue answers, every event is there, in order, repeats only as copies of earlier ones."""
     settings = _with(stream.settings, amqp_url=private_rabbit.url, confirm_timeout=1.5)
-    queue = key_queue_name(stream.name, "silent")
+    queue = key_queue_name(stream.name, "stalled")
     connection = pika.BlockingConnection(pika.URLParameters(private_rabbit.url))
     producer = Producer(stream.name, mode="key", settings=settings)
     held = False
     try:
-        producer.publish("silent", {"n": 0})
+        producer.publish("stalled", {"n": 0})
         producer.flush(10)
         _hold_queue(private_rabbit, queue, "suspend")
         held = True
         for n in range(1, 21):
-            producer.publish("silent", {"n": n})
+            producer.publish("stalled", {"n": n})
         deadline = time.monotonic() + 15
-        # One reconnect; then the silent queue's own channel is reset, the connection stays.
+        # One reconnect; then the stalled queue's own channel is reset, the connection stays.
         while (
-            producer.stats["overdue_reconnects"] < 1 or producer.stats["silent_channel_resets"] < 1
+            producer.stats["overdue_reconnects"] < 1 or producer.stats["stalled_channel_resets"] < 1
         ):
             assert time.monotonic() < deadline, (
                 "no reconnect for overdue confirms",
@@ -669,36 +670,36 @@ def test_a_confirm_that_never_comes_makes_the_producer_send_again(
     assert {m.producer for m in landed} == {producer_id}
     assert [m.json()["n"] for m in unique] == list(range(21))
     assert [m.seq for m in unique] == list(range(1, 22))
-    assert copies >= 20, copies  # sent at least twice while the queue was silent
+    assert copies >= 20, copies  # sent at least twice while the queue was stalled
 
 
-def test_a_silent_queue_does_not_hold_up_the_other_keys(
+def test_a_stalled_queue_does_not_hold_up_the_other_keys(
     stream: StreamFixture, private_rabbit: PrivateRabbit
 ) -> None:
     """A queue that stops confirming with many events in flight makes RabbitMQ stop reading
     the whole connection (credit flow), so every other key waits with it. After its confirm
     is overdue, the producer sends that queue one event at a time on a channel of its own:
     the others flow on the new connection, which is not given up again while the queue stays
-    silent (only the queue's own channel is reset), and the silent queue's events follow, in
+    stalled (only the queue's own channel is reset), and the stalled queue's events follow, in
     order, once it answers again."""
     # Packing off: in packs of 20, 1,000 events are some 50 messages, too few to exhaust the
     # queue's credit, and the other keys flow without any of what this test is about.
     settings = _with(
         stream.settings, amqp_url=private_rabbit.url, confirm_timeout=2.0, pack_max_events=1
     )
-    silent = key_queue_name(stream.name, "silent")
+    stalled = key_queue_name(stream.name, "stalled")
     other = key_queue_name(stream.name, "other")
     connection = pika.BlockingConnection(pika.URLParameters(private_rabbit.url))
     producer = Producer(stream.name, mode="key", settings=settings)
     held = False
     try:
-        for key in ("silent", "other"):
+        for key in ("stalled", "other"):
             producer.publish(key, {"n": 0})
         producer.flush(10)
-        _hold_queue(private_rabbit, silent, "suspend")
+        _hold_queue(private_rabbit, stalled, "suspend")
         held = True
         for n in range(1, 1001):  # past the queue's credit: the connection stops being read
-            producer.publish("silent", {"n": n}, timeout=60)
+            producer.publish("stalled", {"n": n}, timeout=60)
         for n in range(1, 51):
             producer.publish("other", {"n": n}, timeout=60)
         deadline = time.monotonic() + 60
@@ -707,21 +708,21 @@ def test_a_silent_queue_does_not_hold_up_the_other_keys(
             time.sleep(0.2)
         assert producer.stats["overdue_reconnects"] >= 1, producer.stats
         reconnects = producer.stats["overdue_reconnects"]
-        time.sleep(3 * 2.0)  # several confirm timeouts with the queue still silent
+        time.sleep(3 * 2.0)  # several confirm timeouts with the queue still stalled
         assert producer.stats["overdue_reconnects"] == reconnects, producer.stats
-        assert producer.stats["silent_channel_resets"] >= 1, producer.stats
-        assert producer.unconfirmed_by_queue.get(silent, 0) == 1000
-        _hold_queue(private_rabbit, silent, "resume")
+        assert producer.stats["stalled_channel_resets"] >= 1, producer.stats
+        assert producer.unconfirmed_by_queue.get(stalled, 0) == 1000
+        _hold_queue(private_rabbit, stalled, "resume")
         held = False
         producer.flush(60)
         producer_id = producer.producer_id
     finally:
         if held:
-            _hold_queue(private_rabbit, silent, "resume")
+            _hold_queue(private_rabbit, stalled, "resume")
         with contextlib.suppress(KeyqError):
             producer.close(timeout=15)
-    landed = _drain_and_delete(connection, stream, [silent, other])
-    for queue, count in ((silent, 1001), (other, 51)):
+    landed = _drain_and_delete(connection, stream, [stalled, other])
+    for queue, count in ((stalled, 1001), (other, 51)):
         unique, _copies = _dedup(landed[queue])
         assert {m.producer for m in landed[queue]} == {producer_id}
         assert [m.json()["n"] for m in unique] == list(range(count)), queue
@@ -780,7 +781,7 @@ def test_a_declaration_left_unanswered_does_not_hold_up_other_new_keys(
 def test_a_queue_whose_probe_is_cut_off_while_its_channel_opens_is_probed_again(
     stream: StreamFixture, amqp: pika.BlockingConnection, proxy: FaultProxy
 ) -> None:
-    """A queue whose node was down is declared aside until it answers (the cluster case is in
+    """A queue whose node was down is probed until it answers (the cluster case is in
     tests/test_cluster.py). A connection lost while that declaration's channel is still
     opening closes the channel before it ever opens: the next connection must probe the queue
     again, or its events wait for good. The loss is placed exactly there: the proxy holds the
@@ -794,13 +795,13 @@ def test_a_queue_whose_probe_is_cut_off_while_its_channel_opens_is_probed_again(
 
         def probe_while_paused() -> None:
             # As ``_on_channel_closed`` does on a 404 "down or inaccessible", then the probe.
-            link._unreachable[queue] = queue
-            link._queues[queue].unreachable = True
-            link._probe(queue, link._queue_args)
+            link.probes.mark_unreachable(queue, "404 down")
+            link.lanes[queue].wait(WaitReason.UNREACHABLE)
+            link.probes.probe(queue, link.ctx.queue_args)
             probing.set()
 
         proxy.pause()
-        link._ioloop.add_callback_threadsafe(probe_while_paused)
+        link.ctx.ioloop.add_callback_threadsafe(probe_while_paused)
         assert probing.wait(5)
         producer.publish("probed", {"n": 2})  # waits for the probe: the queue is unreachable
         time.sleep(0.2)

@@ -1,5 +1,5 @@
 """Unit tests of the producer link's I/O-thread parts together on a fake loop, connection and
-channels: sends and confirms, recoveries, leases, silent queues on their own channels, the
+channels: sends and confirms, recoveries, leases, stalled queues on their own channels, the
 overdue watch and the probes of unreachable queues. No service; the real broker's side is in
 tests/test_producer_order.py, tests/test_connection_failures.py and tests/test_cluster.py."""
 
@@ -15,11 +15,11 @@ import pika
 import pytest
 
 from keyq.broker.settings import load_settings
-from keyq.producer.lanes import ParkReason
+from keyq.producer.lanes import WaitReason
 from keyq.producer.link import PublisherLink
 from keyq.producer.outgoing import Outgoing
 from keyq.producer.overdue import CONFIRM_CHECK_S
-from keyq.producer.probes import PROBE_DELAYS
+from keyq.producer.probes import PROBE_FIRST_S
 
 Callback = Callable[..., Any]
 
@@ -130,7 +130,7 @@ class Harness:
         message = Outgoing(
             number, queue, f"key-{queue}", b"{}", pika.BasicProperties(message_id=f"p:{number}")
         )
-        with self.link.cond:
+        with self.link.window.cond:
             self.link.submit(message, time.monotonic())
         self.loop.run_soon()
         return message
@@ -159,18 +159,17 @@ def make_harness(**settings_overrides: Any) -> Harness:
     link = PublisherLink(
         settings,
         "s",
-        "s.dead",
-        "classic",
+        ("s.dead", "classic"),
         on_new_queues=new_queues.append,
         request_lease=asked.append,
     )
-    link.ioloop.close()
+    link.ctx.ioloop.close()
     loop = FakeLoop()
-    link.ioloop = loop  # type: ignore[assignment]
+    link.ctx.ioloop = loop  # type: ignore[assignment]
     connection = FakeConnection()
     channel = FakeChannel()
-    link.connector.connection = connection  # type: ignore[assignment]
-    link.connector.channel = channel
+    link.ctx.connection = connection  # type: ignore[assignment]
+    link.ctx.channel = channel
     return Harness(link, loop, connection, channel, asked, new_queues)
 
 
@@ -178,17 +177,17 @@ def make_harness(**settings_overrides: Any) -> Harness:
 def test_events_wait_for_a_lease_then_go_in_order_and_settle(harness: Harness) -> None:
     link = harness.link
     first, second = harness.publish("q"), harness.publish("q")
-    lane = link.sender.lanes["q"]
-    assert lane.reasons == {ParkReason.HELD} and list(lane.parked) == [first, second]
+    lane = link.lanes["q"]
+    assert lane.reasons == {WaitReason.UNLEASED} and list(lane.waiting) == [first, second]
     assert harness.leases_asked == ["q"]  # asked once
     harness.grant("q")
-    assert not lane.waiting and lane.inflight == 2
+    assert not lane.waits and lane.inflight == 2
     assert harness.channel.declared == ["q"] and harness.channel.published == ["q", "q"]
     assert [first.tag, second.tag] == [1, 2]
-    link.sender.on_confirm(ack(2, multiple=True))
-    assert link.unsettled == 0 and link.unsettled_by_queue() == {}
+    link.connector.on_confirm(ack(2, multiple=True))
+    assert link.window.unsettled == 0 and link.window.unsettled_by_queue() == {}
     assert harness.new_queues == [{"q": "key-q"}]  # registered once
-    assert not link.sender.inflight and lane.quiet
+    assert not link.ledger.inflight and lane.quiet
 
 
 def test_a_returned_event_goes_again_before_newer_ones(harness: Harness) -> None:
@@ -196,17 +195,17 @@ def test_a_returned_event_goes_again_before_newer_ones(harness: Harness) -> None
     harness.publish("q")
     harness.grant("q")
     returned = harness.publish("q")
-    link.sender.on_return(None, None, returned.properties, b"")
-    lane = link.sender.lanes["q"]
-    assert lane.parked_for(ParkReason.RECOVERING)
+    link.ledger.on_return(None, None, returned.properties, b"")
+    lane = link.lanes["q"]
+    assert lane.waits_for(WaitReason.RECOVERING)
     newer = harness.publish("q")  # parks behind the recovery
-    assert list(lane.parked) == [newer]
-    link.sender.on_confirm(ack(2, multiple=True))  # the first published, the second returned
+    assert list(lane.waiting) == [newer]
+    link.connector.on_confirm(ack(2, multiple=True))  # the first published, the second returned
     # Declared again, then the returned event, then the newer one.
     assert channel.declared == ["q", "q"] and channel.published == ["q", "q", "q", "q"]
-    assert [m.number for m in link.sender.inflight] == [2, 3]
-    assert link.returned_events == 1 and not lane.waiting
-    assert link.unsettled == 2
+    assert [m.number for m in link.ledger.inflight] == [2, 3]
+    assert link.ledger.returned_events == 1 and not lane.waits
+    assert link.window.unsettled == 2
 
 
 def test_a_lost_connection_collects_every_unconfirmed_event_in_order(harness: Harness) -> None:
@@ -215,20 +214,20 @@ def test_a_lost_connection_collects_every_unconfirmed_event_in_order(harness: Ha
     harness.publish("b")
     harness.grant("a")  # "b" stays held
     harness.publish("a")
-    link.sender.collect_unsettled()
-    assert [m.number for m in link.sender.resend] == [1, 2, 3]
-    assert not (link.sender.lanes or link.sender.inflight or link.sender.by_number)
-    link.sender.resend_collected()
-    assert link.resent_events == 3 and link.sender.next_tag == 1
-    assert set(link.sender.lanes) == {"a", "b"}  # new lanes, held until leased again
+    link.recovery.collect_unsettled()
+    assert [m.number for m in link.recovery.resend] == [1, 2, 3]
+    assert not (link.lanes or link.ledger.inflight or link.ledger.by_number)
+    link.recovery.resend_collected()
+    assert link.recovery.resent_events == 3 and link.ledger.next_tag == 1
+    assert set(link.lanes) == {"a", "b"}  # new lanes, held until leased again
 
 
 def test_a_retired_queue_holds_its_events_and_asks_again(harness: Harness) -> None:
     link = harness.link
     harness.publish("q")
     harness.grant("q", incarnation=None)
-    lane = link.sender.lanes["q"]
-    assert lane.parked_for(ParkReason.HELD) and not lane.declared and lane.lease_until == 0.0
+    lane = link.lanes["q"]
+    assert lane.waits_for(WaitReason.UNLEASED) and not lane.declared and lane.lease_until == 0.0
     retry = link.leases.lease_s / 4
     assert retry in harness.loop.delays()
     harness.loop.fire(retry)
@@ -246,12 +245,12 @@ def test_a_confirm_from_a_retired_incarnation_sends_the_event_again(harness: Har
     harness.grant("q")
     assert channel.published == ["q"] and event.sent_to == "q"
     harness.grant("q", incarnation=1)  # the lane moved on while the confirm was slow
-    link.sender.on_confirm(ack(1))
-    assert link.late_confirms == 1 and harness.new_queues == []  # not counted as published
+    link.connector.on_confirm(ack(1))
+    assert link.ledger.late_confirms == 1 and harness.new_queues == []  # not counted as published
     assert channel.declared[-1] == "q~1" and channel.published == ["q", "q~1"]
-    assert link.sender.by_number[event.number].sent_to == "q~1" and link.unsettled == 1
-    link.sender.on_confirm(ack(2))
-    assert link.unsettled == 0 and harness.new_queues == [{"q~1": "key-q"}]
+    assert link.ledger.by_number[event.number].sent_to == "q~1" and link.window.unsettled == 1
+    link.connector.on_confirm(ack(2))
+    assert link.window.unsettled == 0 and harness.new_queues == [{"q~1": "key-q"}]
 
 
 def test_a_confirm_after_a_gap_in_the_leases_sends_the_event_again(harness: Harness) -> None:
@@ -260,12 +259,12 @@ def test_a_confirm_after_a_gap_in_the_leases_sends_the_event_again(harness: Harn
     link = harness.link
     event = harness.publish("q")
     harness.grant("q")
-    lane = link.sender.lanes["q"]
+    lane = link.lanes["q"]
     lane.lease_until = time.monotonic() - 0.01  # ran out with the event in flight
     harness.grant("q")  # asked after it ran out: leased again, same incarnation
-    link.sender.on_confirm(ack(1))
-    assert link.late_confirms == 1 and harness.new_queues == []
-    assert link.sender.by_number[event.number].tag == 2 and link.unsettled == 1
+    link.connector.on_confirm(ack(1))
+    assert link.ledger.late_confirms == 1 and harness.new_queues == []
+    assert link.ledger.by_number[event.number].tag == 2 and link.window.unsettled == 1
 
 
 def test_a_confirm_under_leases_renewed_without_a_gap_counts(harness: Harness) -> None:
@@ -273,8 +272,8 @@ def test_a_confirm_under_leases_renewed_without_a_gap_counts(harness: Harness) -
     harness.publish("q")
     harness.grant("q")
     harness.grant("q")  # renewed while the first still held
-    link.sender.on_confirm(ack(1))
-    assert link.late_confirms == 0 and link.unsettled == 0
+    link.connector.on_confirm(ack(1))
+    assert link.ledger.late_confirms == 0 and link.window.unsettled == 0
     assert harness.new_queues == [{"q": "key-q"}]
 
 
@@ -283,55 +282,57 @@ def test_a_lease_is_renewed_ahead_while_events_are_in_flight(harness: Harness) -
     harness.publish("q")
     harness.grant("q")
     assert harness.leases_asked == ["q"]
-    lane = link.sender.lanes["q"]
+    lane = link.lanes["q"]
     lane.lease_until = time.monotonic() + link.leases.lease_s / 4
     harness.publish("q")  # in the lease's second half: renewed, nothing held
-    assert harness.leases_asked == ["q", "q"] and lane.leasing and not lane.waiting
+    assert harness.leases_asked == ["q", "q"] and lane.leasing and not lane.waits
     harness.publish("q")
     assert harness.leases_asked == ["q", "q"]  # one request at a time
 
 
-# -------------------------------------------------------------------- silent queues
-def test_a_silent_queue_sends_one_event_at_a_time_on_its_own_channel(harness: Harness) -> None:
+# ------------------------------------------------------------------- stalled queues
+def test_a_stalled_queue_sends_one_event_at_a_time_on_its_own_channel(harness: Harness) -> None:
     link, connection = harness.link, harness.connection
-    link.window.mark_silent({"quiet"})
+    link.window.mark_stalled({"quiet"})
+    link.stalled.open_all()  # as on a new connection
     first, second = harness.publish("quiet"), harness.publish("quiet")
     harness.grant("quiet")
-    [aside] = connection.open_channels()
-    assert aside.confirm_ok is not None and aside.confirm is not None
-    aside.confirm_ok(None)  # confirm mode on: the first goes, declared there too
-    assert aside.declared == ["quiet"] and aside.published == ["quiet"] and first.tag == 1
-    assert list(link.sender.lanes["quiet"].parked) == [second]
-    aside.confirm(ack(1))  # heard again: its channel closes, the rest goes on the main one
-    assert "quiet" not in link.window.silent and not aside.is_open
-    assert not link.silent.asides
+    [own] = connection.open_channels()
+    assert own.confirm_ok is not None and own.confirm is not None
+    own.confirm_ok(None)  # confirm mode on: the first goes, declared there too
+    assert own.declared == ["quiet"] and own.published == ["quiet"] and first.tag == 1
+    assert list(link.lanes["quiet"].waiting) == [second]
+    own.confirm(ack(1))  # heard again: its channel closes, the rest goes on the main one
+    assert "quiet" not in link.window.stalled and not own.is_open
+    assert not link.stalled.own
     assert harness.channel.published == ["quiet"] and second.tag == 1
-    assert link.unsettled == 1 and harness.new_queues == [{"quiet": "key-quiet"}]
+    assert link.window.unsettled == 1 and harness.new_queues == [{"quiet": "key-quiet"}]
 
 
-def test_a_silent_channel_overdue_is_reset_and_its_event_parks_again(harness: Harness) -> None:
+def test_a_stalled_channel_overdue_is_reset_and_its_event_waits_again(harness: Harness) -> None:
     link, connection = harness.link, harness.connection
-    link.window.mark_silent({"quiet"})
+    link.window.mark_stalled({"quiet"})
+    link.stalled.open_all()
     sent = harness.publish("quiet")
     harness.grant("quiet")
-    [aside] = connection.open_channels()
-    assert aside.confirm_ok is not None
-    aside.confirm_ok(None)
-    link.silent.reset_overdue(sent.sent_at + 14.9)
-    assert aside.is_open
-    link.silent.reset_overdue(sent.sent_at + 15.0)
-    assert not aside.is_open and link.silent_channel_resets == 1
-    lane = link.sender.lanes["quiet"]
-    assert list(lane.parked) == [sent] and lane.inflight == 0
+    [own] = connection.open_channels()
+    assert own.confirm_ok is not None
+    own.confirm_ok(None)
+    link.stalled.reset_overdue(sent.sent_at + 14.9)
+    assert own.is_open
+    link.stalled.reset_overdue(sent.sent_at + 15.0)
+    assert not own.is_open and link.stalled.channel_resets == 1
+    lane = link.lanes["quiet"]
+    assert list(lane.waiting) == [sent] and lane.inflight == 0
     assert 1.0 in harness.loop.delays()  # opened again a moment later
 
 
 # ------------------------------------------------------------------------ the watch
-def test_an_overdue_confirm_makes_its_queues_silent_and_reconnects(harness: Harness) -> None:
+def test_an_overdue_confirm_makes_its_queues_stalled_and_reconnects(harness: Harness) -> None:
     link = harness.link
     harness.publish("a")
     harness.grant("a")
-    oldest = link.sender.inflight[0]
+    oldest = link.ledger.inflight[0]
     link.watch.check(oldest.sent_at + 14.0)
     assert harness.connection.closes == 0
     link.window.set_blocked(True)  # flow control delays confirms on purpose
@@ -339,9 +340,9 @@ def test_an_overdue_confirm_makes_its_queues_silent_and_reconnects(harness: Harn
     assert harness.connection.closes == 0
     link.window.set_blocked(False)
     link.watch.check(oldest.sent_at + 20.0)
-    assert harness.connection.closes == 1 and link.overdue_reconnects == 1
-    assert link.window.silent == {"a"}
-    assert link.settings.connect_timeout in harness.loop.delays()  # dropped if not closed
+    assert harness.connection.closes == 1 and link.watch.overdue_reconnects == 1
+    assert link.window.stalled == {"a"}
+    assert link.ctx.settings.connect_timeout in harness.loop.delays()  # dropped if not closed
 
 
 def test_the_watch_runs_every_second_until_stopping(harness: Harness) -> None:
@@ -350,7 +351,7 @@ def test_the_watch_runs_every_second_until_stopping(harness: Harness) -> None:
     assert harness.loop.delays() == [CONFIRM_CHECK_S]
     harness.loop.fire(CONFIRM_CHECK_S)
     assert harness.loop.delays() == [CONFIRM_CHECK_S]
-    link.connector.stopping = True
+    link.ctx.stopping = True
     harness.loop.fire(CONFIRM_CHECK_S)
     assert harness.loop.delays() == []
 
@@ -360,15 +361,15 @@ def test_an_unreachable_queue_waits_until_its_probe_is_answered(harness: Harness
     link, connection = harness.link, harness.connection
     link.probes.mark_unreachable("q", "404 down")
     message = harness.publish("q")
-    lane = link.sender.lanes["q"]
-    assert lane.unreachable and list(lane.parked) == [message]
+    lane = link.lanes["q"]
+    assert lane.unreachable and list(lane.waiting) == [message]
     harness.grant("q")
-    assert list(lane.parked) == [message]  # still unreachable
-    link.probes.probe("q", link.queue_args)
+    assert list(lane.waiting) == [message]  # still unreachable
+    link.probes.probe("q", link.ctx.queue_args)
     [probe] = connection.open_channels()
     assert probe.declared == ["q"]
     probe.declare_callbacks[0](None)
-    assert not lane.waiting and lane.declared and not probe.is_open
+    assert not lane.waits and lane.declared and not probe.is_open
     assert "q" not in link.probes.unreachable and "q" not in link.probes.probing
     assert harness.channel.published == ["q"] and harness.channel.declared == []
 
@@ -376,11 +377,12 @@ def test_an_unreachable_queue_waits_until_its_probe_is_answered(harness: Harness
 def test_a_refused_probe_is_retried_with_growing_delays(harness: Harness) -> None:
     link, connection = harness.link, harness.connection
     link.probes.mark_unreachable("q", "404 down")
-    link.probes.probe("q", link.queue_args)
-    for delay in PROBE_DELAYS[:3]:
+    link.probes.probe("q", link.ctx.queue_args)
+    for nominal in (PROBE_FIRST_S, 2 * PROBE_FIRST_S, 4 * PROBE_FIRST_S):
         [probe] = connection.open_channels()
         probe.close()  # 404: the channel closes
-        assert harness.loop.delays() == [delay]
+        [delay] = harness.loop.delays()
+        assert nominal / 2 <= delay <= nominal  # jittered backoff
         harness.loop.fire(delay)
     assert len(connection.opening) == 1
 
@@ -388,12 +390,13 @@ def test_a_refused_probe_is_retried_with_growing_delays(harness: Harness) -> Non
 def test_a_newer_probe_supersedes_a_chain_cut_off(harness: Harness) -> None:
     link, connection = harness.link, harness.connection
     link.probes.mark_unreachable("q", "404 down")
-    link.probes.probe("q", link.queue_args)
+    link.probes.probe("q", link.ctx.queue_args)
     [cut] = [opened for opened, _ in connection.opening]
     connection.opening.clear()
-    link.probes.probe("q", link.queue_args)  # a new connection's chain
+    link.probes.probe("q", link.ctx.queue_args)  # a new connection's chain
     cut.close()  # the older chain's channel, closed before it opened
-    harness.loop.fire(PROBE_DELAYS[0])
+    [delay] = harness.loop.delays()
+    harness.loop.fire(delay)
     assert len(connection.opening) == 1  # only the newer chain's channel
 
 
@@ -401,4 +404,4 @@ def test_a_queue_marked_unreachable_keeps_the_first_incarnation_seen(harness: Ha
     probes = harness.link.probes
     probes.mark_unreachable("q~2", "404")
     probes.mark_unreachable("q~3", "404")
-    assert probes.unreachable == {"q": "q~2"} and probes.is_unreachable("q")
+    assert harness.link.lanes.unreachable == {"q": "q~2"}

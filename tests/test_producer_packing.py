@@ -25,7 +25,7 @@ def run(harness: Harness) -> None:
     """Let the I/O thread take what was handed over; a queue's first events wait for its
     publish lease, granted here."""
     harness.loop.run_soon()
-    harness.grant(*[q for q, lane in harness.link.sender.lanes.items() if not lane.lease_until])
+    harness.grant(*[q for q, lane in harness.link.lanes.items() if not lane.lease_until])
 
 
 def event(harness: Harness, queue: str) -> Outgoing:
@@ -43,7 +43,7 @@ def event(harness: Harness, queue: str) -> Outgoing:
         ),
     )
     message.confirmation = Confirmation(harness.link.window, f"p:{number}")
-    with harness.link.cond:
+    with harness.link.window.cond:
         harness.link.submit(message, time.monotonic())
     return message
 
@@ -71,9 +71,9 @@ def test_events_of_a_queue_waiting_together_leave_as_one_pack() -> None:
     assert properties.headers[HEADER_KEY] == "key-q"
     assert [e.message_id for e in decode_pack(body)] == ["p:1", "p:3", "p:4"]
     link = harness.link
-    assert link.unsettled == 5 and link.unsettled_by_queue() == {"q": 3, "r": 2}
-    link.sender.on_confirm(ack(1))
-    assert link.unsettled == 2 and link.unsettled_by_queue() == {"r": 2}
+    assert link.window.unsettled == 5 and link.window.unsettled_by_queue() == {"q": 3, "r": 2}
+    link.connector.on_confirm(ack(1))
+    assert link.window.unsettled == 2 and link.window.unsettled_by_queue() == {"r": 2}
 
 
 def test_a_lone_event_goes_at_once_and_later_ones_gather_until_its_confirm() -> None:
@@ -84,13 +84,13 @@ def test_a_lone_event_goes_at_once_and_later_ones_gather_until_its_confirm() -> 
     waiting = [event(harness, "q") for _ in range(3)]
     run(harness)
     assert sent_events(harness) == [[1]]  # an earlier message of the queue awaits its confirm
-    harness.link.sender.on_confirm(ack(1))
+    harness.link.connector.on_confirm(ack(1))
     assert first.confirmation is not None and first.confirmation.published
     assert sent_events(harness) == [[1], [2, 3, 4]]
     assert not any(m.confirmation and m.confirmation.published for m in waiting)
-    harness.link.sender.on_confirm(ack(2))
+    harness.link.connector.on_confirm(ack(2))
     assert all(m.confirmation and m.confirmation.published for m in waiting)
-    assert harness.link.unsettled == 0 and harness.link.sender.lanes["q"].quiet
+    assert harness.link.window.unsettled == 0 and harness.link.lanes["q"].quiet
 
 
 def test_a_full_pack_goes_without_waiting_for_a_confirm() -> None:
@@ -101,7 +101,7 @@ def test_a_full_pack_goes_without_waiting_for_a_confirm() -> None:
         event(harness, "q")
     run(harness)
     assert sent_events(harness) == [[1], [2, 3, 4], [5, 6, 7]]  # the 8th gathers
-    harness.link.sender.on_confirm(ack(3, multiple=True))
+    harness.link.connector.on_confirm(ack(3, multiple=True))
     assert sent_events(harness)[-1] == [8]
 
 
@@ -110,8 +110,8 @@ def test_a_pack_is_bounded_in_bytes() -> None:
     for _ in range(12):
         event(harness, "q")
     run(harness)
-    while harness.link.unsettled:  # a full pack goes at once; the rest after its confirm
-        harness.link.sender.on_confirm(ack(len(harness.channel.sent), multiple=True))
+    while harness.link.window.unsettled:  # a full pack goes at once; the rest after its confirm
+        harness.link.connector.on_confirm(ack(len(harness.channel.sent), multiple=True))
     sizes = [len(body) for body, _ in harness.channel.sent]
     assert sum(len(seqs) for seqs in sent_events(harness)) == 12
     assert len(sizes) > 1 and max(sizes) <= 1024
@@ -124,16 +124,16 @@ def test_a_returned_pack_goes_again_with_its_events_before_newer_ones() -> None:
         event(harness, "q")
     run(harness)
     pack_properties = channel.sent[0][1]
-    link.sender.on_return(None, None, pack_properties, b"")
+    link.ledger.on_return(None, None, pack_properties, b"")
     newer = event(harness, "q")
     run(harness)
-    link.sender.on_confirm(ack(1))  # confirmed, but it was returned: declared anew, sent again
+    link.connector.on_confirm(ack(1))  # confirmed, but it was returned: declared anew, sent again
     assert sent_events(harness) == [[1, 2, 3], [1, 2, 3, 4]]
     assert channel.declared == ["q", "q"]
-    assert link.returned_events == 3 and link.unsettled == 4
-    link.sender.on_confirm(ack(2))
+    assert link.ledger.returned_events == 3 and link.window.unsettled == 4
+    link.connector.on_confirm(ack(2))
     assert newer.confirmation is not None and newer.confirmation.published
-    assert link.unsettled == 0
+    assert link.window.unsettled == 0
 
 
 def test_a_lost_connection_sends_packs_and_gathered_events_again_in_order() -> None:
@@ -146,16 +146,16 @@ def test_a_lost_connection_sends_packs_and_gathered_events_again_in_order() -> N
         event(harness, "q")  # gather behind the unconfirmed pack
     run(harness)
     assert sent_events(harness) == [[1, 2]]
-    link.sender.collect_unsettled()
-    assert [m.members[0].number for m in link.sender.resend] == [1, 3]
-    assert sum(m.count for m in link.sender.resend) == 4
+    link.recovery.collect_unsettled()
+    assert [m.members[0].number for m in link.recovery.resend] == [1, 3]
+    assert sum(m.count for m in link.recovery.resend) == 4
     harness.channel.sent.clear()
-    link.sender.resend_collected()
+    link.recovery.resend_collected()
     run(harness)  # leases are asked again on the new connection
     assert sent_events(harness) == [[1, 2, 3, 4]]
-    assert link.resent_events == 4
-    link.sender.on_confirm(ack(1))
-    assert link.unsettled == 0
+    assert link.recovery.resent_events == 4
+    link.connector.on_confirm(ack(1))
+    assert link.window.unsettled == 0
 
 
 def test_with_a_linger_a_lone_event_waits_for_company() -> None:
@@ -182,8 +182,8 @@ def test_packs_keep_every_events_order_and_fields(max_events: int) -> None:
     harness = packing(pack_max_events=max_events)
     made = [event(harness, "q") for _ in range(20)]
     run(harness)
-    while harness.link.unsettled:
-        harness.link.sender.on_confirm(ack(len(harness.channel.sent), multiple=True))
+    while harness.link.window.unsettled:
+        harness.link.connector.on_confirm(ack(len(harness.channel.sent), multiple=True))
     seqs = [seq for message in sent_events(harness) for seq in message]
     assert seqs == list(range(1, 21))
     assert all(len(message) <= max_events for message in sent_events(harness))
@@ -206,9 +206,9 @@ def test_a_filled_pack_goes_and_the_events_after_it_go_on_gathering() -> None:
         event(harness, "q")  # one more fills a pack: it goes; the other keeps gathering
     run(harness)
     assert sent_events(harness) == [[1], [2, 3, 4]]
-    harness.link.sender.on_confirm(ack(1))
+    harness.link.connector.on_confirm(ack(1))
     assert sent_events(harness) == [[1], [2, 3, 4]]  # a message of the queue is in flight
-    harness.link.sender.on_confirm(ack(2))
+    harness.link.connector.on_confirm(ack(2))
     assert sent_events(harness) == [[1], [2, 3, 4], [5]]
 
 
@@ -234,7 +234,7 @@ def test_events_a_failed_send_did_not_take_wait_in_front_of_the_outbox() -> None
     harness = packing()
     event(harness, "q")
     run(harness)  # the lease granted, the first sent
-    harness.link.sender.on_confirm(ack(1))
+    harness.link.connector.on_confirm(ack(1))
     for _ in range(3):
         event(harness, "q")
     channel = harness.channel
@@ -248,6 +248,6 @@ def test_events_a_failed_send_did_not_take_wait_in_front_of_the_outbox() -> None
     with pytest.raises(RuntimeError):
         harness.loop.run_soon()
     assert [m.number for m in harness.link.window.outbox] == [2, 3, 4]
-    harness.loop.soon.append(harness.link.sender.drain)
+    harness.loop.soon.append(harness.link.publisher.drain)
     harness.loop.run_soon()
     assert sent_events(harness) == [[1], [2, 3, 4]]

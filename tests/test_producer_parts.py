@@ -1,6 +1,7 @@
-"""Unit tests of the producer link's pure parts: a queue's lane and its park reasons, the
-confirm window's accounting, the overdue watch's timing and the backoff schedules. No service;
-the real broker's side is in tests/test_producer_order.py and tests/test_connection_failures.py.
+"""Unit tests of the producer link's pure parts: a queue's lane and its wait reasons, the
+confirm window's accounting, the overdue watch's timing and the stalled queues' own channels.
+No service; the real broker's side is in tests/test_producer_order.py and
+tests/test_connection_failures.py.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import pika
 import pytest
 
 from keyq.broker.errors import ProducerClosed, PublishError, PublishTimeout
-from keyq.producer.lanes import ParkReason, QueueLane, forget_quiet, parked_counts
+from keyq.producer.lanes import Lanes, QueueLane, WaitReason, waiting_counts
+from keyq.producer.ledger import StallClock
 from keyq.producer.outgoing import Outgoing, events_in
-from keyq.producer.overdue import StallClock, overdue_oldest
-from keyq.producer.probes import PROBE_DELAYS, probe_delay
-from keyq.producer.silent import SILENT_QUEUE_IN_FLIGHT, AsideChannel
+from keyq.producer.overdue import overdue_oldest
+from keyq.producer.stalled import STALLED_QUEUE_IN_FLIGHT, OwnChannel
 from keyq.producer.window import REFUSING_QUEUE_ROOM, ConfirmWindow
 
 
@@ -31,32 +32,39 @@ def event(number: int, queue: str = "q", *, sent_at: float = 0.0) -> Outgoing:
 # ------------------------------------------------------------------------------ lanes
 def test_a_lane_waits_while_any_reason_holds_it() -> None:
     lane = QueueLane(key="k")
-    assert not lane.waiting
-    lane.park(ParkReason.HELD)
-    lane.park(ParkReason.UNREACHABLE)
-    assert lane.waiting
-    assert lane.parked_for(ParkReason.HELD) and not lane.parked_for(ParkReason.RECOVERING)
-    lane.unpark(ParkReason.HELD)
-    assert lane.waiting  # still unreachable
-    lane.unpark(ParkReason.UNREACHABLE)
-    lane.unpark(ParkReason.UNREACHABLE)  # twice is harmless
-    assert not lane.waiting and lane.reasons == set()
+    assert not lane.waits
+    lane.wait(WaitReason.UNLEASED)
+    lane.wait(WaitReason.UNREACHABLE)
+    assert lane.waits
+    assert lane.waits_for(WaitReason.UNLEASED) and not lane.waits_for(WaitReason.RECOVERING)
+    lane.release(WaitReason.UNLEASED)
+    assert lane.waits  # still unreachable
+    lane.release(WaitReason.UNREACHABLE)
+    lane.release(WaitReason.UNREACHABLE)  # twice is harmless
+    assert not lane.waits and lane.reasons == set()
 
 
-def test_unreachable_reads_and_sets_its_reason() -> None:
+def test_a_reachable_lane_is_declared_and_waits_no_more_for_its_node() -> None:
     lane = QueueLane(key="k")
-    lane.unreachable = True
-    assert lane.reasons == {ParkReason.UNREACHABLE} and lane.unreachable
-    lane.unreachable = False
-    assert not lane.reasons and not lane.unreachable
+    lane.wait(WaitReason.UNREACHABLE)
+    assert lane.reasons == {WaitReason.UNREACHABLE} and lane.unreachable
+    lane.reachable()
+    assert not lane.reasons and not lane.unreachable and lane.declared
+
+
+def test_a_new_lane_of_an_unreachable_queue_waits_from_the_start() -> None:
+    lanes = Lanes()
+    lanes.unreachable["q"] = "q~1"
+    assert lanes.of(event(1, "q")).unreachable
+    assert not lanes.of(event(2, "r")).unreachable
 
 
 def test_declaring_names_the_queue_while_it_holds_the_lane() -> None:
     lane = QueueLane(key="k")
     lane.start_declaring("q~1")
-    assert lane.declaring == "q~1" and lane.waiting and not lane.quiet
+    assert lane.declaring == "q~1" and lane.waits and not lane.quiet
     lane.stop_declaring()
-    assert lane.declaring is None and not lane.waiting and lane.quiet
+    assert lane.declaring is None and not lane.waits and lane.quiet
 
 
 @pytest.mark.parametrize(
@@ -64,14 +72,14 @@ def test_declaring_names_the_queue_while_it_holds_the_lane() -> None:
     [
         (lambda lane: None, True),
         (lambda lane: setattr(lane, "inflight", 1), False),
-        (lambda lane: lane.park(ParkReason.RECOVERING), False),
+        (lambda lane: lane.wait(WaitReason.RECOVERING), False),
         (lambda lane: lane.returned.append(event(1)), False),
-        (lambda lane: lane.parked.append(event(1)), False),
+        (lambda lane: lane.waiting.append(event(1)), False),
         (lambda lane: setattr(lane, "leasing", True), False),
         (lambda lane: lane.start_declaring("q"), False),
-        # Held or unreachable with nothing parked: nothing to lose by forgetting it.
-        (lambda lane: lane.park(ParkReason.HELD), True),
-        (lambda lane: lane.park(ParkReason.UNREACHABLE), True),
+        # Unleased or unreachable with nothing waiting: nothing to lose by forgetting it.
+        (lambda lane: lane.wait(WaitReason.UNLEASED), True),
+        (lambda lane: lane.wait(WaitReason.UNREACHABLE), True),
     ],
 )
 def test_a_lane_is_quiet_with_nothing_in_flight_or_on_its_way(
@@ -82,105 +90,92 @@ def test_a_lane_is_quiet_with_nothing_in_flight_or_on_its_way(
     assert lane.quiet is quiet
 
 
-def test_parked_events_are_released_only_when_nothing_holds_them() -> None:
+def test_waiting_events_are_released_only_when_nothing_holds_them_back() -> None:
     lane = QueueLane(key="k")
-    lane.parked.extend([event(1), event(2)])
-    lane.park(ParkReason.HELD)
-    assert not lane.take_releasable() and len(lane.parked) == 2
-    lane.unpark(ParkReason.HELD)
-    assert [m.number for m in lane.take_releasable()] == [1, 2]
-    assert not lane.parked
+    lane.waiting.extend([event(1), event(2)])
+    lane.wait(WaitReason.UNLEASED)
+    assert not lane.take_released() and len(lane.waiting) == 2
+    lane.release(WaitReason.UNLEASED)
+    assert [m.number for m in lane.take_released()] == [1, 2]
+    assert not lane.waiting
 
 
-def test_events_taken_back_go_in_front_of_the_parked_ones_in_order() -> None:
+def test_events_taken_back_go_in_front_of_the_waiting_ones_in_order() -> None:
     lane = QueueLane(key="k", inflight=2)
-    lane.parked.extend([event(5), event(7)])
+    lane.waiting.extend([event(5), event(7)])
     lane.take_back([event(6), event(3)])
-    assert [m.number for m in lane.parked] == [3, 5, 6, 7]
+    assert [m.number for m in lane.waiting] == [3, 5, 6, 7]
     assert lane.inflight == 0
 
 
-def test_a_recovery_resends_returned_events_in_order_then_the_parked() -> None:
+def test_a_recovery_resends_returned_events_in_order_then_the_waiting() -> None:
     lane = QueueLane(key="k", declared=True, registered=True)
-    lane.park(ParkReason.RECOVERING)
-    lane.park(ParkReason.HELD)
+    lane.wait(WaitReason.RECOVERING)
+    lane.wait(WaitReason.UNLEASED)
     lane.returned.extend([event(4), event(2)])
-    lane.parked.append(event(9))
-    returned, parked = lane.begin_recovery()
+    lane.waiting.append(event(9))
+    returned, waiting = lane.begin_recovery()
     assert [m.number for m in returned] == [2, 4]
-    assert [m.number for m in parked] == [9]
-    assert lane.reasons == {ParkReason.HELD}  # only the recovery is over
-    assert not (lane.declared or lane.registered or lane.returned or lane.parked)
+    assert [m.number for m in waiting] == [9]
+    assert lane.reasons == {WaitReason.UNLEASED}  # only the recovery is over
+    assert not (lane.declared or lane.registered or lane.returned or lane.waiting)
 
 
-def test_parked_counts_by_reason() -> None:
-    held = QueueLane(key="a", parked=deque([event(1), event(2)]))
-    held.park(ParkReason.HELD)
-    recovering = QueueLane(key="b", parked=deque([event(3)]), returned=[event(0)])
-    recovering.park(ParkReason.RECOVERING)
-    free = QueueLane(key="c", parked=deque([event(4)]))
+def test_waiting_counts_by_reason() -> None:
+    held = QueueLane(key="a", waiting=deque([event(1), event(2)]))
+    held.wait(WaitReason.UNLEASED)
+    recovering = QueueLane(key="b", waiting=deque([event(3)]), returned=[event(0)])
+    recovering.wait(WaitReason.RECOVERING)
+    free = QueueLane(key="c", waiting=deque([event(4)]))
     lanes = [held, recovering, free]
-    assert parked_counts(lanes, ParkReason.HELD) == (2, 1)
-    assert parked_counts(lanes, ParkReason.RECOVERING) == (2, 1)  # returned ones count
-    assert parked_counts(lanes, ParkReason.UNREACHABLE) == (0, 0)
+    assert waiting_counts(lanes, WaitReason.UNLEASED) == (2, 1)
+    assert waiting_counts(lanes, WaitReason.RECOVERING) == (2, 1)  # returned ones count
+    assert waiting_counts(lanes, WaitReason.UNREACHABLE) == (0, 0)
 
 
-def test_parked_counts_count_the_events_of_a_returned_pack() -> None:
+def test_waiting_counts_count_the_events_of_a_returned_pack() -> None:
     pack = event(5)
     pack.events = [event(5), event(6), event(7)]
-    recovering = QueueLane(key="b", parked=deque([event(8)]), returned=[pack])
-    recovering.park(ParkReason.RECOVERING)
-    assert parked_counts([recovering], ParkReason.RECOVERING) == (4, 1)
+    recovering = QueueLane(key="b", waiting=deque([event(8)]), returned=[pack])
+    recovering.wait(WaitReason.RECOVERING)
+    assert waiting_counts([recovering], WaitReason.RECOVERING) == (4, 1)
     assert events_in([pack, event(9)]) == 4
 
 
 def test_forget_quiet_keeps_lanes_with_something_on_its_way() -> None:
-    lanes = {"a": QueueLane(key="a"), "b": QueueLane(key="b", inflight=1)}
-    forget_quiet(lanes)
+    lanes = Lanes()
+    lanes.update(a=QueueLane(key="a"), b=QueueLane(key="b", inflight=1))
+    lanes.forget_quiet()
     assert list(lanes) == ["b"]
 
 
 # ----------------------------------------------------------------------------- window
-class Wakes:
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self) -> None:
-        self.count += 1
-
-
-def submit(window: ConfirmWindow, message: Outgoing, wait_s: float = 0.0) -> None:
+def submit(window: ConfirmWindow, message: Outgoing, wait_s: float = 0.0) -> bool:
     with window.cond:
-        window.submit(message, time.monotonic() + wait_s)
+        return window.submit(message, time.monotonic() + wait_s)
 
 
 def test_submitting_counts_the_event_and_wakes_the_io_thread_once() -> None:
-    wakes = Wakes()
-    window = ConfirmWindow(10, wakes)
-    submit(window, event(1, "a"))
-    submit(window, event(2, "a"))
-    submit(window, event(3, "b"))
+    window = ConfirmWindow(10)
+    assert submit(window, event(1, "a"))
+    assert not submit(window, event(2, "a"))
+    assert not submit(window, event(3, "b"))
     assert window.unsettled == 3
     assert window.unsettled_by_queue() == {"a": 2, "b": 1}
     assert [m.number for m in window.outbox] == [1, 2, 3]
-    assert wakes.count == 1  # until it drains
     window.draining()
-    submit(window, event(4, "a"))
-    assert wakes.count == 2
-    window.drain_again()  # already scheduled
-    assert wakes.count == 2
+    assert submit(window, event(4, "a"))
+    assert not window.drain_again()  # already scheduled
 
 
 def test_drain_again_wakes_when_no_drain_is_scheduled() -> None:
-    wakes = Wakes()
-    window = ConfirmWindow(10, wakes)
-    window.drain_again()
-    window.drain_again()
-    assert wakes.count == 1
+    window = ConfirmWindow(10)
+    assert window.drain_again()
+    assert not window.drain_again()
 
 
 def test_a_full_window_times_out_saying_so() -> None:
-    window = ConfirmWindow(2, Wakes())
+    window = ConfirmWindow(2)
     submit(window, event(1))
     submit(window, event(2))
     with pytest.raises(PublishTimeout, match=r"2 events await confirmation \(window 2\)"):
@@ -188,7 +183,7 @@ def test_a_full_window_times_out_saying_so() -> None:
 
 
 def test_settling_makes_room_for_a_waiting_publisher() -> None:
-    window = ConfirmWindow(1, Wakes())
+    window = ConfirmWindow(1)
     submit(window, event(1, "a"))
     done = threading.Event()
 
@@ -206,7 +201,7 @@ def test_settling_makes_room_for_a_waiting_publisher() -> None:
 
 
 def test_blocked_publishers_time_out_saying_so() -> None:
-    window = ConfirmWindow(10, Wakes())
+    window = ConfirmWindow(10)
     window.set_blocked(True)
     with pytest.raises(PublishTimeout, match="blocking publishers"):
         submit(window, event(1))
@@ -215,14 +210,14 @@ def test_blocked_publishers_time_out_saying_so() -> None:
 
 
 @pytest.mark.parametrize(
-    ("mark", "says"), [("refusing", "keeps refusing"), ("silent", "stopped confirming")]
+    ("mark", "says"), [("refusing", "keeps refusing"), ("stalled", "stopped confirming")]
 )
 def test_a_crowded_queue_waits_alone(mark: str, says: str) -> None:
-    window = ConfirmWindow(10 * REFUSING_QUEUE_ROOM, Wakes())
+    window = ConfirmWindow(10 * REFUSING_QUEUE_ROOM)
     if mark == "refusing":
         window.mark_refusing("bad")
     else:
-        window.mark_silent({"bad"})
+        window.mark_stalled({"bad"})
     for number in range(REFUSING_QUEUE_ROOM):
         submit(window, event(number, "bad"))
     with pytest.raises(PublishTimeout, match=says):
@@ -230,19 +225,19 @@ def test_a_crowded_queue_waits_alone(mark: str, says: str) -> None:
     submit(window, event(REFUSING_QUEUE_ROOM, "good"))  # other keys are not held up
 
 
-def test_settling_a_silent_or_refusing_queue_clears_it() -> None:
-    window = ConfirmWindow(10, Wakes())
+def test_settling_a_stalled_or_refusing_queue_clears_it() -> None:
+    window = ConfirmWindow(10)
     for number, queue in enumerate(["a", "a", "b", "c"]):
         submit(window, event(number, queue))
-    window.mark_silent({"a", "b"})
+    window.mark_stalled({"a", "b"})
     window.mark_refusing("c")
     assert window.settle(["a", "c"]) == {"a"}
-    assert window.silent == {"b"} and window.refusing == set()
+    assert window.stalled == {"b"} and window.refusing == set()
     assert window.unsettled == 2 and window.unsettled_by_queue() == {"a": 1, "b": 1}
 
 
 def test_a_failure_stands_and_every_waiter_raises_it() -> None:
-    window = ConfirmWindow(10, Wakes())
+    window = ConfirmWindow(10)
     submit(window, event(1))
     first = PublishError("first")
     window.fail(first)
@@ -255,7 +250,7 @@ def test_a_failure_stands_and_every_waiter_raises_it() -> None:
 
 
 def test_wait_settled_times_out_or_returns_once_settled() -> None:
-    window = ConfirmWindow(10, Wakes())
+    window = ConfirmWindow(10)
     window.wait_settled(time.monotonic())  # nothing owed
     submit(window, event(1, "a"))
     with pytest.raises(PublishTimeout, match="flush timed out: 1 events unconfirmed"):
@@ -293,25 +288,20 @@ def test_with_nothing_owed_the_stall_starts_with_the_next_event() -> None:
     assert clock.due(520.0, unsettled=1) == 20.0
 
 
-# ------------------------------------------------------------------ backoff schedules
-def test_probe_delays_grow_then_stay_at_their_last() -> None:
-    assert [probe_delay(attempt) for attempt in range(6)] == [*PROBE_DELAYS, 4.0, 4.0]
-
-
-# --------------------------------------------------------------------- aside channels
+# ----------------------------------------------------------------------- own channels
 class OpenChannel:
     is_open = True
 
 
-def test_an_aside_channel_has_room_for_one_event_once_ready() -> None:
-    aside = AsideChannel()
-    assert not aside.has_room()  # not open yet
-    aside.channel = OpenChannel()
-    assert not aside.has_room()  # confirm mode not on yet
-    aside.ready = True
-    assert aside.has_room()
-    for number in range(SILENT_QUEUE_IN_FLIGHT):
-        aside.track(event(number + 1))
-    assert not aside.has_room()
-    assert [m.tag for m in aside.inflight] == list(range(1, SILENT_QUEUE_IN_FLIGHT + 1))
-    assert aside.next_tag == SILENT_QUEUE_IN_FLIGHT + 1
+def test_an_own_channel_has_room_for_one_event_once_ready() -> None:
+    own = OwnChannel()
+    assert not own.has_room()  # not open yet
+    own.channel = OpenChannel()
+    assert not own.has_room()  # confirm mode not on yet
+    own.ready = True
+    assert own.has_room()
+    for number in range(STALLED_QUEUE_IN_FLIGHT):
+        own.track(event(number + 1))
+    assert not own.has_room()
+    assert [m.tag for m in own.inflight] == list(range(1, STALLED_QUEUE_IN_FLIGHT + 1))
+    assert own.next_tag == STALLED_QUEUE_IN_FLIGHT + 1
