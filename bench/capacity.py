@@ -37,7 +37,8 @@ from keyq.broker.locks import FencedLocks, Lease
 from keyq.broker.management import get_json
 from keyq.broker.naming import key_queue_name
 from keyq.broker.settings import Settings, load_settings
-from keyq.worker.consumer import ConsumeOutcome, ConsumerLink
+from keyq.worker.consume_outcomes import ConsumeOutcome
+from keyq.worker.consumer import ConsumerLink
 from tests.servers import PrivateRabbit
 from tests.workers import bare_link
 
@@ -83,7 +84,10 @@ def claim_one_at_a_time(
     for queue in queues:
         lease = locks.acquire(queue, "bench-single", TTL_MS)
         assert lease is not None
-        assert link.consume(queue, link.new_epoch()).outcome is ConsumeOutcome.CONSUMING
+        assert (
+            link.consumers.consume(queue, link.consumers.new_epoch()).outcome
+            is ConsumeOutcome.CONSUMING
+        )
         leases.append(lease)
     return leases
 
@@ -92,7 +96,9 @@ def claim_in_rounds(link: ConsumerLink, locks: FencedLocks, queues: Sequence[str
     leases: list[Lease] = []
     for start in range(0, len(queues), ROUND):
         taken = locks.acquire_many(queues[start : start + ROUND], "bench-rounds", TTL_MS)
-        results = link.consume_many([(lease.queue, link.new_epoch()) for lease in taken])
+        results = link.consumers.consume_many(
+            [(lease.queue, link.consumers.new_epoch()) for lease in taken]
+        )
         assert all(r.outcome is ConsumeOutcome.CONSUMING for r in results)
         leases.extend(taken)
     return leases

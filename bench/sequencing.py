@@ -67,7 +67,7 @@ def main() -> None:
     for name, reordered in (("in_order", False), ("quorum_redelivery_order", True)):
         items = batch(reordered)
         plan = plan_batch(items, {}, now=0.0, gap_timeout_s=60.0)
-        assert len(plan.apply) == BATCH and not plan.waiting
+        assert len(plan.apply) == BATCH and not plan.deferred
         sequenced = timed(
             lambda i=items: plan_batch(i, {}, now=0.0, gap_timeout_s=60.0), args.repeats
         )

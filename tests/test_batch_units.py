@@ -24,17 +24,19 @@ from keyq.broker.errors import (
 from keyq.broker.locks import Lease
 from keyq.broker.settings import load_settings
 from keyq.broker.stream_policy import StreamPolicy
-from keyq.worker.batch_failures import EventFailed, Interrupted, pipeline_failure
-from keyq.worker.batch_plan import arrival_order, identify, plan_run
-from keyq.worker.batches import (
-    BatchOutcome,
-    BatchProcessor,
-    BatchStats,
+from keyq.worker.batch_failures import (
+    EventFailed,
+    Interrupted,
     describe_failure,
+    pipeline_failure,
     spark_unavailable,
 )
+from keyq.worker.batch_outcome import BatchOutcome
+from keyq.worker.batch_plan import arrival_order, identify, plan_run
+from keyq.worker.batch_stats import BatchStats
+from keyq.worker.batches import BatchProcessor
 from keyq.worker.config import WorkerSettings
-from keyq.worker.consumer import DeadLetter
+from keyq.worker.dead_letters import DeadLetter
 from keyq.worker.decoding import Event, Undecodable, decode, decoder_for
 from keyq.worker.dedup import KeyMarks
 from keyq.worker.deliveries import Delivery
@@ -45,8 +47,11 @@ from keyq.worker.isolation import Isolation, named_event
 NOT_JSON = b"{not json"
 
 
-def no_declared_keys(queues: Collection[str]) -> dict[str, str | None]:
-    return dict.fromkeys(queues)
+class NoDeclaredKeys:
+    """Queues declared for no key: each event names its own."""
+
+    def keys_of(self, queues: Collection[str]) -> dict[str, str | None]:
+        return dict.fromkeys(queues)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -96,22 +101,14 @@ def plan(
     now: float = 1000.0,
     gap_timeout_s: float = 60.0,
 ) -> Any:
-    asked: list[list[str]] = []
-
-    def marks_of(keys: list[str]) -> Mapping[str, KeyMarks]:
-        asked.append(keys)
-        return marks or {}
-
-    run = plan_run(
+    return plan_run(
         deliveries,
         decoder_for({d.queue: None for d in deliveries}),
-        marks_of,
-        now=lambda: now,
+        marks or {},
+        now=now,
         gap_timeout_s=gap_timeout_s,
         dead=dead,
     )
-    assert asked == [run.keys]  # one round trip for every key of the run
-    return run
 
 
 def tags(items: Sequence[Event | Undecodable | Delivery]) -> list[int]:
@@ -136,9 +133,9 @@ def test_a_run_is_sorted_by_what_becomes_of_each_delivery() -> None:
     assert tags(run.letters) == [2, 5]
     assert run.letters[0].reason == f"missing header {HEADER_KEY}"
     assert run.letters[1].reason.startswith("undecodable payload: not JSON")
-    assert tags(run.waiting) == [1]
+    assert tags(run.deferred) == [1]
     assert tags(run.settling) == [2, 3, 4, 5, 6]
-    assert run.skipped == 1
+    assert len(run.plan.duplicates) == 1
     assert run.plan.marks["k2"].mark_of("p") == 2  # the dead one moves the mark too
     assert [(g.key, g.first, g.last) for g in run.plan.open_gaps] == [("k", 2, 2)]
 
@@ -161,7 +158,7 @@ def test_a_late_event_is_dead_lettered_in_delivery_order_and_the_rest_applied_in
         "(its successors were applied)"
     )
     assert (late.key, late.producer, late.seq) == ("k", "p", 3)
-    assert run.waiting == []
+    assert run.deferred == []
     assert tags(run.settling) == [1, 2, 3, 4]
     assert run.plan.late == [1]
 
@@ -172,7 +169,7 @@ def test_a_gap_waited_out_is_given_up_and_what_waited_for_it_applied() -> None:
     run = plan([waited], {"k": marks_at(1)}, now=1000.0, gap_timeout_s=60.0)
     assert [event.seq for event in run.events] == [3]
     assert [(g.first, g.last) for g in run.plan.skipped_gaps] == [(2, 2)]
-    assert run.waiting == []
+    assert run.deferred == []
 
 
 def test_a_run_with_a_reason_dead_letters_every_event_and_still_moves_the_marks() -> None:
@@ -181,7 +178,7 @@ def test_a_run_with_a_reason_dead_letters_every_event_and_still_moves_the_marks(
     assert run.events == []
     assert tags(run.letters) == [1, 2]
     assert {letter.reason for letter in run.letters} == {"pipeline failed: boom"}
-    assert run.skipped == 1
+    assert len(run.plan.duplicates) == 1
     assert run.plan.marks["k"].mark_of("p") == 3
     assert run.plan.marks["k"].applied == 0  # dead-lettered: not counted as applied
 
@@ -283,7 +280,7 @@ def isolation(
         retry_backoff_ms=backoff_ms,
         stats=BatchStats(),
         stopping=stopping or threading.Event(),
-        keys_of_queues=no_declared_keys,
+        keys=NoDeclaredKeys(),
     )
 
 
@@ -383,6 +380,9 @@ class LinkStandIn:
         self.journal.calls.append(("dead_letter", tags([letter.delivery for letter in letters])))
         return []
 
+    def set_aside(self, queue: str, key: str, deliveries: Sequence[Delivery]) -> None:
+        self.journal.calls.append(("set_aside", tags(deliveries)))
+
     def ack(self, acks: Sequence[tuple[str, int, Sequence[tuple[int, int]]]]) -> int:
         self.journal.calls.append(("ack", [(q, e, list(t)) for q, e, t in acks]))
         return len(acks)
@@ -428,9 +428,10 @@ def processor(
         store=store,  # type: ignore[arg-type]
         registry=RegistryStandIn(),  # type: ignore[arg-type]
         sink=None,
-        link=LinkStandIn(journal),  # type: ignore[arg-type]
+        acker=LinkStandIn(journal),
+        dead_letters=LinkStandIn(journal),
+        keys=NoDeclaredKeys(),
         holdings=holdings,
-        keys_of_queues=no_declared_keys,
         stopping=threading.Event(),
         control=NoKeyHeldBack(),  # type: ignore[arg-type]
         policy=StreamPolicy,

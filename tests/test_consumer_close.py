@@ -23,7 +23,8 @@ import pika.exceptions
 import pytest
 
 from keyq.broker.settings import Settings, load_settings
-from keyq.worker.consumer import ConsumeOutcome, ConsumerLink
+from keyq.worker.consume_outcomes import ConsumeOutcome
+from keyq.worker.consumer import ConsumerLink
 from keyq.worker.deliveries import DeliveryBuffer
 from tests.conftest import StreamFixture
 from tests.faults import FaultProxy
@@ -130,8 +131,8 @@ def consuming(
     )
     link.start()
     try:
-        epoch = link.new_epoch()
-        assert link.consume(loaded_queue, epoch).outcome is ConsumeOutcome.CONSUMING
+        epoch = link.consumers.new_epoch()
+        assert link.consumers.consume(loaded_queue, epoch).outcome is ConsumeOutcome.CONSUMING
         wait_until(lambda: len(buffer) == MESSAGES, 10, "every message delivered")
         yield Consuming(link, epoch)
     finally:
@@ -152,7 +153,7 @@ def test_letting_go_of_a_queue_gives_every_unacked_message_back(
     proxy.set_delay(LINK_DELAY_S)
     with EagerDeleter(settings, loaded_queue) as deleter:
         if letting_go == "close_queue":
-            consuming.link.close_queue(loaded_queue, consuming.epoch)
+            consuming.link.consumers.close_queue(loaded_queue, consuming.epoch)
         else:
             consuming.link.stop()
         time.sleep(2 * LINK_DELAY_S)
@@ -220,13 +221,13 @@ def test_a_cancel_from_the_broker_during_the_close_leaves_the_connection_alone(
 
     deleter = threading.Thread(target=delete_meanwhile)
     deleter.start()
-    link.close_queue(loaded_queue, consuming.epoch)
+    link.consumers.close_queue(loaded_queue, consuming.epoch)
     deleter.join(10)
     time.sleep(3 * LINK_DELAY_S)  # the cancel, if late, arrives now
     proxy.set_delay(0)
     assert link.failure is None
     assert link.reconnects == 0, "the connection broke"
-    assert link.message_count(loaded_queue) == 0  # still connected and answering
+    assert link.counts.message_count(loaded_queue) == 0  # still connected and answering
 
 
 def test_closing_many_queues_at_once_gives_each_its_messages_back_in_one_round_trip(
@@ -242,8 +243,11 @@ def test_closing_many_queues_at_once_gives_each_its_messages_back_in_one_round_t
     others = [_load(amqp, stream) for _ in range(3)]
     epochs = {loaded_queue: consuming.epoch}
     for queue in others:
-        epochs[queue] = consuming.link.new_epoch()
-        assert consuming.link.consume(queue, epochs[queue]).outcome is ConsumeOutcome.CONSUMING
+        epochs[queue] = consuming.link.consumers.new_epoch()
+        assert (
+            consuming.link.consumers.consume(queue, epochs[queue]).outcome
+            is ConsumeOutcome.CONSUMING
+        )
     queues = [loaded_queue, *others]
     wait_until(
         lambda: all(_ready(amqp, queue) == 0 for queue in queues), 10, "all delivered, unacked"
@@ -254,7 +258,7 @@ def test_closing_many_queues_at_once_gives_each_its_messages_back_in_one_round_t
         deleter.__enter__()
     try:
         began = time.monotonic()
-        consuming.link.close_queues([(queue, epochs[queue]) for queue in queues])
+        consuming.link.consumers.close_queues([(queue, epochs[queue]) for queue in queues])
         took = time.monotonic() - began
         time.sleep(2 * LINK_DELAY_S)
     finally:
@@ -266,7 +270,7 @@ def test_closing_many_queues_at_once_gives_each_its_messages_back_in_one_round_t
     # another they wait four; on a loaded machine the time is not a dependable check, so it
     # is reported, not asserted.
     print(f"closing {len(queues)} queues took {took:.2f} s")
-    assert consuming.link.held() == {}
+    assert consuming.link.consumers.held() == {}
     proxy.set_delay(0)
     for queue in queues:
         assert _ready(amqp, queue) == MESSAGES

@@ -13,8 +13,7 @@ from keyq.broker.envelope import (
     HEADER_DEAD_QUEUE,
     HEADER_DEAD_REASON,
 )
-from keyq.worker.consumer import MAX_REASON_CHARS, DeadLetter
-from keyq.worker.dead_letters import dead_letter_properties
+from keyq.worker.dead_letters import MAX_REASON_CHARS, DeadLetter, dead_letter_properties
 from keyq.worker.deliveries import Delivery
 
 

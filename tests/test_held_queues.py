@@ -1,23 +1,32 @@
 """HeldQueues and HandBacks as units: the order every ending of a holding follows, who
-releases a lock, and which queues are asked back. The broker, Redis and the consumer link
-are stand-ins that record what was asked of them; what those services do is proven by the
-worker tests against the real ones."""
+releases a lock, and which queues are asked back; the starvation watch as an observer of
+hand-backs, and the aside queues drained under a held queue's lease. The broker, Redis and
+the consumer link are stand-ins that record what was asked of them; what those services do
+is proven by the worker tests against the real ones."""
 
 from __future__ import annotations
 
+import queue as queue_module
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any, cast
 
 from keyq.broker.errors import BrokerUnavailable
+from keyq.broker.key_control import KeyControl
 from keyq.broker.locks import FencedLocks, Lease
 from keyq.broker.registry import QueueRegistry
-from keyq.worker.consumer import Consumed, ConsumeOutcome, ConsumerLink
+from keyq.worker.aside_drains import AsideDrains
+from keyq.worker.batch_outcome import BatchOutcome
+from keyq.worker.consume_outcomes import Consumed, ConsumeOutcome
+from keyq.worker.consumer import ConsumerCalls, ConsumerLink, QueueCounter
+from keyq.worker.consuming import ConsumerGone
+from keyq.worker.dead_letters import DeadLetterCalls
 from keyq.worker.deliveries import DeliveryBuffer
 from keyq.worker.handbacks import RELEASE_COOLDOWN_S, HandBacks
-from keyq.worker.held_queues import HeldQueues
+from keyq.worker.held_queues import MAX_PREFETCH, HeldQueues, QueueEvents
 from keyq.worker.holdings import Held
+from keyq.worker.starvation import StarvedQueues
 from tests.helpers import plain_delivery
 
 
@@ -32,14 +41,16 @@ class Journal:
 
 
 class StandInLink:
+    """The link and its parts at once: consumers, counts, node and moves."""
+
     def __init__(self, journal: Journal, outcomes: dict[str, ConsumeOutcome] | None = None):
         self.journal = journal
+        self.prefetch = 10
         self.outcomes = outcomes or {}
         self.epochs = iter(range(1, 1000))
         self.held_at_consume: list[bool] = []
         self.held: HeldQueues | None = None
         self.closings: list[list[str]] = []  # the queues of each close_queues call
-        self.queue_type = "classic"
         self.ready: dict[str, int] = {}  # what a look into a queue finds ready
         self.node = "127.0.0.1:5672"
         self.moves: list[str] = []
@@ -124,33 +135,60 @@ class RecordingBuffer(DeliveryBuffer):
         return super().drop(queue, channel_epoch, keep_waits=keep_waits)
 
 
-def make(outcomes: dict[str, ConsumeOutcome] | None = None) -> tuple[HeldQueues, Journal, Any]:
+class Parts:
+    def __init__(self, link: StandInLink, locks: StandInLocks, events: QueueEvents) -> None:
+        self.link, self.locks, self._events = link, locks, events
+        self.gone: queue_module.SimpleQueue[ConsumerGone] = queue_module.SimpleQueue()
+        self._reports: list[tuple[str, list[str], str]] = []
+        self.starved: StarvedQueues
+        self.drains: AsideDrains
+
+    @property
+    def reports(self) -> list[tuple[str, list[str], str]]:
+        while not self._events.empty():
+            self._reports.append(self._events.get_nowait())
+        return self._reports
+
+
+def make(
+    outcomes: dict[str, ConsumeOutcome] | None = None, queue_type: str = "classic"
+) -> tuple[HeldQueues, Journal, Parts]:
     journal = Journal()
     link = StandInLink(journal, outcomes)
-    locks = StandInLocks(journal)
-    reports: list[tuple[str, list[str], str]] = []
-    held = HeldQueues(
+    parts = Parts(link, StandInLocks(journal), queue_module.SimpleQueue())
+    buffer = RecordingBuffer(journal)
+    parts.starved = StarvedQueues(
         link=cast(ConsumerLink, link),
-        buffer=RecordingBuffer(journal),
-        locks=cast(FencedLocks, locks),
+        consumers=cast(ConsumerCalls, link),
+        counts=cast(QueueCounter, link),
+        buffer=buffer,
+        queue_type=queue_type,
+    )
+    parts.drains = AsideDrains(
+        control=cast(KeyControl, None),
+        consumers=cast(ConsumerCalls, link),
+        counts=cast(QueueCounter, link),
+        dead_letters=cast(DeadLetterCalls, None),
+        buffer=buffer,
+        queue_of_key=lambda key: key,
+    )
+    held = HeldQueues(
+        consumers=cast(ConsumerCalls, link),
+        gone=parts.gone,
+        buffer=buffer,
+        locks=cast(FencedLocks, parts.locks),
         registry=cast(QueueRegistry, StandInRegistry(journal)),
-        report=lambda kind, queues, reason: reports.append((kind, queues, reason)),
-        prefetch=10,
+        events=parts._events,
+        aside=parts.drains,
+        observers=[parts.starved],
     )
     link.held = held
-
-    class Parts:
-        pass
-
-    parts = Parts()
-    parts.link, parts.locks, parts.reports = link, locks, reports  # type: ignore[attr-defined]
     return held, journal, parts
 
 
-def make_quorum(ready: dict[str, int]) -> tuple[HeldQueues, Journal, Any]:
+def make_quorum(ready: dict[str, int]) -> tuple[HeldQueues, Journal, Parts]:
     """``make`` for a quorum stream whose queues, looked into, show ``ready`` messages."""
-    held, journal, parts = make()
-    parts.link.queue_type = "quorum"
+    held, journal, parts = make(queue_type="quorum")
     parts.link.ready = ready
     return held, journal, parts
 
@@ -190,30 +228,59 @@ def test_a_lost_lease_of_an_older_holding_leaves_the_newer_one_alone() -> None:
     assert "q-a" in held and held.lost == 0
 
 
-def test_a_consumer_the_broker_took_away_is_fenced_at_once_and_its_lock_released_later() -> None:
+def test_consumers_the_broker_took_away_are_queued_and_ended_when_settled() -> None:
     held, journal, parts = make()
     held.claim([lease(f"q-{n}") for n in range(3)], budget_s=1.0)
-    epoch = held.get("q-1")
-    assert epoch is not None
     journal.entries.clear()
-    for item in held.all():
-        held.consumer_gone(item.queue, item.epoch, "connection lost")
-    assert len(held) == 0 and held.lost == 3
-    assert [entry[0] for entry in journal.entries] == ["drop", "drop", "drop"]  # no close, no Redis
-    assert parts.locks.calls == []
+    for item in held.all():  # what the I/O thread does: queue it, nothing more
+        parts.gone.put(ConsumerGone(item.queue, item.epoch, "connection lost"))
+    assert len(held) == 3 and journal.entries == []
     assert held.settle_gone() == 3
+    assert len(held) == 0 and held.lost == 3
+    assert [entry[0] for entry in journal.entries] == [
+        *["close"] * 3,
+        *["drop"] * 3,
+        "release",
+    ]
     assert parts.locks.calls == [["q-0", "q-1", "q-2"]]  # one round trip for all
     assert parts.reports[-1] == ("revoked", ["q-0", "q-1", "q-2"], "connection lost")
     assert held.settle_gone() == 0
 
 
 def test_a_stale_consumer_loss_is_ignored() -> None:
-    held, _journal, _parts = make()
+    held, _journal, parts = make()
     held.claim([lease("q-a")], budget_s=1.0)
     item = held.get("q-a")
     assert item is not None
-    held.consumer_gone("q-a", item.epoch + 100, "channel closed")
-    assert "q-a" in held and held.settle_gone() == 0
+    parts.gone.put(ConsumerGone("q-a", item.epoch + 100, "channel closed"))
+    assert held.settle_gone() == 0 and "q-a" in held
+
+
+def test_an_aside_queue_is_drained_under_its_held_queues_lease_and_ends_with_it() -> None:
+    held, journal, parts = make()
+    held.claim([lease("q-a", token=5)], budget_s=1.0)
+    assert parts.drains._attach(held, "q-aside", "q-a") is ConsumeOutcome.CONSUMING
+    (attached,) = parts.drains._attached.all()
+    assert held.lease_for("q-aside", attached.epoch) == lease("q-a", token=5)
+    assert parts.drains.draining() == {"q-a"}
+    journal.entries.clear()
+    held.lose(lease("q-a", token=5), "lock lost")
+    assert [entry[:2] for entry in journal.entries][:2] == [
+        ("close", "q-aside"),
+        ("drop", "q-aside"),
+    ]
+    assert held.lease_for("q-aside", attached.epoch) is None
+    assert parts.drains.draining() == set()
+
+
+def test_an_aside_consumer_the_broker_took_away_is_forgotten_and_the_holding_kept() -> None:
+    held, _journal, parts = make()
+    held.claim([lease("q-a")], budget_s=1.0)
+    parts.drains._attach(held, "q-aside", "q-a")
+    (attached,) = parts.drains._attached.all()
+    parts.gone.put(ConsumerGone("q-aside", attached.epoch, "channel closed by the broker"))
+    assert held.settle_gone() == 0
+    assert "q-a" in held and parts.drains.draining() == set()
 
 
 def test_handing_back_closes_all_in_one_call_before_dropping_and_releases_all_in_one_call() -> None:
@@ -221,7 +288,7 @@ def test_handing_back_closes_all_in_one_call_before_dropping_and_releases_all_in
     held.claim([lease("q-a"), lease("q-b"), lease("q-c")], budget_s=1.0)
     held._buffer.add(plain_delivery("q-c", 1, held.get("q-c").epoch))  # type: ignore[union-attr]
     journal.entries.clear()
-    handed = held.release(
+    handed = held.hand_back(
         {"q-a": "rebalance", "q-b": "idle", "q-c": "idle"},
         busy=lambda queue: held._buffer.depth(queue) > 0,
     )
@@ -239,100 +306,98 @@ def test_handing_back_closes_all_in_one_call_before_dropping_and_releases_all_in
     assert parts.reports[-1] == ("revoked", ["q-a", "q-b"], "released")
 
 
-def test_a_quorum_queue_handed_back_silent_is_looked_into_before_its_lock_goes() -> None:
+def test_a_quorum_queue_handed_back_starved_is_looked_into_before_its_lock_goes() -> None:
     """The order of a starved hand-back (``keyq.worker.starvation``); whether the broker
     starves a consumer is shown on a real cluster in ``tests/test_cluster.py``."""
-    held, journal, parts = make_quorum({"q-silent": 3})
+    held, journal, parts = make_quorum({"q-starved-one": 3})
     for round_ in (1, 2):
-        held.claim([lease("q-silent"), lease("q-busy")], budget_s=1.0)
+        held.claim([lease("q-starved-one"), lease("q-busy")], budget_s=1.0)
         epoch = held.get("q-busy").epoch  # type: ignore[union-attr]
         held._buffer.add(plain_delivery("q-busy", round_, epoch))
         held._buffer.take(10, 0.0, 0.0)  # handled: nothing of it waits
         journal.entries.clear()
-        held.release({"q-silent": "idle", "q-busy": "idle"}, busy=lambda _queue: False)
+        held.hand_back({"q-starved-one": "idle", "q-busy": "idle"}, busy=lambda _queue: False)
         steps = [entry[:2] for entry in journal.entries if entry[0] != "drop"]
         moved = [("move", steps[3][1])] if round_ == 2 else []  # starved twice in a row
         assert steps == [
-            ("close", "q-silent"),
+            ("close", "q-starved-one"),
             ("close", "q-busy"),
-            ("look", "q-silent"),  # only the queue whose holding received nothing
+            ("look", "q-starved-one"),  # only the queue whose holding received nothing
             *moved,
-            ("release", "q-silent"),  # and only then its lock (with q-busy's)
+            ("release", "q-starved-one"),  # and only then its lock (with q-busy's)
         ], steps
-    assert len(parts.link.moves) == 1 and "q-silent" in parts.link.moves[0]
-    assert held.starved_moves == 1
+    assert len(parts.link.moves) == 1 and "q-starved-one" in parts.link.moves[0]
+    assert parts.starved.starved_moves == 1
 
 
-def test_a_classic_queue_handed_back_silent_is_not_looked_into() -> None:
+def test_a_classic_queue_handed_back_starved_is_not_looked_into() -> None:
     held, journal, parts = make()
-    parts.link.ready = {"q-silent": 3}
+    parts.link.ready = {"q-starved-one": 3}
     for _round in (1, 2):
-        held.claim([lease("q-silent")], budget_s=1.0)
-        held.release({"q-silent": "idle"}, busy=lambda _queue: False)
+        held.claim([lease("q-starved-one")], budget_s=1.0)
+        held.hand_back({"q-starved-one": "idle"}, busy=lambda _queue: False)
     assert not [entry for entry in journal.entries if entry[0] in ("look", "move")]
-    assert held.starved_moves == 0
+    assert parts.starved.starved_moves == 0
 
 
-def _silent_hand_backs(held: HeldQueues, queue: str, reasons: list[str]) -> None:
+def _starved_hand_backs(held: HeldQueues, queue: str, reasons: list[str]) -> None:
     for reason in reasons:
         held.claim([lease(queue)], budget_s=1.0)
         if reason == "received":
             epoch = held.get(queue).epoch  # type: ignore[union-attr]
             held._buffer.add(plain_delivery(queue, 1, epoch))
             held._buffer.take(10, 0.0, 0.0)
-        held.release(
+        held.hand_back(
             {queue: "rebalance" if reason == "rebalance" else "idle"}, busy=lambda _q: False
         )
 
 
 def test_a_holding_that_received_something_between_two_starved_ones_moves_nothing() -> None:
     held, _journal, parts = make_quorum({"q": 3})
-    _silent_hand_backs(held, "q", ["silent", "received", "silent"])
-    assert parts.link.moves == [] and held.starved_moves == 0
-    _silent_hand_backs(held, "q", ["silent"])
+    _starved_hand_backs(held, "q", ["starved", "received", "starved"])
+    assert parts.link.moves == [] and parts.starved.starved_moves == 0
+    _starved_hand_backs(held, "q", ["starved"])
     assert len(parts.link.moves) == 1
 
 
 def test_only_idle_hand_backs_are_looked_into() -> None:
     held, journal, _parts = make_quorum({"q": 3})
-    _silent_hand_backs(held, "q", ["rebalance", "rebalance"])
+    _starved_hand_backs(held, "q", ["rebalance", "rebalance"])
     assert not [entry for entry in journal.entries if entry[0] in ("look", "move")]
 
 
 def test_a_look_that_fails_still_releases_the_locks_and_moves_nothing() -> None:
     held, journal, parts = make_quorum({"q": 3})
     parts.link.looks_fail = True
-    _silent_hand_backs(held, "q", ["silent", "silent"])
+    _starved_hand_backs(held, "q", ["starved", "starved"])
     assert parts.locks.calls == [["q"], ["q"]]
-    assert parts.link.moves == [] and held.starved_moves == 0
+    assert parts.link.moves == [] and parts.starved.starved_moves == 0
     assert [entry[0] for entry in journal.entries].count("look") == 2
 
 
 def test_with_one_broker_url_a_starved_queue_is_reported_but_the_link_stays() -> None:
     held, _journal, parts = make_quorum({"q": 3})
     parts.link.single_node = True
-    _silent_hand_backs(held, "q", ["silent", "silent"])
-    assert parts.link.moves == [] and held.starved_moves == 0
+    _starved_hand_backs(held, "q", ["starved", "starved"])
+    assert parts.link.moves == [] and parts.starved.starved_moves == 0
 
 
 def test_bucket_mode_a_quiet_quorum_queue_with_ready_messages_and_none_unacked_moves() -> None:
     held, journal, parts = make_quorum({"q-starved": 7, "q-busy": 7})
     parts.link.unacked = {"q-busy": 5}  # a full prefetch: ready messages wait for room
     held.claim([lease("q-starved"), lease("q-busy")], budget_s=1.0)
-    looks: dict[str, float] = {}
-    held.watch_quiet(0.0, looks)  # quiet for at least 0 s: looked into
+    parts.starved.watch_quiet(held.all(), 0.0)  # quiet for at least 0 s: looked into
     assert parts.link.moves == []
-    held.watch_quiet(0.0, looks)  # the second look, an idle time (0 s) later
+    parts.starved.watch_quiet(held.all(), 0.0)  # the second look, an idle time (0 s) later
     assert len(parts.link.moves) == 1 and "q-starved" in parts.link.moves[0]
-    assert ("look", "q-busy") in journal.entries and held.starved_moves == 1
+    assert ("look", "q-busy") in journal.entries and parts.starved.starved_moves == 1
 
 
 def test_bucket_mode_a_queue_quiet_for_less_than_the_idle_time_is_not_looked_into() -> None:
     held, journal, parts = make_quorum({"q": 7})
     held.claim([lease("q")], budget_s=1.0)
-    looks: dict[str, float] = {}
     for _ in range(3):
-        held.watch_quiet(60.0, looks)
+        parts.starved.watch_quiet(held.all(), 60.0)
     assert not [entry for entry in journal.entries if entry[0] == "look"]
     assert parts.link.moves == []
 
@@ -362,6 +427,45 @@ def test_a_reopen_the_broker_refuses_ends_the_holding_and_releases_its_lock() ->
     assert parts.locks.calls == [["q-a"]]
 
 
+def test_a_batch_outcome_defers_stops_lost_queues_and_puts_back_the_rest() -> None:
+    held, journal, parts = make()
+    held.claim([lease("q-a"), lease("q-b", token=3), lease("q-c")], budget_s=1.0)
+    epochs = {item.queue: item.epoch for item in held.all()}
+    journal.entries.clear()
+    held.apply(
+        BatchOutcome(
+            unsettled=[plain_delivery("q-a", 1, epochs["q-a"])],
+            waiting=[plain_delivery("q-c", 2, epochs["q-c"])],
+            lost=[lease("q-b", token=3)],
+        )
+    )
+    assert "q-b" not in held and ("register", "q-b") in journal.entries
+    assert parts.reports[-1] == ("revoked", ["q-b"], "commit refused: the lock moved on")
+    assert held._buffer.depth("q-a") == 1 and held._buffer.parked("q-c") == 1
+
+
+def test_a_consumer_whose_whole_prefetch_is_deferred_is_reopened_wider() -> None:
+    held, journal, _parts = make()
+    held.claim([lease("q-a")], budget_s=1.0)
+    assert held.reopen("q-a", 3)
+
+    def defer(*tags: int) -> None:
+        epoch = held.get("q-a").epoch  # type: ignore[union-attr]
+        deferred = [plain_delivery("q-a", tag, epoch) for tag in tags]
+        held.apply(BatchOutcome(unsettled=[], waiting=deferred, lost=[]))
+
+    journal.entries.clear()
+    defer(1, 2)
+    assert not [entry for entry in journal.entries if entry[0] == "consume"]  # room left
+    defer(3)
+    # In messages: the deferred deliveries' messages, plus the AMQP prefetch.
+    assert held.room_of("q-a") == 3 + 10
+    assert held.reopen("q-a", MAX_PREFETCH)
+    journal.entries.clear()
+    defer(4)
+    assert journal.entries == []  # as wide as it gets
+
+
 def test_put_back_keeps_what_is_held_and_closes_consumers_whose_deliveries_were_let_go() -> None:
     held, journal, _parts = make()
     held.claim([lease("q-a")], budget_s=1.0)
@@ -373,13 +477,13 @@ def test_put_back_keeps_what_is_held_and_closes_consumers_whose_deliveries_were_
     assert journal.entries == [("close", "q-gone", "7")]
 
 
-def test_release_all_closes_every_consumer_and_settles_the_losses_too() -> None:
+def test_hand_back_all_closes_every_consumer_and_settles_the_losses_too() -> None:
     held, _journal, parts = make()
     held.claim([lease("q-a"), lease("q-b")], budget_s=1.0)
     item = held.get("q-b")
     assert item is not None
-    held.consumer_gone("q-b", item.epoch, "channel closed by the broker")
-    ended = held.release_all()
+    parts.gone.put(ConsumerGone("q-b", item.epoch, "channel closed by the broker"))
+    ended = held.hand_back_all()
     assert [h.queue for h in ended] == ["q-a"]
     assert parts.locks.calls == [["q-b"], ["q-a"]]
     assert parts.reports[-1] == ("revoked", ["q-a"], "shutdown")

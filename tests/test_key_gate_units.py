@@ -9,8 +9,8 @@ from keyq.broker.envelope import CONTENT_JSON, HEADER_KEY, HEADER_PRODUCER, HEAD
 from keyq.broker.key_control import KeyStatus, ParkedKey
 from keyq.worker.decoding import decoder_for
 from keyq.worker.deliveries import Delivery
-from keyq.worker.key_gate import limit_rates, sort_by_key_status
-from keyq.worker.rate_limits import KeyRateLimiter
+from keyq.worker.key_gate import sort_by_key_status
+from keyq.worker.rate_limits import KeyRateLimiter, within_rates
 
 MAIN = "keyq.s.b.00000"
 SIDE = "keyq.s.a.0123.tok"
@@ -27,7 +27,7 @@ def sort(deliveries: list[Delivery], statuses: dict[str, KeyStatus], park: bool 
         deliveries,
         decoder_for({}),
         statuses,
-        is_side_queue=lambda queue: queue == SIDE,
+        is_aside_queue=lambda queue: queue == SIDE,
         park_at_poison=park,
         now_ms=1,
     )
@@ -47,9 +47,9 @@ def test_a_key_with_queues_aside_sets_its_new_events_aside_and_drains_only_its_h
     assert sorting.aside == {"a": [fresh]}
     assert sorting.through == [old]
     stopped = KeyStatus(paused_since_ms=1, aside=(SIDE,))
-    assert sort([old], {"a": stopped}).held == [old]
+    assert sort([old], {"a": stopped}).hand_back == [old]
     not_head = KeyStatus(aside=("keyq.s.r.0123.first", SIDE))
-    assert sort([old], {"a": not_head}).held == [old]
+    assert sort([old], {"a": not_head}).hand_back == [old]
 
 
 def test_under_park_a_keys_events_after_an_undecodable_one_are_set_aside() -> None:
@@ -89,9 +89,9 @@ def test_rate_limits_hold_back_a_keys_later_events_in_order() -> None:
     limiter = KeyRateLimiter(2, Clock())
     deliveries = [event("hot", n) for n in range(1, 5)] + [event("cold", 1)]
     sorting = sort(deliveries, {})
-    limit_rates(sorting, limiter)
-    assert sorting.through == [deliveries[0], deliveries[1], deliveries[4]]
-    assert sorting.limited == deliveries[2:4]
+    within, beyond = within_rates(sorting.through, sorting.through_keys, limiter)
+    assert within == [deliveries[0], deliveries[1], deliveries[4]]
+    assert beyond == deliveries[2:4]
 
 
 def test_under_park_what_follows_the_poison_by_seq_is_set_aside_even_if_delivered_first() -> None:
@@ -101,8 +101,8 @@ def test_under_park_what_follows_the_poison_by_seq_is_set_aside_even_if_delivere
     sorting = sort([e6, e7, poison, other], {}, park=True)
     assert sorting.through == [poison, other]
     assert sorting.aside == {"a": [e6, e7]}
-    # From a side queue they are held back (closed and handed back), never moved to the tail.
+    # From an aside queue they are held back (closed and handed back), never moved to the tail.
     waiting = KeyStatus(aside=(SIDE,))
     side = [event("a", 6, queue=SIDE), event("a", 5, queue=SIDE, body=b"\xff")]
     sorting = sort(side, {"a": waiting}, park=True)
-    assert sorting.through == [side[1]] and sorting.held == [side[0]]
+    assert sorting.through == [side[1]] and sorting.hand_back == [side[0]]

@@ -1,5 +1,5 @@
 """``ConsumerLink.max_loop_gap_s``: how long the I/O thread was held up, measured on the real
-broker (work run on the I/O thread, as a slow ``on_queue_lost`` would be, shows as a gap)."""
+broker (work run on the I/O thread, as any slow work there would be, shows as a gap)."""
 
 from __future__ import annotations
 

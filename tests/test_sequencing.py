@@ -29,7 +29,7 @@ def test_quorum_redelivery_order_is_applied_once_and_in_order() -> None:
     items = [event(seq) for seq in [*range(11, 21), *range(1, 11)]]
     plan = plan_batch(items, {}, now=0.0, gap_timeout_s=60.0)
     assert seqs_of(items, plan.apply) == list(range(1, 21))
-    assert plan.duplicates == [] and plan.waiting == [] and plan.late == []
+    assert plan.duplicates == [] and plan.deferred == [] and plan.late == []
     assert plan.marks["k"].seqs == {"p": 20}
     assert plan.marks["k"].applied == 20
 
@@ -37,7 +37,7 @@ def test_quorum_redelivery_order_is_applied_once_and_in_order() -> None:
 def test_events_behind_a_gap_wait_across_batches_then_apply_in_order() -> None:
     first = [event(seq) for seq in range(11, 21)]
     plan = plan_batch(first, {}, now=100.0, gap_timeout_s=60.0)
-    assert plan.apply == [] and seqs_of(first, plan.waiting) == list(range(11, 21))
+    assert plan.apply == [] and seqs_of(first, plan.deferred) == list(range(11, 21))
     [gap] = plan.open_gaps
     assert (gap.key, gap.producer, gap.first, gap.last, gap.size) == ("k", "p", 1, 10, 10)
     assert plan.marks["k"].seqs == {}  # nothing applied
@@ -47,7 +47,7 @@ def test_events_behind_a_gap_wait_across_batches_then_apply_in_order() -> None:
     second = parked + [event(seq) for seq in range(1, 11)]
     plan = plan_batch(second, {}, now=101.0, gap_timeout_s=60.0)
     assert seqs_of(second, plan.apply) == list(range(1, 21))
-    assert plan.waiting == [] and plan.open_gaps == []
+    assert plan.deferred == [] and plan.open_gaps == []
 
 
 def test_re_sent_older_events_behind_newer_ones_are_not_lost() -> None:
@@ -65,7 +65,7 @@ def test_a_copy_of_an_event_already_waiting_is_a_duplicate() -> None:
     items = [event(5), event(5), event(6)]
     plan = plan_batch(items, {"k": KeyMarks(seqs={"p": 3})}, now=0.0, gap_timeout_s=60.0)
     assert plan.apply == []
-    assert plan.waiting == [0, 2] and plan.duplicates == [1]
+    assert plan.deferred == [0, 2] and plan.duplicates == [1]
 
 
 def test_producers_and_keys_are_sequenced_apart() -> None:
@@ -78,7 +78,7 @@ def test_producers_and_keys_are_sequenced_apart() -> None:
     ]
     plan = plan_batch(items, {}, now=0.0, gap_timeout_s=60.0)
     assert plan.apply == [1, 2, 3, 0]
-    assert plan.waiting == [4]
+    assert plan.deferred == [4]
     assert plan.marks["a"].seqs == {"q": 1, "p": 2}
     assert plan.marks["b"].seqs == {"p": 1}
 
@@ -86,7 +86,7 @@ def test_producers_and_keys_are_sequenced_apart() -> None:
 def test_events_without_identity_are_applied_as_they_come() -> None:
     items = [Identified("k", None, None), event(3), Identified("k", None, None)]
     plan = plan_batch(items, {"k": KeyMarks(seqs={"p": 1})}, now=0.0, gap_timeout_s=60.0)
-    assert plan.apply == [0, 2] and plan.waiting == [1]
+    assert plan.apply == [0, 2] and plan.deferred == [1]
     assert plan.marks["k"].applied == 2
 
 
@@ -150,7 +150,7 @@ def test_any_delivery_order_split_in_any_batches_applies_each_event_once_in_orde
         plan = plan_batch(items, marks, now=0.0, gap_timeout_s=60.0)
         assert plan.late == []
         applied += seqs_of(items, plan.apply)
-        parked = [items[i] for i in plan.waiting]
+        parked = [items[i] for i in plan.deferred]
         marks = {key: KeyMarks.from_json(m.to_json()) for key, m in plan.marks.items()}
     assert applied == list(range(1, count + 1))
     assert parked == []

@@ -1,7 +1,7 @@
-"""The serving session as a unit: what the batch loop does with a batch's outcome, when a
-consumer whose whole prefetch waits is reopened wider, and how hand-backs and callbacks run.
-The processor and the held queues are stand-ins that record what they were asked; the worker
-tests prove the same against RabbitMQ, Redis and Spark."""
+"""The serving session as a unit: that a batch's outcome goes to the held queues in one call
+(what they do with it is ``tests/test_held_queues.py``'s), the waits after a batch, and how
+hand-backs and callbacks run. The processor and the held queues are stand-ins that record
+what they were asked; the worker tests prove the same against RabbitMQ, Redis and Spark."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from keyq.worker.consumer import ConsumerLink
 from keyq.worker.deliveries import Delivery, DeliveryBuffer
 from keyq.worker.handbacks import HandBacks
 from keyq.worker.held_queues import HeldQueues
-from keyq.worker.serving import MAX_PREFETCH, Session, batch_wait
+from keyq.worker.serving import Session, batch_wait
+from keyq.worker.starvation import StarvedQueues
 from keyq.worker.stuck_gaps import StuckGaps
 from tests.helpers import plain_delivery
 
@@ -38,32 +39,20 @@ class StandInProcessor:
 
 
 class StandInHeld:
-    def __init__(self, room: int | None = 10) -> None:
+    def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
-        self.room = room
 
-    def lose(self, lease: Lease, reason: str) -> None:
-        self.calls.append(("lose", lease.queue, reason))
+    def apply(self, outcome: BatchOutcome) -> None:
+        self.calls.append(("apply", outcome))
 
-    def put_back(self, deliveries: list[Delivery]) -> None:
-        self.calls.append(("put_back", [d.delivery_tag for d in deliveries]))
-
-    def lease_for(self, queue: str, epoch: int) -> Lease | None:
-        return Lease(queue=queue, owner="me", token=1)
-
-    def room_of(self, queue: str) -> int | None:
-        return self.room
-
-    def reopen(self, queue: str, prefetch: int | None = None) -> bool:
-        self.calls.append(("reopen", queue, prefetch))
-        return True
-
-    def sides(self) -> dict[str, str]:
-        return {}
-
-    def release(self, requests: dict[str, str], *, busy: Any) -> list[str]:
-        self.calls.append(("release", dict(requests)))
+    def hand_back(self, requests: dict[str, str], *, busy: Any) -> list[str]:
+        self.calls.append(("hand_back", dict(requests)))
         return [queue for queue in requests if not busy(queue)]
+
+
+class StandInDrains:
+    def draining(self) -> set[str]:
+        return set()
 
 
 def session(
@@ -87,25 +76,22 @@ def session(
         abandoned=cast(AbandonedGaps, None),
         events=events,
         stop=stop,
-        drains=cast(AsideDrains, None),
+        drains=cast(AsideDrains, StandInDrains()),
+        starved=cast(StarvedQueues, None),
         **callbacks,
     )
     return made, held, buffer, handbacks, stop
 
 
-def test_a_batch_outcome_parks_stops_lost_queues_and_puts_back_the_rest() -> None:
+def test_a_batch_outcome_goes_to_the_held_queues_in_one_call() -> None:
     lost = Lease(queue="q-b", owner="me", token=3)
     outcome = BatchOutcome(
         unsettled=[plain_delivery("q-a", 1)], waiting=[plain_delivery("q-c", 2)], lost=[lost]
     )
-    made, held, buffer, _handbacks, stop = session(outcome)
+    made, held, _buffer, _handbacks, stop = session(outcome)
     stop.set()  # an interrupted batch would wait here: it must not
     made.process([plain_delivery("q-a", 1), plain_delivery("q-c", 2)])
-    assert held.calls == [
-        ("lose", "q-b", "commit refused: the lock moved on"),
-        ("put_back", [1]),
-    ]
-    assert buffer.parked("q-c") == 1
+    assert held.calls == [("apply", outcome)]
 
 
 def test_an_interrupted_batch_backs_off_before_the_next() -> None:
@@ -123,27 +109,14 @@ def test_an_interrupted_batch_backs_off_before_the_next() -> None:
     made.stop = cast(threading.Event, type("E", (), {"wait": staticmethod(recording_wait)})())
     made.process([plain_delivery("q-a", 1)])
     assert waits and waits[0] is not None and waits[0] > 0
-    assert held.calls == [("put_back", [1])]
-
-
-def test_a_consumer_whose_whole_prefetch_waits_is_reopened_wider() -> None:
-    made, held, _buffer, _handbacks, _stop = session(held=StandInHeld(room=3))
-    made.park([plain_delivery("q-a", tag) for tag in range(1, 3)])
-    assert not [c for c in held.calls if c[0] == "reopen"]  # 2 of 3: room left
-    made.park([plain_delivery("q-a", 3)])
-    # In messages: the room and the parked deliveries' messages, plus the AMQP prefetch.
-    assert ("reopen", "q-a", 3 + made.settings.amqp_prefetch(made.settings.prefetch)) in held.calls
-    held.room = MAX_PREFETCH
-    held.calls.clear()
-    made.park([plain_delivery("q-a", 4)])
-    assert held.calls == []  # as wide as it gets
+    assert held.calls == [("apply", outcome)]
 
 
 def test_hand_backs_skip_busy_idle_queues_and_cool_down_what_went() -> None:
     made, held, buffer, handbacks, _stop = session()
     buffer.add(plain_delivery("q-busy", 1))
     made.hand_back({"q-idle": "idle", "q-busy": "idle"})
-    assert held.calls == [("release", {"q-idle": "idle", "q-busy": "idle"})]
+    assert held.calls == [("hand_back", {"q-idle": "idle", "q-busy": "idle"})]
 
     assert handbacks.cooling("q-idle", time.monotonic())
     assert not handbacks.cooling("q-busy", time.monotonic())

@@ -21,11 +21,11 @@ from keyq.broker.naming import bucket_queue_name, key_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import load_settings
-from keyq.worker.claims import RELEASE_COOLDOWN_S
 from keyq.worker.config import WorkerSettings
 from keyq.worker.consumer import RESERVED_CHANNELS
 from keyq.worker.daemon import Worker
 from keyq.worker.engine import SparkEngine
+from keyq.worker.handbacks import RELEASE_COOLDOWN_S
 from keyq.worker.state_store import StateStore
 from tests.conftest import StreamFixture
 from tests.helpers import drain

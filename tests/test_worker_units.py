@@ -19,7 +19,7 @@ import pytest
 from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_PUBLISHED_AT, HEADER_SEQ
 from keyq.broker.errors import ConfigurationError
 from keyq.broker.settings import load_settings
-from keyq.worker.batches import describe_failure
+from keyq.worker.batch_failures import describe_failure
 from keyq.worker.config import WorkerSettings
 from keyq.worker.decoding import Event, Undecodable, decode
 from keyq.worker.dedup import MAX_PRODUCERS_PER_KEY, KeyMarks
@@ -65,7 +65,7 @@ def split_fresh(
 ) -> tuple[list[bool], dict[str, KeyMarks]]:
     """Which events a batch applies, when none of them waits for an earlier seq."""
     plan = plan_batch(events, marks, now=0.0, gap_timeout_s=60.0)
-    assert plan.waiting == [] and plan.late == []
+    assert plan.deferred == [] and plan.late == []
     applied = set(plan.apply)
     assert plan.apply == sorted(plan.apply)  # in order already: applied as delivered
     return [index in applied for index in range(len(events))], plan.marks
@@ -644,18 +644,12 @@ def test_a_fold_failure_names_its_event_for_any_key(key: str) -> None:
 
 
 def test_a_lightly_loaded_worker_starts_batches_at_once_and_a_loaded_one_waits_to_fill() -> None:
-    from keyq.worker.batches import BatchStats
-    from keyq.worker.daemon import BATCH_WAIT_MAX_S, batch_wait
+    from keyq.worker.serving import BATCH_WAIT_MAX_S, batch_wait
 
     settings = load_settings(WorkerSettings, batch_max_events=5000)
-    light = BatchStats(last_batch_events=150, last_spark_seconds=0.2)
-    assert batch_wait(settings, light) == 0.0
-    heavy = BatchStats(last_batch_events=3000, last_spark_seconds=0.3)
-    assert batch_wait(settings, heavy) == pytest.approx(0.6)
-    slow = BatchStats(last_batch_events=5000, last_spark_seconds=5.0)
-    assert batch_wait(settings, slow) == BATCH_WAIT_MAX_S
+    assert batch_wait(settings, 150, 0.2) == 0.0
+    assert batch_wait(settings, 3000, 0.3) == pytest.approx(0.6)
+    assert batch_wait(settings, 5000, 5.0) == BATCH_WAIT_MAX_S
     lingering = load_settings(WorkerSettings, batch_max_events=5000, batch_max_ms=250)
-    assert batch_wait(lingering, light) == pytest.approx(0.25)
-    assert batch_wait(lingering, BatchStats(last_batch_events=4000, last_spark_seconds=0.05)) == (
-        pytest.approx(0.25)
-    )
+    assert batch_wait(lingering, 150, 0.2) == pytest.approx(0.25)
+    assert batch_wait(lingering, 4000, 0.05) == pytest.approx(0.25)

@@ -71,15 +71,14 @@ def bare_link(
     prefetch: int,
     buffer: DeliveryBuffer | None = None,
 ) -> ConsumerLink:
-    """A worker's AMQP link with no worker around it (losses and disconnects go unheeded),
-    not started: to drive consuming, acking and closing directly."""
+    """A worker's AMQP link with no worker around it (losses queue up unheeded, disconnects
+    go unheeded), not started: to drive consuming, acking and closing directly."""
     return ConsumerLink(
         settings=settings,
         stream=stream,
         name=name,
         buffer=buffer if buffer is not None else DeliveryBuffer(),  # an empty one is falsy
         prefetch=prefetch,
-        on_queue_lost=lambda *_args: None,
         on_disconnected=lambda _reason: None,
     )
 

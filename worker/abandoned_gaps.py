@@ -28,7 +28,7 @@ from keyq.worker.deliveries import Delivery, DeliveryBuffer
 
 log = logging.getLogger("keyq.worker")
 
-# How long a queue must have been quiet, and a delivery parked, before its gap can be given
+# How long a queue must have been quiet, and a delivery deferred, before its gap can be given
 # up early, or its consumer reopened (``keyq.worker.stuck_gaps``): longer than a broker takes
 # to hand a consumer with room what its queue holds, or to redeliver.
 QUIET_S = 2.0
@@ -36,7 +36,7 @@ CHECK_EVERY_S = 1.0
 
 
 class AbandonedGaps:
-    """Finds parked deliveries whose producer is gone and whose queue holds nothing more."""
+    """Finds deferred deliveries whose producer is gone and whose queue holds nothing more."""
 
     def __init__(
         self,
@@ -67,27 +67,14 @@ class AbandonedGaps:
         self._next_check = 0.0
 
     def check(self, now: float | None = None) -> int:
-        """At most every ``CHECK_EVERY_S``: make due the parked deliveries of gone
+        """At most every ``CHECK_EVERY_S``: make due the deferred deliveries of gone
         producers on drained queues; how many."""
         now = time.monotonic() if now is None else now
         if now < self._next_check:
             return 0
         self._next_check = now + CHECK_EVERY_S
-        candidates: dict[str, set[str]] = {}
         snapshot = self._buffer.parked_items()
-        for queue, parked in snapshot.items():
-            last = self._buffer.last_arrival(queue)
-            if last is not None and now - last < QUIET_S:
-                continue
-            producers = {
-                producer
-                for delivery in parked
-                if delivery.waiting_since is not None
-                and now - delivery.waiting_since >= QUIET_S
-                and (producer := producer_of(delivery)) is not None
-            }
-            if producers:
-                candidates[queue] = producers
+        candidates = self._candidates(snapshot, now)
         if not candidates:
             return 0
         asked = set().union(*candidates.values())
@@ -131,6 +118,24 @@ class AbandonedGaps:
                 )
                 expired += count
         return expired
+
+    def _candidates(self, snapshot: dict[str, list[Delivery]], now: float) -> dict[str, set[str]]:
+        """Per quiet queue, the producers of its deliveries deferred for ``QUIET_S``."""
+        candidates: dict[str, set[str]] = {}
+        for queue, deferred in snapshot.items():
+            last = self._buffer.last_arrival(queue)
+            if last is not None and now - last < QUIET_S:
+                continue
+            producers = {
+                producer
+                for delivery in deferred
+                if delivery.waiting_since is not None
+                and now - delivery.waiting_since >= QUIET_S
+                and (producer := producer_of(delivery)) is not None
+            }
+            if producers:
+                candidates[queue] = producers
+        return candidates
 
 
 def _from_any_of(producers: set[str]) -> Callable[[Delivery], bool]:

@@ -1,5 +1,6 @@
-"""What processing a batch came to, for the worker to act on; and what it has settled so
-far, which decides what goes back to the buffer when it stops early."""
+"""What processing a batch came to, for the worker to act on, derived from the dispositions
+its attempts gave (``keyq.worker.admission``) and what they settled; what it settled also
+decides what goes back to the buffer when it stops early."""
 
 from __future__ import annotations
 
@@ -7,22 +8,23 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from keyq.broker.locks import Lease
+from keyq.worker.admission import Admission, Disposition
 from keyq.worker.deliveries import Delivery
 
 
 @dataclass(frozen=True)
 class BatchOutcome:
-    """The result of ``BatchProcessor.process``; the worker parks, stops and puts back."""
+    """The result of ``BatchProcessor.process``; ``HeldQueues`` acts on it."""
 
     # Not settled: to put back (the worker keeps those whose queue is still held).
     unsettled: list[Delivery]
-    # Wait for an earlier seq of their key: to park.
+    # Deferred behind an earlier seq of their key: kept for a later batch.
     waiting: list[Delivery]
     # Leases a refused commit found lost: their queues stop now.
     lost: list[Lease]
     # A service failed mid-batch (the reason): the worker backs off, then retries.
     interrupted: str | None = None
-    # Side queues whose key may not apply their deliveries now: their consumers close.
+    # Aside queues whose key may not apply their deliveries now: their consumers close.
     held_back: frozenset[str] = frozenset()
     # Beyond their key's rate limit: to put back, for a batch in ``retry_limited_in`` s.
     limited: list[Delivery] = field(default_factory=list)
@@ -36,14 +38,32 @@ class BatchProgress:
     # (queue, epoch, tag, part): one event (a pack's events are settled one by one)
     settled: set[tuple[str, int, int, int]] = field(default_factory=set)
     leases: dict[str, Lease] = field(default_factory=dict)  # every lease an attempt used
-    waiting: list[Delivery] = field(default_factory=list)  # set aside: to park
-    # A side queue's deliveries whose key may not apply them now: their consumer is closed.
-    held: list[Delivery] = field(default_factory=list)
-    limited: list[Delivery] = field(default_factory=list)  # beyond their key's rate limit
+    # The last disposition each delivery was given (a later attempt decides again).
+    decided: dict[int, tuple[Delivery, Disposition]] = field(default_factory=dict)
     retry_limited_in: float = 0.0
+
+    def admitted(self, admission: Admission) -> None:
+        for delivery, how in zip(admission.deliveries, admission.dispositions, strict=True):
+            self.decided[id(delivery)] = (delivery, how)
+        if admission.retry_limited_in:
+            self.retry_limited_in = admission.retry_limited_in
 
     def settle(self, deliveries: Iterable[Delivery]) -> None:
         self.settled.update(_identity(d) for d in deliveries)
+
+    def outcome(self) -> BatchOutcome:
+        """What a batch that ran to its end came to."""
+        found: dict[Disposition, list[Delivery]] = {}
+        for delivery, how in self.decided.values():
+            found.setdefault(how, []).append(delivery)
+        return BatchOutcome(
+            unsettled=[],
+            waiting=found.get(Disposition.DEFER, []),
+            lost=[],
+            held_back=frozenset(d.queue for d in found.get(Disposition.HAND_BACK, [])),
+            limited=self.unsettled(found.get(Disposition.RATE_LIMITED, [])),
+            retry_limited_in=self.retry_limited_in,
+        )
 
     def unsettled(
         self, deliveries: Sequence[Delivery], exclude: frozenset[str] = frozenset()
@@ -55,7 +75,7 @@ class BatchProgress:
 
     def lost(self, queues: frozenset[str]) -> list[Lease]:
         """The leases used for ``queues``, which a refused commit found lost."""
-        # A side queue's deliveries are committed under the lease of their key's queue.
+        # An aside queue's deliveries are committed under the lease of their key's queue.
         return list(
             {
                 lease

@@ -6,7 +6,7 @@ Pure: the marks and the clock are passed in."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from keyq.worker.decoding import Decoder, Event, Item, Undecodable
@@ -24,33 +24,26 @@ class RunPlan:
     ordered: list[Item]  # the keyed items, in arrival order
     events: list[Event]  # to apply, in the order to apply them
     letters: list[Undecodable]  # to dead-letter, in delivery order
-    waiting: list[Delivery]  # behind an open gap: not settled now
+    deferred: list[Delivery]  # behind an open gap: not settled now
     settling: list[Delivery]  # everything else: acked once committed
-    deduped: int = 0  # left out of ``events``: their dedupe id was applied already
-
-    @property
-    def skipped(self) -> int:
-        """Already applied (redeliveries, re-sends, repeated dedupe ids): acked, nothing
-        else."""
-        return len(self.plan.duplicates) + self.deduped
 
 
 def plan_run(
     deliveries: Sequence[Delivery],
     decoded: Decoder,
-    marks_of: Callable[[list[str]], Mapping[str, KeyMarks]],
+    marks: Mapping[str, KeyMarks],
     *,
-    now: Callable[[], float],
+    now: float,
     gap_timeout_s: float,
     dead: str | None = None,
 ) -> RunPlan:
-    """Plan a run of ``deliveries`` (in delivery order), each as ``decoded`` reads it;
-    ``dead``, when given, dead-letters every event with that reason."""
+    """Plan a run of ``deliveries`` (in delivery order), each as ``decoded`` reads it,
+    against the committed ``marks`` of its keys; ``dead``, when given, dead-letters every
+    event with that reason."""
     events, letters = decode_all(deliveries, decoded, dead)
     identities, ordered = identify(arrival_order(deliveries, [*events, *letters]))
     keys = list(dict.fromkeys(identity.key for identity in identities))
-    marks = marks_of(keys)
-    plan = plan_batch(identities, marks, now=now(), gap_timeout_s=gap_timeout_s)
+    plan = plan_batch(identities, marks, now=now, gap_timeout_s=gap_timeout_s)
     return _sort(deliveries, letters, ordered, plan, keys)
 
 
@@ -125,14 +118,14 @@ def _sort(
     fresh_letters += [late(ordered[index]) for index in plan.late]
     position = {id(delivery): index for index, delivery in enumerate(deliveries)}
     fresh_letters.sort(key=lambda letter: position[id(letter.delivery)])  # as delivered
-    waiting = [ordered[index].delivery for index in plan.waiting]
-    waiting_ids = {id(delivery) for delivery in waiting}
+    deferred = [ordered[index].delivery for index in plan.deferred]
+    deferred_ids = {id(delivery) for delivery in deferred}
     return RunPlan(
         keys=keys,
         plan=plan,
         ordered=ordered,
         events=[item for item in in_order if isinstance(item, Event)],
         letters=fresh_letters,
-        waiting=waiting,
-        settling=[d for d in deliveries if id(d) not in waiting_ids],
+        deferred=deferred,
+        settling=[d for d in deliveries if id(d) not in deferred_ids],
     )

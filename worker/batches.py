@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import redis.exceptions
 
@@ -20,12 +20,14 @@ from keyq.broker.key_control import KeyControl
 from keyq.broker.log_context import about_queues
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.stream_policy import StreamPolicy
-from keyq.worker.batch_attempt import BatchAttempt, LeaseLookup
-from keyq.worker.batch_failures import Interrupted, Stale, describe_failure, spark_unavailable
+from keyq.worker.batch_attempt import BatchAttempt
+from keyq.worker.batch_effects import BatchEffects
+from keyq.worker.batch_failures import Interrupted, Stale
 from keyq.worker.batch_outcome import BatchOutcome, BatchProgress
-from keyq.worker.batch_stats import STAGES, BatchStats
+from keyq.worker.batch_ports import Acker, DeadLetterSink, KeyDirectory, LeaseLookup
+from keyq.worker.batch_spans import BatchSpans
+from keyq.worker.batch_stats import BatchStats
 from keyq.worker.config import WorkerSettings
-from keyq.worker.consumer import ConsumerLink
 from keyq.worker.deliveries import Delivery
 from keyq.worker.engine import SparkEngine
 from keyq.worker.fenced_commit import FencedCommit
@@ -34,15 +36,6 @@ from keyq.worker.pipeline import Pipeline
 from keyq.worker.pipeline_job import PipelineJob
 from keyq.worker.sinks import ParquetSink
 from keyq.worker.state_store import StateStore
-
-__all__ = [
-    "STAGES",
-    "BatchOutcome",
-    "BatchProcessor",
-    "BatchStats",
-    "describe_failure",
-    "spark_unavailable",
-]
 
 log = logging.getLogger("keyq.worker.batch")
 # A batch a service failure interrupted is reported where the worker's own messages go.
@@ -66,14 +59,16 @@ class BatchProcessor:
         store: StateStore,
         registry: QueueRegistry,
         sink: ParquetSink | None,
-        link: ConsumerLink,
+        acker: Acker,
+        dead_letters: DeadLetterSink,
+        keys: KeyDirectory,
         holdings: LeaseLookup,
-        keys_of_queues: Callable[[Collection[str]], Mapping[str, str | None]],
         stopping: threading.Event,
         control: KeyControl,
         policy: Callable[[], StreamPolicy],
     ) -> None:
         self.stats = BatchStats()
+        spans = BatchSpans(stream)
         job = PipelineJob(
             stream=stream,
             worker_id=worker_id,
@@ -83,20 +78,21 @@ class BatchProcessor:
             partitions=settings.spark_shuffle_partitions,
             wants_output=sink is not None,
         )
+        output = FencedCommit(store=store, sink=sink, stats=self.stats)
+        effects = BatchEffects(stream, job, output, store, control, acker, dead_letters, spans)
         self._attempt = BatchAttempt(
             worker_id=worker_id,
-            job=job,
-            output=FencedCommit(store=store, sink=sink, stats=self.stats),
+            stream=stream,
+            effects=effects,
+            spans=spans,
             store=store,
             registry=registry,
-            link=link,
             holdings=holdings,
-            keys_of_queues=keys_of_queues,
-            gap_timeout_ms=settings.sequence_gap_timeout_ms,
-            stats=self.stats,
-            stream=stream,
+            keys=keys,
             control=control,
             policy=policy,
+            gap_timeout_ms=settings.sequence_gap_timeout_ms,
+            stats=self.stats,
         )
         self._isolation = Isolation(
             attempt=self._run,
@@ -104,7 +100,7 @@ class BatchProcessor:
             retry_backoff_ms=settings.retry_backoff_ms,
             stats=self.stats,
             stopping=stopping,
-            keys_of_queues=keys_of_queues,
+            keys=keys,
         )
         self._progress = BatchProgress()
         # Sequence gaps still open, per (key, producer), with the queue their events wait in.
@@ -128,15 +124,7 @@ class BatchProcessor:
             worker_log.warning("batch interrupted, will retry: %s", exc)
             unsettled = self.unsettled(deliveries)
             return BatchOutcome(unsettled=unsettled, waiting=[], lost=[], interrupted=str(exc))
-        progress = self._progress
-        return BatchOutcome(
-            unsettled=[],
-            waiting=progress.waiting,
-            lost=[],
-            held_back=frozenset(d.queue for d in progress.held),
-            limited=progress.unsettled(list({id(d): d for d in progress.limited}.values())),
-            retry_limited_in=progress.retry_limited_in,
-        )
+        return self._progress.outcome()
 
     def unsettled(
         self, deliveries: Sequence[Delivery], exclude: frozenset[str] = frozenset()

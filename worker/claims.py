@@ -27,24 +27,20 @@ from keyq.broker.membership import Membership, fair_share
 from keyq.broker.naming import Mode, base_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
+from keyq.broker.stream_policy import StreamPolicy
+from keyq.worker.aside_drains import AsideDrains
 from keyq.worker.config import WorkerSettings
-from keyq.worker.consumer import ConsumeOutcome, ConsumerLink
-from keyq.worker.handbacks import RELEASE_COOLDOWN_S, HandBacks
+from keyq.worker.consume_outcomes import ConsumeOutcome
+from keyq.worker.consumer import ConsumerLink
+from keyq.worker.handbacks import HandBacks
 from keyq.worker.held_queues import HeldQueues
 from keyq.worker.holdings import Held
-from keyq.worker.peer_reaper import CLIENT_NAME_PREFIX, PeerReaper, client_name
+from keyq.worker.peer_reaper import PeerReaper
 from keyq.worker.queue_news import QueueNews
 from keyq.worker.refused_claims import RefusedClaims
+from keyq.worker.starvation import StarvedQueues
 
 log = logging.getLogger("keyq.worker.claims")
-
-__all__ = [
-    "CLIENT_NAME_PREFIX",
-    "RELEASE_COOLDOWN_S",
-    "ClaimLoop",
-    "ClaimStats",
-    "client_name",
-]
 
 # Idle unheld queues looked into per scan (a passive declare each, ~1 ms), so a backlog left
 # while no worker held its queue is found within seconds even among thousands of queues.
@@ -85,12 +81,14 @@ class ClaimLoop:
         held: HeldQueues,
         handbacks: HandBacks,
         info: Callable[[], dict[str, object]],
-        waiting_aside: Callable[[], frozenset[str]] = frozenset,
-        stream_paused: Callable[[], bool] = lambda: False,
+        aside: AsideDrains,
+        starved: StarvedQueues,
+        policy: Callable[[], StreamPolicy],
     ) -> None:
         self._settings = settings
-        self._waiting_aside = waiting_aside
-        self._stream_paused = stream_paused
+        self._aside = aside
+        self._starved = starved
+        self._policy = policy
         self._stream = stream
         self._mode = mode
         self._worker_id = worker_id
@@ -107,7 +105,6 @@ class ClaimLoop:
         self._refused = RefusedClaims()
         self._members: list[str] = []
         self._probe_cursor = 0
-        self._quiet_looks: dict[str, float] = {}  # bucket mode: next look into a quiet queue
         self._stop = threading.Event()
         self._news = QueueNews(client, self._keys, self._stop)
         self._reaper = PeerReaper(
@@ -222,13 +219,13 @@ class ClaimLoop:
             self._balance(members, force=force, probe=scanned)
         self._news.announced = False
         if self._mode is Mode.KEY:
-            draining = set(self._held.sides().values())
+            draining = self._aside.draining()
             self._handbacks.ask_idle(
                 [h for h in self._held.all() if h.queue not in draining],
                 self._settings.idle_release_ms / 1000,
             )
-        else:  # key mode's idle hand-backs are watched as they happen (HeldQueues.release)
-            self._held.watch_quiet(self._settings.idle_release_ms / 1000, self._quiet_looks)
+        else:  # key mode's idle hand-backs are watched as they happen (StarvedQueues.handed_back)
+            self._starved.watch_quiet(self._held.all(), self._settings.idle_release_ms / 1000)
         return True
 
     def _news_round(self) -> bool:
@@ -259,7 +256,7 @@ class ClaimLoop:
     _renewed_at = 0.0  # monotonic: when the last tick renewed (news rounds claim from it)
 
     def _heartbeat_and_renew(self, held: list[Held]) -> None:
-        """Release the locks of consumers the broker took away, heartbeat, and renew every
+        """End the holdings whose consumers the broker took away, heartbeat, and renew every
         lock held; a lock found lost stops its queue at once."""
         self._renewed_at = time.monotonic()
         self._held.settle_gone()
@@ -293,7 +290,7 @@ class ClaimLoop:
         if self._mode is Mode.BUCKET:
             return set(self._view.activity)
         cutoff = now_ms() - self._settings.idle_release_ms
-        aside = self._waiting_aside()  # quiet, but what waits aside for them must be drained
+        aside = self._aside.wanted  # quiet, but what waits aside for them must be drained
         return {
             q
             for q, stamp in self._view.activity.items()
@@ -308,7 +305,7 @@ class ClaimLoop:
         held = set(self._held.queues())
         active = self._active() | held
         share = min(fair_share(len(active), members, self._worker_id), self._capacity())
-        if self._stream_paused():
+        if self._policy().paused:
             share = 0  # paused: hand everything back, events wait in their queues
         if len(held) > share:
             self._handbacks.ask_surplus(held, len(held) - share)
@@ -393,11 +390,8 @@ class ClaimLoop:
         sample = (idle[start:] + idle[:start])[:PROBES_PER_SCAN]
         self._probe_cursor += len(sample)
         holders = self._locks.holders(sample)
-        for queue in sample:
-            if holders[queue] is not None:
-                continue
-            depth = self._link.message_count(queue)
-            if depth:
+        for queue in sample:  # a call to the I/O thread each: deliveries flow in between
+            if holders[queue] is None and self._link.counts.message_count(queue):
                 self._registry.touch([queue])
                 self._view.activity[queue] = now_ms()
                 self._more_to_claim = True  # claimed next tick, not at the next scan

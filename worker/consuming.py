@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue as queue_module
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pika
@@ -28,6 +30,7 @@ from keyq.broker.consume_rounds import ConsumeReply, ConsumeRequest, OnMessage, 
 from keyq.broker.consumers import close_all_keeping_consumers, close_keeping_consumers
 from keyq.broker.packs import HEADER_PACK, MalformedPack, PackedEvent, decode_pack, is_pack
 from keyq.worker.ack_ledger import AckLedger
+from keyq.worker.batch_ports import Acks
 from keyq.worker.consume_outcomes import (
     Consumed,
     ConsumeOutcome,
@@ -40,24 +43,32 @@ from keyq.worker.deliveries import Delivery, DeliveryBuffer
 log = logging.getLogger("keyq.worker.amqp")
 
 
+@dataclass(frozen=True)
+class ConsumerGone:
+    """The broker took consumer ``epoch`` of ``queue`` away (cancelled it, closed its channel
+    or the connection), and why."""
+
+    queue: str
+    epoch: int
+    why: str
+
+
 class QueueConsumers:
     """Each consumed queue's channel and consumer epoch, and its delivery tags not yet
-    acked. ``on_queue_lost(queue, epoch, why)`` is called, on the I/O thread, for a consumer
-    the broker cancelled or whose channel it closed."""
+    acked. A consumer the broker cancelled or whose channel it closed is put on ``gone``:
+    the I/O thread never waits on whoever ends its holding."""
 
     def __init__(
         self,
         *,
         connection: Callable[[], pika.BlockingConnection | None],
         buffer: DeliveryBuffer,
-        on_queue_lost: Callable[[str, int, str], None],
+        gone: queue_module.SimpleQueue[ConsumerGone],
     ) -> None:
         self._connection = connection
         self._buffer = buffer
-        self._on_queue_lost = on_queue_lost
+        self._gone = gone
         self._channels: dict[str, tuple[int, BlockingChannel]] = {}
-        # Per consumed queue: the AMQP prefetch (messages) its consumer was opened with.
-        self._prefetches: dict[str, int] = {}
         # Per consumer (queue, epoch): its delivery tags not yet acked.
         self._unacked: dict[tuple[str, int], AckLedger] = {}
 
@@ -73,10 +84,6 @@ class QueueConsumers:
             return None
         ledger = self._unacked.get((queue, held[0]))
         return len(ledger) if ledger is not None else 0
-
-    def prefetch_of(self, queue: str) -> int | None:
-        """The AMQP prefetch ``queue``'s live consumer was opened with, if there is one."""
-        return self._prefetches.get(queue) if queue in self._channels else None
 
     def consume_all(
         self, claims: Sequence[tuple[str, int]], prefetch: int, until: float | None
@@ -133,7 +140,7 @@ class QueueConsumers:
             log.warning("consuming %d queue(s) failed: %s", len(claims), describe_exception(exc))
             return [Consumed(ConsumeOutcome.FAILED)] * len(claims)
         return [
-            self._consumed(queue, epoch, ledger, reply, prefetch)
+            self._consumed(queue, epoch, ledger, reply)
             for (queue, epoch), ledger, reply in zip(claims, ledgers, replies, strict=True)
         ]
 
@@ -152,9 +159,7 @@ class QueueConsumers:
 
         return on_message
 
-    def _consumed(
-        self, queue: str, epoch: int, ledger: AckLedger, reply: ConsumeReply, prefetch: int
-    ) -> Consumed:
+    def _consumed(self, queue: str, epoch: int, ledger: AckLedger, reply: ConsumeReply) -> Consumed:
         channel = reply.channel
         if channel is None:
             refusal = reply.refusal
@@ -176,7 +181,6 @@ class QueueConsumers:
                 ",".join(tags._consumer_infos),
             )
         self._channels[queue] = (epoch, channel)
-        self._prefetches[queue] = prefetch
         self._unacked[(queue, epoch)] = ledger
         return Consumed(ConsumeOutcome.CONSUMING, epoch)
 
@@ -184,20 +188,18 @@ class QueueConsumers:
         held = self._channels.get(queue)
         if held is not None and held[0] == epoch:
             del self._channels[queue]
-            self._prefetches.pop(queue, None)
             self._unacked.pop((queue, epoch), None)
             with contextlib.suppress(Exception):  # already closing
                 close_keeping_consumers(held[1])
-            self._on_queue_lost(queue, epoch, "the broker cancelled the consumer")
+            self._gone.put(ConsumerGone(queue, epoch, "the broker cancelled the consumer"))
 
     def check(self) -> None:
-        """Report the consumers whose channel the broker closed since the last check."""
+        """Put on ``gone`` the consumers whose channel the broker closed since the last check."""
         for queue, (epoch, channel) in list(self._channels.items()):
             if channel.is_closed:
                 del self._channels[queue]
-                self._prefetches.pop(queue, None)
                 self._unacked.pop((queue, epoch), None)
-                self._on_queue_lost(queue, epoch, "channel closed by the broker")
+                self._gone.put(ConsumerGone(queue, epoch, "channel closed by the broker"))
 
     def close(self, queues: Sequence[tuple[str, int | None]]) -> None:
         """Stop consuming each (queue, epoch) of ``queues`` (only consumer ``epoch``, if not
@@ -208,7 +210,6 @@ class QueueConsumers:
             if held is None or (epoch is not None and held[0] != epoch):
                 continue
             del self._channels[queue]
-            self._prefetches.pop(queue, None)
             self._unacked.pop((queue, held[0]), None)
             channels.append(held[1])
             log.debug("closing the consumer of %s (epoch %d)", queue, held[0])
@@ -219,7 +220,7 @@ class QueueConsumers:
         except pika.exceptions.AMQPError as exc:
             log.warning("closing %d consumer(s) failed: %s", len(channels), describe_exception(exc))
 
-    def ack(self, acks: Sequence[tuple[str, int, Sequence[tuple[int, int]]]]) -> int:
+    def ack(self, acks: Acks) -> int:
         """Settle (queue, epoch, events), each event a (tag, part): the messages now settled
         whole are acked, with one ``ack(multiple)`` for the oldest run; the tags past a
         delivery still waiting (for an earlier seq, or a pack with an event still waiting),
@@ -250,7 +251,6 @@ class QueueConsumers:
         cancelled first."""
         lost = list(self._channels.items())
         self._channels.clear()
-        self._prefetches.clear()
         self._unacked.clear()
         if connection is not None:
             with contextlib.suppress(Exception):

@@ -17,7 +17,6 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Collection
 from typing import Any
 
 import redis
@@ -36,30 +35,22 @@ from keyq.broker.settings import load_settings
 from keyq.broker.stream_policy import StreamPolicies
 from keyq.broker.streams import StreamConfig
 from keyq.broker.worker_report import WorkerReport
-from keyq.worker.abandoned_gaps import AbandonedGaps
 from keyq.worker.aside_drains import AsideDrains
 from keyq.worker.batch_stats import BatchListener
-from keyq.worker.batches import BatchProcessor, BatchStats
+from keyq.worker.batches import BatchProcessor
 from keyq.worker.claims import ClaimLoop
 from keyq.worker.config import WorkerSettings
 from keyq.worker.consumer import ConsumerLink
 from keyq.worker.deliveries import DeliveryBuffer
 from keyq.worker.engine import SparkEngine
 from keyq.worker.handbacks import HandBacks
-from keyq.worker.held_queues import HeldQueues
+from keyq.worker.held_queues import HeldQueues, QueueEvents
 from keyq.worker.pipeline import Pipeline
 from keyq.worker.pipeline_loading import load_pipeline
 from keyq.worker.policy_cache import PolicyCache
+from keyq.worker.queue_keys import QueueKeys
 from keyq.worker.reporting import worker_report
-from keyq.worker.serving import (
-    BATCH_WAIT_MAX_S,
-    BATCH_WAIT_SPARK_FACTOR,
-    QueueCallback,
-    QueueEvents,
-    Session,
-    reopen_for_gap,
-)
-from keyq.worker.serving import batch_wait as _batch_wait
+from keyq.worker.serving import QueueCallback, Session, gap_watchers
 from keyq.worker.sinks import ParquetSink, open_sink
 from keyq.worker.startup import (
     recover_sink,
@@ -68,10 +59,8 @@ from keyq.worker.startup import (
     wait_for_services,
     while_redis_is_away,
 )
+from keyq.worker.starvation import StarvedQueues
 from keyq.worker.state_store import StateStore
-from keyq.worker.stuck_gaps import StuckGaps
-
-__all__ = ["BATCH_WAIT_MAX_S", "BATCH_WAIT_SPARK_FACTOR", "Worker", "batch_wait", "new_worker_id"]
 
 log = logging.getLogger("keyq.worker")
 
@@ -81,11 +70,6 @@ _SAFE_ID = re.compile(r"[^A-Za-z0-9_.-]")
 def new_worker_id() -> str:
     host = _SAFE_ID.sub("-", socket.gethostname())[:40] or "host"
     return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
-def batch_wait(settings: WorkerSettings, stats: BatchStats) -> float:
-    """How long a batch may wait to fill (``keyq.worker.serving.batch_wait``)."""
-    return _batch_wait(settings, stats.last_batch_events, stats.last_spark_seconds)
 
 
 class Worker:
@@ -122,7 +106,6 @@ class Worker:
         self._events: QueueEvents = queue_module.SimpleQueue()
         self._buffer = DeliveryBuffer(self.settings.sequence_gap_timeout_ms / 1000)
         self._started_ms = now_ms()
-        self._queue_keys: dict[str, str | None] = {}
         self._session: Session | None = None  # while serving
         self.config: StreamConfig | None = None
         self.ready = threading.Event()
@@ -156,12 +139,8 @@ class Worker:
         """True while serving: connected to RabbitMQ, the first claim round done, not
         stopping."""
         session = self._session
-        return (
-            session is not None
-            and not self._stop.is_set()
-            and session.claims.ready
-            and session.link.connected
-        )
+        serving = session is not None and session.claims.ready and session.link.connected
+        return serving and not self._stop.is_set()
 
     def _heartbeat_info(self) -> dict[str, Any]:
         """What the claim loop's heartbeat stores; asked once per heartbeat, so also when
@@ -197,87 +176,82 @@ class Worker:
     def run(self, *, until_idle: float | None = None) -> None:
         """Serve until stopped; with ``until_idle``, also stop once nothing arrived for that
         many seconds (a drain mode for jobs and tests)."""
-        settings = self.settings
-        client = wait_for_services(settings, self.worker_id, self._stop)
+        client = wait_for_services(self.settings, self.worker_id, self._stop)
         if client is None:
             return  # stopped while waiting
         log_redis_persistence(client, log)  # once: a Redis without AOF forgets commits
         try:
-            if self._engine is None:
-                self._engine = SparkEngine(settings, f"keyq-worker-{self.worker_id}")
-                self._engine.start(stopping=self._stop)
-                if not self._stop.is_set():
-                    # On a cluster: the executors must import the pipeline and keyq's fold.
-                    module = getattr(self._pipeline, "__module__", None) or "__main__"
-                    self._engine.ship([module, "keyq.worker.fold"])
+            self._start_engine()
             if self._stop.is_set():
                 log.info("worker %s stopped while starting", self.worker_id)
                 return  # nothing is held yet
-            config = while_redis_is_away(
-                settings,
-                self._stop,
-                "reading the stream's config",
-                lambda: stream_config(
-                    settings,
-                    client,
-                    self.stream,
-                    mode=self._mode,
-                    buckets=self._buckets,
-                    stop=self._stop,
-                ),
-            )
-            if config is None or self._stop.is_set():
-                return
-            self.config = config
-            replicas = while_redis_is_away(
-                settings,
-                self._stop,
-                "counting Redis replicas",
-                lambda: replicas_required(settings, client, self.stream),
-            )
-            if replicas is None:
-                return
-            store = StateStore(
-                client,
-                self.stream,
-                replicas=replicas,
-                replica_timeout_ms=self.settings.redis_replica_timeout_ms,
-            )
-
-            def recovered() -> bool:
-                recover_sink(self._sink, store)
-                return True
-
-            if not while_redis_is_away(settings, self._stop, "finishing output", recovered):
-                return
-            self._serve(client, store, until_idle)
+            store = self._prepare(client)
+            if store is not None:
+                self._serve(client, store, until_idle)
         finally:
             if self._owns_engine and self._engine is not None:
                 self._engine.stop()  # after a return before serving (else already stopped)
             client.close()
 
+    def _start_engine(self) -> None:
+        if self._engine is not None:
+            return
+        self._engine = SparkEngine(self.settings, f"keyq-worker-{self.worker_id}")
+        self._engine.start(stopping=self._stop)
+        if not self._stop.is_set():
+            # On a cluster: the executors must import the pipeline and keyq's fold.
+            module = getattr(self._pipeline, "__module__", None) or "__main__"
+            self._engine.ship([module, "keyq.worker.fold"])
+
+    def _prepare(self, client: redis.Redis) -> StateStore | None:
+        """Read the stream's config, count the Redis replicas a commit waits for and finish
+        output committed before a crash, each waiting out a Redis that is away; None if
+        stopped meanwhile."""
+        settings, stop = self.settings, self._stop
+
+        def read_config() -> StreamConfig:
+            return stream_config(
+                settings, client, self.stream, mode=self._mode, buckets=self._buckets, stop=stop
+            )
+
+        config = while_redis_is_away(settings, stop, "reading the stream's config", read_config)
+        if config is None or stop.is_set():
+            return None
+        self.config = config
+        replicas = while_redis_is_away(
+            settings,
+            stop,
+            "counting Redis replicas",
+            lambda: replicas_required(settings, client, self.stream),
+        )
+        if replicas is None:
+            return None
+        store = StateStore(
+            client,
+            self.stream,
+            replicas=replicas,
+            replica_timeout_ms=settings.redis_replica_timeout_ms,
+        )
+
+        def recovered() -> bool:
+            recover_sink(self._sink, store)
+            return True
+
+        if not while_redis_is_away(settings, stop, "finishing output", recovered):
+            return None
+        return store
+
     def _serve(self, client: redis.Redis, store: StateStore, until_idle: float | None) -> None:
         settings = self.settings
-        assert self.config is not None and self._engine is not None
-        registry = QueueRegistry(client, self.stream)
+        assert self.config is not None
         link = ConsumerLink(
             settings=settings,
             stream=self.stream,
             name=f"worker-{self.worker_id}",
             buffer=self._buffer,
             prefetch=settings.prefetch,
-            # held is made next: it needs the link
-            on_queue_lost=lambda queue, epoch, why: held.consumer_gone(queue, epoch, why),  # noqa: PLW0108
-            on_disconnected=lambda reason: log.warning("lost RabbitMQ: %s", reason),
+            on_disconnected=functools.partial(log.warning, "lost RabbitMQ: %s"),
             queue_type=self.config.queue_type,
-        )
-        held = HeldQueues(
-            link=link,
-            buffer=self._buffer,
-            locks=FencedLocks(client, self.stream),
-            registry=registry,
-            report=lambda kind, queues, reason: self._events.put((kind, queues, reason)),
-            prefetch=link.prefetch,  # in messages: a pack of events counts once
         )
         try:
             link.start(give_up=self._stop)
@@ -285,7 +259,7 @@ class Worker:
             if self._stop.is_set():
                 return  # stopped before RabbitMQ answered: nothing was held yet
             raise
-        session = self._session = self._session_for(client, store, registry, link, held)
+        session = self._session = self._session_for(client, store, link)
         session.claims.start()
         if not session.claims.wait_first_round(10):
             log.warning("the first claim round has not completed yet; serving once it does")
@@ -304,68 +278,34 @@ class Worker:
                 self._engine.stop()
             log.info("worker %s stopped%s", self.worker_id, self._time_summary())
 
-    def _session_for(
-        self,
-        client: redis.Redis,
-        store: StateStore,
-        registry: QueueRegistry,
-        link: ConsumerLink,
-        held: HeldQueues,
-    ) -> Session:
-        settings = self.settings
-        assert self.config is not None and self._engine is not None
-        handbacks = HandBacks(self._buffer)
-        policy = PolicyCache(StreamPolicies(client, self.stream))
+    def _session_for(self, client: redis.Redis, store: StateStore, link: ConsumerLink) -> Session:
+        """The session's parts, each given the small part of the link it uses."""
+        settings, config = self.settings, self.config
+        assert config is not None
+        registry = QueueRegistry(client, self.stream)
         control = KeyControl(client, self.stream)
-        config = self.config
-        drains = AsideDrains(
-            control=control,
-            held=held,
-            link=link,
-            buffer=self._buffer,
-            queue_of_key=config.queue_for,
-        )
+        policy = PolicyCache(StreamPolicies(client, self.stream))
+        drains, starved, held = self._holding(client, link, registry, control)
+        handbacks = HandBacks(self._buffer)
         claims = ClaimLoop(
             settings=settings,
             stream=self.stream,
-            mode=self.config.mode,
+            mode=config.mode,
             worker_id=self.worker_id,
             client=client,
             link=link,
             held=held,
             handbacks=handbacks,
             info=self._heartbeat_info,
-            waiting_aside=lambda: drains.wanted,
-            stream_paused=lambda: policy().paused,
-        )
-        processor = BatchProcessor(
-            settings=settings,
-            stream=self.stream,
-            worker_id=self.worker_id,
-            engine=self._engine,
-            pipeline=self._pipeline,
-            store=store,
-            registry=registry,
-            sink=self._sink,
-            link=link,
-            holdings=held,
-            keys_of_queues=lambda queues: self._keys_of(registry, queues),
-            stopping=self._stop,
-            control=control,
+            aside=drains,
+            starved=starved,
             policy=policy,
         )
-        processor.stats.listeners = self.batch_listeners
-        stuck = StuckGaps(self._buffer, settings.sequence_gap_timeout_ms / 1000)
-
-        abandoned = AbandonedGaps(
-            self._buffer,
-            alive=ProducerPresence(client, self.stream).alive,
-            ready_count=link.message_count,
-            room_of=held.room_of,
-            confirm_gone_s=settings.producer_ttl_ms / 2000,
-            reopened_at=stuck.reopened_at,
-            reopen=functools.partial(reopen_for_gap, stuck, held),
+        processor = self._processor(
+            store, registry=registry, link=link, held=held, control=control, policy=policy
         )
+        presence = ProducerPresence(client, self.stream)
+        stuck, abandoned = gap_watchers(settings, self._buffer, presence, link.counts, held)
         return Session(
             settings=settings,
             buffer=self._buffer,
@@ -379,29 +319,80 @@ class Worker:
             events=self._events,
             stop=self._stop,
             drains=drains,
+            starved=starved,
             on_assigned=self._on_assigned,
             on_revoked=self._on_revoked,
         )
+
+    def _holding(
+        self, client: redis.Redis, link: ConsumerLink, registry: QueueRegistry, control: KeyControl
+    ) -> tuple[AsideDrains, StarvedQueues, HeldQueues]:
+        """The held queues, with the aside queues drained under their leases and the watch
+        for starved ones that observes their hand-backs."""
+        assert self.config is not None
+        config = self.config
+        drains = AsideDrains(
+            control=control,
+            consumers=link.consumers,
+            counts=link.counts,
+            dead_letters=link.dead_letters,
+            buffer=self._buffer,
+            queue_of_key=config.queue_for,
+        )
+        starved = StarvedQueues(
+            link=link,
+            consumers=link.consumers,
+            counts=link.counts,
+            buffer=self._buffer,
+            queue_type=config.queue_type,
+        )
+        held = HeldQueues(
+            consumers=link.consumers,
+            gone=link.gone,
+            buffer=self._buffer,
+            locks=FencedLocks(client, self.stream),
+            registry=registry,
+            events=self._events,
+            aside=drains,
+            observers=[starved],
+        )
+        return drains, starved, held
+
+    def _processor(
+        self,
+        store: StateStore,
+        *,
+        registry: QueueRegistry,
+        link: ConsumerLink,
+        held: HeldQueues,
+        control: KeyControl,
+        policy: PolicyCache,
+    ) -> BatchProcessor:
+        assert self.config is not None and self._engine is not None
+        processor = BatchProcessor(
+            settings=self.settings,
+            stream=self.stream,
+            worker_id=self.worker_id,
+            engine=self._engine,
+            pipeline=self._pipeline,
+            store=store,
+            registry=registry,
+            sink=self._sink,
+            acker=link.consumers,
+            dead_letters=link.dead_letters,
+            keys=QueueKeys(registry, self.config.mode),
+            holdings=held,
+            stopping=self._stop,
+            control=control,
+            policy=policy,
+        )
+        processor.stats.listeners = self.batch_listeners
+        return processor
 
     def _time_summary(self) -> str:
         """Where the batches' time went, for the log line at stop."""
         stats = self._session.processor.stats if self._session is not None else None
         if stats is None or not stats.batches:
             return ""
-        stages = ", ".join(
-            f"{name} {seconds:.1f}s" for name, seconds in stats.stage_seconds.items()
-        )
+        stages = ", ".join(f"{name} {s:.1f}s" for name, s in stats.stage_seconds.items())
         return f" after {stats.batches} batches of {stats.events} events: {stages}"
-
-    # ---- helpers --------------------------------------------------------------------------
-
-    def _keys_of(self, registry: QueueRegistry, queues: Collection[str]) -> dict[str, str | None]:
-        """The key each key-mode queue was declared for (a message there without a key header
-        still belongs to it), the ones not known yet in one round trip. A bucket holds many
-        keys: such a message has no key."""
-        if self.config is None or self.config.mode is not Mode.KEY:
-            return dict.fromkeys(queues)
-        unknown = [queue for queue in queues if queue not in self._queue_keys]
-        if unknown:
-            self._queue_keys.update(registry.original_keys(unknown))
-        return {queue: self._queue_keys[queue] for queue in queues}

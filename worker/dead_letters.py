@@ -1,8 +1,9 @@
 """Moving messages to a stream's dead-letter queue (copies with the reason), and a paused or
 parked key's events to the queue they wait in aside: confirmed copies either way.
 
-Runs on the connection's I/O thread (``keyq.worker.amqp_thread``), on a confirming channel of
-its own opened with each connection.
+``DeadLetterPublisher`` runs on the connection's I/O thread (``keyq.worker.amqp_thread``), on
+a confirming channel of its own opened with each connection; ``DeadLetterCalls`` is how the
+batch loop reaches it (the batch's ``DeadLetterSink``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
 from keyq.broker.clock import now_ms
+from keyq.broker.connections import describe_exception
 from keyq.broker.envelope import (
     HEADER_ATTEMPTS,
     HEADER_DEAD_AT,
@@ -27,6 +29,7 @@ from keyq.broker.envelope import (
 from keyq.broker.errors import BrokerUnavailable
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.topology import dead_letter_queue_arguments, keyed_queue_arguments
+from keyq.worker.amqp_thread import AmqpThread
 from keyq.worker.deliveries import Delivery
 
 log = logging.getLogger("keyq.worker.amqp")
@@ -180,3 +183,44 @@ class DeadLetterPublisher:
         with contextlib.suppress(pika.exceptions.AMQPError):
             channel.close()
         return True
+
+
+class DeadLetterCalls:
+    """``DeadLetterPublisher``'s verbs from other threads, each run on the I/O thread; a copy
+    not confirmed raises ``BrokerUnavailable`` (the batch then waits and retries)."""
+
+    def __init__(self, io: AmqpThread, publisher: DeadLetterPublisher) -> None:
+        self._io = io
+        self._publisher = publisher
+
+    def dead_letter(
+        self, letters: Sequence[DeadLetter]
+    ) -> list[tuple[bytes, pika.BasicProperties]]:
+        """Publish copies with the reason to the dead-letter queue, confirmed, and return
+        them (body, properties)."""
+        if not letters:
+            return []
+        try:
+            return self._io.call(lambda: self._publisher.publish(letters))
+        except pika.exceptions.AMQPError as exc:
+            raise BrokerUnavailable(
+                f"dead letters not confirmed: {describe_exception(exc)}"
+            ) from None
+
+    def set_aside(self, queue: str, key: str, deliveries: Sequence[Delivery]) -> None:
+        """Copy a stopped key's deliveries to ``queue``, where they wait, confirmed."""
+        if not deliveries:
+            return
+        try:
+            self._io.call(lambda: self._publisher.set_aside(queue, key, deliveries))
+        except pika.exceptions.AMQPError as exc:
+            raise BrokerUnavailable(
+                f"events set aside not confirmed: {describe_exception(exc)}"
+            ) from None
+
+    def delete_drained(self, queue: str) -> bool:
+        """Delete a drained aside queue; False if messages are in it."""
+        try:
+            return self._io.call(lambda: self._publisher.delete_drained(queue))
+        except pika.exceptions.AMQPError as exc:
+            raise BrokerUnavailable(f"deleting {queue}: {describe_exception(exc)}") from None

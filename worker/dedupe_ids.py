@@ -35,9 +35,19 @@ class Deduped:
     """A run's events once repeated dedupe ids are taken out, and what to remember."""
 
     events: list[Event]
-    skipped: int = 0
+    skipped: list[Event] = field(default_factory=list)
     writes: dict[str, dict[str, str]] = field(default_factory=dict)
     expiries: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AppliedIds:
+    """The dedupe ids of a run's events already applied to their keys, as read before the
+    run is admitted (in the window's bucket and the one before)."""
+
+    bucket: int = 0
+    window_s: int = 1
+    by_key: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
 
 class DedupeIds:
@@ -47,59 +57,58 @@ class DedupeIds:
         self, client: redis.Redis, stream: str, clock: Callable[[], float] = time.time
     ) -> None:
         self._client = client
-        self._keys = StreamKeys(stream)
         self._clock = clock
+        self.keys = StreamKeys(stream)
 
-    def take_out_repeats(self, events: Iterable[Event], window_s: int) -> Deduped:
-        """``events`` (in apply order) without those whose dedupe id was applied to their key
-        already, or comes earlier in the run; and the ids to remember with the commit."""
-        events = list(events)
+    def applied(self, events: Iterable[Event], window_s: int) -> AppliedIds:
+        """Which of ``events``' dedupe ids were applied to their keys already: one round
+        trip, none when no event carries an id."""
         wanted: dict[str, set[str]] = {}
         for event in events:
             dedupe_id = dedupe_id_of(event)
             if dedupe_id is not None:
                 wanted.setdefault(event.key, set()).add(dedupe_id)
+        bucket = int(self._clock() // window_s)
         if not wanted:
-            return Deduped(events)
-        bucket = int(self._now() // window_s)
-        applied = self._applied(wanted, bucket)
-        kept: list[Event] = []
-        result = Deduped(kept)
-        for event in events:
-            dedupe_id = dedupe_id_of(event)
-            if dedupe_id is None:
-                kept.append(event)
-                continue
-            seen = applied.setdefault(event.key, set())
-            if dedupe_id in seen:
-                result.skipped += 1
-                continue
-            seen.add(dedupe_id)
-            kept.append(event)
-            target = self._keys.dedupe_ids(key_digest(event.key), bucket)
-            result.writes.setdefault(target, {})[dedupe_id] = f"{event.producer}:{event.seq}"
-            result.expiries[target] = 2 * window_s * 1000
-        return result
-
-    def _applied(self, wanted: Mapping[str, set[str]], bucket: int) -> dict[str, set[str]]:
+            return AppliedIds(bucket, window_s)
         keys = list(wanted)
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
             ids = sorted(wanted[key])
             digest = key_digest(key)
-            pipe.hmget(self._keys.dedupe_ids(digest, bucket), ids)
-            pipe.hmget(self._keys.dedupe_ids(digest, bucket - 1), ids)
+            pipe.hmget(self.keys.dedupe_ids(digest, bucket), ids)
+            pipe.hmget(self.keys.dedupe_ids(digest, bucket - 1), ids)
         answers = pipe.execute()
-        applied: dict[str, set[str]] = {}
+        applied: dict[str, frozenset[str]] = {}
         for index, key in enumerate(keys):
             ids = sorted(wanted[key])
             now, before = answers[2 * index], answers[2 * index + 1]
-            applied[key] = {
+            applied[key] = frozenset(
                 dedupe_id
                 for dedupe_id, a, b in zip(ids, now, before, strict=True)
                 if a is not None or b is not None
-            }
-        return applied
+            )
+        return AppliedIds(bucket, window_s, applied)
 
-    def _now(self) -> float:
-        return self._clock()
+
+def take_out_repeats(events: Iterable[Event], applied: AppliedIds, keys: StreamKeys) -> Deduped:
+    """``events`` (in apply order) without those whose dedupe id was applied to their key
+    already, or comes earlier in the run; and the ids to remember with the commit. Pure."""
+    kept: list[Event] = []
+    result = Deduped(kept)
+    seen: dict[str, set[str]] = {}
+    for event in events:
+        dedupe_id = dedupe_id_of(event)
+        if dedupe_id is None:
+            kept.append(event)
+            continue
+        known = seen.setdefault(event.key, set(applied.by_key.get(event.key, ())))
+        if dedupe_id in known:
+            result.skipped.append(event)
+            continue
+        known.add(dedupe_id)
+        kept.append(event)
+        target = keys.dedupe_ids(key_digest(event.key), applied.bucket)
+        result.writes.setdefault(target, {})[dedupe_id] = f"{event.producer}:{event.seq}"
+        result.expiries[target] = 2 * applied.window_s * 1000
+    return result

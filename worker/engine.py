@@ -122,6 +122,30 @@ class SparkEngine:
         started = time.monotonic()
         settings = self._settings
         remote = settings.spark_remote
+        options = self._session_options()
+        builder: Any = SparkSession.builder
+        builder = builder.config(map=options)
+        if remote:
+            builder = builder.remote(remote)
+        try:
+            if not remote or remote.startswith("local"):
+                self._launch_local_jvm(options)
+            self._session = self._create_keeping_sigint(builder)
+        except Exception as exc:  # noqa: BLE001 - Spark fails in many ways; all are config
+            where = settings.spark_remote or settings.spark_master
+            raise ConfigurationError(f"cannot start Spark ({where}): {exc}") from None
+        if not remote:
+            self._session.sparkContext.setLogLevel("ERROR")
+        if stopping is None or not stopping.is_set():
+            self._within_start_timeout("the first job", self._warm_up)
+        elapsed = time.monotonic() - started
+        log.info("spark ready in %.1fs (%s)", elapsed, self.describe())
+        return elapsed
+
+    def _session_options(self) -> dict[str, str]:
+        """The session's Spark options, from the worker's settings and ``spark_conf``."""
+        settings = self._settings
+        remote = settings.spark_remote
         # Spark's Python workers must run an interpreter that has keyq and the pipeline; for
         # a local master (or a local Spark Connect server) that is this one. A cluster's
         # executors need keyq installed and PYSPARK_PYTHON set on their side.
@@ -143,39 +167,26 @@ class SparkEngine:
                 "spark.sql.execution.arrow.pyspark.enabled": "true",
                 "spark.python.worker.reuse": "true",
             }
-        builder: Any = SparkSession.builder
-        builder = builder.config(map=options)
-        if remote:
-            builder = builder.remote(remote)
-        try:
-            if not remote or remote.startswith("local"):
-                # A local master, or a local Spark Connect server: a JVM of this process. -Xrs:
-                # it installs no handler for SIGTERM, SIGINT or SIGHUP, so the ones it is
-                # launched with blocked stay blocked (see _launch_jvm_apart).
-                jvm = f"{settings.spark_driver_java_options} -Xrs"
-                if "log4j2.configurationFile" not in jvm:
-                    jvm += f" -Dlog4j2.configurationFile={jvm_word(LOG_CONFIG)}"
-                archive = usable_archive(settings)
-                if archive is not None:
-                    jvm += " " + jvm_file_option("SharedArchiveFile", archive)
-                _launch_jvm_apart(
-                    {
-                        **options,
-                        "spark.master": remote or settings.spark_master,
-                        "spark.driver.extraJavaOptions": jvm,
-                    }
-                )
-            self._session = self._create_keeping_sigint(builder)
-        except Exception as exc:  # noqa: BLE001 - Spark fails in many ways; all are config
-            where = settings.spark_remote or settings.spark_master
-            raise ConfigurationError(f"cannot start Spark ({where}): {exc}") from None
-        if not remote:
-            self._session.sparkContext.setLogLevel("ERROR")
-        if stopping is None or not stopping.is_set():
-            self._within_start_timeout("the first job", self._warm_up)
-        elapsed = time.monotonic() - started
-        log.info("spark ready in %.1fs (%s)", elapsed, self.describe())
-        return elapsed
+        return options
+
+    def _launch_local_jvm(self, options: dict[str, str]) -> None:
+        """A local master, or a local Spark Connect server: a JVM of this process. -Xrs: it
+        installs no handler for SIGTERM, SIGINT or SIGHUP, so the ones it is launched with
+        blocked stay blocked (see _launch_jvm_apart)."""
+        settings = self._settings
+        jvm = f"{settings.spark_driver_java_options} -Xrs"
+        if "log4j2.configurationFile" not in jvm:
+            jvm += f" -Dlog4j2.configurationFile={jvm_word(LOG_CONFIG)}"
+        archive = usable_archive(settings)
+        if archive is not None:
+            jvm += " " + jvm_file_option("SharedArchiveFile", archive)
+        _launch_jvm_apart(
+            {
+                **options,
+                "spark.master": settings.spark_remote or settings.spark_master,
+                "spark.driver.extraJavaOptions": jvm,
+            }
+        )
 
     @staticmethod
     def _create_keeping_sigint(builder: Any) -> SparkSession:

@@ -98,26 +98,10 @@ def make_folder(
             ) from None
 
     def fold(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        by_key: dict[str, list[Row]] = {}
-        for batch in batches:
-            columns = batch.to_pydict()
-            absent = [None] * batch.num_rows
-            for key, payload, body, content_type, producer, seq, arrival in zip(
-                columns["key"],
-                columns["payload"],
-                columns.get("body") or absent,
-                columns.get("content_type") or absent,
-                columns["producer"],
-                columns["seq"],
-                columns["_arrival"],
-                strict=True,
-            ):
-                row = (arrival, payload, body, content_type, producer, seq)
-                by_key.setdefault(key, []).append(row)
         keys: list[str] = []
         states: list[str] = []
         counts: list[int] = []
-        for key, rows in by_key.items():
+        for key, rows in _rows_by_key(batches).items():
             rows.sort(key=_arrival_of)
             raw = prior.get(key)
             state: Any = None if raw is None else orjson.loads(raw)
@@ -129,15 +113,10 @@ def make_folder(
                 except Exception as exc:  # noqa: BLE001 - any reducer error fails the event
                     raise FoldFailed(
                         f"fold of key {key!r} failed on the event from producer {producer} "
-                        f"seq {seq}: {type(exc).__name__}: {exc}"
-                        f"{event_token(key, producer, seq)}"
+                        f"seq {seq}: {type(exc).__name__}: {exc}{token}"
                     ) from None
-            try:
-                encoded = orjson.dumps(state).decode()
-            except (orjson.JSONEncodeError, TypeError) as exc:
-                raise FoldFailed(f"state of key {key!r} is not JSON: {exc}") from None
             keys.append(key)
-            states.append(encoded)
+            states.append(_encoded(key, state))
             counts.append(len(rows))
         yield pa.RecordBatch.from_arrays(
             [
@@ -149,6 +128,33 @@ def make_folder(
         )
 
     return fold
+
+
+def _rows_by_key(batches: Iterator[pa.RecordBatch]) -> dict[str, list[Row]]:
+    """A partition's rows, by key, in the order they came (not yet arrival order)."""
+    by_key: dict[str, list[Row]] = {}
+    for batch in batches:
+        columns = batch.to_pydict()
+        absent = [None] * batch.num_rows
+        for key, payload, body, content_type, producer, seq, arrival in zip(
+            columns["key"],
+            columns["payload"],
+            columns.get("body") or absent,
+            columns.get("content_type") or absent,
+            columns["producer"],
+            columns["seq"],
+            columns["_arrival"],
+            strict=True,
+        ):
+            by_key.setdefault(key, []).append((arrival, payload, body, content_type, producer, seq))
+    return by_key
+
+
+def _encoded(key: str, state: Any) -> str:
+    try:
+        return orjson.dumps(state).decode()
+    except (orjson.JSONEncodeError, TypeError) as exc:
+        raise FoldFailed(f"state of key {key!r} is not JSON: {exc}") from None
 
 
 def _arrival_of(row: Row) -> int:

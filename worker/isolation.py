@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from keyq.broker.backoff import Backoff
 from keyq.broker.errors import PipelineError
 from keyq.worker.batch_failures import EventFailed, Interrupted, describe_failure
+from keyq.worker.batch_ports import KeyDirectory
 from keyq.worker.batch_stats import BatchStats
 from keyq.worker.decoding import Event, decode
 from keyq.worker.deliveries import Delivery
 
 log = logging.getLogger("keyq.worker.batch")
+
+MAX_RETRY_DELAY_S = 10.0
+MIN_RETRY_DELAY_S = 0.001  # a retry_backoff_ms of 0 still yields the CPU
 
 
 class Attempt(Protocol):
@@ -38,19 +43,20 @@ class Isolation:
         retry_backoff_ms: int,
         stats: BatchStats,
         stopping: threading.Event,
-        keys_of_queues: Callable[[Collection[str]], Mapping[str, str | None]],
+        keys: KeyDirectory,
     ) -> None:
         self._run = attempt
         self._max_attempts = max_attempts
         self._retry_backoff_ms = retry_backoff_ms
         self._stats = stats
         self._stopping = stopping
-        self._keys_of_queues = keys_of_queues
+        self._keys = keys
 
     def process(self, deliveries: list[Delivery]) -> None:
         """Run ``deliveries``, retrying, then isolating what fails. Raises ``Interrupted``
         if shutdown comes during a backoff."""
         failure: PipelineError | None = None
+        backoff = self._backoff()
         for attempt in range(1, self._max_attempts + 1):
             try:
                 self._run(deliveries, attempt)
@@ -60,7 +66,7 @@ class Isolation:
                 self._stats.pipeline_failures += 1
                 log.warning("batch failed (attempt %d): %s", attempt, describe_failure(exc))
                 if attempt < self._max_attempts:
-                    self._backoff(attempt)
+                    self._wait(backoff)
         assert failure is not None
         if len(deliveries) == 1:
             self._run(deliveries, self._max_attempts, dead=describe_failure(failure))
@@ -126,8 +132,9 @@ class Isolation:
     def _isolate_one(self, delivery: Delivery, failure: PipelineError) -> None:
         """One event that failed: retried with backoff, then dead-lettered with its reason."""
         group = [delivery]
+        backoff = self._backoff()
         for attempt in range(2, self._max_attempts + 1):
-            self._backoff(attempt - 1)
+            self._wait(backoff)
             try:
                 self._run(group, attempt)
                 return
@@ -140,12 +147,17 @@ class Isolation:
         """Where in ``group`` the event named by ``failure`` is, if it names one there."""
         if not isinstance(failure, EventFailed):
             return None
-        fallback = self._keys_of_queues({delivery.queue for delivery in group})
+        fallback = self._keys.keys_of({delivery.queue for delivery in group})
         return named_event(failure.event, group, fallback)
 
-    def _backoff(self, attempt: int) -> None:
-        delay = self._retry_backoff_ms / 1000 * (2 ** (attempt - 1))
-        if self._stopping.wait(min(delay, 10.0)):
+    def _backoff(self) -> Backoff:
+        """Delays between a failing batch's retries: from ``retry_backoff_ms``, doubling,
+        at most ``MAX_RETRY_DELAY_S``."""
+        initial = max(self._retry_backoff_ms / 1000, MIN_RETRY_DELAY_S)
+        return Backoff(initial, max(initial, MAX_RETRY_DELAY_S))
+
+    def _wait(self, backoff: Backoff) -> None:
+        if self._stopping.wait(backoff.next()):
             raise Interrupted
 
 

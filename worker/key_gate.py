@@ -1,9 +1,8 @@
 """Which of a run's deliveries may be applied now, by what holds their keys back
 (``keyq.broker.key_control``): a stopped key's events, and those of a key whose earlier events
-still wait aside, are set aside; a side queue's are applied only while it is its key's head
+still wait aside, are set aside; an aside queue's are applied only while it is its key's head
 and the key is not stopped. Under the ``park`` poison policy, a key's events after a poison
-one (a payload that cannot be decoded) are set aside too, and the key is parked at it. Under
-a rate limit, a key's events beyond its rate wait, unacked, for a later batch.
+one (a payload that cannot be decoded) are set aside too, and the key is parked at it.
 
 Pure: the statuses are read by the caller, once per run."""
 
@@ -15,7 +14,6 @@ from dataclasses import dataclass, field
 from keyq.broker.key_control import FLOWING, KeyStatus, ParkedKey
 from keyq.worker.decoding import Decoder, Item, Undecodable
 from keyq.worker.deliveries import Delivery
-from keyq.worker.rate_limits import KeyRateLimiter
 
 
 @dataclass
@@ -24,8 +22,7 @@ class GateSorting:
 
     through: list[Delivery] = field(default_factory=list)  # planned and applied as usual
     aside: dict[str, list[Delivery]] = field(default_factory=dict)  # key -> to set aside
-    held: list[Delivery] = field(default_factory=list)  # a side queue's that may not apply now
-    limited: list[Delivery] = field(default_factory=list)  # over their key's rate: wait
+    hand_back: list[Delivery] = field(default_factory=list)  # an aside queue's, not to apply now
     parking: dict[str, ParkedKey] = field(default_factory=dict)  # keys to park, at what
 
     through_keys: list[str | None] = field(default_factory=list)  # the key of each through
@@ -44,7 +41,7 @@ def sort_by_key_status(
     decoded: Decoder,
     statuses: Mapping[str, KeyStatus],
     *,
-    is_side_queue: Callable[[str], bool],
+    is_aside_queue: Callable[[str], bool],
     park_at_poison: bool,
     now_ms: int,
 ) -> GateSorting:
@@ -54,7 +51,7 @@ def sort_by_key_status(
 
     def may_apply(delivery: Delivery, key: str) -> bool:
         status = statuses.get(key, FLOWING)
-        if is_side_queue(delivery.queue):
+        if is_aside_queue(delivery.queue):
             return not status.stopped and status.aside[:1] == (delivery.queue,)
         return not status.diverted
 
@@ -78,8 +75,8 @@ def sort_by_key_status(
         stops_here = poison is not None and _after(item, index, items[poison], poison)
         if may_apply(delivery, key) and not stops_here:
             sorting.let_through(delivery, key)
-        elif is_side_queue(delivery.queue):
-            sorting.held.append(delivery)  # never to the tail: it would pass its successors
+        elif is_aside_queue(delivery.queue):
+            sorting.hand_back.append(delivery)  # never to the tail: it would pass its successors
         else:
             sorting.aside.setdefault(key, []).append(delivery)
     return sorting
@@ -94,26 +91,3 @@ def _after(item: Item, index: int, poison: Item, poison_index: int) -> bool:
     if same_producer and item.seq is not None and poison.seq is not None:
         return item.seq > poison.seq
     return index > poison_index
-
-
-def limit_rates(sorting: GateSorting, limiter: KeyRateLimiter) -> None:
-    """Hold back what would go through beyond each key's rate: a key's first events go, its
-    later ones wait, in order."""
-    counts: dict[str, int] = {}
-    for delivery, key in zip(sorting.through, sorting.through_keys, strict=True):
-        if key is not None and delivery.waiting_since is None:
-            counts[key] = counts.get(key, 0) + 1
-    allowed = {key: limiter.take(key, count) for key, count in counts.items()}
-    through, through_keys = sorting.through, sorting.through_keys
-    sorting.through, sorting.through_keys = [], []
-    for delivery, key in zip(through, through_keys, strict=True):
-        if delivery.waiting_since is not None:
-            # Waiting for an earlier seq already: it goes with the one it waits for, so
-            # that its tokens never starve the missing one into being given up.
-            sorting.let_through(delivery, key)
-        elif key is None or allowed[key] > 0:
-            if key is not None:
-                allowed[key] -= 1
-            sorting.let_through(delivery, key)
-        else:
-            sorting.limited.append(delivery)

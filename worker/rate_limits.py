@@ -6,7 +6,9 @@ burst that much), and a full bucket is forgotten, so memory follows the keys bei
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+from keyq.worker.deliveries import Delivery
 
 
 class KeyRateLimiter:
@@ -44,3 +46,27 @@ class KeyRateLimiter:
             return self._capacity
         tokens, at = found
         return min(self._capacity, tokens + (now - at) * self.rate)
+
+
+def within_rates(
+    deliveries: Sequence[Delivery], keys: Sequence[str | None], limiter: KeyRateLimiter
+) -> tuple[list[Delivery], list[Delivery]]:
+    """Split ``deliveries`` (with their ``keys``) into those within their key's rate and
+    those beyond it: a key's first events go, its later ones wait, in order."""
+    counts: dict[str, int] = {}
+    for delivery, key in zip(deliveries, keys, strict=True):
+        if key is not None and delivery.waiting_since is None:
+            counts[key] = counts.get(key, 0) + 1
+    allowed = {key: limiter.take(key, count) for key, count in counts.items()}
+    within: list[Delivery] = []
+    beyond: list[Delivery] = []
+    for delivery, key in zip(deliveries, keys, strict=True):
+        # Deferred already: it goes with the one it waits for, so that its tokens never
+        # starve the missing one into being given up.
+        if delivery.waiting_since is None and key is not None:
+            if allowed[key] <= 0:
+                beyond.append(delivery)
+                continue
+            allowed[key] -= 1
+        within.append(delivery)
+    return within, beyond

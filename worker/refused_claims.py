@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from keyq.worker.consumer import ConsumeOutcome
+from keyq.worker.consume_outcomes import ConsumeOutcome
 
 log = logging.getLogger("keyq.worker.claims")
 

@@ -41,7 +41,7 @@ def worker_report(
         released=session.held.released,
         peers_reaped=session.claims.peers_reaped,
         reconnects=session.link.reconnects,
-        starved_moves=session.held.starved_moves,
+        starved_moves=session.starved.starved_moves,
         late=batch.late,
         gaps_skipped=batch.gaps_skipped,
         gap_reopens=session.stuck.reopens,
@@ -54,7 +54,7 @@ def worker_report(
 
 
 def gap_reports(processor: BatchProcessor, buffer: DeliveryBuffer) -> list[GapReport]:
-    """The sequence gaps the worker waits on now (events parked behind them), oldest first."""
+    """The sequence gaps the worker waits on now (events deferred behind them), oldest first."""
     now = time.monotonic()
     gaps = sorted(
         (gap for gap, queue in list(processor.open_gaps.values()) if buffer.parked(queue)),

@@ -65,7 +65,7 @@ class Plan:
     apply: list[int] = field(default_factory=list)  # in the order to apply them
     duplicates: list[int] = field(default_factory=list)
     late: list[int] = field(default_factory=list)  # inside a given-up gap: dead-letter
-    waiting: list[int] = field(default_factory=list)  # behind an open gap: keep, unacked
+    deferred: list[int] = field(default_factory=list)  # behind an open gap: keep, unacked
     marks: dict[str, KeyMarks] = field(default_factory=dict)  # after ``apply``
     open_gaps: list[Gap] = field(default_factory=list)
     skipped_gaps: list[Gap] = field(default_factory=list)  # given up in this plan
@@ -80,84 +80,102 @@ def plan_batch(
 ) -> Plan:
     """Sequence ``items`` (in delivery order) against the committed ``marks``, which are
     not modified."""
-    plan = Plan()
-    # Per (key, producer): seq -> index of a waiting item.
-    pending: dict[tuple[str, str], dict[int, int]] = {}
-
-    def current(key: str) -> KeyMarks:
-        found = plan.marks.get(key)
-        if found is None:
-            found = (marks.get(key) or KeyMarks()).copy()
-            plan.marks[key] = found
-        return found
-
-    def apply(index: int) -> None:
-        item = items[index]
-        key_marks = current(item.key)
-        if item.producer is not None and item.seq is not None:
-            key_marks.advance(item.producer, item.seq)
-        if item.counts:
-            key_marks.applied += 1
-        plan.apply.append(index)
-
-    def release(key: str, producer: str) -> None:
-        """Apply the waiting events that the mark has made contiguous."""
-        waiting = pending.get((key, producer))
-        key_marks = current(key)
-        while waiting:
-            following = waiting.pop(key_marks.mark_of(producer) + 1, None)
-            if following is None:
-                return
-            apply(following)
-
+    sequencer = _Sequencer(items, marks)
     for index, item in enumerate(items):
+        sequencer.take(index, item)
+    sequencer.close_gaps(now, gap_timeout_s)
+    return sequencer.plan
+
+
+class _Sequencer:
+    """One plan in the making: the marks as they move, and the items deferred per (key,
+    producer), seq -> index."""
+
+    def __init__(self, items: Sequence[Identified], marks: Mapping[str, KeyMarks]) -> None:
+        self._items = items
+        self._committed = marks
+        self._pending: dict[tuple[str, str], dict[int, int]] = {}
+        self.plan = Plan()
+
+    def take(self, index: int, item: Identified) -> None:
         if item.redrive_id is not None:
-            key_marks = current(item.key)
-            if key_marks.was_redriven(item.redrive_id):
-                plan.duplicates.append(index)
-                continue
-            if item.counts:  # dead-lettered again, it may be redriven again
-                key_marks.redrive(item.redrive_id, item.producer, item.seq)
-                key_marks.applied += 1
-            plan.apply.append(index)
-            if item.producer is not None:
-                release(item.key, item.producer)
-            continue
+            self._take_redriven(index, item, item.redrive_id)
+            return
         if item.producer is None or item.seq is None:
-            apply(index)
-            continue
-        key_marks = current(item.key)
+            self._apply(index)
+            return
+        key_marks = self._current(item.key)
         mark = key_marks.mark_of(item.producer)
         slot = (item.key, item.producer)
         if item.seq <= mark:
             if key_marks.skipped(item.producer, item.seq):
-                plan.late.append(index)
+                self.plan.late.append(index)
             else:
-                plan.duplicates.append(index)
+                self.plan.duplicates.append(index)
         elif item.seq == mark + 1:
-            apply(index)
-            release(item.key, item.producer)
-        elif item.seq in pending.get(slot, {}):
-            plan.duplicates.append(index)  # a second copy of one already waiting
+            self._apply(index)
+            self._release(item.key, item.producer)
+        elif item.seq in self._pending.get(slot, {}):
+            self.plan.duplicates.append(index)  # a second copy of one already deferred
         else:
-            pending.setdefault(slot, {})[item.seq] = index
+            self._pending.setdefault(slot, {})[item.seq] = index
 
-    for (key, producer), waiting in pending.items():
-        while waiting:
-            key_marks = current(key)
-            first = key_marks.mark_of(producer) + 1
-            next_seq = min(waiting)
-            since = min(_since(items[i], now) for i in waiting.values())
-            gap = Gap(key, producer, first, next_seq - 1, since)
-            if now - since < gap_timeout_s:
-                plan.open_gaps.append(gap)
-                plan.waiting.extend(sorted(waiting.values()))
-                break
-            key_marks.skip(producer, gap.first, gap.last)
-            plan.skipped_gaps.append(gap)
-            release(key, producer)
-    plan.waiting.sort()
-    return plan
+    def close_gaps(self, now: float, gap_timeout_s: float) -> None:
+        """What is still deferred: its gap stays open, or, past the timeout, is given up
+        and what followed it applies."""
+        plan = self.plan
+        for (key, producer), deferred in self._pending.items():
+            while deferred:
+                first = self._current(key).mark_of(producer) + 1
+                since = min(_since(self._items[i], now) for i in deferred.values())
+                gap = Gap(key, producer, first, min(deferred) - 1, since)
+                if now - since < gap_timeout_s:
+                    plan.open_gaps.append(gap)
+                    plan.deferred.extend(sorted(deferred.values()))
+                    break
+                self._current(key).skip(producer, gap.first, gap.last)
+                plan.skipped_gaps.append(gap)
+                self._release(key, producer)
+        plan.deferred.sort()
+
+    def _take_redriven(self, index: int, item: Identified, redrive_id: str) -> None:
+        """A redriven event goes by its id, not its seq (the marks may have passed it)."""
+        key_marks = self._current(item.key)
+        if key_marks.was_redriven(redrive_id):
+            self.plan.duplicates.append(index)
+            return
+        if item.counts:  # dead-lettered again, it may be redriven again
+            key_marks.redrive(redrive_id, item.producer, item.seq)
+            key_marks.applied += 1
+        self.plan.apply.append(index)
+        if item.producer is not None:
+            self._release(item.key, item.producer)
+
+    def _current(self, key: str) -> KeyMarks:
+        found = self.plan.marks.get(key)
+        if found is None:
+            found = (self._committed.get(key) or KeyMarks()).copy()
+            self.plan.marks[key] = found
+        return found
+
+    def _apply(self, index: int) -> None:
+        item = self._items[index]
+        key_marks = self._current(item.key)
+        if item.producer is not None and item.seq is not None:
+            key_marks.advance(item.producer, item.seq)
+        if item.counts:
+            key_marks.applied += 1
+        self.plan.apply.append(index)
+
+    def _release(self, key: str, producer: str) -> None:
+        """Apply the deferred events that the mark has made contiguous."""
+        deferred = self._pending.get((key, producer))
+        key_marks = self._current(key)
+        while deferred:
+            following = deferred.pop(key_marks.mark_of(producer) + 1, None)
+            if following is None:
+                return
+            self._apply(following)
 
 
 def _since(item: Identified, now: float) -> float:

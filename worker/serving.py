@@ -1,5 +1,6 @@
-"""The batch loop of a serving worker: take deliveries, process a batch, and act on what it
-reports, between batches handing queues back, reopening consumers and giving up gaps.
+"""The batch loop of a serving worker: take deliveries, process a batch and have the held
+queues apply what it came to; between batches hand queues back, reopen consumers and give up
+gaps.
 
 A ``Session`` exists only while the worker serves, so every part it needs is there: the
 AMQP link, the held queues, the claim loop, the batch processor and the gap watchers.
@@ -7,6 +8,7 @@ AMQP link, the held queues, the claim loop, the batch processor and the gap watc
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue as queue_module
 import threading
@@ -16,24 +18,23 @@ from dataclasses import dataclass
 
 from keyq.broker.connections import redis_errors
 from keyq.broker.errors import KeyqError
+from keyq.broker.producer_presence import ProducerPresence
 from keyq.worker.abandoned_gaps import AbandonedGaps
 from keyq.worker.aside_drains import AsideDrains
 from keyq.worker.batches import BatchProcessor
 from keyq.worker.claims import ClaimLoop
 from keyq.worker.config import WorkerSettings
-from keyq.worker.consumer import ConsumerLink
+from keyq.worker.consumer import ConsumerLink, QueueCounter
 from keyq.worker.deliveries import Delivery, DeliveryBuffer, oldest_published_ms
 from keyq.worker.handbacks import HandBacks
-from keyq.worker.held_queues import HeldQueues
+from keyq.worker.held_queues import HeldQueues, QueueEvents
+from keyq.worker.starvation import StarvedQueues
 from keyq.worker.stuck_gaps import StuckGaps
 
 log = logging.getLogger("keyq.worker")
 
 QueueCallback = Callable[[list[str]], None]
-# (kind, queues, reason): "assigned" or "revoked", reported by ``HeldQueues``.
-QueueEvents = queue_module.SimpleQueue[tuple[str, list[str], str]]
 ERROR_BACKOFF_S = 1.0
-MAX_PREFETCH = 65535  # the most unacked messages an AMQP consumer's prefetch can allow
 BATCH_WAIT_SPARK_FACTOR = 2.0
 BATCH_WAIT_MAX_S = 2.0
 RATE_WAIT_MAX_S = 0.1  # a rate-limited key's wait never holds up other keys' events longer
@@ -57,6 +58,27 @@ def reopen_for_gap(stuck: StuckGaps, held: HeldQueues, queue: str) -> None:
     held.reopen(queue)
 
 
+def gap_watchers(
+    settings: WorkerSettings,
+    buffer: DeliveryBuffer,
+    presence: ProducerPresence,
+    counts: QueueCounter,
+    held: HeldQueues,
+) -> tuple[StuckGaps, AbandonedGaps]:
+    """What watches the sequence gaps of ``held``'s queues between batches."""
+    stuck = StuckGaps(buffer, settings.sequence_gap_timeout_ms / 1000)
+    abandoned = AbandonedGaps(
+        buffer,
+        alive=presence.alive,
+        ready_count=counts.message_count,
+        room_of=held.room_of,
+        confirm_gone_s=settings.producer_ttl_ms / 2000,
+        reopened_at=stuck.reopened_at,
+        reopen=functools.partial(reopen_for_gap, stuck, held),
+    )
+    return stuck, abandoned
+
+
 @dataclass
 class Session:
     """What a serving worker runs with; used by the batch loop's thread (its parts say
@@ -74,6 +96,7 @@ class Session:
     events: QueueEvents
     stop: threading.Event
     drains: AsideDrains
+    starved: StarvedQueues
     on_assigned: QueueCallback | None = None
     on_revoked: QueueCallback | None = None
     # When the oldest event of the batch being processed was published (read by reports).
@@ -93,6 +116,7 @@ class Session:
             if not ready.is_set() and self.claims.ready:
                 ready.set()
                 log.info(started)
+            self.held.settle_gone()
             self.fire_events()
             self.hand_back(self.handbacks.take())
             self.give_up_abandoned_gaps()
@@ -108,8 +132,8 @@ class Session:
                 return
 
     def process(self, batch: list[Delivery]) -> None:
-        """Process one batch and act on its outcome: park what waits for an earlier seq,
-        stop the queues whose locks moved on, and put back what was not settled."""
+        """Process one batch and have the held queues apply its outcome; back off after a
+        service failure, and wait for a token when every event was over its key's rate."""
         self.in_batch_since_ms = oldest_published_ms(batch)
         try:
             outcome = self.processor.process(batch)
@@ -117,53 +141,16 @@ class Session:
             self.in_batch_since_ms = None
         if outcome.interrupted is not None:
             self.stop.wait(ERROR_BACKOFF_S)
-        self.park(outcome.waiting)
-        for queue in outcome.held_back:
-            self.held.detach(queue)
-        if outcome.limited:
-            # Over their key's rate: back in the buffer, in order, for a later batch; if
-            # nothing else could run, wait for the first key's next token.
-            self.held.put_back(outcome.limited)
-            if len(outcome.limited) == len(batch):
-                self.stop.wait(min(max(outcome.retry_limited_in, 0.005), RATE_WAIT_MAX_S))
-        for lease in outcome.lost:
-            self.held.lose(lease, "commit refused: the lock moved on")
-        if outcome.unsettled:
-            self.held.put_back(outcome.unsettled)
-
-    def park(self, waiting: list[Delivery]) -> None:
-        """Set aside what waits for an earlier seq. A consumer whose whole prefetch waits
-        would never be sent the events that fill the gap: it is reopened with room for more
-        (closing hands every unacked delivery back, in order). Counted in messages, as the
-        broker counts the prefetch: a pack with an event parked is a message still unacked."""
-        if not waiting:
-            return
-        fresh = [d for d in waiting if self.held.lease_for(d.queue, d.channel_epoch)]
-        self.buffer.park(fresh)
-        for queue in {d.queue for d in fresh}:
-            room = self.held.room_of(queue)
-            if room is None:
-                continue
-            parked = self.buffer.parked_messages(queue)
-            if parked < room or room >= MAX_PREFETCH:
-                continue
-            settings = self.settings
-            wider = min(MAX_PREFETCH, parked + settings.amqp_prefetch(settings.prefetch))
-            log.info(
-                "queue %s: all %d unacked messages wait for an earlier seq; reopening it with "
-                "a prefetch of %d messages",
-                queue,
-                parked,
-                wider,
-            )
-            self.held.reopen(queue, wider)
+        self.held.apply(outcome)
+        if outcome.limited and len(outcome.limited) == len(batch):
+            self.stop.wait(min(max(outcome.retry_limited_in, 0.005), RATE_WAIT_MAX_S))
 
     def drain_aside(self) -> None:
         """Drain what keys that flow again had waiting aside (``keyq.worker.aside_drains``);
         a service error only postpones it."""
         try:
             with redis_errors(self.settings.redis_url):
-                self.drains.step()
+                self.drains.step(self.held)
         except KeyqError as exc:
             log.debug("draining events set aside failed (retried): %s", exc)
 
@@ -195,8 +182,8 @@ class Session:
         """Hand back the queues the claim loop asked for, at this batch boundary."""
         if not requests:
             return
-        draining = set(self.held.sides().values())
-        queues = self.held.release(
+        draining = self.drains.draining()
+        queues = self.held.hand_back(
             requests, busy=lambda queue: self.buffer.depth(queue) > 0 or queue in draining
         )
         self.handbacks.handed_back(queues)
@@ -220,7 +207,7 @@ class Session:
         """Take nothing new, close every consumer and hand every lock back; returns what
         was held."""
         self.claims.stop_claiming()  # it renews the locks until they are handed back
-        held = self.held.release_all()
+        held = self.held.hand_back_all()
         self.claims.stop()
         self.fire_events()
         return [item.queue for item in held]

@@ -25,8 +25,6 @@ from keyq.worker.deliveries import DeliveryBuffer
 # same quiet as before a gone producer's gap is given up.
 REOPEN_AFTER_S = 10.0
 
-__all__ = ["QUIET_S", "REOPEN_AFTER_S", "StuckGaps"]
-
 
 class StuckGaps:
     """Which queues with a long-open gap to reopen now, and when each was last reopened."""
@@ -41,11 +39,11 @@ class StuckGaps:
         """Queues whose oldest waiting event has waited ``reopen_after_s``, quiet for
         ``QUIET_S``, and not reopened within ``reopen_after_s``."""
         now = time.monotonic() if now is None else now
-        parked = self._buffer.parked_items()
-        for queue in [queue for queue in self._reopened if queue not in parked]:
+        deferred = self._buffer.parked_items()
+        for queue in [queue for queue in self._reopened if queue not in deferred]:
             del self._reopened[queue]  # its gap filled or was given up
         due = []
-        for queue, items in parked.items():
+        for queue, items in deferred.items():
             last = self._buffer.last_arrival(queue)
             if last is not None and now - last < QUIET_S:
                 continue
