@@ -3,7 +3,7 @@
 Each round runs one stream of its own: ``--workers`` ``keyq worker`` processes
 (``bench.pipelines:count``), an untimed warm-up load (a fresh JVM spends its first dozens of
 Spark jobs compiling), then ``--events`` order events over ``--keys`` orders, Zipf-skewed as
-the demo's (``keyq.orders.generate_orders``), published flat out by a ``Producer`` in a
+the demo's (``keyq.demo.orders.generate_orders``), published flat out by a ``Producer`` in a
 process of its own. The measured interval runs from the first publish until every event's
 state is committed. Over it, the CPU (``/proc/<pid>/stat``, utime + stime, exited children
 included) of:
@@ -65,7 +65,7 @@ from bench.service_process import service_pid
 from keyq import Producer
 from keyq.broker.connections import open_redis
 from keyq.broker.settings import Settings, load_settings
-from keyq.orders import generate_orders
+from keyq.demo.orders import generate_orders
 from keyq.worker.state_store import StateStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -442,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "pack_max_bytes": settings.pack_max_bytes,
         "pack_linger_ms": settings.pack_linger_ms,
         "pipeline": PIPELINE,
-        "load": "keyq.orders.generate_orders (Zipf-skewed orders)",
+        "load": "keyq.demo.orders.generate_orders (Zipf-skewed orders)",
     }
     result: dict[str, Any] = {
         "benchmark": "cpu_per_event",

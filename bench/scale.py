@@ -47,7 +47,7 @@ from keyq.broker.connections import open_redis
 from keyq.broker.management import get_json
 from keyq.broker.membership import Membership
 from keyq.broker.settings import Settings, load_settings
-from keyq.processes import Daemon
+from keyq.demo.processes import Daemon
 from keyq.worker.state_store import StateStore
 from tests.servers import PrivateRabbit, PrivateRedis
 

@@ -34,7 +34,7 @@ from keyq.broker.naming import key_queue_name
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings, load_settings
 from keyq.broker.streams import ensure_stream_config
-from keyq.status import collect_status
+from keyq.ops.status import collect_status
 from tests.servers import PrivateRabbit
 
 DECLARE_CONNECTIONS = 4

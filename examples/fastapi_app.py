@@ -6,13 +6,13 @@ where it went; ``?durable=true`` answers only once RabbitMQ confirmed this one e
 producer opens with the application (its lifespan) and is flushed and closed when it stops, so
 no accepted event is dropped by a clean shutdown.
 
-The events are those of the order pipeline, ``keyq.orders``: ``created``, ``item_added`` and
+The events are those of the order pipeline, ``keyq.demo.orders``: ``created``, ``item_added`` and
 ``item_removed`` (with ``sku``, ``qty``, ``price_cents``), ``paid``, ``cancelled``,
 ``shipped``. Needs ``pip install . fastapi uvicorn`` in a checkout and a RabbitMQ and Redis
 (``make services``); a worker folds the events into each order's state:
 
     uvicorn examples.fastapi_app:app
-    keyq worker --stream orders --pipeline keyq.orders:pipeline      # needs ".[worker]"
+    keyq worker --stream orders --pipeline keyq.demo.orders:pipeline      # needs ".[worker]"
     curl -X POST localhost:8000/orders/order-17/events -H 'content-type: application/json' \\
         -d '{"type": "created"}'
     curl -X POST localhost:8000/orders/order-17/events -H 'content-type: application/json' \\

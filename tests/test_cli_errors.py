@@ -125,16 +125,16 @@ ROWS: dict[str, Row] = {
     "status zero watch": row(USAGE, "status", *STREAM, "--watch", "0", says="--watch"),
     # worker (the pipeline rows below are the worker's too)
     "worker negative until-idle": row(
-        USAGE, "worker", *STREAM, "--pipeline", "keyq.orders:pipeline", "--until-idle", "-1"
+        USAGE, "worker", *STREAM, "--pipeline", "keyq.demo.orders:pipeline", "--until-idle", "-1"
     ),
     "worker zero buckets": row(
-        USAGE, "worker", *STREAM, "--pipeline", "keyq.orders:pipeline", "--buckets", "0"
+        USAGE, "worker", *STREAM, "--pipeline", "keyq.demo.orders:pipeline", "--buckets", "0"
     ),
     "worker bad sink": row(
-        USAGE, "worker", *STREAM, "--pipeline", "keyq.orders:pipeline", "--sink", "ftp:x"
+        USAGE, "worker", *STREAM, "--pipeline", "keyq.demo.orders:pipeline", "--sink", "ftp:x"
     ),
     "worker bad id": row(
-        USAGE, "worker", *STREAM, "--pipeline", "keyq.orders:pipeline", "--worker-id", "a|b"
+        USAGE, "worker", *STREAM, "--pipeline", "keyq.demo.orders:pipeline", "--worker-id", "a|b"
     ),
     # janitor
     "janitor negative idle ttl": row(USAGE, "janitor", "--once", "--idle-ttl", "-1"),

@@ -8,6 +8,7 @@ import datetime
 import pika
 import pytest
 
+from keyq.broker.dead_letter_index import preview
 from keyq.broker.dead_letter_queue import (
     DeadLetterMessage,
     PartialPack,
@@ -27,15 +28,10 @@ from keyq.broker.envelope import (
 )
 from keyq.broker.errors import InvalidInput
 from keyq.broker.packs import HEADER_PACK, PACK_CONTENT_TYPE, encode_pack, encode_record
-from keyq.dead_letter_listing import (
-    letter_detail,
-    letter_row,
-    preview,
-    render_detail,
-    render_rows,
-)
-from keyq.letter_selection import LetterNotFound, by_ids, of_key, whole_packs
-from keyq.redrive import redriven_properties
+from keyq.cli.dead_letter_rows import render_detail, render_rows
+from keyq.ops.dead_letter_listing import letter_detail, letter_row
+from keyq.ops.dead_letter_selection import LetterNotFound, by_ids, of_key, whole_packs
+from keyq.ops.redrive import redriven_properties
 
 
 def _letter(

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
-from keyq.orders import expected_states, generate_orders
+from keyq.demo.orders import expected_states, generate_orders
 from keyq.worker.state_store import StateStore
 from tests.workers import FAST, REPO, keyq_environment
 

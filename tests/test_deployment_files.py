@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from keyq.broker.settings import Settings
-from keyq.cli import cli
+from keyq.cli.root import cli
 from keyq.janitor.config import JanitorSettings
 from keyq.worker.config import WorkerSettings
 

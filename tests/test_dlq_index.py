@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from keyq import Producer
 from keyq.broker.key_control import KeyControl
 from keyq.broker.naming import dead_letter_queue_name
-from keyq.cli import cli
+from keyq.cli.root import cli
 from keyq.worker.state_store import StateStore
 from tests.conftest import StreamFixture
 from tests.operator_helpers import (

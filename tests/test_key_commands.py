@@ -12,8 +12,7 @@ import pytest
 
 from keyq.broker.key_control import KeyControl, ParkedKey
 from keyq.broker.stream_policy import StreamPolicies, StreamPolicy
-from keyq.key_commands import read_keys
-from keyq.operator_context import keys_in_file
+from keyq.ops.context import keys_in_file, read_keys
 from tests.conftest import StreamFixture
 from tests.operator_helpers import depth, keyq, one_line_error, record_stream, with_operator_queues
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from keyq.cli import LOG_LEVELS
+from keyq.cli.root import LOG_LEVELS
 from tests.workers import REPO
 
 # Closed ports: a command that gets past its options fails fast, and reaches nothing.
@@ -18,7 +18,7 @@ NOWHERE = {
     "KEYQ_REDIS_URL": "redis://127.0.0.1:1/0",
 }
 DAEMONS = {
-    "worker": ["--stream", "levels", "--pipeline", "keyq.orders:pipeline"],
+    "worker": ["--stream", "levels", "--pipeline", "keyq.demo.orders:pipeline"],
     "janitor": ["--once"],
 }
 

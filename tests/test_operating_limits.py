@@ -25,11 +25,12 @@ from keyq.broker.errors import ConfigurationError
 from keyq.broker.fd_usage import NO_FIGURES, NOT_SET, FdUsage, near_limit, read_fd_usage
 from keyq.broker.redis_persistence import Persistence, judge, log_redis_persistence
 from keyq.broker.settings import Settings, load_settings
+from keyq.cli.status import render_table
 from keyq.janitor.config import JanitorSettings
 from keyq.janitor.fd_watch import FdWatch
 from keyq.janitor.janitor import Janitor
 from keyq.janitor.metrics import JanitorMetrics
-from keyq.status import collect_status, render_table
+from keyq.ops.status import collect_status
 from tests.conftest import PRIVATE_RABBIT_NOFILE, StreamFixture
 from tests.servers import PrivateRabbit, PrivateRedis, free_port, private_servers_available
 from tests.workers import REPO, WorkerProcess, keyq_environment, wait_until
@@ -37,7 +38,7 @@ from tests.workers import REPO, WorkerProcess, keyq_environment, wait_until
 NOFILE = PRIVATE_RABBIT_NOFILE
 WARN_RATIO = 0.5  # of 512: 256 fds; the node opens about 40 at rest, one per queue with messages
 KEYS = 300  # 340 fds or so: above the warning, below what RabbitMQ's handle cache allows
-RUN_STATUS = "from keyq.status import status_command; status_command()"
+RUN_STATUS = "from keyq.cli.status import status_command; status_command()"
 NO_PERSISTENCE = "Redis keeps nothing on disk"
 
 

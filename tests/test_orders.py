@@ -31,7 +31,7 @@ from keyq.broker.locks import FencedLocks
 from keyq.broker.naming import key_queue_name
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings
-from keyq.orders import (
+from keyq.demo.orders import (
     EVENT_TYPES,
     MAX_INT64,
     OrderState,
@@ -232,7 +232,7 @@ def test_the_reducer_and_the_pipeline_pickle_by_reference() -> None:
 def test_the_pipeline_folds_with_the_order_reducer() -> None:
     from keyq.worker.pipeline_loading import load_pipeline
 
-    assert load_pipeline("keyq.orders:pipeline") is pipeline
+    assert load_pipeline("keyq.demo.orders:pipeline") is pipeline
     calls: list[tuple[Any, Any]] = []
 
     class State:
@@ -573,7 +573,7 @@ def test_orders_survive_a_killed_worker(
     pairs = generate_orders(150, 3000, seed=20240611)
     expected = expected_states(pairs)
     out = tmp_path / "out"
-    options = {"pipeline": "keyq.orders:pipeline", "mode": "key", "sink": f"parquet:{out}"}
+    options = {"pipeline": "keyq.demo.orders:pipeline", "mode": "key", "sink": f"parquet:{out}"}
     store = StateStore(stream.redis, stream.name)
     orders = sorted(expected)
 
@@ -624,7 +624,7 @@ def test_keyq_state_prints_a_processed_order(
 ) -> None:
     pairs = generate_orders(6, 90, seed=7)
     expected = expected_states(pairs)
-    worker = workers(stream.name, pipeline="keyq.orders:pipeline", mode="key")
+    worker = workers(stream.name, pipeline="keyq.demo.orders:pipeline", mode="key")
     with Producer(stream.name, mode="key") as producer:
         for order, event in pairs:
             producer.publish(order, event)

@@ -187,7 +187,7 @@ def run_light(venv: Path, stream: Any, *args: str, where: Path) -> subprocess.Co
 
 def test_the_plain_install_has_no_spark(light_venv: Path) -> None:
     probe = (
-        "import importlib.util, sys; import keyq, keyq.cli; "
+        "import importlib.util, sys; import keyq, keyq.cli.root; "
         f"print([m for m in {SPARK_MODULES!r} if importlib.util.find_spec(m)])"
     )
     found = subprocess.run(
@@ -234,7 +234,7 @@ def test_the_plain_install_publishes_and_runs_the_light_commands(
 @pytest.mark.parametrize(
     "command",
     [
-        ("worker", "--stream", "orders", "--pipeline", "keyq.orders:pipeline"),
+        ("worker", "--stream", "orders", "--pipeline", "keyq.demo.orders:pipeline"),
         ("spark-cache",),
         ("demo", "--events", "10"),
     ],

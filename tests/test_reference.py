@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from keyq.reference import REGENERATE, _symbolic, render
+from keyq.cli.reference import REGENERATE, _symbolic, render
 
 REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "reference.md"
 

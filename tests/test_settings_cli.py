@@ -116,7 +116,7 @@ def test_the_daemons_name_the_variable_too(tmp_path: Path) -> None:
         "number\n"
     )
     (tmp_path / ".env").write_text("KEYQ_MAX_ATTEMPTS=0\n")
-    worker = keyq(tmp_path, "worker", "--stream", "s", "--pipeline", "keyq.orders:pipeline")
+    worker = keyq(tmp_path, "worker", "--stream", "s", "--pipeline", "keyq.demo.orders:pipeline")
     assert worker.returncode == EXIT_USAGE
     assert worker.stderr.startswith("keyq: KEYQ_MAX_ATTEMPTS: Input should be greater than or")
 

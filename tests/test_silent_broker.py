@@ -36,8 +36,8 @@ from keyq.broker.naming import key_queue_name
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings, load_settings
 from keyq.broker.streams import ensure_stream_config
-from keyq.demo import Demo, DemoOptions
-from keyq.processes import Daemon
+from keyq.demo.processes import Daemon
+from keyq.demo.runner import Demo, DemoOptions
 from tests.faults import FaultProxy
 from tests.helpers import drain
 from tests.silent_broker import SilentListener

@@ -19,14 +19,15 @@ import orjson
 import pika
 import pytest
 
-import keyq.status as status_module
+import keyq.ops.status as status_module
 from keyq import Producer
 from keyq.broker.locks import FencedLocks, Lease
 from keyq.broker.membership import Membership
 from keyq.broker.naming import dead_letter_queue_name, key_queue_name
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings, load_settings
-from keyq.status import TABLE_LIMIT, StatusReader, add_rates, collect_status, render_table
+from keyq.cli.status import TABLE_LIMIT, render_table
+from keyq.ops.status import StatusReader, add_rates, collect_status
 from tests.helpers import queue_depth
 from tests.servers import free_port
 from tests.workers import REPO, keyq_environment, wait_until
@@ -38,7 +39,7 @@ MEMBER_TTL_MS = 60_000
 PUBLISHED = {"sensor-a": 3, "sensor-b": 2, "sensor-c": 1}
 OWNER = "fake-worker"
 GONE = "gone-worker"
-RUN_STATUS = "from keyq.status import status_command; status_command()"
+RUN_STATUS = "from keyq.cli.status import status_command; status_command()"
 
 
 @dataclass

@@ -8,8 +8,8 @@ from typing import Any
 import orjson
 
 from keyq.broker.worker_report import GapReport, WorkerReport
-from keyq.status_rows import add_rates, deepest_first, queue_row, worker_row
-from keyq.status_table import render_table
+from keyq.cli.status import render_table
+from keyq.ops.status import add_rates, deepest_first, queue_row, worker_row
 
 ROW_KEYS = [
     "worker",

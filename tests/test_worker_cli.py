@@ -35,21 +35,21 @@ def test_a_pipeline_that_cannot_be_imported_is_a_usage_error(settings: Settings)
 
 
 def test_a_pipeline_that_is_not_a_function_is_a_usage_error(settings: Settings) -> None:
-    done = keyq_worker(settings, "--stream", "s", "--pipeline", "keyq.orders:EVENT_TYPES")
+    done = keyq_worker(settings, "--stream", "s", "--pipeline", "keyq.demo.orders:EVENT_TYPES")
     assert done.returncode == EXIT_USAGE
     assert "is not a function" in done.stderr
 
 
 def test_an_unknown_sink_is_a_usage_error(settings: Settings) -> None:
     done = keyq_worker(
-        settings, "--stream", "s", "--pipeline", "keyq.orders:pipeline", "--sink", "ftp://x"
+        settings, "--stream", "s", "--pipeline", "keyq.demo.orders:pipeline", "--sink", "ftp://x"
     )
     assert done.returncode == EXIT_USAGE
     assert "parquet:" in done.stderr
 
 
 def test_a_bad_stream_name_is_a_usage_error(settings: Settings) -> None:
-    done = keyq_worker(settings, "--stream", "no spaces", "--pipeline", "keyq.orders:pipeline")
+    done = keyq_worker(settings, "--stream", "no spaces", "--pipeline", "keyq.demo.orders:pipeline")
     assert done.returncode == EXIT_USAGE
     assert "stream" in done.stderr.lower()
 
@@ -63,7 +63,7 @@ def test_wrong_credentials_fail_fast_without_showing_the_password(settings: Sett
         "--stream",
         "s",
         "--pipeline",
-        "keyq.orders:pipeline",
+        "keyq.demo.orders:pipeline",
         env={"KEYQ_AMQP_URL": url, "KEYQ_RECONNECT_TIMEOUT": "1"},
     )
     assert done.returncode == EXIT_FAILURE

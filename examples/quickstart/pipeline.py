@@ -1,6 +1,6 @@
 """The quickstart's order pipeline, before and after a fix.
 
-``v1`` folds order events with ``keyq.orders.apply_order_event``, which refuses an item event
+``v1`` folds order events with ``keyq.demo.orders.apply_order_event``, which refuses an item event
 without a ``qty``: such an event is poison, dead-lettered (and, under the ``park`` policy, its
 key stops). ``v2`` is the fix: an item without a quantity is one item. Redriving the key after
 deploying ``v2`` applies the parked event and everything that waited behind it, in order.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from keyq.orders import ITEM_EVENTS, OrderState, apply_order_event
+from keyq.demo.orders import ITEM_EVENTS, OrderState, apply_order_event
 
 if TYPE_CHECKING:
     from keyq.worker.pipeline import BatchContext

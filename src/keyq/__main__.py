@@ -1,5 +1,5 @@
 """``python -m keyq`` is the ``keyq`` command."""
 
-from keyq.cli import main
+from keyq.cli.root import main
 
 main()

@@ -18,9 +18,9 @@ import time
 
 import pika
 
-from keyq import bulk_redrive, dlq_lock
 from keyq.broker.confirm_window import ConfirmWindow
-from keyq.cli import main
+from keyq.cli.root import main
+from keyq.ops import bulk_redrive, dead_letter_lock
 
 
 def pause_after(count: int, seconds: float) -> None:
@@ -53,7 +53,7 @@ def run(argv: list[str]) -> None:
     if options.pause_after is not None:
         pause_after(options.pause_after, options.pause_s)
     if options.lock_ttl_ms is not None:
-        dlq_lock.LOCK_TTL_MS = options.lock_ttl_ms
+        dead_letter_lock.LOCK_TTL_MS = options.lock_ttl_ms
     if options.chunk_keys is not None:
         bulk_redrive.CHUNK_KEYS = options.chunk_keys
     sys.argv = ["keyq", *keyq_arguments]

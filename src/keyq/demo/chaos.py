@@ -25,10 +25,11 @@ from keyq.broker.connections import describe_exception, open_blocking_connection
 from keyq.broker.errors import KeyqError
 from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
+from keyq.broker.queue_probe import QueueProbe
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings
 from keyq.broker.urls import scrub
-from keyq.processes import Daemon
+from keyq.demo.processes import Daemon
 
 # Failures a chaos step meets when a service misbehaves: reported in one line, no traceback.
 SERVICE_ERRORS: tuple[type[BaseException], ...] = (
@@ -38,7 +39,6 @@ SERVICE_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
 )
 FAILOVER_LIMIT_S = 60  # a failover slower than this is not recorded
-NOT_FOUND = 404
 
 # The demo's own log, which its console shows above the progress bar.
 log = logging.getLogger("keyq.demo")
@@ -55,6 +55,13 @@ class Chaos:
     @property
     def failed_steps(self) -> int:
         return sum(1 for action in self.actions if "failed" in action)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "actions": self.actions,
+            "failovers_s": self.failovers_s,
+            "failed_steps": self.failed_steps,
+        }
 
 
 class ChaosMonkey:
@@ -171,41 +178,25 @@ class ChaosMonkey:
         holder until its key speaks again). Not recorded if it takes over a minute; raises
         what keeps it from being measured (a service that does not answer)."""
         pending = set(held)
-        with _ReadyCounter(self.settings) as counter:
+        connection = open_blocking_connection(self.settings, "keyq-demo-failover")
+        probe = QueueProbe(connection.channel)
+        try:
             while time.monotonic() - killed_at < FAILOVER_LIMIT_S and not self._stop.is_set():
-                holders = locks.holders(sorted(pending))
-                for queue, lease in holders.items():
+                for queue, lease in locks.holders(sorted(pending)).items():
                     taken_over = lease is not None and lease.owner != dead
-                    if taken_over or (lease is None and counter.ready(queue) == 0):
+                    # A queue that no longer exists (the janitor took it) holds nothing.
+                    if taken_over or (lease is None and _ready(probe, queue) == 0):
                         pending.discard(queue)
                 if not pending:
                     self.record.failovers_s.append(round(time.monotonic() - killed_at, 3))
                     return
                 time.sleep(0.2)  # each look may declare hundreds of queues: not too often
+        finally:
+            with contextlib.suppress(Exception):  # a broken connection: dropped either way
+                connection.close()
 
 
-class _ReadyCounter:
-    """Messages ready in a queue, by passive declare on a connection of its own."""
-
-    def __init__(self, settings: Settings) -> None:
-        self._connection = open_blocking_connection(settings, "keyq-demo-failover")
-        self._channel = self._connection.channel()
-
-    def __enter__(self) -> _ReadyCounter:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        with contextlib.suppress(Exception):  # a broken connection: dropped either way
-            self._connection.close()
-
-    def ready(self, queue: str) -> int:
-        """0 for a queue that no longer exists (the janitor took it)."""
-        if not self._channel.is_open:
-            self._channel = self._connection.channel()
-        try:
-            declared = self._channel.queue_declare(queue, passive=True)
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code == NOT_FOUND:
-                return 0
-            raise
-        return int(declared.method.message_count)
+def _ready(probe: QueueProbe, queue: str) -> int:
+    """Messages ready in ``queue``; 0 for one that no longer exists."""
+    counts = probe.counts(queue)
+    return 0 if counts is None else counts.ready

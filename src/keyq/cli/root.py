@@ -1,7 +1,7 @@
 """``keyq``: one command for producing, inspecting and (later) running keyq's daemons.
 
 Errors are printed in one line without a traceback, with exit codes scripts can rely on
-(``keyq.command_errors``): 0 ok, 1 a runtime failure (a service down, a timeout), 2 bad usage,
+(``keyq.cli.errors``): 0 ok, 1 a runtime failure (a service down, a timeout), 2 bad usage,
 input or configuration, refused before any service is contacted, 3 a failed demo verdict.
 """
 
@@ -15,17 +15,15 @@ import orjson
 
 from keyq.broker.settings import load_settings
 from keyq.broker.streams import requested_config
-from keyq.cli_checks import NON_NEGATIVE, POSITIVE, json_event, key_name, stream_name
-from keyq.command_errors import EXIT_FAILURE, EXIT_VERDICT, OneLineGroup, exit_with, usage
-from keyq.dlq_cli import dlq_group
+from keyq.cli.checks import NON_NEGATIVE, POSITIVE, json_event, key_name, stream_name
+from keyq.cli.control import pause_command, resume_command, stream_group
+from keyq.cli.dead_letters import dead_letters_group
+from keyq.cli.errors import EXIT_FAILURE, EXIT_VERDICT, OneLineGroup, exit_with, usage
+from keyq.cli.inspect import inspect_command
+from keyq.cli.settings import settings_command
+from keyq.cli.status import status_command
 from keyq.extras import require_worker_extra
-from keyq.inspect_cli import inspect_command
-from keyq.key_commands import pause_command, resume_command, stream_group
 from keyq.producer import Producer
-from keyq.settings_cli import settings_command
-from keyq.status import status_command
-
-__all__ = ["EXIT_VERDICT", "LOG_LEVELS", "cli", "main"]
 
 stream_option = click.option("--stream", required=True, callback=stream_name, help="Stream name.")
 mode_option = click.option("--mode", type=click.Choice(["key", "bucket"]), default=None)
@@ -85,7 +83,9 @@ def publish(
 @cli.command("worker")
 @stream_option
 @click.option(
-    "--pipeline", required=True, help="The pipeline as module:function, e.g. keyq.orders:pipeline."
+    "--pipeline",
+    required=True,
+    help="The pipeline as module:function, e.g. keyq.demo.orders:pipeline.",
 )
 @click.option("--sink", default=None, help="Batch output: parquet:/path/to/folder (default none).")
 @mode_option
@@ -118,7 +118,7 @@ def worker_command(
     """
     requested_config(stream, mode, buckets)
     require_worker_extra("keyq worker")
-    from keyq.worker_daemon import run_worker_daemon  # noqa: PLC0415 - imports Spark
+    from keyq.cli.daemons import run_worker_daemon  # noqa: PLC0415 - keeps startup light
 
     run_worker_daemon(
         stream=stream,
@@ -183,7 +183,7 @@ def janitor_command(
     Several janitors may run: one leads each stream, the others stand by. Services that are
     down are waited for; only bad configuration makes it exit (2).
     """
-    from keyq.janitor_daemon import run_janitor_daemon  # noqa: PLC0415 - light imports elsewhere
+    from keyq.cli.daemons import run_janitor_daemon  # noqa: PLC0415 - keeps startup light
 
     run_janitor_daemon(
         streams=streams,
@@ -220,7 +220,7 @@ def produce_command(
     seed: int,
 ) -> None:
     """Publish synthetic keyed load and print what was done as JSON."""
-    from keyq.produce import Load, produce  # noqa: PLC0415 - keeps startup light
+    from keyq.ops.produce import Load, produce  # noqa: PLC0415 - keeps startup light
 
     requested_config(stream, mode, buckets)
     done = produce(Load(stream, keys, events, rate, skew, payload_bytes, mode, buckets, seed))
@@ -301,8 +301,8 @@ def demo_command(
     Exit 0 when every order's state equals a plain-Python fold of its events (nothing lost,
     reordered or applied twice), 3 when it does not, 1 on a runtime failure.
     """
-    from keyq.demo import DemoOptions  # noqa: PLC0415 - keeps startup light
-    from keyq.demo_cli import run_demo  # noqa: PLC0415
+    from keyq.demo.console import run_demo  # noqa: PLC0415
+    from keyq.demo.runner import DemoOptions  # noqa: PLC0415 - keeps startup light
 
     if not external_workers:
         require_worker_extra("keyq demo without --external-workers")
@@ -334,7 +334,7 @@ def demo_command(
 @click.option("--marks", is_flag=True, help="Also print the exactly-once marks (per producer).")
 def state_command(stream: str, key: str, marks: bool) -> None:
     """Print a key's committed state as JSON (exit 1 if it has none)."""
-    from keyq.key_state import read_state  # noqa: PLC0415 - keeps startup light
+    from keyq.ops.state import read_state  # noqa: PLC0415 - keeps startup light
 
     found, value, key_marks = read_state(stream, key)
     if not found:
@@ -346,7 +346,13 @@ def state_command(stream: str, key: str, marks: bool) -> None:
 cli.add_command(status_command)
 cli.add_command(settings_command)
 
-for operator_command in (dlq_group, pause_command, resume_command, stream_group, inspect_command):
+for operator_command in (
+    dead_letters_group,
+    pause_command,
+    resume_command,
+    stream_group,
+    inspect_command,
+):
     cli.add_command(operator_command)
 
 

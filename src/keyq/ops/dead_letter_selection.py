@@ -1,4 +1,5 @@
-"""Which dead letters a command means: a key's, or those with given ids (every copy of each).
+"""Which dead letters a command means: a key's, or those with given ids (every copy of each);
+and dropping them.
 
 An id is unique to an event only within its key (a key's seqs are its own), so ids that name
 letters of several keys must be narrowed with a key; an id that names nothing is bad input.
@@ -9,9 +10,13 @@ together (one message, one ack): a removal must take all of them or none (``whol
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+from keyq.broker.dead_letter_index import DeadLetterIndex
 from keyq.broker.dead_letter_queue import DeadLetterMessage, PartialPack, packs_left_partly
-from keyq.broker.errors import InvalidInput
+from keyq.broker.errors import InvalidInput, KeyqError
+from keyq.ops.context import OperatorContext
+from keyq.ops.dead_letter_lock import locked_walk
 
 
 class LetterNotFound(InvalidInput):
@@ -80,3 +85,43 @@ def whole_packs(
 
 def _ids(letters: Sequence[DeadLetterMessage]) -> list[str]:
     return list(dict.fromkeys(letter.letter_id for letter in letters))
+
+
+class NothingDropped(KeyqError):
+    """Nothing matched, or the operator said no (exit 1)."""
+
+
+def indexed_for_drop(
+    index: DeadLetterIndex, key: str | None, ids: Sequence[str]
+) -> list[dict[str, Any]]:
+    """What the index says a drop will remove (the walk then finds the letters themselves)."""
+    if not ids:
+        assert key is not None
+        return index.of_key(key, None).rows
+    return [
+        row
+        for letter_id in dict.fromkeys(ids)
+        for row in index.by_id(letter_id)
+        if key is None or row["key"] == key
+    ]
+
+
+def drop(
+    ctx: OperatorContext, key: str | None, ids: Sequence[str], wait: float
+) -> list[DeadLetterMessage]:
+    """Remove for good the letters of ``key`` or with ``ids`` (every copy; whole packs only),
+    from the queue, then from the index; every other letter stays in its place."""
+    queue = ctx.config.dead_letter_queue
+    with ctx.services(), locked_walk(ctx, wait) as walk:
+        letters = walk.read()
+        if ids:
+            picked = by_ids(letters, ids, key=key, queue=queue)
+        else:
+            assert key is not None
+            picked = of_key(letters, key)
+            if not picked:
+                raise NothingDropped(f"no dead letters of key {key} in {queue}")
+        whole_packs(letters, picked, queue=queue)
+        walk.ack(picked)
+        DeadLetterIndex(ctx.redis, ctx.stream).remove(picked)
+    return picked

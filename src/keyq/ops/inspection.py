@@ -22,30 +22,28 @@ import pika.exceptions
 from keyq.broker.clock import now_ms
 from keyq.broker.dead_letter_index import DeadLetterIndex
 from keyq.broker.envelope import HEADER_KEY, HEADER_PUBLISHED_AT
-from keyq.broker.key_control import KeyControl, KeyStatus
-from keyq.broker.locks import FencedLocks
+from keyq.broker.key_control import KeyControl, KeyStatus, ParkedKey
+from keyq.broker.locks import FencedLocks, Lease
 from keyq.broker.naming import Mode, incarnation_name
 from keyq.broker.packs import HEADER_PACK, MalformedPack, decode_pack, is_pack
+from keyq.broker.queue_probe import QueueCounts, QueueProbe
 from keyq.broker.retirement import RetirementFence
 from keyq.broker.stranded import Stranded, StrandedRecord, stranded_row
 from keyq.broker.stream_policy import StreamPolicies
+from keyq.broker.streams import StreamConfig
 from keyq.broker.worker_report import WorkerReport
-from keyq.operator_context import OperatorContext
+from keyq.ops.context import OperatorContext
 
-NOT_FOUND = 404
 DEAD_LETTERS_SHOWN = 100  # of a key, oldest first, from the index of dead letters
 BUCKET_SCAN = 20  # messages looked at for the key's first event in a shared bucket queue
 
 
-def inspect_key(ctx: OperatorContext, key: str, *, dlq_wait_s: float) -> dict[str, Any]:
-    """The key's picture as JSON-ready data (see the module docstring). ``dlq_wait_s`` is
-    kept for callers: the index is read without the dead-letter lock."""
-    del dlq_wait_s
+def inspect_key(ctx: OperatorContext, key: str) -> dict[str, Any]:
+    """The key's picture as JSON-ready data (see the module docstring)."""
     client, keys, config = ctx.redis, ctx.keys, ctx.config
     with ctx.services():
         base = config.queue_for(key)
-        incarnation = client.hget(keys.incarnations, base)
-        queue = incarnation_name(base, int(incarnation or 0))
+        queue = incarnation_name(base, int(client.hget(keys.incarnations, base) or 0))
         status = KeyControl(client, ctx.stream).status(key)
         policy = StreamPolicies(client, ctx.stream).load()
         lease = FencedLocks(client, ctx.stream).holder(queue)
@@ -57,24 +55,20 @@ def inspect_key(ctx: OperatorContext, key: str, *, dlq_wait_s: float) -> dict[st
         pipe.zscore(keys.registry, queue)
         raw_state, raw_marks, raw_info, expiry, activity = pipe.execute()
         connection = ctx.amqp()
-        depths = _depths(connection, [queue, *status.aside])
-        report = (
-            WorkerReport.parse(raw_info, worker=lease.owner, stream=ctx.stream) if lease else None
-        )
-        held = lease is not None or (depths[queue] or (0, 0))[1] > 0
+        counts = _counts(connection, [queue, *status.aside])
+        depth = counts[queue]
+        held = lease is not None or (depth is not None and depth.consumers > 0)
         retiring = bool(RetirementFence(client, ctx.stream).marked([queue]))
-        if depths[queue] is None or not depths[queue][0]:  # type: ignore[index]
-            oldest: dict[str, Any] = {"age_ms": None, "note": "nothing waits in the queue"}
-        elif config.queue_type == "quorum":
-            note = "not looked at: on a quorum queue a hand-back counts toward its delivery limit"
-            oldest = {"age_ms": None, "note": note}
-        else:
-            oldest = _oldest_waiting(connection, queue, key, config.mode, held or retiring)
+        oldest = _oldest(connection, queue, key, config, depth, busy=held or retiring)
         dead = DeadLetterIndex(client, ctx.stream).of_key(key, DEAD_LETTERS_SHOWN)
         letters = [{"position": place} | row for place, row in enumerate(dead.rows)]
-    info = orjson.loads(raw_info) if raw_info else {}
-    gaps = [] if report is None else [vars(gap) for gap in report.gaps if gap.key == key]
-    depth = depths[queue]
+        stranded = _stranded(
+            StrandedRecord(client, ctx.stream).of(key),
+            status,
+            held=lease is not None,
+            queue_there=depth is not None and activity is not None,
+        )
+    report = WorkerReport.parse(raw_info, worker=lease.owner, stream=ctx.stream) if lease else None
     seen = any(
         value is not None for value in (raw_state, raw_marks, depth, activity, status.parked)
     ) or bool(status.aside or status.paused_since_ms or letters)
@@ -83,54 +77,93 @@ def inspect_key(ctx: OperatorContext, key: str, *, dlq_wait_s: float) -> dict[st
         "key": key,
         "mode": config.mode.value,
         "known": seen,
-        "queue": {
-            "name": queue,
-            "exists": depth is not None,
-            "depth": None if depth is None else depth[0],
-            "consumers": None if depth is None else depth[1],
-            "registered": activity is not None,
-            "idle_ms": None if activity is None else max(0, now_ms() - int(activity)),
-            "retiring": retiring,
-        },
-        "holder": None
-        if lease is None
-        else {
-            "worker": lease.owner,
-            "token": lease.token,
-            "alive": expiry is not None and float(expiry) >= now_ms(),
-            "host": info.get("host"),
-            "pid": info.get("pid"),
-        },
+        "queue": _queue(queue, depth, activity, retiring=retiring),
+        "holder": _holder(lease, expiry, raw_info),
         "paused_since_ms": status.paused_since_ms,
-        "parked": None
-        if status.parked is None
-        else {
-            "at_ms": status.parked.at_ms,
-            "reason": status.parked.reason,
-            "producer": status.parked.producer,
-            "seq": status.parked.seq,
-        },
+        "parked": None if status.parked is None else _parked(status.parked),
         "stream_paused": policy.paused,
         "poison_policy": policy.poison_policy,
         "rate_limit": policy.rate_limit,
         "aside": [
-            {"queue": name, "depth": None if depths[name] is None else depths[name][0]}  # type: ignore[index]
+            {"queue": name, "depth": None if (found := counts[name]) is None else found.ready}
             for name in status.aside
         ],
-        "gaps": gaps,
+        "gaps": [] if report is None else [vars(gap) for gap in report.gaps if gap.key == key],
         "gaps_known": report is not None,
         "state": None if raw_state is None else orjson.loads(raw_state),
         "marks": None if raw_marks is None else orjson.loads(raw_marks),
         "oldest_waiting": oldest,
         "dead_letters": letters,
         "dead_letters_total": dead.matched,
-        "stranded": _stranded(
-            StrandedRecord(client, ctx.stream).of(key),
-            status,
-            held=lease is not None,
-            queue_there=depth is not None and activity is not None,
-        ),
+        "stranded": stranded,
     }
+
+
+def _counts(
+    connection: pika.BlockingConnection, queues: list[str]
+) -> dict[str, QueueCounts | None]:
+    """Each queue's counts by passive declare, on a channel of the probe's own."""
+    probe = QueueProbe(connection.channel)
+    try:
+        return probe.counts_of(queues)
+    finally:
+        probe.close()
+
+
+def _queue(
+    queue: str, depth: QueueCounts | None, activity: Any, *, retiring: bool
+) -> dict[str, Any]:
+    """The key's queue: its counts, when it was last active, whether it is being retired."""
+    return {
+        "name": queue,
+        "exists": depth is not None,
+        "depth": None if depth is None else depth.ready,
+        "consumers": None if depth is None else depth.consumers,
+        "registered": activity is not None,
+        "idle_ms": None if activity is None else max(0, now_ms() - int(activity)),
+        "retiring": retiring,
+    }
+
+
+def _holder(lease: Lease | None, expiry: Any, raw_info: Any) -> dict[str, Any] | None:
+    """Who holds the key's queue, whether it is alive, and where it runs."""
+    if lease is None:
+        return None
+    info = orjson.loads(raw_info) if raw_info else {}
+    return {
+        "worker": lease.owner,
+        "token": lease.token,
+        "alive": expiry is not None and float(expiry) >= now_ms(),
+        "host": info.get("host"),
+        "pid": info.get("pid"),
+    }
+
+
+def _parked(parked: ParkedKey) -> dict[str, Any]:
+    return {
+        "at_ms": parked.at_ms,
+        "reason": parked.reason,
+        "producer": parked.producer,
+        "seq": parked.seq,
+    }
+
+
+def _oldest(
+    connection: pika.BlockingConnection,
+    queue: str,
+    key: str,
+    config: StreamConfig,
+    depth: QueueCounts | None,
+    *,
+    busy: bool,
+) -> dict[str, Any]:
+    """How old the key's oldest waiting event is, where it may be looked at."""
+    if depth is None or not depth.ready:
+        return {"age_ms": None, "note": "nothing waits in the queue"}
+    if config.queue_type == "quorum":
+        note = "not looked at: on a quorum queue a hand-back counts toward its delivery limit"
+        return {"age_ms": None, "note": note}
+    return _oldest_waiting(connection, queue, key, config.mode, busy)
 
 
 def _stranded(
@@ -148,27 +181,6 @@ def _stranded(
         )
         return {"key": "", "queue": "", "reason": reason, "since_ms": None, "repaired": False}
     return None
-
-
-def _depths(
-    connection: pika.BlockingConnection, queues: list[str]
-) -> dict[str, tuple[int, int] | None]:
-    """(ready messages, consumers) of each queue by passive declare; None if it is missing."""
-    found: dict[str, tuple[int, int] | None] = {}
-    channel = connection.channel()
-    for queue in dict.fromkeys(queues):
-        try:
-            method = channel.queue_declare(queue, passive=True).method
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code != NOT_FOUND:
-                raise
-            found[queue] = None
-            channel = connection.channel()
-            continue
-        found[queue] = (int(method.message_count), int(method.consumer_count))
-    with contextlib.suppress(pika.exceptions.AMQPError):
-        channel.close()
-    return found
 
 
 def _oldest_waiting(

@@ -1,5 +1,5 @@
 """``keyq pause``, ``keyq resume`` and ``keyq stream set|show``: what an operator sets on keys
-and on a stream, in Redis, for workers to honour at their next tick."""
+and on a stream (``keyq.ops.control`` sets it), and what the commands print."""
 
 from __future__ import annotations
 
@@ -9,18 +9,16 @@ import click
 import orjson
 
 from keyq.broker.errors import InvalidInput
-from keyq.broker.key_control import KeyControl
-from keyq.broker.key_wake import wake_keys
 from keyq.broker.stream_policy import (
     POISON_POLICIES,
-    StreamPolicies,
     StreamPolicy,
     check_dedupe_window,
     check_rate_limit,
 )
-from keyq.cli_checks import key_name, stream_name
-from keyq.command_errors import OneLineCommand, OneLineGroup, usage
-from keyq.operator_context import OperatorContext, check_keys, keys_in_file
+from keyq.cli.checks import key_name, stream_name
+from keyq.cli.errors import OneLineCommand, OneLineGroup, usage
+from keyq.ops.context import OperatorContext, read_keys
+from keyq.ops.control import pause, resume, set_policy, stream_view
 
 stream_option = click.option("--stream", required=True, callback=stream_name, help="Stream name.")
 keys_option = click.option(
@@ -33,14 +31,6 @@ keys_file_option = click.option(
 )
 all_option = click.option("--all", "whole_stream", is_flag=True, help="The whole stream.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-
-
-def read_keys(keys: tuple[str, ...], keys_file: str | None) -> list[str]:
-    """The keys of ``--key`` and ``--keys-file`` together, in order, each once, checked."""
-    named = list(keys)
-    if keys_file is not None:
-        named += keys_in_file(keys_file)
-    return list(dict.fromkeys(check_keys(named)))
 
 
 def _chosen(keys: tuple[str, ...], keys_file: str | None, whole_stream: bool) -> list[str]:
@@ -65,12 +55,8 @@ def pause_command(
     """Stop applying keys' events (or the whole stream's) until resumed; nothing is lost,
     their events wait."""
     names = _chosen(keys, keys_file, whole_stream)
-    with OperatorContext(stream) as ctx, ctx.services():
-        if whole_stream:
-            StreamPolicies(ctx.redis, ctx.stream).set_paused(True)
-            changed: list[str] = []
-        else:
-            changed = KeyControl(ctx.redis, ctx.stream).pause(names)
+    with OperatorContext(stream) as ctx:
+        changed = pause(ctx, names, whole_stream=whole_stream)
     if as_json:
         _echo_json({"stream": stream, "all": whole_stream, "keys": names, "paused": changed})
     elif whole_stream:
@@ -90,15 +76,8 @@ def resume_command(
 ) -> None:
     """Apply paused keys' events again (or the stream's), waking their queues."""
     names = _chosen(keys, keys_file, whole_stream)
-    with OperatorContext(stream) as ctx, ctx.services():
-        if whole_stream:
-            StreamPolicies(ctx.redis, ctx.stream).set_paused(False)
-            changed: list[str] = []
-            woken: list[str] = []
-        else:
-            connection = ctx.amqp()  # before any change: RabbitMQ down changes nothing
-            changed = KeyControl(ctx.redis, ctx.stream).resume(names)
-            woken = wake_keys(ctx.redis, connection, ctx.config, changed)
+    with OperatorContext(stream) as ctx:
+        changed, woken = resume(ctx, names, whole_stream=whole_stream)
     if as_json:
         _echo_json(
             {
@@ -157,15 +136,14 @@ def stream_set_command(
     if dedupe_window is not None:
         check_dedupe_window(dedupe_window)
     limit = _rate_limit(rate_limit) if rate_limit is not None else None
-    with OperatorContext(stream) as ctx, ctx.services():
-        policies = StreamPolicies(ctx.redis, ctx.stream)
-        if poison_policy is not None:
-            policies.set_poison_policy(poison_policy)
-        if rate_limit is not None:
-            policies.set_rate_limit(limit)
-        if dedupe_window is not None:
-            policies.set_dedupe_window(dedupe_window)
-        policy = policies.load()
+    with OperatorContext(stream) as ctx:
+        policy = set_policy(
+            ctx,
+            poison_policy=poison_policy,
+            rate_limit=limit,
+            set_rate_limit=rate_limit is not None,
+            dedupe_window=dedupe_window,
+        )
     click.echo(_describe(stream, policy))
 
 
@@ -174,28 +152,13 @@ def stream_set_command(
 @json_option
 def stream_show_command(stream: str, as_json: bool) -> None:
     """A stream's layout and operator settings, and how many keys are paused or parked."""
-    with OperatorContext(stream) as ctx, ctx.services():
-        policy = StreamPolicies(ctx.redis, ctx.stream).load()
-        control = KeyControl(ctx.redis, ctx.stream)
-        paused, parked = control.paused(), control.parked()
-        config = ctx.config
-    shown = {
-        "stream": stream,
-        "mode": config.mode.value,
-        "buckets": config.buckets,
-        "queue_type": config.queue_type,
-        "poison_policy": policy.poison_policy,
-        "rate_limit": policy.rate_limit,
-        "dedupe_window_s": policy.dedupe_window_s,
-        "paused": policy.paused,
-        "paused_keys": len(paused),
-        "parked_keys": len(parked),
-    }
+    with OperatorContext(stream) as ctx:
+        shown, policy = stream_view(ctx)
     if as_json:
         _echo_json(shown)
         return
-    click.echo(f"{_describe(stream, policy)}   ({config.describe()})")
-    click.echo(f"paused keys {len(paused)}   parked keys {len(parked)}")
+    click.echo(f"{_describe(stream, policy)}   ({ctx.config.describe()})")
+    click.echo(f"paused keys {shown['paused_keys']}   parked keys {shown['parked_keys']}")
 
 
 def _describe(stream: str, policy: StreamPolicy) -> str:

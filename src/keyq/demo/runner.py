@@ -11,8 +11,8 @@ Orders go to a queue each (key mode, the default) or to a fixed number of hash b
 (a broker that does not answer, say) is logged and reported in the summary, and the next step
 goes on.
 
-This module runs the demo; its chaos steps are ``keyq.demo_chaos``'s, and what it measures
-and proves from Redis (latency, drain, verdict) is ``keyq.demo_proof``'s.
+This module runs the demo; its chaos steps are ``keyq.demo.chaos``'s, and what it measures
+and proves from Redis (latency, drain, verdict) is ``keyq.demo.proof``'s.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import random
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,14 +36,14 @@ from keyq.broker.readiness import wait_for_services
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings, load_settings
 from keyq.broker.streams import StreamConfig, ensure_stream_config
-from keyq.demo_chaos import Chaos, ChaosMonkey
-from keyq.demo_proof import percentile, verdict, wait_drained, watch_latency
-from keyq.orders import expected_states, generate_orders
-from keyq.processes import Daemon, log_folder
+from keyq.demo.chaos import Chaos, ChaosMonkey
+from keyq.demo.orders import expected_states, generate_orders
+from keyq.demo.processes import Daemon, log_folder
+from keyq.demo.proof import latency_ms, verdict, wait_drained, watch_latency
 from keyq.producer import Producer
 from keyq.worker.state_store import StateStore
 
-PIPELINE = "keyq.orders:pipeline"
+PIPELINE = "keyq.demo.orders:pipeline"
 LATENCY_SAMPLE = 200
 # Above this many orders, key mode on quorum queues is worth a warning: each quorum queue is a
 # Raft group with file descriptors and memory on every node (2,000 of them on a node allowed
@@ -183,6 +184,7 @@ class Demo:
         build_archive(settings)
 
     def run(self) -> dict[str, Any]:
+        """Start the daemons, publish, wait until every order is committed, and judge."""
         options = self.options
         # Keys carry this run's tag, so a stream can host run after run (docker compose
         # keeps its state) and each run is checked against its own events only.
@@ -190,42 +192,17 @@ class Demo:
             (f"{order}.{self.run_tag}", event)
             for order, event in generate_orders(options.orders, options.events, options.seed)
         ]
-        expected = expected_states(events)
-        counts: dict[str, int] = {}
-        for order, _event in events:
-            counts[order] = counts.get(order, 0) + 1
-        waited = wait_for_services(
-            self.settings, options.wait_for_services, say=self._say, name="demo"
-        )
-        if waited >= 0.5:
-            self._say(f"RabbitMQ and Redis accept connections (waited {waited:.1f} s)")
+        counts = Counter(order for order, _event in events)
+        self._wait_for_services()
         client = open_redis(self.settings)
         store = StateStore(client, self.stream)
-        chaos_thread: threading.Thread | None = None
         try:
             config = self._record_config(client, len(counts))
-            if not options.external_workers:
-                self._prepare_spark()
-                self._janitor = Daemon(
-                    "janitor",
-                    ["--stream", self.stream, "--idle-ttl", str(options.idle_ttl)],
-                    self._logs,
-                )
-                for _ in range(options.workers):
-                    self._start_worker()
-                self._say(f"starting {options.workers} workers and a janitor (logs: {self._logs})")
-                self._wait_ready(Membership(client, self.stream, ttl_ms=1))
-            if options.chaos and not options.external_workers:
-                chaos_thread = threading.Thread(
-                    target=self._chaos_loop, args=(client,), daemon=True
-                )
-                chaos_thread.start()
+            chaos_thread = self._start_daemons(client)
             sample = set(
                 random.Random(options.seed).sample(sorted(counts), min(LATENCY_SAMPLE, len(counts)))
             )
             sent: dict[tuple[str, int], float] = {}
-            seen_seq: dict[str, int] = {}
-            started = time.monotonic()
             latencies: list[float] = []
             watcher = threading.Thread(
                 target=watch_latency,
@@ -233,42 +210,15 @@ class Demo:
                 daemon=True,
             )
             watcher.start()
-            self._say(
-                f"publishing {len(events):,} events for {len(counts):,} orders "
-                f"to stream {self.stream}"
-            )
-            with Producer(
-                self.stream,
-                mode=config.mode.value,
-                buckets=config.buckets,
-                queue_type=config.queue_type,
-                settings=self.settings,
-            ) as producer:
-                for number, (order, event) in enumerate(events, 1):
-                    seq = seen_seq.get(order, 0) + 1
-                    seen_seq[order] = seq
-                    if order in sample:
-                        sent[(order, seq)] = time.monotonic()
-                    producer.publish(order, event)
-                    if options.rate > 0:
-                        ahead = started + number / options.rate - time.monotonic()
-                        if ahead > 0:
-                            time.sleep(ahead)
-                    if number % 1000 == 0:
-                        self._progress(number, len(events))
-                producer.flush()
-                producer_stats = producer.stats
-            self._progress(len(events), len(events))
-            self._published.set()
+            started = time.monotonic()
+            producer_stats = self._publish(config, events, sample, sent)
             published_s = time.monotonic() - started
             self._say("published; waiting until every order is committed")
-            drained_s = wait_drained(store, counts, started, options.drain_timeout)
+            drained_s = wait_drained(store, dict(counts), started, options.drain_timeout)
             self._stop.set()
             watcher.join(5)
             if chaos_thread is not None:
                 chaos_thread.join(30)
-            outcome = verdict(store, expected, counts)
-            registry = QueueRegistry(client, self.stream)
             return {
                 "stream": self.stream,
                 "key_suffix": f".{self.run_tag}",
@@ -277,35 +227,96 @@ class Demo:
                 "publish_events_per_s": round(len(events) / published_s),
                 "end_to_end_events_per_s": round(len(events) / drained_s) if drained_s else None,
                 "seconds_to_all_committed": round(drained_s, 1) if drained_s else None,
-                "latency_ms": {
-                    name: None if value is None else round(value * 1000)
-                    for name, value in (
-                        ("p50", percentile(latencies, 0.50)),
-                        ("p95", percentile(latencies, 0.95)),
-                        ("p99", percentile(latencies, 0.99)),
-                    )
-                },
+                "latency_ms": latency_ms(latencies),
                 "mode": config.mode.value,
                 "buckets": config.buckets,
                 "queue_type": config.queue_type,
-                "chaos": {
-                    "actions": self.chaos.actions,
-                    "failovers_s": self.chaos.failovers_s,
-                    "failed_steps": self.chaos.failed_steps,
-                },
+                "chaos": self.chaos.as_dict(),
                 "queues_created": len({config.queue_for(order) for order in counts}),
-                "queues_left": registry.count(),
+                "queues_left": QueueRegistry(client, self.stream).count(),
                 "producer": producer_stats,
-                "verdict": outcome,
+                "verdict": verdict(store, expected_states(events), dict(counts)),
                 "logs": str(self._logs),
             }
         finally:
-            self._stop.set()
-            for worker in self._workers:
-                worker.stop()
-            if self._janitor is not None:
-                self._janitor.stop()
+            self._stop_daemons()
             client.close()
+
+    def _wait_for_services(self) -> None:
+        waited = wait_for_services(
+            self.settings, self.options.wait_for_services, say=self._say, name="demo"
+        )
+        if waited >= 0.5:
+            self._say(f"RabbitMQ and Redis accept connections (waited {waited:.1f} s)")
+
+    def _stop_daemons(self) -> None:
+        self._stop.set()
+        for worker in self._workers:
+            worker.stop()
+        if self._janitor is not None:
+            self._janitor.stop()
+
+    def _start_daemons(self, client: redis.Redis) -> threading.Thread | None:
+        """The janitor and the workers, unless they run already, and the chaos thread."""
+        options = self.options
+        if options.external_workers:
+            return None
+        self._prepare_spark()
+        self._janitor = Daemon(
+            "janitor",
+            ["--stream", self.stream, "--idle-ttl", str(options.idle_ttl)],
+            self._logs,
+        )
+        for _ in range(options.workers):
+            self._start_worker()
+        self._say(f"starting {options.workers} workers and a janitor (logs: {self._logs})")
+        self._wait_ready(Membership(client, self.stream, ttl_ms=1))
+        if not options.chaos:
+            return None
+        chaos_thread = threading.Thread(target=self._chaos_loop, args=(client,), daemon=True)
+        chaos_thread.start()
+        return chaos_thread
+
+    def _publish(
+        self,
+        config: StreamConfig,
+        events: list[tuple[str, dict[str, Any]]],
+        sample: set[str],
+        sent: dict[tuple[str, int], float],
+    ) -> dict[str, Any]:
+        """Publish every event at ``options.rate``, noting when each sampled order's events
+        left; returns the producer's stats."""
+        options = self.options
+        orders = len({order for order, _event in events})
+        self._say(
+            f"publishing {len(events):,} events for {orders:,} orders to stream {self.stream}"
+        )
+        seen_seq: dict[str, int] = {}
+        started = time.monotonic()
+        with Producer(
+            self.stream,
+            mode=config.mode.value,
+            buckets=config.buckets,
+            queue_type=config.queue_type,
+            settings=self.settings,
+        ) as producer:
+            for number, (order, event) in enumerate(events, 1):
+                seq = seen_seq.get(order, 0) + 1
+                seen_seq[order] = seq
+                if order in sample:
+                    sent[(order, seq)] = time.monotonic()
+                producer.publish(order, event)
+                if options.rate > 0:
+                    ahead = started + number / options.rate - time.monotonic()
+                    if ahead > 0:
+                        time.sleep(ahead)
+                if number % 1000 == 0:
+                    self._progress(number, len(events))
+            producer.flush()
+            stats: dict[str, Any] = producer.stats
+        self._progress(len(events), len(events))
+        self._published.set()
+        return stats
 
     def _record_config(self, client: redis.Redis, orders: int) -> StreamConfig:
         """Record the stream's mode, buckets and queue type before any worker or producer

@@ -21,6 +21,18 @@ def percentile(values: list[float], share: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
 
 
+def latency_ms(latencies: list[float]) -> dict[str, int | None]:
+    """The 50th, 95th and 99th percentiles of publish-to-commit latency, in ms."""
+    return {
+        name: None if value is None else round(value * 1000)
+        for name, value in (
+            ("p50", percentile(latencies, 0.50)),
+            ("p95", percentile(latencies, 0.95)),
+            ("p99", percentile(latencies, 0.99)),
+        )
+    }
+
+
 def watch_latency(
     store: StateStore,
     sample: set[str],

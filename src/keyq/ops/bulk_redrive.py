@@ -2,7 +2,7 @@
 letter (``--all``), those whose reason holds a text (``--reason``), those of listed keys
 (``--keys-file``).
 
-Each key keeps the protocol of ``keyq.redrive``, in chunks of keys so that a thousand keys cost
+Each key keeps the protocol of ``keyq.ops.redrive``, in chunks of keys so that a thousand keys cost
 a few round trips per chunk rather than several per key: the chunk's redrive queues are
 recorded (one pipeline) and declared, the letters published into them with confirms tracked in
 a window (``broker.confirm_window``), then each key's queue is put at the head of its aside list
@@ -29,9 +29,9 @@ from keyq.broker.key_control import KeyControl
 from keyq.broker.key_wake import wake_keys
 from keyq.broker.naming import redrive_queue_name
 from keyq.broker.topology import keyed_queue_arguments
-from keyq.dlq_lock import DeadLetterLock
-from keyq.operator_context import OperatorContext
-from keyq.redrive import NothingToRedrive, delete_orphans, redriven_properties
+from keyq.ops.context import OperatorContext
+from keyq.ops.dead_letter_lock import DeadLetterLock
+from keyq.ops.redrive import NothingToRedrive, delete_orphans, redriven_properties
 
 CHUNK_KEYS = 200  # keys whose letters are published before any of them is put back
 

@@ -2,7 +2,7 @@
 
 The protocol, in the order that makes a run killed anywhere safe to run again:
 
-1. hold the stream's dead-letter lock (``keyq.dlq_lock``);
+1. hold the stream's dead-letter lock (``keyq.ops.dead_letter_lock``);
 2. walk the dead-letter queue, bring the index of dead letters in step with what it meets
    (``broker.dead_letter_index``) and pick the letters (nothing acked yet);
 3. delete the redrive queues of killed runs: recorded in ``StreamKeys.redrives`` but never
@@ -50,9 +50,9 @@ from keyq.broker.key_control import KeyControl
 from keyq.broker.key_wake import wake_keys
 from keyq.broker.naming import redrive_queue_name
 from keyq.broker.topology import keyed_queue_arguments
-from keyq.dlq_lock import DeadLetterLock
-from keyq.letter_selection import by_ids, of_key, whole_packs
-from keyq.operator_context import OperatorContext
+from keyq.ops.context import OperatorContext
+from keyq.ops.dead_letter_lock import DeadLetterLock
+from keyq.ops.dead_letter_selection import by_ids, of_key, whole_packs
 
 DEAD_HEADERS = frozenset(
     {HEADER_DEAD_REASON, HEADER_DEAD_QUEUE, HEADER_ATTEMPTS, HEADER_DEAD_AT, *BROKER_HEADERS}

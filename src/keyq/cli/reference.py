@@ -1,6 +1,6 @@
 """docs/reference.md, generated from the code: every setting, command, metric and exit code.
 
-Written by ``python -m keyq.reference docs/reference.md`` (without a path it prints); a test
+Written by ``python -m keyq.cli.reference docs/reference.md`` (without a path it prints); a test
 regenerates it and fails when the file differs, so the reference cannot drift from the code.
 The output depends on nothing but the code: no clock, environment, host or folder.
 """
@@ -25,21 +25,21 @@ from pydantic.fields import FieldInfo
 from keyq.broker.fd_usage import FdUsage
 from keyq.broker.settings import env_name
 from keyq.broker.worker_report import WorkerReport
-from keyq.cli import cli
-from keyq.command_errors import EXIT_FAILURE, EXIT_USAGE, EXIT_VERDICT
+from keyq.cli.errors import EXIT_FAILURE, EXIT_USAGE, EXIT_VERDICT
+from keyq.cli.root import cli
+from keyq.cli.settings import COMPONENTS
 from keyq.janitor.config import JanitorSettings
 from keyq.janitor.janitor import Janitor
 from keyq.janitor.metrics import JanitorMetrics
 from keyq.janitor.stream_gauges import StreamFigures
 from keyq.producer.metrics import ProducerMetrics
 from keyq.producer.window import ConfirmWindow
-from keyq.settings_cli import COMPONENTS
 from keyq.worker.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
     from keyq.worker.daemon import Worker
 
-REGENERATE = "python -m keyq.reference docs/reference.md"
+REGENERATE = "python -m keyq.cli.reference docs/reference.md"
 
 EXIT_CODES: tuple[tuple[int, str], ...] = (
     (0, "success; a daemon stopped by SIGTERM or Ctrl-C after handing its work back"),
@@ -222,7 +222,7 @@ def commands_section() -> list[str]:
 def _producer_rows() -> list[tuple[str, ...]]:
     registry = CollectorRegistry()
     meter = ProducerMetrics(registry).meter("stream")
-    window = ConfirmWindow(1, lambda: None)
+    window = ConfirmWindow(1)
     meter.watch(window)  # held weakly: ``window`` lives on until the rows are read
     return _metric_rows(registry)
 

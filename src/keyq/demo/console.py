@@ -14,7 +14,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from keyq.broker.settings import load_settings
-from keyq.demo import Demo, DemoOptions
+from keyq.demo.runner import Demo, DemoOptions
 
 
 def run_demo(options: DemoOptions, *, as_json: bool) -> bool:

@@ -1,4 +1,4 @@
-"""``keyq inspect``: one key's picture (``keyq.key_inspection``), for people or as JSON."""
+"""``keyq inspect``: one key's picture (``keyq.ops.inspection``), for people or as JSON."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from typing import Any
 import click
 import orjson
 
-from keyq.cli_checks import NON_NEGATIVE, key_name, stream_name
-from keyq.command_errors import OneLineCommand
-from keyq.dead_letter_listing import render_rows, when
-from keyq.key_inspection import inspect_key
-from keyq.operator_context import OperatorContext
+from keyq.cli.checks import NON_NEGATIVE, key_name, stream_name
+from keyq.cli.dead_letter_rows import render_rows, when
+from keyq.cli.errors import OneLineCommand
+from keyq.ops.context import OperatorContext
+from keyq.ops.inspection import inspect_key
 
 
 @click.command("inspect", cls=OneLineCommand)
@@ -24,12 +24,13 @@ from keyq.operator_context import OperatorContext
     default=30.0,
     show_default=True,
     help="Seconds to wait for a command working on the dead-letter queue.",
-)
+)  # kept for scripts: the index of dead letters is read without the dead-letter lock
 def inspect_command(stream: str, key: str, as_json: bool, wait: float) -> None:
     """Where a key stands: its queue, holder, pause and park, aside queues, gaps, state,
     marks, oldest waiting event and dead letters."""
+    del wait
     with OperatorContext(stream) as ctx:
-        found = inspect_key(ctx, key, dlq_wait_s=wait)
+        found = inspect_key(ctx, key)
     if as_json:
         click.echo(orjson.dumps(found, option=orjson.OPT_INDENT_2).decode())
         return
@@ -37,70 +38,11 @@ def inspect_command(stream: str, key: str, as_json: bool, wait: float) -> None:
 
 
 def render_inspection(found: dict[str, Any]) -> str:
-    queue = found["queue"]
+    """The picture for people: one line per fact, then the key's dead letters."""
     lines = [f"key {found['key']!r} of stream {found['stream']} ({found['mode']} mode)"]
     if not found["known"]:
         lines.append("the key has no state: nothing of it was seen (no queue, state or letters)")
-    depth = "missing" if not queue["exists"] else f"{queue['depth']} ready"
-    lines.append(
-        f"queue         {queue['name']}  ({depth}"
-        + (", being retired" if queue["retiring"] else "")
-        + ")"
-    )
-    stranded = found.get("stranded")
-    if stranded is not None:
-        lines.append(f"STRANDED      {stranded['reason']}")
-    holder = found["holder"]
-    if holder is None:
-        lines.append("held by       nobody")
-    else:
-        alive = "" if holder["alive"] else " (not alive)"
-        lines.append(
-            f"held by       {holder['worker']}{alive} token {holder['token']} "
-            f"at {holder['host'] or '-'}:{holder['pid'] or '-'}"
-        )
-    paused = found["paused_since_ms"]
-    lines.append(
-        "paused        "
-        + ("no" if paused is None else f"since {when(paused)}")
-        + ("   (the whole stream is paused)" if found["stream_paused"] else "")
-    )
-    parked = found["parked"]
-    lines.append(
-        "parked        "
-        + (
-            "no"
-            if parked is None
-            else f"at producer {parked['producer']} seq {parked['seq']} since "
-            f"{when(parked['at_ms'])}: {parked['reason']}"
-        )
-    )
-    limit = found["rate_limit"]
-    lines.append(
-        f"stream        poison policy {found['poison_policy']}, rate limit "
-        + ("none" if limit is None else f"{limit:g}/s per key")
-    )
-    aside = found["aside"]
-    lines.append(
-        "aside         "
-        + (
-            ", ".join(
-                f"{row['queue']} ({'missing' if row['depth'] is None else row['depth']})"
-                for row in aside
-            )
-            or "none"
-        )
-    )
-    if found["gaps"]:
-        for gap in found["gaps"]:
-            lines.append(
-                f"gap           producer {gap['producer']} waiting for seq "
-                f"{gap['first']}..{gap['last']} for {gap['waited_s']}s"
-            )
-    else:
-        lines.append(
-            "gaps          " + ("none" if found["gaps_known"] else "unknown (no holder report)")
-        )
+    lines += _where(found) + _flow(found)
     oldest = found["oldest_waiting"]
     age = oldest["age_ms"]
     lines.append(
@@ -116,3 +58,64 @@ def render_inspection(found: dict[str, Any]) -> str:
     if letters:
         text += render_rows(letters)
     return text
+
+
+def _where(found: dict[str, Any]) -> list[str]:
+    """The key's queue, whether it is stranded, and who holds it."""
+    queue = found["queue"]
+    depth = "missing" if not queue["exists"] else f"{queue['depth']} ready"
+    lines = [
+        f"queue         {queue['name']}  ({depth}"
+        + (", being retired" if queue["retiring"] else "")
+        + ")"
+    ]
+    stranded = found.get("stranded")
+    if stranded is not None:
+        lines.append(f"STRANDED      {stranded['reason']}")
+    holder = found["holder"]
+    if holder is None:
+        lines.append("held by       nobody")
+    else:
+        alive = "" if holder["alive"] else " (not alive)"
+        lines.append(
+            f"held by       {holder['worker']}{alive} token {holder['token']} "
+            f"at {holder['host'] or '-'}:{holder['pid'] or '-'}"
+        )
+    return lines
+
+
+def _flow(found: dict[str, Any]) -> list[str]:
+    """What stops or slows the key: pause, park, the stream's policy, aside queues, gaps."""
+    paused, parked, limit = found["paused_since_ms"], found["parked"], found["rate_limit"]
+    lines = [
+        "paused        "
+        + ("no" if paused is None else f"since {when(paused)}")
+        + ("   (the whole stream is paused)" if found["stream_paused"] else ""),
+        "parked        "
+        + (
+            "no"
+            if parked is None
+            else f"at producer {parked['producer']} seq {parked['seq']} since "
+            f"{when(parked['at_ms'])}: {parked['reason']}"
+        ),
+        f"stream        poison policy {found['poison_policy']}, rate limit "
+        + ("none" if limit is None else f"{limit:g}/s per key"),
+        "aside         "
+        + (
+            ", ".join(
+                f"{row['queue']} ({'missing' if row['depth'] is None else row['depth']})"
+                for row in found["aside"]
+            )
+            or "none"
+        ),
+    ]
+    lines += [
+        f"gap           producer {gap['producer']} waiting for seq "
+        f"{gap['first']}..{gap['last']} for {gap['waited_s']}s"
+        for gap in found["gaps"]
+    ]
+    if not found["gaps"]:
+        lines.append(
+            "gaps          " + ("none" if found["gaps_known"] else "unknown (no holder report)")
+        )
+    return lines

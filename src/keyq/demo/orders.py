@@ -1,6 +1,6 @@
 """The demo order pipeline: each order's events folded, exactly once, into the order's state.
 
-Run it with ``keyq worker --stream orders --pipeline keyq.orders:pipeline``. An order goes
+Run it with ``keyq worker --stream orders --pipeline keyq.demo.orders:pipeline``. An order goes
 ``new -> created -> paid -> shipped``, and may be cancelled while created or paid; items are
 added and removed only while it is ``created``. An event that does not fit the order's status
 (an item added after payment, shipping before payment, removing more than the cart holds) is

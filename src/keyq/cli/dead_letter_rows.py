@@ -1,6 +1,7 @@
-"""Dead letters as rows for people and for ``--json``: what ``keyq dlq list`` and ``show`` and
-``keyq inspect`` print. An event of a pack dead-lettered whole is a row of its own, with
-``pack``: the pack message's id, how many events it holds and the event's place in it."""
+"""Dead letters for people: what ``keyq dlq list`` and ``show`` and ``keyq inspect`` print, from
+the rows of ``keyq.ops.dead_letter_listing``. An event of a pack dead-lettered whole is a row
+of its own, with ``pack``: the pack message's id, how many events it holds and the event's
+place in it."""
 
 from __future__ import annotations
 
@@ -8,43 +9,11 @@ import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from keyq.broker.dead_letter_index import letter_extra, letter_fields, preview
-from keyq.broker.dead_letter_queue import DeadLetterMessage
-from keyq.status_table import blank, printable
-
-__all__ = [
-    "detail_of",
-    "letter_detail",
-    "letter_row",
-    "preview",
-    "render_detail",
-    "render_rows",
-    "when",
-]
-
-
-def letter_row(letter: DeadLetterMessage) -> dict[str, Any]:
-    """One letter's summary as a walk met it, JSON-ready."""
-    return {"position": letter.position} | letter_fields(letter)
-
-
-def letter_detail(letter: DeadLetterMessage) -> dict[str, Any]:
-    """One letter whole, as a walk met it: its summary, every header, the message id and the
-    full payload (as text when it is UTF-8, else base64)."""
-    return detail_of(letter_row(letter) | letter_extra(letter))
-
-
-def detail_of(fields: Mapping[str, Any]) -> dict[str, Any]:
-    """A summary with its extra fields (``broker.dead_letter_index.letter_extra``) as
-    ``render_detail`` and ``--json`` show them: the pack's headers inside ``pack``."""
-    detail = {name: value for name, value in fields.items() if name != "preview"}
-    pack_headers = detail.pop("pack_headers", None)
-    if detail.get("pack") is not None:
-        detail["pack"] = dict(detail["pack"]) | {"headers": pack_headers or {}}
-    return detail
+from keyq.cli.status import blank, printable
 
 
 def when(ms: int | None) -> str:
+    """A moment as UTC, to the second."""
     if ms is None:
         return "-"
     at = datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.UTC)
@@ -83,6 +52,7 @@ def _position(row: Mapping[str, Any]) -> str:
 
 
 def render_detail(detail: Mapping[str, Any]) -> str:
+    """One letter whole: its fields, every header, its pack's, and the payload."""
     pack = detail.get("pack")
     lines = [
         f"id            {detail['id']}"

@@ -1,4 +1,6 @@
-"""``keyq dlq``: list, show, drop, redrive and reindex a stream's dead letters.
+"""``keyq dlq``: list, show, drop, redrive and reindex a stream's dead letters; what each does
+is ``keyq.ops``'s (``dead_letter_listing``, ``dead_letter_selection``, ``redrive``,
+``bulk_redrive``), what it prints is here.
 
 Listing and showing read the index of dead letters (``keyq.broker.dead_letter_index``) and never
 touch the queue but for its depth. Only what moves letters (drop, redrive, reindex) walks the
@@ -8,27 +10,22 @@ does not remove (``keyq.broker.dead_letter_queue``) and bringing the index up to
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import click
 import orjson
-import pika
-import pika.exceptions
 
 from keyq.broker.dead_letter_index import DeadLetterIndex
-from keyq.broker.dead_letter_queue import NOT_FOUND, DeadLetterMessage, DeadLetterWalk
-from keyq.broker.errors import InvalidInput, KeyqError
-from keyq.bulk_redrive import BulkRequest, redrive_many
-from keyq.cli_checks import NON_NEGATIVE, key_name, letter_id, stream_name
-from keyq.command_errors import OneLineGroup, usage
-from keyq.dead_letter_listing import detail_of, letter_detail, render_detail, render_rows
-from keyq.dlq_lock import DeadLetterLock
-from keyq.letter_selection import LetterNotFound, by_ids, of_key, whole_packs
-from keyq.operator_context import OperatorContext, check_keys, keys_in_file
-from keyq.redrive import RedriveRequest, redrive
+from keyq.broker.errors import InvalidInput
+from keyq.cli.checks import NON_NEGATIVE, key_name, letter_id, stream_name
+from keyq.cli.dead_letter_rows import render_detail, render_rows
+from keyq.cli.errors import OneLineGroup, usage
+from keyq.ops.bulk_redrive import BulkRequest, redrive_many
+from keyq.ops.context import OperatorContext, check_keys, keys_in_file
+from keyq.ops.dead_letter_listing import list_letters, reindex, show_letter
+from keyq.ops.dead_letter_selection import NothingDropped, drop, indexed_for_drop
+from keyq.ops.redrive import RedriveRequest, redrive
 
 stream_option = click.option("--stream", required=True, callback=stream_name, help="Stream name.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -46,37 +43,11 @@ def _echo_json(value: Any) -> None:
 
 
 @click.group("dlq", cls=OneLineGroup)
-def dlq_group() -> None:
+def dead_letters_group() -> None:
     """A stream's dead letters: list, show, drop, redrive."""
 
 
-@contextlib.contextmanager
-def locked_walk(ctx: OperatorContext, wait: float) -> Iterator[DeadLetterWalk]:
-    """A walk of the stream's dead-letter queue, under its lock (one walk at a time), that
-    brings the index up to date with what it meets."""
-    index = DeadLetterIndex(ctx.redis, ctx.stream)
-    with DeadLetterLock(ctx.redis, ctx.stream, wait_s=wait):
-        started = index.clock_ms()
-        with DeadLetterWalk(ctx.amqp(), ctx.config.dead_letter_queue) as walk:
-            index.reconcile(walk.read(), started)
-            yield walk
-
-
-def queue_depth(ctx: OperatorContext) -> int | None:
-    """Messages ready in the dead-letter queue (one passive declare), None if it is missing."""
-    channel = ctx.amqp().channel()
-    try:
-        declared = channel.queue_declare(ctx.config.dead_letter_queue, passive=True)
-    except pika.exceptions.ChannelClosedByBroker as exc:
-        if exc.reply_code != NOT_FOUND:
-            raise
-        return None
-    with contextlib.suppress(pika.exceptions.AMQPError):
-        channel.close()
-    return int(declared.method.message_count)
-
-
-@dlq_group.command("list")
+@dead_letters_group.command("list")
 @stream_option
 @click.option("--key", default=None, callback=key_name, help="Only this key's letters.")
 @click.option("--reason", default=None, help="Only letters whose reason holds this text.")
@@ -94,39 +65,21 @@ def list_command(
 ) -> None:
     """The dead letters, oldest first, from the index (nothing is consumed or moved)."""
     del wait
-    with OperatorContext(stream) as ctx, ctx.services():
-        queue = ctx.config.dead_letter_queue
-        index = DeadLetterIndex(ctx.redis, ctx.stream)
-        if reason is not None:
-            page = index.with_reason(reason, limit, key)
-        elif key is not None:
-            page = index.of_key(key, limit)
-        else:
-            page = index.page(limit)
-        letters, messages = index.counts()
-        ready = queue_depth(ctx) or 0
-    rows = [{"position": place} | row for place, row in enumerate(page.rows)]
-    in_step = ready == messages
+    with OperatorContext(stream) as ctx:
+        listed = list_letters(ctx, key, reason, limit)
     if as_json:
-        _echo_json(
-            {
-                "stream": stream,
-                "queue": queue,
-                "ready": ready,
-                "indexed": {"letters": letters, "messages": messages, "in_step": in_step},
-                "matched": page.matched,
-                "letters": rows,
-            }
-        )
+        _echo_json(listed)
         return
+    queue, ready, rows = listed["queue"], listed["ready"], listed["letters"]
+    letters, messages = listed["indexed"]["letters"], listed["indexed"]["messages"]
     chosen = "".join(
         f" {what} {value}" for what, value in (("of key", key), ("with reason", reason)) if value
     )
     click.echo(
         f"dead-letter queue {queue}: {ready} messages; the index lists {letters} letters "
-        f"({page.matched} match{chosen}), {len(rows)} shown, oldest first"
+        f"({listed['matched']} match{chosen}), {len(rows)} shown, oldest first"
     )
-    if not in_step:
+    if ready != messages:
         click.echo(
             f"the queue holds {ready} messages but the index {messages}: letters dead-lettered "
             f"by RabbitMQ itself are indexed by the next redrive or drop, or at once by "
@@ -136,7 +89,7 @@ def list_command(
         click.echo(render_rows(rows), nl=False)
 
 
-@dlq_group.command("show")
+@dead_letters_group.command("show")
 @stream_option
 @click.option(
     "--id", "letter_id", required=True, callback=letter_id, help="The letter's id (from dlq list)."
@@ -156,14 +109,9 @@ def show_command(
     *, stream: str, letter_id: str, key: str | None, walk_queue: bool, as_json: bool, wait: float
 ) -> None:
     """One letter whole: every header and the payload."""
-    with OperatorContext(stream) as ctx, ctx.services():
+    with OperatorContext(stream) as ctx:
         queue = ctx.config.dead_letter_queue
-        if walk_queue:
-            with locked_walk(ctx, wait) as walk:
-                picked = by_ids(walk.read(), [letter_id], key=key, queue=queue)
-            detail = letter_detail(picked[0]) | {"copies": len(picked)}
-        else:
-            detail = _indexed(DeadLetterIndex(ctx.redis, ctx.stream), letter_id, key, queue)
+        detail = show_letter(ctx, letter_id, key, walk_queue=walk_queue, wait=wait)
     if as_json:
         _echo_json(detail)
         return
@@ -174,51 +122,26 @@ def show_command(
         click.echo(f"({detail['copies']} copies of this letter are in {queue})")
 
 
-def _indexed(index: DeadLetterIndex, letter_id: str, key: str | None, queue: str) -> dict[str, Any]:
-    """The index's entry of ``letter_id`` (of ``key``) as ``show`` prints it."""
-    entries = [row for row in index.by_id(letter_id) if key is None or row["key"] == key]
-    if not entries:
-        where = f" of key {key!r}" if key is not None else ""
-        raise LetterNotFound(f"no dead letter {letter_id}{where} in the index of {queue}")
-    if len(entries) > 1:
-        raise InvalidInput(
-            f"id {letter_id} names letters of {len(entries)} keys: add --key to choose one"
-        )
-    return detail_of(entries[0])
-
-
-@dlq_group.command("reindex")
+@dead_letters_group.command("reindex")
 @stream_option
 @json_option
 @wait_option
 def reindex_command(stream: str, as_json: bool, wait: float) -> None:
     """Walk the dead-letter queue once and bring the index in step with it (every letter
     stays in its place)."""
-    with OperatorContext(stream) as ctx, ctx.services():
-        queue = ctx.config.dead_letter_queue
-        index = DeadLetterIndex(ctx.redis, ctx.stream)
-        before = index.counts()
-        with locked_walk(ctx, wait) as walk:
-            met, ready = len(walk.read()), walk.ready_at_start
-        after = index.counts()
-    report = {
-        "stream": stream,
-        "queue": queue,
-        "ready": ready,
-        "letters_met": met,
-        "indexed_before": {"letters": before[0], "messages": before[1]},
-        "indexed": {"letters": after[0], "messages": after[1]},
-    }
+    with OperatorContext(stream) as ctx:
+        report = reindex(ctx, wait)
     if as_json:
         _echo_json(report)
         return
     click.echo(
-        f"walked {queue}: {ready} messages, {met} letters; the index listed {before[0]} "
-        f"letters and now {after[0]}"
+        f"walked {report['queue']}: {report['ready']} messages, {report['letters_met']} "
+        f"letters; the index listed {report['indexed_before']['letters']} letters and now "
+        f"{report['indexed']['letters']}"
     )
 
 
-@dlq_group.command("drop")
+@dead_letters_group.command("drop")
 @stream_option
 @click.option("--key", default=None, callback=key_name, help="Drop every letter of this key.")
 @click.option(
@@ -246,55 +169,19 @@ def drop_command(
     (from the index) before the dead-letter queue is taken."""
     if key is None and not letter_ids:
         usage("drop needs --key or --id")
-    with OperatorContext(stream) as ctx, ctx.services():
+    with OperatorContext(stream) as ctx:
         queue = ctx.config.dead_letter_queue
         if not yes:
-            index = DeadLetterIndex(ctx.redis, ctx.stream)
-            if not _confirmed(_to_drop_indexed(index, key, letter_ids), queue):
+            with ctx.services():
+                rows = indexed_for_drop(DeadLetterIndex(ctx.redis, ctx.stream), key, letter_ids)
+            if not _confirmed(rows, queue):
                 raise NothingDropped("not confirmed: nothing dropped")
-        with locked_walk(ctx, wait) as walk:
-            letters = walk.read()
-            picked = _to_drop(letters, key, letter_ids, queue)
-            walk.ack(picked)
-            DeadLetterIndex(ctx.redis, ctx.stream).remove(picked)
+        picked = drop(ctx, key, letter_ids, wait)
     ids = list(dict.fromkeys(letter.letter_id for letter in picked))
     if as_json:
         _echo_json({"stream": stream, "queue": queue, "dropped": len(picked), "ids": ids})
         return
     click.echo(f"dropped {len(picked)} letters from {queue}: {', '.join(ids)}")
-
-
-class NothingDropped(KeyqError):
-    """Nothing matched, or the operator said no (exit 1)."""
-
-
-def _to_drop(
-    letters: list[DeadLetterMessage], key: str | None, ids: tuple[str, ...], queue: str
-) -> list[DeadLetterMessage]:
-    if ids:
-        picked = by_ids(letters, ids, key=key, queue=queue)
-    else:
-        assert key is not None
-        picked = of_key(letters, key)
-        if not picked:
-            raise NothingDropped(f"no dead letters of key {key} in {queue}")
-    whole_packs(letters, picked, queue=queue)
-    return picked
-
-
-def _to_drop_indexed(
-    index: DeadLetterIndex, key: str | None, ids: tuple[str, ...]
-) -> list[dict[str, Any]]:
-    """What the index says a drop will remove (the walk then finds the letters themselves)."""
-    if not ids:
-        assert key is not None
-        return index.of_key(key, None).rows
-    return [
-        row
-        for letter_id in dict.fromkeys(ids)
-        for row in index.by_id(letter_id)
-        if key is None or row["key"] == key
-    ]
 
 
 def _confirmed(rows: list[dict[str, Any]], queue: str) -> bool:
@@ -309,7 +196,7 @@ def _confirmed(rows: list[dict[str, Any]], queue: str) -> bool:
     return click.confirm("drop them?", default=False, err=True)
 
 
-@dlq_group.command("redrive")
+@dead_letters_group.command("redrive")
 @stream_option
 @click.option(
     "--key", default=None, callback=key_name, help="Put back this key's letters (and unpark it)."

@@ -16,7 +16,7 @@ from pydantic_settings import DotEnvSettingsSource, EnvSettingsSource
 
 from keyq.broker.errors import KeyqError
 from keyq.broker.settings import Settings, env_name, load_settings
-from keyq.command_errors import OneLineCommand, fail
+from keyq.cli.errors import OneLineCommand, fail
 from keyq.janitor.config import JanitorSettings
 from keyq.worker.config import WorkerSettings
 

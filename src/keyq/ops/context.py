@@ -48,6 +48,14 @@ def keys_in_file(path: str) -> list[str]:
     return [line.rstrip("\r") for line in text.split("\n") if line.strip()]
 
 
+def read_keys(keys: tuple[str, ...], keys_file: str | None) -> list[str]:
+    """The keys of ``--key`` and ``--keys-file`` together, in order, each once, checked."""
+    named = list(keys)
+    if keys_file is not None:
+        named += keys_in_file(keys_file)
+    return list(dict.fromkeys(check_keys(named)))
+
+
 class OperatorContext:
     """Connections of one command on one stream; ``with`` closes them."""
 
