@@ -2,10 +2,9 @@
 
 AMQP cannot browse a queue, so a walk takes the messages that were ready when it started, one
 ``basic.get`` at a time, on a channel of its own with manual acks, and never acks any of them
-unless asked to. At the end every unacked message is handed back to the queue at its place
+unless asked to. At the end every unacked message is requeued at its place in the queue
 (``DeadLetterWalk.close``); a process killed mid-walk closes its connection, which does the
-same. A letter is
-removed only by ``ack`` (a drop, or a redrive past its point of no return).
+same. A letter is removed only by ``ack`` (a drop, or a redrive past its point of no return).
 
 Each letter has an id: ``<producer>:<seq>`` for an event keyq's SDK published (it carries the
 key, producer and seq headers), else ``sha256:`` and the first 16 hex digits of the SHA-256 of
@@ -36,6 +35,7 @@ import pika
 import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
+from keyq.broker.backoff import Backoff
 from keyq.broker.envelope import (
     HEADER_ATTEMPTS,
     HEADER_DEAD_AT,
@@ -49,12 +49,14 @@ from keyq.broker.envelope import (
 )
 from keyq.broker.errors import InvalidInput
 from keyq.broker.packs import HEADER_PACK, MalformedPack, decode_pack, is_pack
+from keyq.broker.queue_probe import QueueProbe
 from keyq.broker.text import as_text
 
-NOT_FOUND = 404
 FOREIGN_ID_PREFIX = "sha256:"
 FOREIGN_ID_DIGITS = 16
-HAND_BACK_WAIT_S = 2.0  # at most, for a quorum queue to show the letters handed back
+REQUEUE_WAIT_S = 2.0  # at most, for a quorum queue to show the letters requeued
+REQUEUE_POLL_S = 0.005  # the first pause between two looks; they grow up to the max
+REQUEUE_POLL_MAX_S = 0.1
 # Set by the broker, not the sender: a quorum queue counts each time a message comes back to
 # it (on 4.3 and later, not a walk's nack), and RabbitMQ 4 also how often it was handed out,
 # so these are left out of a letter's id and of a redriven copy.
@@ -287,28 +289,21 @@ class DeadLetterWalk:
     def __init__(self, connection: pika.BlockingConnection, queue: str) -> None:
         self.queue = queue
         self.letters: list[DeadLetterMessage] = []
-        self.missing = False
-        self.ready_at_start = 0
         self._taken = 0  # messages taken (a pack is one message, several letters)
         self._acked = 0  # messages acked
-        self._channel: BlockingChannel | None = connection.channel()
-        try:
-            declared = self._channel.queue_declare(queue, passive=True)
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            self._channel = None
-            if exc.reply_code != NOT_FOUND:
-                raise
-            self.missing = True
-            return
-        self.ready_at_start = int(declared.method.message_count)
+        self._probe = QueueProbe(connection.channel)
+        counts = self._probe.counts(queue)
+        self.missing = counts is None
+        self.ready_at_start = 0 if counts is None else counts.ready
+        self._channel: BlockingChannel | None = None if counts is None else connection.channel()
 
     def read(self, *, stop_after: int | None = None) -> list[DeadLetterMessage]:
         """Take every message ready at the start, in order, and return its letters (or the
         first ``stop_after``): a pack's events, or the message alone; the letters of one
         message share its ``position``. Fewer come back when some are held elsewhere
         meanwhile. All are taken even when fewer are wanted: a quorum queue puts what is
-        handed back behind what it kept, so handing back only the first few would move them
-        to the end."""
+        requeued behind what it kept, so requeuing only the first few would move them to the
+        end."""
         if self.missing:
             return self.letters
         channel = self._open()
@@ -342,28 +337,29 @@ class DeadLetterWalk:
         self._acked += len(tags)
 
     def close(self) -> None:
-        """Hand back every letter not acked, at its place in the queue: with a ``nack`` of
+        """Requeue every letter not acked, at its place in the queue: with a ``nack`` of
         everything outstanding, then wait (briefly) until the queue shows them again, then
-        close the channel. On RabbitMQ 4.3 and later a quorum queue counts a letter handed
-        back by a closed channel against its delivery limit (20 by default; then it drops
-        the letter) and a nack not; and a quorum queue takes a hand-back asynchronously, so a
+        close the channels. On RabbitMQ 4.3 and later a quorum queue counts a letter
+        requeued by a closed channel against its delivery limit (20 by default; then it
+        drops the letter) and a nack not; and a quorum queue requeues asynchronously, so a
         walk right after this one would find letters missing without the wait."""
         channel, self._channel = self._channel, None
-        if channel is None or not channel.is_open:
-            return
-        with contextlib.suppress(pika.exceptions.AMQPError):
-            if self._acked < self._taken:
-                channel.basic_nack(0, multiple=True, requeue=True)
-                self._wait_handed_back(channel, self.ready_at_start - self._acked)
-            channel.close()
+        if channel is not None and channel.is_open:
+            with contextlib.suppress(pika.exceptions.AMQPError):
+                if self._acked < self._taken:
+                    channel.basic_nack(0, multiple=True, requeue=True)
+                    self._wait_requeued(self.ready_at_start - self._acked)
+                channel.close()
+        self._probe.close()
 
-    def _wait_handed_back(self, channel: BlockingChannel, expected: int) -> None:
-        deadline = time.monotonic() + HAND_BACK_WAIT_S
+    def _wait_requeued(self, expected: int) -> None:
+        deadline = time.monotonic() + REQUEUE_WAIT_S
+        backoff = Backoff(REQUEUE_POLL_S, REQUEUE_POLL_MAX_S)
         while time.monotonic() < deadline:
-            declared = channel.queue_declare(self.queue, passive=True)
-            if int(declared.method.message_count) >= expected:
+            counts = self._probe.counts(self.queue)
+            if counts is None or counts.ready >= expected:
                 return
-            time.sleep(0.005)
+            time.sleep(backoff.next())
 
     def _open(self) -> BlockingChannel:
         if self._channel is None or not self._channel.is_open:

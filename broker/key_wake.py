@@ -15,6 +15,7 @@ import time
 import pika
 import redis
 
+from keyq.broker.backoff import Backoff
 from keyq.broker.clock import now_ms
 from keyq.broker.errors import BrokerUnavailable
 from keyq.broker.naming import Mode, incarnation_name
@@ -25,7 +26,8 @@ from keyq.broker.streams import StreamConfig
 from keyq.broker.topology import keyed_queue_arguments
 
 RETIRING_WAIT_S = 30.0  # a deleter's mark lasts a grace period; then it is gone or lapsed
-POLL_S = 0.2
+POLL_S = 0.2  # the first pause between two lease attempts; they grow up to POLL_MAX_S
+POLL_MAX_S = 1.0
 
 
 def wake_keys(
@@ -42,6 +44,7 @@ def wake_keys(
         return []
     fence = RetirementFence(client, config.stream)
     deadline = time.monotonic() + RETIRING_WAIT_S
+    backoff = Backoff(POLL_S, POLL_MAX_S)
     leased: dict[str, int] = {}
     while True:
         waiting = [base for base in by_base if base not in leased]
@@ -56,7 +59,7 @@ def wake_keys(
                 f"queue {retiring[0]} is being deleted by a janitor for over "
                 f"{RETIRING_WAIT_S:g} s; run the command again"
             )
-        time.sleep(POLL_S)
+        time.sleep(backoff.next())
     queues = {incarnation_name(base, leased[base]): key for base, key in by_base.items()}
     channel = connection.channel()
     arguments = keyed_queue_arguments(config.stream, config.queue_type)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
-from keyq.broker.queue_refusals import NOT_FOUND
+from keyq.broker.queue_refusals import NOT_FOUND, QueueRefusal, classify
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,13 @@ class QueueProbe:
     def counts(self, queue: str) -> QueueCounts | None:
         """``queue``'s counts; None when the broker answers 404 (missing, or its node down).
         Any other refusal is raised."""
+        found = self.look(queue)
+        return found if isinstance(found, QueueCounts) else None
+
+    def look(self, queue: str) -> QueueCounts | QueueRefusal:
+        """``queue``'s counts, or what its 404 means (``queue_refusals.classify``), for a
+        caller that must tell a queue that is gone from one whose node is down. Any other
+        refusal is raised."""
         channel = self._channel
         if channel is None or not channel.is_open:
             channel = self._channel = self._open_channel()
@@ -44,7 +51,7 @@ class QueueProbe:
             self._channel = None
             if exc.reply_code != NOT_FOUND:
                 raise
-            return None
+            return classify(exc.reply_code, exc.reply_text)
         return QueueCounts(int(method.message_count), int(method.consumer_count))
 
     def counts_of(self, queues: Iterable[str]) -> dict[str, QueueCounts | None]:

@@ -82,16 +82,18 @@ def delete_locked(
     """Quorum queues refuse conditional deletes: take each queue's lock, as a worker
     would, so no worker can start consuming, then check and delete (``QueueDeleter``).
 
-    Every node is probed between slices of deletes: before each (the probe at the start
-    of the pass is a grace period old by now) and after the last. A quorum queue deleted
-    while one of its nodes is down can leave that node's replica behind (see
-    janitor/cluster_probe.py); a node found down right after a slice is reported with
-    its queues, loudly. Queues not deleted because a node stopped answering are counted
-    as unreachable; the nodes found down then are returned with the outcomes."""
+    Every node is probed before each slice of deletes (the probe at the start of the pass
+    is a grace period old by now) and after the last: a quorum queue deleted while one of
+    its nodes is down can leave that node's replica behind (janitor/cluster_probe.py), so
+    a node found down right after a slice is reported with its queues, loudly. Queues not
+    deleted because a node stopped answering are unreachable, and the nodes found down then
+    are returned with the outcomes. Before the marks go, deleted queues move to their next
+    incarnation: a name is never declared again (broker.naming.incarnation_name)."""
     locks = FencedLocks(client, stream)
     ttl_ms = settings.retire_grace_ms + MARK_MARGIN_MS
     outcomes: dict[str, Outcome] = {}
     just_deleted: list[str] = []
+    kept_for: list[str] | None = None  # the nodes down that kept the rest of the queues
     slices = [*range(0, len(queues), QUORUM_DELETES_PER_PROBE), len(queues)]
     for start in slices:  # the last, past the end, only probes after the deletes
         down = unreachable_nodes(settings)
@@ -107,7 +109,8 @@ def delete_locked(
                 ", ".join(down),
             )
             outcomes.update(dict.fromkeys(queues[start:], Outcome.UNREACHABLE))
-            return outcomes, down
+            kept_for = down
+            break
         # The locks first, then the marks: with a queue's lock held no worker can set its
         # key's events aside, so a check that finds none aside stays true until the delete.
         part = queues[start : start + QUORUM_DELETES_PER_PROBE]
@@ -122,7 +125,9 @@ def delete_locked(
             locks.release(held)
         outcomes.update(done)
         just_deleted = [q for q, outcome in done.items() if outcome is Outcome.DELETED]
-    return outcomes, None
+    gone = [q for q, outcome in outcomes.items() if outcome in (Outcome.DELETED, Outcome.GONE)]
+    marks.fence.advance_incarnations(gone)
+    return outcomes, kept_for
 
 
 def _report_deleted_during_outage(queues: list[str], down: list[str], stats: Counter[str]) -> None:

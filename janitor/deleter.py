@@ -30,6 +30,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 
 from keyq.broker.connections import amqp_failure, open_blocking_connection
 from keyq.broker.errors import BrokerUnavailable
+from keyq.broker.queue_probe import QueueProbe
 from keyq.broker.queue_refusals import INTERNAL_ERROR, NOT_FOUND, QueueRefusal, classify
 from keyq.broker.settings import Settings
 
@@ -65,6 +66,8 @@ class _Lane:
         self._name = name
         self._connection: pika.BlockingConnection | None = None
         self._channel: BlockingChannel | None = None
+        # Shares the lane's channel: it opens it again (through the lane) after a 404.
+        self._probe = QueueProbe(self._open_channel)
         self._look_first = False  # see _broke_on
 
     def connect(self) -> None:
@@ -94,12 +97,15 @@ class _Lane:
     def _delete_once(self, queue: str, checked: bool) -> Outcome:
         looked = checked or self._look_first  # a passive declare answered before the delete
         try:
+            # A 404 for a queue whose node is down closes only the channel (see _broke_on).
+            found = self._probe.look(queue) if looked else None
+            if isinstance(found, QueueRefusal):
+                return Outcome.GONE if found is QueueRefusal.MISSING else Outcome.UNREACHABLE
             channel = self._open_channel()
-            if checked:
-                declared = channel.queue_declare(queue, passive=True).method
-                if declared.message_count:
+            if checked and found is not None:
+                if found.ready:
                     return Outcome.NOT_EMPTY
-                if declared.consumer_count:
+                if found.consumers:
                     return Outcome.IN_USE
                 if self._finds_a_message(channel, queue):
                     return Outcome.NOT_EMPTY
@@ -116,8 +122,6 @@ class _Lane:
                     )
                 log.debug("queue %s: checked and deleted", queue)
             else:
-                if looked:  # a 404 for a queue whose node is down closes only the channel
-                    channel.queue_declare(queue, passive=True)
                 channel.queue_delete(queue, if_unused=True, if_empty=True)
         except pika.exceptions.ChannelClosedByBroker as exc:
             self._channel = None
@@ -158,7 +162,7 @@ class _Lane:
         return Outcome.UNREACHABLE
 
     def _finds_a_message(self, channel: BlockingChannel, queue: str) -> bool:
-        """Consume the queue exclusively for a moment and hand back whatever comes.
+        """Consume the queue exclusively for a moment and requeue whatever comes.
 
         A quorum queue's passive declare answered 0 ready messages for a queue holding 31
         events, right after its leader changed (the cluster soak; the janitor deleted them).

@@ -51,6 +51,8 @@ INITIAL_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
 ADOPT_EVERY_S = 60.0
 CHUNKS_IN_FLIGHT = 3
+# What a pass fails with when a service is down; anything else is logged with its traceback.
+EXPECTED_FAILURES = (KeyqError, redis.exceptions.RedisError, OSError)
 
 
 class Janitor:
@@ -119,19 +121,12 @@ class Janitor:
                 except (ConfigurationError, AuthenticationFailed):
                     raise  # no wait cures either: not retried
                 except Exception as exc:  # a daemon survives a failed pass
-                    # Anything but these is unexpected (pika can fail inside its own loop on a
-                    # broken socket): logged with its traceback, and the next pass starts over
-                    # on fresh connections rather than the daemon dying.
-                    expected = isinstance(exc, (KeyqError, redis.exceptions.RedisError, OSError))
-                    self.stats["errors"] += 1
-                    self._passed = False
-                    if once and isinstance(exc, KeyqError):
-                        raise  # the command says why in one line: nothing is retried
-                    if self.stats["deleted"] > deleted_before:
-                        # It got somewhere before failing (a cut connection, a node going
-                        # away): the broker is there, so the next pass starts soon again.
-                        backoff.reset()
-                    delay = backoff.next()
+                    progressed = self.stats["deleted"] > deleted_before
+                    delay = self._pass_failed(exc, backoff, progressed=progressed, once=once)
+                    # Anything unexpected (pika can fail inside its own loop on a broken
+                    # socket) is said with its traceback, and the next pass starts over on
+                    # fresh connections rather than the daemon dying.
+                    expected = isinstance(exc, EXPECTED_FAILURES)
                     log.warning(
                         "janitor pass failed, retrying in %.1fs: %s",
                         delay,
@@ -156,6 +151,21 @@ class Janitor:
             if client is not None:
                 self._resign(client)
                 client.close()
+
+    def _pass_failed(
+        self, exc: Exception, backoff: Backoff, *, progressed: bool, once: bool
+    ) -> float:
+        """Count a failed pass; the delay before the next one. A ``KeyqError`` of a pass run
+        ``once`` is raised again at once: the command says why in one line."""
+        self.stats["errors"] += 1
+        self._passed = False
+        if once and isinstance(exc, KeyqError):
+            raise exc
+        if progressed:
+            # It got somewhere before failing (a cut connection, a node going away): the
+            # broker is there, so the next pass starts soon again.
+            backoff.reset()
+        return backoff.next()
 
     def run_pass(self, client: redis.Redis, deleter: QueueDeleter) -> None:
         self.stats["passes"] += 1
@@ -208,35 +218,37 @@ class Janitor:
         free = [queue for queue, lease in holders.items() if lease is None]
         self.stats["skipped_held"] += len(idle) - len(free)
         quorum = config.queue_type == "quorum"
-        if quorum and free:
-            if self._nodes_down is None:
-                self._nodes_down = unreachable_nodes(self.settings)
-            down = self._nodes_down
-            if down:
-                # See janitor/cluster_probe.py: deleting now invites a re-declare short of
-                # a replica for good. Counted as unreachable: "not now", never gone.
-                self.stats["skipped_unreachable"] += len(free)
-                log.info(
-                    "stream %s: %d idle quorum queues kept while %s do not answer",
-                    stream,
-                    len(free),
-                    ", ".join(down),
-                )
-                return
-        fence = RetirementFence(client, stream)
+        if quorum and free and self._quorum_kept(stream, len(free)):
+            return
         chunk = self.settings.janitor_chunk
-        waiting = deque(free[i : i + chunk] for i in range(0, len(free), chunk))
         self._retire(
             client=client,
             stream=stream,
             deleter=deleter,
             leader=leader,
-            fence=fence,
             registry=registry,
             seen=idle,
-            waiting=waiting,
+            waiting=deque(free[i : i + chunk] for i in range(0, len(free), chunk)),
             quorum=quorum,
         )
+
+    def _quorum_kept(self, stream: str, idle: int) -> bool:
+        """True, and said, when a node does not answer (probed once a pass): the ``idle``
+        quorum queues of ``stream`` are kept. See janitor/cluster_probe.py: deleting now
+        invites a re-declare short of a replica for good. Counted as unreachable: "not now",
+        never gone."""
+        if self._nodes_down is None:
+            self._nodes_down = unreachable_nodes(self.settings)
+        down = self._nodes_down
+        if down:
+            self.stats["skipped_unreachable"] += idle
+            log.info(
+                "stream %s: %d idle quorum queues kept while %s do not answer",
+                stream,
+                idle,
+                ", ".join(down),
+            )
+        return bool(down)
 
     def _watch(self, client: redis.Redis, stream: str, config: StreamConfig) -> None:
         """The no-progress watchdog's look at ``stream``; a broker that cannot be asked
@@ -256,7 +268,6 @@ class Janitor:
         stream: str,
         deleter: QueueDeleter,
         leader: Leadership,
-        fence: RetirementFence,
         registry: QueueRegistry,
         seen: dict[str, int],
         waiting: deque[list[str]],
@@ -265,6 +276,7 @@ class Janitor:
         """Mark chunks ahead and delete each once its grace has passed, so the grace of the
         next chunks overlaps the deletes of this one; a queue stays marked only about
         ``retire_grace_ms`` plus a few chunks' deletes."""
+        fence = RetirementFence(client, stream)
         grace_s = self.settings.retire_grace_ms / 1000
         mark_ttl = self.settings.retire_grace_ms + MARK_MARGIN_MS
         in_flight: deque[tuple[list[str], float]] = deque()
@@ -299,14 +311,9 @@ class Janitor:
                     )
                     if down:
                         self._nodes_down = down  # the rest of this pass keeps its queues too
-                    # Before the marks go: a deleted quorum queue's name is never declared
-                    # again (see broker.naming.incarnation_name).
-                    fence.advance_incarnations(
-                        [q for q, o in outcomes.items() if o in (Outcome.DELETED, Outcome.GONE)]
-                    )
                 else:
                     outcomes = delete_marked(deleter, marked, marks)
-                self._settle(client, stream, registry, seen, outcomes)
+                self._settle(stream, registry, seen, outcomes)
                 in_flight.popleft()
                 fence.unmark(marked)
         finally:
@@ -315,7 +322,6 @@ class Janitor:
 
     def _settle(
         self,
-        client: redis.Redis,
         stream: str,
         registry: QueueRegistry,
         seen: dict[str, int],

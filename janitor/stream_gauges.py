@@ -11,7 +11,7 @@ that have ready events and no consumer: a ``basic.get`` without ack, its
 event back at the head (it reaches its worker marked redelivered). Quorum streams are not
 peeked (a requeue counts toward their delivery limit). Queues a worker consumes are not
 peeked; instead each worker reports when the oldest event it holds and has not applied was
-published (buffered, waiting for an earlier seq or in the batch being processed), and the
+published (buffered, deferred for an earlier seq or in the batch being processed), and the
 age is the oldest of all these.
 """
 
@@ -20,11 +20,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import pika
 import pika.exceptions
 import redis
+from pika.adapters.blocking_connection import BlockingChannel
 
 from keyq.broker.connections import open_blocking_connection
 from keyq.broker.envelope import HEADER_PUBLISHED_AT
@@ -33,6 +33,7 @@ from keyq.broker.management import queue_figures as management_figures
 from keyq.broker.membership import Membership
 from keyq.broker.naming import dead_letter_queue_name, stream_prefix
 from keyq.broker.prometheus_api import queue_figures as prometheus_figures
+from keyq.broker.queue_probe import QueueCounts, QueueProbe
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings
@@ -45,9 +46,8 @@ log = logging.getLogger("keyq.janitor")
 DECLARE_LIMIT = 2000  # passive declares per stream and pass, without a listing endpoint
 PEEK_LIMIT = 20  # head messages read per stream and pass
 LISTING_TIMEOUT_S = 10.0
-NOT_FOUND = 404
 
-Figures = dict[str, tuple[int, int] | None]  # queue -> (ready, consumers); None: not there
+Figures = dict[str, QueueCounts | None]  # None: the queue is not there
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,8 @@ class StreamGauges:
         self._settings = settings
         self._name = f"{janitor_id}-gauges"
         self._connection: pika.BlockingConnection | None = None
-        self._channel: Any = None
+        self._channel: BlockingChannel | None = None
+        self._probe = QueueProbe(self._open_channel)  # shares the peeks' channel
         self.latest: dict[str, StreamFigures] = {}
         self._failing = False
 
@@ -89,12 +90,13 @@ class StreamGauges:
         alive = membership.alive()
         live = len(alive)
         held_since = workers_oldest_event_ms(client, stream, alive)
-        queues = [q for q in QueueRegistry(client, stream).queues() if q != _dlq(stream)]
+        dead_letter_queue = dead_letter_queue_name(stream)
+        queues = [q for q in QueueRegistry(client, stream).queues() if q != dead_letter_queue]
         dead_letters = ready = age = None
         try:
-            figures = self.figures(stream, [*queues, _dlq(stream)])
-            dead = figures.get(_dlq(stream))
-            dead_letters = dead[0] if dead is not None else 0
+            figures = self.figures(stream, [*queues, dead_letter_queue])
+            dead = figures.get(dead_letter_queue)
+            dead_letters = dead.ready if dead is not None else 0
             ready = self._ready(figures, queues)
             if ready == 0:
                 age = 0.0
@@ -134,13 +136,13 @@ class StreamGauges:
     def _ready(figures: Figures, queues: list[str]) -> int | None:
         if any(queue not in figures for queue in queues):
             return None  # more queues than are declared per pass: not measured
-        return sum(found[0] for queue in queues if (found := figures[queue]) is not None)
+        return sum(found.ready for queue in queues if (found := figures[queue]) is not None)
 
     def figures(self, stream: str, queues: list[str]) -> Figures:
-        """(ready, consumers) of ``queues``: from a listing when one is set and answers
-        (queues it does not report are declared), else declared, up to the limit."""
+        """The counts of ``queues``: from a listing when one is set and answers (queues it
+        does not report are declared), else declared, up to the limit."""
         settings = self._settings
-        listed: Figures | None = None
+        listed: dict[str, tuple[int, int] | None] | None = None
         vhost = vhost_of(settings.amqp_url)
         try:
             if settings.prometheus_url:
@@ -157,32 +159,19 @@ class StreamGauges:
             log.debug("stream gauges of %s: listing failed, declaring: %s", stream, exc)
         figures: Figures = {}
         if listed is not None:
-            figures = {q: listed[q] for q in queues if listed.get(q) is not None}
-        unknown = [queue for queue in queues if queue not in figures]
-        figures.update(self._declare(unknown[:DECLARE_LIMIT]))
+            figures = {q: QueueCounts(*both) for q in queues if (both := listed.get(q)) is not None}
+        unknown = [queue for queue in queues if queue not in figures][:DECLARE_LIMIT]
+        if unknown:
+            self._open_channel()  # a connection dropped while idle is opened again first
+            figures.update(self._probe.counts_of(unknown))
         return figures
-
-    def _declare(self, queues: list[str]) -> Figures:
-        found: Figures = {}
-        for queue in queues:
-            channel = self._open_channel()
-            try:
-                method = channel.queue_declare(queue, passive=True).method
-            except pika.exceptions.ChannelClosedByBroker as exc:
-                if exc.reply_code != NOT_FOUND:
-                    raise
-                self._channel = None
-                found[queue] = None
-                continue
-            found[queue] = (int(method.message_count), int(method.consumer_count))
-        return found
 
     def _oldest_age_s(self, figures: Figures, queues: list[str]) -> float | None:
         """The age of the oldest head event among unconsumed queues with ready events."""
         waiting = [
             queue
             for queue in queues
-            if (found := figures.get(queue)) is not None and found[0] > 0 and found[1] == 0
+            if (found := figures.get(queue)) is not None and found.ready > 0 and not found.consumers
         ]
         oldest: int | None = None
         for queue in waiting[:PEEK_LIMIT]:
@@ -194,7 +183,7 @@ class StreamGauges:
         return max(0.0, time.time() - oldest / 1000)
 
     def _peek(self, queue: str) -> int | None:
-        """The publish time (ms) of the event at the head of ``queue``, put back at once."""
+        """The publish time (ms) of the event at the head of ``queue``, requeued at once."""
         channel = self._open_channel()
         try:
             method, properties, _body = channel.basic_get(queue, auto_ack=False)
@@ -207,7 +196,7 @@ class StreamGauges:
         value = (properties.headers or {}).get(HEADER_PUBLISHED_AT)
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
-    def _open_channel(self) -> Any:
+    def _open_channel(self) -> BlockingChannel:
         if self._connection is not None and self._connection.is_open:
             try:  # heartbeats: a connection idle between passes is dropped by the broker
                 self._connection.process_data_events(0)
@@ -234,7 +223,3 @@ def workers_oldest_event_ms(client: redis.Redis, stream: str, alive: list[str]) 
         and report.oldest_event_ms is not None
     ]
     return min(stamps, default=None)
-
-
-def _dlq(stream: str) -> str:
-    return dead_letter_queue_name(stream)

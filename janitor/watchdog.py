@@ -16,14 +16,15 @@ Run by the leader of each stream once a pass. What it looks at, and what it does
 - **Parked keys with no dead letter.** A parked key waits for the redrive of its poison
   event; with none in the dead-letter queue, a redrive has nothing to put back (``--skip``
   unparks it).
-- **Gaps open too long.** A worker waiting on an earlier seq of a key past
+- **Gaps open too long.** A worker deferring a key's events for an earlier seq past
   ``stranded_after_s`` (from the worker's heartbeat report).
 - **Workers that apply nothing.** A live worker holding unapplied events that has applied
   none for ``stranded_after_s`` (a pipeline or Spark job that hangs), by its heartbeat.
 
 Paused keys, and parked keys whose dead letter waits, wait for an operator by design and are
 not stranded. Unheld queues with a backlog are the janitor's own pass's: a non-empty queue it
-tries to retire is made active again, and workers claim it.
+tries to retire is made active again, and workers claim it. What a look reads is
+``janitor.watch_view``'s.
 """
 
 from __future__ import annotations
@@ -31,9 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
 
 import pika
 import pika.exceptions
@@ -43,33 +42,21 @@ from keyq.broker.clock import now_ms
 from keyq.broker.connections import open_blocking_connection
 from keyq.broker.dead_letter_index import DeadLetterIndex
 from keyq.broker.errors import KeyqError
-from keyq.broker.key_control import FLOWING, KeyControl, ParkedKey
 from keyq.broker.key_wake import wake_keys
-from keyq.broker.locks import FencedLocks, Lease
-from keyq.broker.membership import Membership
-from keyq.broker.naming import incarnation_name
-from keyq.broker.redis_keys import StreamKeys
-from keyq.broker.registry import QueueRegistry
 from keyq.broker.stranded import Stranded, StrandedRecord
-from keyq.broker.stream_policy import StreamPolicies
 from keyq.broker.streams import StreamConfig
-from keyq.broker.worker_report import WorkerReport
 from keyq.janitor.cluster_probe import unreachable_nodes
 from keyq.janitor.config import JanitorSettings
+from keyq.janitor.watch_view import FiguresOf, WatchView
 
 log = logging.getLogger("keyq.janitor")
 
-WATCH_LIMIT = 300  # queues whose depth is read per stream and look
 REPAIRS_PER_LOOK = 100  # stranded keys' queues declared again per stream and look
 PARKED_LIMIT = 1000  # parked keys looked up in the index of dead letters per look
-HOLDERS_LIMIT = 20_000  # most recently active queues whose holder is read per stream and look
 # The stranded record outlives the longest of these, so that it outlives the gap between two
 # looks, and a janitor that stopped looking leaves no stale verdict for long.
 RECORD_TTL_LOOKS = 6  # passes
 RECORD_TTL_MIN_MS = 120_000
-
-Figures = dict[str, tuple[int, int] | None]  # queue -> (ready, consumers); None: not there
-FiguresOf = Callable[[str, list[str]], Figures]
 
 
 @dataclass
@@ -112,7 +99,7 @@ class Watchdog:
         """One look at ``stream``; returns (and records) what is stranded. Errors propagate:
         the janitor's pass goes on without this look."""
         now = time.monotonic()
-        view = _View.read(client, stream, config, self._settings, self._figures)
+        view = WatchView.read(client, stream, config, self._settings, self._figures)
         found: list[Stranded] = []
         seen: set[tuple[str, str]] = set()
         if not view.stream_paused:  # a paused stream is held by nobody, by design
@@ -140,7 +127,7 @@ class Watchdog:
         return unique
 
     def _aside_without_path(
-        self, view: _View, now: float, seen: set[tuple[str, str]]
+        self, view: WatchView, now: float, seen: set[tuple[str, str]]
     ) -> list[Stranded]:
         """Keys that may flow with events aside: their queue declared again where it is gone
         (a repair), announced again and reported where nobody holds it, reported where its
@@ -151,23 +138,24 @@ class Watchdog:
         unheld: list[str] = []
         for key, queues in view.flowing.items():
             queue, head = view.queue_of[key], queues[0]
-            waiting = (view.figures.get(head) or (0, 0))[0]
+            waiting = counts.ready if (counts := view.figures.get(head)) is not None else 0
             lease = view.holders.get(queue)
             if lease is not None:
-                applied = _applied(view.reports, lease)
-                stalled = self._stalled(view.stream, head, waiting, applied, now=now, seen=seen)
-                if stalled is not None and now - stalled >= after_s:
+                applied = view.applied_by(lease)
+                still = self._still_since(view.stream, head, waiting, applied, now=now, seen=seen)
+                if still is not None and now - still >= after_s:
                     found.append(
                         self._entry(
                             key,
                             queue,
                             f"{waiting} events wait aside in {head}, held by {lease.owner}, "
-                            f"and none has drained for {now - stalled:.0f} s",
-                            stalled,
+                            f"and none has drained for {now - still:.0f} s",
+                            still,
                         )
                     )
                 continue
-            if queue not in view.registered or view.figures.get(queue, (0, 0)) is None:
+            gone_queue = queue in view.figures and view.figures[queue] is None
+            if queue not in view.registered or gone_queue:
                 gone.append(key)  # no path at all: repaired now
                 continue
             since = self._since_of((view.stream, queue), now, seen)
@@ -200,34 +188,33 @@ class Watchdog:
     # ---- the looks ----------------------------------------------------------------------------
 
     def _held_not_moving(
-        self, view: _View, now: float, seen: set[tuple[str, str]]
+        self, view: WatchView, now: float, seen: set[tuple[str, str]]
     ) -> list[Stranded]:
         """Held queues among those measured with events ready whose count has not fallen,
         while their holder applied nothing, for a while."""
         found = []
         for queue in view.held:
             counts, lease = view.figures.get(queue), view.holders.get(queue)
-            if counts is None or counts[0] <= 0 or lease is None:
+            if counts is None or counts.ready <= 0 or lease is None:
                 continue
-            ready, consumers = counts
-            applied = _applied(view.reports, lease)
-            stalled = self._stalled(view.stream, queue, ready, applied, now=now, seen=seen)
-            if stalled is None or now - stalled < self._settings.stranded_after_s:
+            applied = view.applied_by(lease)
+            still = self._still_since(view.stream, queue, counts.ready, applied, now=now, seen=seen)
+            if still is None or now - still < self._settings.stranded_after_s:
                 continue
-            why = "it has no consumer" if consumers == 0 else "its consumer receives nothing"
+            why = "it has no consumer" if not counts.consumers else "its consumer receives nothing"
             found.append(
                 self._entry(
                     view.keys_of.get(queue) or queue,
                     queue,
-                    f"{ready} events ready, held by {lease.owner}, and none applied for "
-                    f"{now - stalled:.0f} s ({why}, or the worker is stuck)",
-                    stalled,
+                    f"{counts.ready} events ready, held by {lease.owner}, and none applied for "
+                    f"{now - still:.0f} s ({why}, or the worker is stuck)",
+                    still,
                 )
             )
         return found
 
     def _parked_without_letter(
-        self, view: _View, now: float, seen: set[tuple[str, str]]
+        self, view: WatchView, now: float, seen: set[tuple[str, str]]
     ) -> list[Stranded]:
         """Parked keys none of whose dead letters waits, past ``stranded_after_s``: their
         poison event was dropped, so a redrive has nothing to put back (``--skip`` lets them
@@ -240,7 +227,7 @@ class Watchdog:
             seen.update((view.stream, f"parked:{key}") for key in view.parked)
         if not view.parked or counts is None or view.walking_letters:
             return []
-        depth = counts[0]
+        depth = counts.ready
         index = DeadLetterIndex(view.client, view.stream)
         if depth > 0 and index.counts()[1] != depth:
             return []  # the index is not in step: no per-key verdict
@@ -266,7 +253,7 @@ class Watchdog:
         return found
 
     @staticmethod
-    def _open_gaps(view: _View) -> list[Stranded]:
+    def _open_gaps(view: WatchView) -> list[Stranded]:
         found = []
         for worker, report in view.reports.items():
             for gap in report.gaps:
@@ -275,15 +262,16 @@ class Watchdog:
                         Stranded(
                             subject=gap.key,
                             queue="",
-                            reason=f"{worker} waits for seqs {gap.first}..{gap.last} of "
-                            f"producer {gap.producer} for {gap.waited_s:.0f} s",
+                            reason=f"{worker} defers its events behind seqs {gap.first}.."
+                            f"{gap.last} of producer {gap.producer}, missing for "
+                            f"{gap.waited_s:.0f} s",
                             since_ms=now_ms() - int(gap.waited_s * 1000),
                         )
                     )
         return found
 
     def _workers_not_applying(
-        self, view: _View, now: float, seen: set[tuple[str, str]]
+        self, view: WatchView, now: float, seen: set[tuple[str, str]]
     ) -> list[Stranded]:
         """Live workers holding unapplied events that applied none for a while: a pipeline or
         Spark job that hangs holds every key it has taken (their events unacked, so no queue
@@ -293,24 +281,24 @@ class Watchdog:
             if report.oldest_event_ms is None:
                 continue
             slot = f"worker:{worker}"
-            stalled = self._stalled(view.stream, slot, 1, report.events, now=now, seen=seen)
+            still = self._still_since(view.stream, slot, 1, report.events, now=now, seen=seen)
             held_s = max(0.0, (now_ms() - report.oldest_event_ms) / 1000)
             after_s = self._settings.stranded_after_s
-            if stalled is not None and now - stalled >= after_s and held_s >= after_s:
+            if still is not None and now - still >= after_s and held_s >= after_s:
                 found.append(
                     self._entry(
                         f"worker {worker}",
                         "",
                         f"holds events published {held_s:.0f} s ago and applied none for "
-                        f"{now - stalled:.0f} s (a pipeline or Spark job that hangs?)",
-                        stalled,
+                        f"{now - still:.0f} s (a pipeline or Spark job that hangs?)",
+                        still,
                     )
                 )
         return found
 
     # ---- repairs ------------------------------------------------------------------------------
 
-    def _repair(self, view: _View, keys: list[str]) -> None:
+    def _repair(self, view: WatchView, keys: list[str]) -> None:
         """Declare, register and announce the queues of keys stranded with events aside, each
         on its own (a queue the broker refuses does not hold the others back), at most
         ``REPAIRS_PER_LOOK`` a look; quorum queues only while every node answers (one
@@ -330,7 +318,7 @@ class Watchdog:
             if self._wake(view, [key]):
                 self.stats["watchdog_repairs"] += 1
 
-    def _wake(self, view: _View, keys: list[str]) -> bool:
+    def _wake(self, view: WatchView, keys: list[str]) -> bool:
         """``wake_keys`` on a connection checked alive first (an idle one is dropped by the
         broker after a few heartbeats); False, said at WARNING, if the broker refused."""
         try:
@@ -360,7 +348,7 @@ class Watchdog:
         seen.add(slot)
         return self._since.setdefault(slot, now)
 
-    def _stalled(
+    def _still_since(
         self,
         stream: str,
         queue: str,
@@ -389,114 +377,3 @@ class Watchdog:
     def _entry(subject: str, queue: str, reason: str, since: float) -> Stranded:
         since_ms = now_ms() - int((time.monotonic() - since) * 1000)
         return Stranded(subject, queue, reason, since_ms)
-
-
-@dataclass(frozen=True)
-class _View:
-    """What one look reads of a stream, in a few round trips."""
-
-    client: redis.Redis
-    stream: str
-    config: StreamConfig
-    settings: JanitorSettings
-    stream_paused: bool
-    flowing: dict[str, list[str]]  # keys that may flow with queues aside -> those queues
-    parked: dict[str, ParkedKey]
-    queue_of: dict[str, str]  # such a key -> its own queue, current incarnation
-    registered: set[str]  # of those own queues
-    holders: dict[str, Lease | None]
-    held: list[str]  # other held queues, least recently active first
-    keys_of: dict[str, str | None]  # held queue -> its key (key mode)
-    figures: Figures
-    live: list[str]
-    reports: dict[str, WorkerReport]
-    walking_letters: bool  # a command holds the dead-letter queue's lock
-
-    @classmethod
-    def read(
-        cls,
-        client: redis.Redis,
-        stream: str,
-        config: StreamConfig,
-        settings: JanitorSettings,
-        figures_of: FiguresOf,
-    ) -> _View:
-        keys = StreamKeys(stream)
-        control = KeyControl(client, stream)
-        aside = control.keys_aside()
-        parked = control.parked()
-        statuses = control.statuses(aside)
-        flowing = {k: q for k, q in aside.items() if q and not statuses.get(k, FLOWING).stopped}
-        queue_of = _current_queues(client, stream, config, flowing)
-        own = sorted(set(queue_of.values()))
-        scores = client.zmscore(keys.registry, own) if own else []
-        registered = {queue for queue, at in zip(own, scores, strict=True) if at is not None}
-        # Held queues are among the most recently active (workers touch what they commit);
-        # of those, a stuck one is the least recently active.
-        recent = cast(
-            list[tuple[str, float]],
-            client.zrevrange(keys.registry, 0, HOLDERS_LIMIT - 1, withscores=True),
-        )
-        by_age = [str(queue) for queue, _at in sorted(recent, key=lambda pair: pair[1])]
-        holders = _holders(client, stream, [*own, *by_age])
-        aside_queues = {*own, *(queues[0] for queues in flowing.values())}
-        held = [q for q in by_age if holders.get(q) is not None and q not in aside_queues]
-        watched = [*sorted(aside_queues), *held][:WATCH_LIMIT]
-        measured_held = held[: max(0, WATCH_LIMIT - len(aside_queues))]
-        live = Membership(client, stream, settings.member_ttl_ms).alive()
-        return cls(
-            client=client,
-            stream=stream,
-            config=config,
-            settings=settings,
-            stream_paused=StreamPolicies(client, stream).load().paused,
-            flowing=flowing,
-            parked=parked,
-            queue_of=queue_of,
-            registered=registered,
-            holders=holders,
-            held=measured_held,
-            keys_of=QueueRegistry(client, stream).original_keys(measured_held),
-            figures=figures_of(stream, [*watched, config.dead_letter_queue]),
-            live=live,
-            reports=_reports(client, stream, live),
-            walking_letters=bool(client.exists(keys.redrive_lock)),
-        )
-
-
-def _current_queues(
-    client: redis.Redis, stream: str, config: StreamConfig, keys: dict[str, list[str]]
-) -> dict[str, str]:
-    """Each key's own queue under its current incarnation."""
-    bases = {key: config.queue_for(key) for key in keys}
-    names = sorted(set(bases.values()))
-    raw = client.hmget(StreamKeys(stream).incarnations, names) if names else []
-    current = {
-        base: incarnation_name(base, int(value or 0))
-        for base, value in zip(names, raw, strict=True)
-    }
-    return {key: current[base] for key, base in bases.items()}
-
-
-def _holders(client: redis.Redis, stream: str, queues: list[str]) -> dict[str, Lease | None]:
-    """The holders of ``queues`` (at most ``HOLDERS_LIMIT``), a chunk a round trip."""
-    names = list(dict.fromkeys(queues))[:HOLDERS_LIMIT]
-    locks = FencedLocks(client, stream)
-    found: dict[str, Lease | None] = {}
-    for start in range(0, len(names), 1000):
-        found.update(locks.holders(names[start : start + 1000]))
-    return found
-
-
-def _reports(client: redis.Redis, stream: str, live: list[str]) -> dict[str, WorkerReport]:
-    raws = client.hmget(StreamKeys(stream).member_info, live) if live else []
-    return {
-        worker: report
-        for worker, raw in zip(live, raws, strict=True)
-        if (report := WorkerReport.parse(raw, worker=worker, stream=stream)) is not None
-    }
-
-
-def _applied(reports: dict[str, WorkerReport], lease: Lease) -> int | None:
-    report = reports.get(lease.owner)
-    return None if report is None else report.events

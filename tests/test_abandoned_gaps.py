@@ -37,7 +37,7 @@ def parked(
     ]
     for delivery in deliveries:
         buffer.add(delivery)
-    buffer.park(buffer.take(100, 0.0, 0.0), now=at)  # what was parked before comes along
+    buffer.defer(buffer.take(100, 0.0, 0.0), now=at)  # what was parked before comes along
 
 
 class Broker:
@@ -107,7 +107,7 @@ def test_only_the_gone_producers_events_are_made_due() -> None:
     # (sequencing gives up a gap by its oldest waiting event).
     taken = buffer.take(100, 0.0, 0.0)
     overdue = time.monotonic() - 60
-    assert {d.headers[HEADER_PRODUCER]: (d.waiting_since or 0) <= overdue for d in taken} == {
+    assert {d.headers[HEADER_PRODUCER]: (d.deferred_since or 0) <= overdue for d in taken} == {
         "gone": True,
         "running": False,
     }

@@ -165,9 +165,9 @@ def test_the_outcome_follows_from_the_last_dispositions() -> None:
     progress = BatchProgress()
     progress.admitted(admission)
     outcome = progress.outcome()
-    assert outcome.waiting == [waits]
-    assert outcome.held_back == frozenset({ASIDE})
-    assert outcome.limited == []  # its key's first event in a second goes through
+    assert outcome.deferred == [waits]
+    assert outcome.handed_back == frozenset({ASIDE})
+    assert outcome.rate_limited == []  # its key's first event in a second goes through
     assert admission.dispositions[1] is D.APPLY
 
 

@@ -165,7 +165,7 @@ def test_a_late_event_is_dead_lettered_in_delivery_order_and_the_rest_applied_in
 
 def test_a_gap_waited_out_is_given_up_and_what_waited_for_it_applied() -> None:
     waited = delivery(1, seq=3)
-    waited.waiting_since = 900.0
+    waited.deferred_since = 900.0
     run = plan([waited], {"k": marks_at(1)}, now=1000.0, gap_timeout_s=60.0)
     assert [event.seq for event in run.events] == [3]
     assert [(g.first, g.last) for g in run.plan.skipped_gaps] == [(2, 2)]
@@ -444,7 +444,7 @@ def test_a_settled_batch_hands_back_only_what_waits() -> None:
     batch = [waits, delivery(2, seq=1, queue="a"), delivery(3, key=None, queue="b")]
     made, journal, _ = processor(marks={"k": marks_at(1)})
     outcome = made.process(batch)
-    assert outcome == BatchOutcome(unsettled=[], waiting=[waits], lost=[])
+    assert outcome == BatchOutcome(unsettled=[], deferred=[waits], lost=[])
     assert journal.calls == [
         ("dead_letter", [3]),  # before the commit
         ("commit", ["a", "b"]),
@@ -467,7 +467,7 @@ def test_a_packs_events_settle_one_by_one_and_a_malformed_pack_is_dead_lettered_
     )
     made, journal, _ = processor(marks={"k": marks_at(2)})
     outcome = made.process([*pack, malformed])
-    assert outcome == BatchOutcome(unsettled=[], waiting=[pack[2]], lost=[])
+    assert outcome == BatchOutcome(unsettled=[], deferred=[pack[2]], lost=[])
     assert journal.calls == [
         ("dead_letter", [6]),
         ("commit", ["a"]),
@@ -481,7 +481,7 @@ def test_a_packs_events_settle_one_by_one_and_a_malformed_pack_is_dead_lettered_
 def test_a_batch_that_all_waits_commits_nothing() -> None:
     waits = delivery(1, seq=3, queue="a")
     made, journal, _ = processor(marks={"k": marks_at(1)})
-    assert made.process([waits]) == BatchOutcome(unsettled=[], waiting=[waits], lost=[])
+    assert made.process([waits]) == BatchOutcome(unsettled=[], deferred=[waits], lost=[])
     assert journal.calls == []
     assert made.stats.batches == 0
 
@@ -502,7 +502,7 @@ def test_a_refused_commit_stops_the_lost_queues_and_hands_back_the_rest() -> Non
 def test_deliveries_of_a_consumer_that_is_gone_are_all_handed_back() -> None:
     batch = [delivery(1, queue="a"), delivery(2, key="b", queue="b")]
     made, journal, _ = processor(held=("a",))
-    assert made.process(batch) == BatchOutcome(unsettled=batch, waiting=[], lost=[])
+    assert made.process(batch) == BatchOutcome(unsettled=batch, deferred=[], lost=[])
     assert journal.calls == []
 
 
@@ -522,7 +522,7 @@ def test_a_service_failing_mid_batch_interrupts_it(
     store.failure = failure
     caplog.set_level(logging.WARNING, logger="keyq.worker")
     outcome = made.process(batch)
-    assert outcome == BatchOutcome(unsettled=batch, waiting=[], lost=[], interrupted=str(failure))
+    assert outcome == BatchOutcome(unsettled=batch, deferred=[], lost=[], interrupted=str(failure))
     assert journal.calls == []
     assert [(r.name, r.getMessage()) for r in caplog.records] == [
         ("keyq.worker", f"batch interrupted, will retry: {failure}")

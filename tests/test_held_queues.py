@@ -435,13 +435,13 @@ def test_a_batch_outcome_defers_stops_lost_queues_and_puts_back_the_rest() -> No
     held.apply(
         BatchOutcome(
             unsettled=[plain_delivery("q-a", 1, epochs["q-a"])],
-            waiting=[plain_delivery("q-c", 2, epochs["q-c"])],
+            deferred=[plain_delivery("q-c", 2, epochs["q-c"])],
             lost=[lease("q-b", token=3)],
         )
     )
     assert "q-b" not in held and ("register", "q-b") in journal.entries
     assert parts.reports[-1] == ("revoked", ["q-b"], "commit refused: the lock moved on")
-    assert held._buffer.depth("q-a") == 1 and held._buffer.parked("q-c") == 1
+    assert held._buffer.depth("q-a") == 1 and held._buffer.deferred("q-c") == 1
 
 
 def test_a_consumer_whose_whole_prefetch_is_deferred_is_reopened_wider() -> None:
@@ -452,7 +452,7 @@ def test_a_consumer_whose_whole_prefetch_is_deferred_is_reopened_wider() -> None
     def defer(*tags: int) -> None:
         epoch = held.get("q-a").epoch  # type: ignore[union-attr]
         deferred = [plain_delivery("q-a", tag, epoch) for tag in tags]
-        held.apply(BatchOutcome(unsettled=[], waiting=deferred, lost=[]))
+        held.apply(BatchOutcome(deferred=deferred))
 
     journal.entries.clear()
     defer(1, 2)

@@ -173,8 +173,8 @@ def test_the_buffer_keeps_a_packs_events_in_order_and_counts_its_messages() -> N
     taken = buffer.take(10, 0, 0)
     assert [(d.delivery_tag, d.part) for d in taken] == [(2, 0), (2, 1), (2, 2), (2, 3), (3, 0)]
     # Two of the pack's events wait for an earlier seq; the rest goes back unsettled.
-    buffer.park([taken[3], taken[1]])
-    assert (buffer.parked("q"), buffer.parked_messages("q"), buffer.messages("q")) == (2, 1, 1)
+    buffer.defer([taken[3], taken[1]])
+    assert (buffer.deferred("q"), buffer.deferred_messages("q"), buffer.messages("q")) == (2, 1, 1)
     buffer.put_back([taken[4], taken[2], taken[0]])
     assert buffer.messages("q") == 2
     # The parked ones rejoin in (epoch, tag, part) order, ahead of what is ready, in order.

@@ -16,7 +16,7 @@ from tests.helpers import plain_delivery
 
 
 def event(seq: int, key: str = "k", producer: str = "p", since: float | None = None) -> Identified:
-    return Identified(key, producer, seq, waiting_since=since)
+    return Identified(key, producer, seq, deferred_since=since)
 
 
 def seqs_of(items: list[Identified], indices: list[int]) -> list[int | None]:
@@ -162,8 +162,8 @@ def test_parked_deliveries_do_not_crowd_out_the_events_they_wait_for() -> None:
         buffer.add(plain_delivery("q", tag))
     waiting = buffer.take(3, 0.0, 0.0)
     parked_at = time.monotonic()
-    buffer.park(waiting, now=parked_at)
-    assert len(buffer) == 0 and buffer.parked() == 3 and buffer.depth("q") == 3
+    buffer.defer(waiting, now=parked_at)
+    assert len(buffer) == 0 and buffer.deferred() == 3 and buffer.depth("q") == 3
     assert buffer.take(2, 0.0, 0.0) == []  # nothing ready, and no gap due yet
 
     buffer.add(plain_delivery("q", 4))
@@ -171,14 +171,14 @@ def test_parked_deliveries_do_not_crowd_out_the_events_they_wait_for() -> None:
     again = buffer.take(1, 0.0, 0.0)
     # The parked three rejoin their queue, beside the one ready event the quota allows.
     assert [d.delivery_tag for d in again] == [1, 2, 3, 4]
-    assert [d.waiting_since for d in again] == [parked_at] * 3 + [None]
-    assert buffer.parked() == 0 and len(buffer) == 1
+    assert [d.deferred_since for d in again] == [parked_at] * 3 + [None]
+    assert buffer.deferred() == 0 and len(buffer) == 1
 
 
 def test_a_due_gap_brings_its_parked_deliveries_back_on_their_own() -> None:
     buffer = DeliveryBuffer(gap_timeout_s=0.05)
     buffer.add(plain_delivery("q", 1))
-    buffer.park(buffer.take(1, 0.0, 0.0))
+    buffer.defer(buffer.take(1, 0.0, 0.0))
     assert buffer.take(5, 0.0, 0.0) == []
     back = buffer.take(5, 0.0, 1.0)  # waits for the gap to come due, not for the 1 s
     assert [d.delivery_tag for d in back] == [1]
@@ -187,10 +187,10 @@ def test_a_due_gap_brings_its_parked_deliveries_back_on_their_own() -> None:
 def test_dropping_a_queue_forgets_its_parked_deliveries_of_that_consumer() -> None:
     buffer = DeliveryBuffer()
     buffer.add(plain_delivery("q", 1, epoch=1))
-    buffer.park(buffer.take(1, 0.0, 0.0))
+    buffer.defer(buffer.take(1, 0.0, 0.0))
     buffer.add(plain_delivery("q", 1, epoch=2))
-    buffer.park(buffer.take(1, 0.0, 0.0))
+    buffer.defer(buffer.take(1, 0.0, 0.0))
     assert buffer.drop("q", channel_epoch=1) == 1
-    assert buffer.parked("q") == 1
+    assert buffer.deferred("q") == 1
     assert buffer.drop("q") == 1
-    assert buffer.parked() == 0 and buffer.depth("q") == 0
+    assert buffer.deferred() == 0 and buffer.depth("q") == 0

@@ -86,7 +86,7 @@ def session(
 def test_a_batch_outcome_goes_to_the_held_queues_in_one_call() -> None:
     lost = Lease(queue="q-b", owner="me", token=3)
     outcome = BatchOutcome(
-        unsettled=[plain_delivery("q-a", 1)], waiting=[plain_delivery("q-c", 2)], lost=[lost]
+        unsettled=[plain_delivery("q-a", 1)], deferred=[plain_delivery("q-c", 2)], lost=[lost]
     )
     made, held, _buffer, _handbacks, stop = session(outcome)
     stop.set()  # an interrupted batch would wait here: it must not
@@ -96,7 +96,7 @@ def test_a_batch_outcome_goes_to_the_held_queues_in_one_call() -> None:
 
 def test_an_interrupted_batch_backs_off_before_the_next() -> None:
     outcome = BatchOutcome(
-        unsettled=[plain_delivery("q-a", 1)], waiting=[], lost=[], interrupted="x"
+        unsettled=[plain_delivery("q-a", 1)], deferred=[], lost=[], interrupted="x"
     )
     made, held, _buffer, _handbacks, stop = session(outcome)
     waits: list[float | None] = []

@@ -47,14 +47,14 @@ def test_a_reopened_consumers_redeliveries_keep_waiting_from_when_they_first_did
     """Otherwise every reopening would restart the gap's timeout."""
     buffer = DeliveryBuffer(gap_timeout_s=60)
     parked(buffer, "p", [3, 4], ago=20)
-    first = buffer.parked_items()[QUEUE][0].waiting_since
+    first = buffer.deferred_items()[QUEUE][0].deferred_since
     assert first is not None
     assert buffer.drop(QUEUE, 1, keep_waits=True) == 2
     redelivered = delivery(3, 2, time.monotonic())
     buffer.add(redelivered)
-    assert redelivered.waiting_since == first
+    assert redelivered.deferred_since == first
     # A queue handed back (no keep_waits) forgets them: another worker starts afresh.
     buffer.drop(QUEUE)
     again = delivery(4, 3, time.monotonic())
     buffer.add(again)
-    assert again.waiting_since is None
+    assert again.deferred_since is None

@@ -73,7 +73,7 @@ class AbandonedGaps:
         if now < self._next_check:
             return 0
         self._next_check = now + CHECK_EVERY_S
-        snapshot = self._buffer.parked_items()
+        snapshot = self._buffer.deferred_items()
         candidates = self._candidates(snapshot, now)
         if not candidates:
             return 0
@@ -100,14 +100,14 @@ class AbandonedGaps:
             theirs = _from_any_of(gone)
             reopened = self._reopened_at(queue)
             waits = [
-                delivery.waiting_since
+                delivery.deferred_since
                 for delivery in snapshot[queue]
-                if delivery.waiting_since is not None and theirs(delivery)
+                if delivery.deferred_since is not None and theirs(delivery)
             ]
             if waits and (reopened is None or reopened < min(waits)):
                 self._reopen(queue)  # anything it holds unsent comes back; checked again after
                 continue
-            count = self._buffer.expire_parked(queue, theirs, now)
+            count = self._buffer.expire_deferred(queue, theirs, now)
             if count:
                 log.info(
                     "queue %s: producer %s is gone and the queue holds nothing more: giving up "
@@ -129,8 +129,8 @@ class AbandonedGaps:
             producers = {
                 producer
                 for delivery in deferred
-                if delivery.waiting_since is not None
-                and now - delivery.waiting_since >= QUIET_S
+                if delivery.deferred_since is not None
+                and now - delivery.deferred_since >= QUIET_S
                 and (producer := producer_of(delivery)) is not None
             }
             if producers:

@@ -17,17 +17,17 @@ class BatchOutcome:
     """The result of ``BatchProcessor.process``; ``HeldQueues`` acts on it."""
 
     # Not settled: to put back (the worker keeps those whose queue is still held).
-    unsettled: list[Delivery]
+    unsettled: list[Delivery] = field(default_factory=list)
     # Deferred behind an earlier seq of their key: kept for a later batch.
-    waiting: list[Delivery]
+    deferred: list[Delivery] = field(default_factory=list)
     # Leases a refused commit found lost: their queues stop now.
-    lost: list[Lease]
+    lost: list[Lease] = field(default_factory=list)
     # A service failed mid-batch (the reason): the worker backs off, then retries.
     interrupted: str | None = None
-    # Aside queues whose key may not apply their deliveries now: their consumers close.
-    held_back: frozenset[str] = frozenset()
+    # Aside queues whose key may not apply their deliveries now: handed back.
+    handed_back: frozenset[str] = frozenset()
     # Beyond their key's rate limit: to put back, for a batch in ``retry_limited_in`` s.
-    limited: list[Delivery] = field(default_factory=list)
+    rate_limited: list[Delivery] = field(default_factory=list)
     retry_limited_in: float = 0.0
 
 
@@ -57,11 +57,9 @@ class BatchProgress:
         for delivery, how in self.decided.values():
             found.setdefault(how, []).append(delivery)
         return BatchOutcome(
-            unsettled=[],
-            waiting=found.get(Disposition.DEFER, []),
-            lost=[],
-            held_back=frozenset(d.queue for d in found.get(Disposition.HAND_BACK, [])),
-            limited=self.unsettled(found.get(Disposition.RATE_LIMITED, [])),
+            deferred=found.get(Disposition.DEFER, []),
+            handed_back=frozenset(d.queue for d in found.get(Disposition.HAND_BACK, [])),
+            rate_limited=self.unsettled(found.get(Disposition.RATE_LIMITED, [])),
             retry_limited_in=self.retry_limited_in,
         )
 

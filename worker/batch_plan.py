@@ -84,7 +84,7 @@ def identify(items: Iterable[Item]) -> tuple[list[Identified], list[Item]]:
                 item.producer,
                 item.seq,
                 counts=isinstance(item, Event),
-                waiting_since=item.delivery.waiting_since,
+                deferred_since=item.delivery.deferred_since,
                 redrive_id=item.redrive_id,
             )
         )

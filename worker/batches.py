@@ -115,15 +115,15 @@ class BatchProcessor:
         except CommitRefused as exc:
             return self._refused(deliveries, exc)
         except (Stale, Interrupted):
-            return BatchOutcome(unsettled=self.unsettled(deliveries), waiting=[], lost=[])
+            return BatchOutcome(unsettled=self.unsettled(deliveries), deferred=[], lost=[])
         except KeysStopped as exc:  # the stream paused: its queues are being handed back
             worker_log.info("batch put back: %s", exc)
             unsettled = self.unsettled(deliveries)
-            return BatchOutcome(unsettled=unsettled, waiting=[], lost=[], interrupted=str(exc))
+            return BatchOutcome(unsettled=unsettled, deferred=[], lost=[], interrupted=str(exc))
         except _SERVICE_FAILURES as exc:
             worker_log.warning("batch interrupted, will retry: %s", exc)
             unsettled = self.unsettled(deliveries)
-            return BatchOutcome(unsettled=unsettled, waiting=[], lost=[], interrupted=str(exc))
+            return BatchOutcome(unsettled=unsettled, deferred=[], lost=[], interrupted=str(exc))
         return self._progress.outcome()
 
     def unsettled(
@@ -139,7 +139,7 @@ class BatchProcessor:
         log.warning("commit refused: lost %s", ", ".join(sorted(exc.lost)))
         return BatchOutcome(
             unsettled=self.unsettled(deliveries, exclude=exc.lost),
-            waiting=[],
+            deferred=[],
             lost=self._progress.lost(exc.lost),
         )
 

@@ -168,7 +168,7 @@ class Worker:
             worker_id=self.worker_id,
             stream=self.stream,
             started_ms=self._started_ms,
-            waiting=self._buffer.parked(),
+            waiting=self._buffer.deferred(),
         )
 
     # ---- the loop -------------------------------------------------------------------------

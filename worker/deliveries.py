@@ -1,7 +1,7 @@
 """Messages delivered to a worker and not yet settled, per queue, in arrival order.
 
 The AMQP thread appends; the batch loop takes from the front of each queue. Events that must
-wait for an earlier seq (``keyq.worker.sequencing``) are *parked* beside the queue's FIFO:
+wait for an earlier seq (``keyq.worker.sequencing``) are *deferred* beside the queue's FIFO:
 they do not count as ready, so they never crowd out the events they wait for, and they join
 the next batch taken from their queue, or a batch of their own once their gap is due.
 """
@@ -39,7 +39,7 @@ class Delivery:
     # delivery, the whole message, and is dead-lettered with that reason.
     malformed: str | None = None
     received_at: float = field(default_factory=time.monotonic)
-    waiting_since: float | None = None  # first parked (waiting for an earlier seq) at
+    deferred_since: float | None = None  # first deferred (behind an earlier seq) at
 
     @property
     def message(self) -> tuple[int, int]:
@@ -68,7 +68,7 @@ class DeliveryBuffer:
     def __init__(self, gap_timeout_s: float = 60.0) -> None:
         self._gap_timeout_s = gap_timeout_s
         self._queues: dict[str, deque[Delivery]] = {}
-        self._parked: dict[str, list[Delivery]] = {}
+        self._deferred: dict[str, list[Delivery]] = {}
         self._last_arrival: dict[str, float] = {}
         # (queue, event identity) -> since when a delivery dropped for a consumer's reopening had
         # waited: its redelivery keeps waiting from then, so a gap's timeout is not reset.
@@ -95,7 +95,7 @@ class DeliveryBuffer:
                     slot = (delivery.queue, identity) if identity else None
                     since = self._waits.pop(slot, None) if slot else None
                     if since is not None:
-                        delivery.waiting_since = since
+                        delivery.deferred_since = since
                 self._queues.setdefault(delivery.queue, deque()).append(delivery)
                 self._last_arrival[delivery.queue] = delivery.received_at
                 self._count += 1
@@ -106,11 +106,11 @@ class DeliveryBuffer:
 
     def oldest_published_ms(self) -> int | None:
         """When the oldest event buffered here was published (ms since the epoch), as its
-        producer said; None if none says. A queue's oldest is at its front, or parked."""
+        producer said; None if none says. A queue's oldest is at its front, or deferred."""
         with self._changed:
             candidates = [fifo[0] for fifo in self._queues.values() if fifo]
-            for parked in self._parked.values():
-                candidates.extend(parked)
+            for deferred in self._deferred.values():
+                candidates.extend(deferred)
         return oldest_published_ms(candidates)
 
     def wake(self) -> None:
@@ -124,61 +124,61 @@ class DeliveryBuffer:
             return self._count
 
     def depth(self, queue: str) -> int:
-        """Unsettled deliveries of ``queue`` here, ready or parked."""
+        """Unsettled deliveries of ``queue`` here, ready or deferred."""
         with self._changed:
-            return len(self._queues.get(queue, ())) + len(self._parked.get(queue, ()))
+            return len(self._queues.get(queue, ())) + len(self._deferred.get(queue, ()))
 
     def messages(self, queue: str) -> int:
         """The AMQP messages that unsettled deliveries of ``queue`` here came in, ready or
-        parked: a pack's events count once (what a consumer's prefetch counts)."""
+        deferred: a pack's events count once (what a consumer's prefetch counts)."""
         with self._changed:
             found = {d.message for d in self._queues.get(queue, ())}
-            found.update(d.message for d in self._parked.get(queue, ()))
+            found.update(d.message for d in self._deferred.get(queue, ()))
             return len(found)
 
-    def parked_messages(self, queue: str) -> int:
-        """The AMQP messages that parked deliveries of ``queue`` came in."""
+    def deferred_messages(self, queue: str) -> int:
+        """The AMQP messages that deferred deliveries of ``queue`` came in."""
         with self._changed:
-            return len({d.message for d in self._parked.get(queue, ())})
+            return len({d.message for d in self._deferred.get(queue, ())})
 
-    def parked(self, queue: str | None = None) -> int:
+    def deferred(self, queue: str | None = None) -> int:
         """Deliveries waiting for an earlier seq (of ``queue``, or of every queue)."""
         with self._changed:
             if queue is not None:
-                return len(self._parked.get(queue, ()))
-            return sum(len(items) for items in self._parked.values())
+                return len(self._deferred.get(queue, ()))
+            return sum(len(items) for items in self._deferred.values())
 
-    def park(self, deliveries: Iterable[Delivery], now: float | None = None) -> None:
+    def defer(self, deliveries: Iterable[Delivery], now: float | None = None) -> None:
         """Set aside deliveries that wait for an earlier seq; they come back with the next
         batch of their queue, or on their own once they have waited ``gap_timeout_s``."""
         stamp = time.monotonic() if now is None else now
         with self._changed:
             touched = set()
             for delivery in deliveries:
-                if delivery.waiting_since is None:
-                    delivery.waiting_since = stamp
-                self._parked.setdefault(delivery.queue, []).append(delivery)
+                if delivery.deferred_since is None:
+                    delivery.deferred_since = stamp
+                self._deferred.setdefault(delivery.queue, []).append(delivery)
                 touched.add(delivery.queue)
             for queue in touched:
-                self._parked[queue].sort(key=_delivery_order)
+                self._deferred[queue].sort(key=_delivery_order)
             self._changed.notify_all()
 
-    def parked_items(self) -> dict[str, list[Delivery]]:
-        """A copy of what is parked, per queue."""
+    def deferred_items(self) -> dict[str, list[Delivery]]:
+        """A copy of what is deferred, per queue."""
         with self._changed:
-            return {queue: list(items) for queue, items in self._parked.items() if items}
+            return {queue: list(items) for queue, items in self._deferred.items() if items}
 
-    def expire_parked(
+    def expire_deferred(
         self, queue: str, which: Callable[[Delivery], bool], now: float | None = None
     ) -> int:
-        """Make the parked deliveries of ``queue`` that ``which`` picks due at once, as if
+        """Make the deferred deliveries of ``queue`` that ``which`` picks due at once, as if
         they had waited ``gap_timeout_s``: their gap is given up at the next take."""
         stamp = (time.monotonic() if now is None else now) - self._gap_timeout_s
         expired = 0
         with self._changed:
-            for delivery in self._parked.get(queue, ()):
+            for delivery in self._deferred.get(queue, ()):
                 if which(delivery):
-                    delivery.waiting_since = min(delivery.waiting_since or stamp, stamp)
+                    delivery.deferred_since = min(delivery.deferred_since or stamp, stamp)
                     expired += 1
             if expired:
                 self._changed.notify_all()
@@ -195,7 +195,7 @@ class DeliveryBuffer:
             deadline = time.monotonic() + idle_wait_s
             while self._count == 0 and not self._woken:
                 now = time.monotonic()
-                due = self._parked_due()
+                due = self._deferred_due()
                 if due is not None and due <= now:
                     break  # a gap has waited long enough: its events go on their own
                 wake_at = deadline if due is None else min(deadline, due)
@@ -225,23 +225,23 @@ class DeliveryBuffer:
         for queue, quota in quotas.items():
             fifo = self._queues.pop(queue)
             # What waits in this queue rejoins it: the events taken may fill its gap.
-            taken.extend(self._parked.pop(queue, ()))
+            taken.extend(self._deferred.pop(queue, ()))
             taken.extend(fifo.popleft() for _ in range(quota))
             self._queues[queue] = fifo  # re-inserted last: served most recently
             self._count -= quota
         due_before = time.monotonic() - self._gap_timeout_s
-        for queue in [q for q, items in self._parked.items() if _due(items, due_before)]:
-            taken.extend(self._parked.pop(queue))
+        for queue in [q for q, items in self._deferred.items() if _due(items, due_before)]:
+            taken.extend(self._deferred.pop(queue))
         self._reset_first_arrival()
         return taken
 
-    def _parked_due(self) -> float | None:
-        """When the longest-waiting parked delivery's gap is due to be given up."""
+    def _deferred_due(self) -> float | None:
+        """When the longest-deferred delivery's gap is due to be given up."""
         oldest = [
-            d.waiting_since
-            for items in self._parked.values()
+            d.deferred_since
+            for items in self._deferred.values()
             for d in items
-            if d.waiting_since is not None
+            if d.deferred_since is not None
         ]
         return min(oldest) + self._gap_timeout_s if oldest else None
 
@@ -262,37 +262,37 @@ class DeliveryBuffer:
     ) -> int:
         """Forget a queue's buffered deliveries (the broker requeues them when the channel
         closes); with an epoch, only those of that consumer incarnation or older. With
-        ``keep_waits`` (the same worker consumes the queue again at once), the parked ones'
+        ``keep_waits`` (the same worker consumes the queue again at once), the deferred ones'
         redeliveries keep waiting from when they first did."""
         with self._changed:
-            parked = self._parked.pop(queue, [])
-            kept_parked = (
+            deferred = self._deferred.pop(queue, [])
+            kept_deferred = (
                 []
                 if channel_epoch is None
-                else [d for d in parked if d.channel_epoch > channel_epoch]
+                else [d for d in deferred if d.channel_epoch > channel_epoch]
             )
-            if kept_parked:
-                self._parked[queue] = kept_parked
+            if kept_deferred:
+                self._deferred[queue] = kept_deferred
             if keep_waits:
-                for delivery in parked:
+                for delivery in deferred:
                     if channel_epoch is not None and delivery.channel_epoch > channel_epoch:
                         continue  # kept
                     identity = _identity(delivery)
-                    if identity is not None and delivery.waiting_since is not None:
+                    if identity is not None and delivery.deferred_since is not None:
                         slot = (queue, identity)
                         self._waits[slot] = min(
-                            self._waits.get(slot, delivery.waiting_since), delivery.waiting_since
+                            self._waits.get(slot, delivery.deferred_since), delivery.deferred_since
                         )
             elif self._waits:
                 for slot in [slot for slot in self._waits if slot[0] == queue]:
                     del self._waits[slot]
-            parked_dropped = len(parked) - len(kept_parked)
+            deferred_dropped = len(deferred) - len(kept_deferred)
             fifo = self._queues.get(queue)
             if not fifo:
                 self._queues.pop(queue, None)
                 self._last_arrival.pop(queue, None)
                 self._changed.notify_all()
-                return parked_dropped
+                return deferred_dropped
             if channel_epoch is None:
                 kept: deque[Delivery] = deque()
             else:
@@ -306,7 +306,7 @@ class DeliveryBuffer:
             self._count -= dropped
             self._reset_first_arrival()
             self._changed.notify_all()  # a waiting take must see what is gone
-            return dropped + parked_dropped
+            return dropped + deferred_dropped
 
     def _reset_first_arrival(self) -> None:
         heads = [fifo[0].received_at for fifo in self._queues.values() if fifo]
@@ -324,7 +324,7 @@ def _identity(delivery: Delivery) -> tuple[str, ...] | None:
 
 
 def _due(items: Iterable[Delivery], before: float) -> bool:
-    return any(d.waiting_since is not None and d.waiting_since <= before for d in items)
+    return any(d.deferred_since is not None and d.deferred_since <= before for d in items)
 
 
 def _fair_quotas(queues: dict[str, deque[Delivery]], max_events: int) -> dict[str, int]:

@@ -204,11 +204,11 @@ class HeldQueues:
         """Act on what a batch came to: defer what waits for an earlier seq, stop consuming
         the aside queues held back, put back what is over its rate and what was not
         settled, and stop the queues whose locks moved on."""
-        self._defer(outcome.waiting)
-        for queue in outcome.held_back:
+        self._defer(outcome.deferred)
+        for queue in outcome.handed_back:
             self._aside.detach(queue)
         # Over their key's rate: back in the buffer, in order, for a later batch.
-        self.put_back(outcome.limited)
+        self.put_back(outcome.rate_limited)
         for lease in outcome.lost:
             self.lose(lease, "commit refused: the lock moved on")
         self.put_back(outcome.unsettled)
@@ -237,12 +237,12 @@ class HeldQueues:
         if not waiting:
             return
         fresh = [d for d in waiting if self.lease_for(d.queue, d.channel_epoch)]
-        self._buffer.park(fresh)
+        self._buffer.defer(fresh)
         for queue in {d.queue for d in fresh}:
             room = self.room_of(queue)
             if room is None:
                 continue
-            deferred = self._buffer.parked_messages(queue)
+            deferred = self._buffer.deferred_messages(queue)
             if deferred < room or room >= MAX_PREFETCH:
                 continue
             wider = min(MAX_PREFETCH, deferred + self._consumers.prefetch)

@@ -55,7 +55,7 @@ def within_rates(
     those beyond it: a key's first events go, its later ones wait, in order."""
     counts: dict[str, int] = {}
     for delivery, key in zip(deliveries, keys, strict=True):
-        if key is not None and delivery.waiting_since is None:
+        if key is not None and delivery.deferred_since is None:
             counts[key] = counts.get(key, 0) + 1
     allowed = {key: limiter.take(key, count) for key, count in counts.items()}
     within: list[Delivery] = []
@@ -63,7 +63,7 @@ def within_rates(
     for delivery, key in zip(deliveries, keys, strict=True):
         # Deferred already: it goes with the one it waits for, so that its tokens never
         # starve the missing one into being given up.
-        if delivery.waiting_since is None and key is not None:
+        if delivery.deferred_since is None and key is not None:
             if allowed[key] <= 0:
                 beyond.append(delivery)
                 continue

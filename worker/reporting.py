@@ -57,7 +57,7 @@ def gap_reports(processor: BatchProcessor, buffer: DeliveryBuffer) -> list[GapRe
     """The sequence gaps the worker waits on now (events deferred behind them), oldest first."""
     now = time.monotonic()
     gaps = sorted(
-        (gap for gap, queue in list(processor.open_gaps.values()) if buffer.parked(queue)),
+        (gap for gap, queue in list(processor.open_gaps.values()) if buffer.deferred(queue)),
         key=lambda gap: gap.since,
     )
     return [

@@ -39,7 +39,7 @@ class Identified:
     producer: str | None
     seq: int | None
     counts: bool = True  # False for items dead-lettered rather than applied
-    waiting_since: float | None = None  # when it was first set aside to wait, if ever
+    deferred_since: float | None = None  # when it was first set aside to wait, if ever
     redrive_id: str | None = None  # the dead letter it was put back from, if redriven
 
 
@@ -179,4 +179,4 @@ class _Sequencer:
 
 
 def _since(item: Identified, now: float) -> float:
-    return now if item.waiting_since is None else item.waiting_since
+    return now if item.deferred_since is None else item.deferred_since

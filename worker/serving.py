@@ -142,7 +142,7 @@ class Session:
         if outcome.interrupted is not None:
             self.stop.wait(ERROR_BACKOFF_S)
         self.held.apply(outcome)
-        if outcome.limited and len(outcome.limited) == len(batch):
+        if outcome.rate_limited and len(outcome.rate_limited) == len(batch):
             self.stop.wait(min(max(outcome.retry_limited_in, 0.005), RATE_WAIT_MAX_S))
 
     def drain_aside(self) -> None:
@@ -157,7 +157,7 @@ class Session:
     def give_up_abandoned_gaps(self) -> None:
         """Gaps whose producer is gone need not wait out their timeout once nothing more is
         in their queue (``keyq.worker.abandoned_gaps``); a service error only postpones it."""
-        if not self.buffer.parked():
+        if not self.buffer.deferred():
             return
         try:
             with redis_errors(self.settings.redis_url):
@@ -167,7 +167,7 @@ class Session:
 
     def reopen_stuck_gaps(self) -> None:
         """Reopen the consumers of queues whose gap stays open (``keyq.worker.stuck_gaps``)."""
-        if not self.buffer.parked():
+        if not self.buffer.deferred():
             return
         for queue in self.stuck.due():
             log.warning(

@@ -39,7 +39,7 @@ class StuckGaps:
         """Queues whose oldest waiting event has waited ``reopen_after_s``, quiet for
         ``QUIET_S``, and not reopened within ``reopen_after_s``."""
         now = time.monotonic() if now is None else now
-        deferred = self._buffer.parked_items()
+        deferred = self._buffer.deferred_items()
         for queue in [queue for queue in self._reopened if queue not in deferred]:
             del self._reopened[queue]  # its gap filled or was given up
         due = []
@@ -47,7 +47,7 @@ class StuckGaps:
             last = self._buffer.last_arrival(queue)
             if last is not None and now - last < QUIET_S:
                 continue
-            waits = [item.waiting_since for item in items if item.waiting_since is not None]
+            waits = [item.deferred_since for item in items if item.deferred_since is not None]
             if not waits or now - min(waits) < self.reopen_after_s:
                 continue
             reopened = self._reopened.get(queue)
