@@ -66,7 +66,7 @@ from keyq import Producer
 from keyq.broker.connections import open_redis
 from keyq.broker.settings import Settings, load_settings
 from keyq.demo.orders import generate_orders
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 
 REPO = Path(__file__).resolve().parent.parent
 PIPELINE = "bench.pipelines:count"

@@ -57,12 +57,12 @@ from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings, load_settings
 from keyq.broker.streams import StreamConfig
 from keyq.broker.topology import keyed_queue_arguments
+from keyq.worker.amqp.deliveries import Delivery
+from keyq.worker.batch.decoding import Event
+from keyq.worker.batch.state_store import StateStore
 from keyq.worker.config import WorkerSettings
-from keyq.worker.decoding import Event
-from keyq.worker.deliveries import Delivery
-from keyq.worker.engine import SparkEngine, batch_table
 from keyq.worker.pipeline import KeyedState
-from keyq.worker.state_store import StateStore
+from keyq.worker.spark.engine import SparkEngine, batch_table
 
 REPO = Path(__file__).resolve().parent.parent
 PIPELINE = "bench.pipelines:count"

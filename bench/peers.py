@@ -61,7 +61,7 @@ from keyq.broker.errors import KeyqError
 from keyq.broker.membership import Membership
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.settings import Settings, load_settings
-from keyq.worker.batch_stats import STAGES
+from keyq.worker.batch.stats import STAGES
 
 REPO = Path(__file__).resolve().parent.parent
 PREFETCH = 100

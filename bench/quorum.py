@@ -83,7 +83,7 @@ from keyq.broker.naming import Mode, bucket_queue_name, dead_letter_queue_name, 
 from keyq.broker.settings import Settings, load_settings
 from keyq.broker.streams import StreamConfig
 from keyq.broker.topology import keyed_queue_arguments
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 from tests.cluster import ClusterError, RabbitCluster
 
 REPO = Path(__file__).resolve().parent.parent

@@ -48,7 +48,7 @@ from keyq.broker.management import get_json
 from keyq.broker.membership import Membership
 from keyq.broker.settings import Settings, load_settings
 from keyq.demo.processes import Daemon
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 from tests.servers import PrivateRabbit, PrivateRedis
 
 REPO = Path(__file__).resolve().parent.parent

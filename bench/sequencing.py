@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import emit, median, ratio
-from keyq.worker.dedup import KeyMarks
-from keyq.worker.sequencing import Identified, plan_batch
+from keyq.worker.batch.marks import KeyMarks
+from keyq.worker.batch.sequencing import Identified, plan_batch
 
 BATCH = 5000
 KEYS = 200

@@ -32,7 +32,7 @@ ON_LOOPBACK = "spark.driver.host=127.0.0.1,spark.driver.bindAddress=127.0.0.1"
 
 
 def _table(stream: str, round_: int) -> pa.Table:
-    from keyq.worker.engine import _ARROW_SCHEMA
+    from keyq.worker.spark.engine import _ARROW_SCHEMA
 
     rows = range(BATCH)
     return pa.table(
@@ -56,16 +56,16 @@ def measure(target: dict[str, str], repeats: int) -> dict[str, Any]:
     from bench.pipelines import count
     from keyq.broker.connections import open_redis
     from keyq.broker.settings import load_settings
+    from keyq.worker.batch.state_store import StateStore
     from keyq.worker.config import WorkerSettings
-    from keyq.worker.engine import SparkEngine
     from keyq.worker.pipeline import BatchContext, KeyedState
-    from keyq.worker.state_store import StateStore
+    from keyq.worker.spark.engine import SparkEngine
 
     settings = load_settings(WorkerSettings, **target)
     engine = SparkEngine(settings, "keyq-bench-spark")
     started = time.monotonic()
     engine.start()
-    engine.ship(["bench.pipelines", "keyq.worker.fold"])
+    engine.ship(["bench.pipelines", "keyq.worker.spark.fold"])
     start_seconds = time.monotonic() - started
     stream = f"bench-spark-{uuid.uuid4().hex[:8]}"
     store = StateStore(open_redis(settings), stream)  # no state yet: nothing to clean up

@@ -2,7 +2,7 @@
 never walks the dead-letter queue (AMQP cannot browse a queue: a walk takes every message).
 
 Whoever dead-letters writes the entry once the copy is confirmed and before the original is
-acked (the worker, ``keyq.worker.batch_attempt``): an entry never lags a letter that exists for
+acked (the worker, ``keyq.worker.batch.attempt``): an entry never lags a letter that exists for
 longer than that step. Letters RabbitMQ dead-letters by itself (a rejection, a quorum queue's
 delivery limit) pass no keyq code: the walks that move letters (redrive, drop, reindex) index
 every letter they meet and drop entries of letters that were gone when they began

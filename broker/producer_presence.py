@@ -6,7 +6,7 @@ is confirmed, so while it runs, a gap in a key's seqs fills. A producer that sto
 taking a seq and its confirm (killed, or closed with events unconfirmed) leaves a gap for
 good: what is not in the queue by then never comes. Each producer keeps a key with a ttl
 while it runs and deletes it when it closes; a worker gives up a gone producer's gap once the
-queue holds nothing more for it (``keyq.worker.abandoned_gaps``), instead of waiting out the
+queue holds nothing more for it (``keyq.worker.holding.abandoned_gaps``), instead of waiting out the
 gap timeout.
 """
 

@@ -247,10 +247,10 @@ def workers(
 
 @pytest.fixture(scope="session")
 def spark_class_archive() -> Path | None:
-    """The class-data archive local Sparks start from (keyq.worker.spark_classes), built
+    """The class-data archive local Sparks start from (keyq.worker.spark.classes), built
     once if missing: every worker a test starts then starts its Spark in half the time."""
     from keyq.worker.config import WorkerSettings
-    from keyq.worker.spark_classes import build_archive
+    from keyq.worker.spark.classes import build_archive
 
     return build_archive(load_settings(WorkerSettings))
 
@@ -259,7 +259,7 @@ def spark_class_archive() -> Path | None:
 def spark_engine(services: Settings, spark_class_archive: Path | None) -> Iterator[Any]:
     """One in-process SparkSession for tests that run a Worker in the test process."""
     from keyq.worker.config import WorkerSettings
-    from keyq.worker.engine import SparkEngine
+    from keyq.worker.spark.engine import SparkEngine
 
     engine = SparkEngine(load_settings(WorkerSettings, spark_master="local[2]"), "keyq-tests")
     engine.start()

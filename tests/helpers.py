@@ -17,7 +17,7 @@ from keyq.broker.packs import decode_pack, is_pack
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.streams import ensure_stream_config
 from keyq.broker.topology import keyed_queue_arguments
-from keyq.worker.deliveries import Delivery
+from keyq.worker.amqp.deliveries import Delivery
 
 
 @dataclass(frozen=True)

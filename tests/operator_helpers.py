@@ -22,8 +22,8 @@ from keyq.broker.settings import load_settings
 from keyq.broker.streams import StreamConfig, ensure_stream_config
 from keyq.broker.topology import dead_letter_queue_arguments
 from keyq.cli.root import cli
-from keyq.worker.dead_letters import DeadLetter, dead_letter_properties
-from keyq.worker.deliveries import Delivery
+from keyq.worker.amqp.dead_letters import DeadLetter, dead_letter_properties
+from keyq.worker.amqp.deliveries import Delivery
 from tests.conftest import StreamFixture
 
 _tags = itertools.count(1)

@@ -9,8 +9,8 @@ import time
 from collections.abc import Iterable
 
 from keyq.broker.envelope import HEADER_PRODUCER, HEADER_SEQ
-from keyq.worker.abandoned_gaps import QUIET_S, AbandonedGaps
-from keyq.worker.deliveries import Delivery, DeliveryBuffer
+from keyq.worker.amqp.deliveries import Delivery, DeliveryBuffer
+from keyq.worker.holding.abandoned_gaps import QUIET_S, AbandonedGaps
 
 QUEUE = "keyq.s.k.acct"
 

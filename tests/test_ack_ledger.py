@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from keyq.worker.ack_ledger import AckLedger
+from keyq.worker.amqp.ack_ledger import AckLedger
 
 
 def whole(*tags: int) -> list[tuple[int, int]]:

@@ -19,17 +19,17 @@ from keyq.broker.key_control import KeyStatus, ParkedKey
 from keyq.broker.locks import Lease
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.stream_policy import StreamPolicy
-from keyq.worker.admission import Admission, Disposition, Reads, admit
-from keyq.worker.batch_effects import BatchEffects
-from keyq.worker.batch_outcome import BatchProgress
-from keyq.worker.batch_spans import BatchSpans
-from keyq.worker.batch_stats import StageClock
-from keyq.worker.dead_letters import DeadLetter
-from keyq.worker.decoding import decoder_for
-from keyq.worker.dedup import KeyMarks
-from keyq.worker.dedupe_ids import AppliedIds
-from keyq.worker.deliveries import Delivery
-from keyq.worker.rate_limits import KeyRateLimiter
+from keyq.worker.amqp.dead_letters import DeadLetter
+from keyq.worker.amqp.deliveries import Delivery
+from keyq.worker.batch.admission import Admission, Disposition, Reads, admit
+from keyq.worker.batch.decoding import decoder_for
+from keyq.worker.batch.dedupe_ids import AppliedIds
+from keyq.worker.batch.effects import BatchEffects
+from keyq.worker.batch.marks import KeyMarks
+from keyq.worker.batch.outcome import BatchProgress
+from keyq.worker.batch.rate_limits import KeyRateLimiter
+from keyq.worker.batch.spans import BatchSpans
+from keyq.worker.batch.stats import StageClock
 
 QUEUE = "keyq.s.b.00000"
 ASIDE = "keyq.s.a.0123.tok"

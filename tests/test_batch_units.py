@@ -24,25 +24,25 @@ from keyq.broker.errors import (
 from keyq.broker.locks import Lease
 from keyq.broker.settings import load_settings
 from keyq.broker.stream_policy import StreamPolicy
-from keyq.worker.batch_failures import (
+from keyq.worker.amqp.dead_letters import DeadLetter
+from keyq.worker.amqp.deliveries import Delivery
+from keyq.worker.batch.decoding import Event, Undecodable, decode, decoder_for
+from keyq.worker.batch.failures import (
     EventFailed,
     Interrupted,
     describe_failure,
     pipeline_failure,
     spark_unavailable,
 )
-from keyq.worker.batch_outcome import BatchOutcome
-from keyq.worker.batch_plan import arrival_order, identify, plan_run
-from keyq.worker.batch_stats import BatchStats
-from keyq.worker.batches import BatchProcessor
+from keyq.worker.batch.isolation import Isolation, named_event
+from keyq.worker.batch.marks import KeyMarks
+from keyq.worker.batch.outcome import BatchOutcome
+from keyq.worker.batch.plan import arrival_order, identify, plan_run
+from keyq.worker.batch.processor import BatchProcessor
+from keyq.worker.batch.stats import BatchStats
 from keyq.worker.config import WorkerSettings
-from keyq.worker.dead_letters import DeadLetter
-from keyq.worker.decoding import Event, Undecodable, decode, decoder_for
-from keyq.worker.dedup import KeyMarks
-from keyq.worker.deliveries import Delivery
-from keyq.worker.fold import event_token
-from keyq.worker.holdings import Held, Holdings
-from keyq.worker.isolation import Isolation, named_event
+from keyq.worker.holding.holdings import Held, Holdings
+from keyq.worker.spark.fold import event_token
 
 NOT_JSON = b"{not json"
 
@@ -494,7 +494,7 @@ def test_a_refused_commit_stops_the_lost_queues_and_hands_back_the_rest() -> Non
     ]
     made, journal, _ = processor(lost=frozenset({"a"}))
     outcome = made.process(batch)
-    assert outcome == BatchOutcome(unsettled=batch[1:], waiting=[], lost=[LEASES["a"]])
+    assert outcome == BatchOutcome(unsettled=batch[1:], deferred=[], lost=[LEASES["a"]])
     assert [name for name, _ in journal.calls] == ["dead_letter", "commit"]  # never acked
     assert made.stats.commits_refused == 1
 

@@ -27,7 +27,7 @@ from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import load_settings
 from keyq.broker.topology import keyed_queue_arguments
 from keyq.janitor.config import JanitorSettings
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 from tests.cluster import RabbitCluster, cluster_fixture
 from tests.conftest import TEST_STREAM_PREFIX, StreamFixture
 from tests.helpers import drain

@@ -1,4 +1,4 @@
-"""Pipelined consumers (``keyq.broker.consume_rounds``) on the real broker: the channels they
+"""Pipelined consumers (``keyq.worker.amqp.consume_rounds``) on the real broker: the channels they
 open behave as pika's own, so the pika internals they rely on are pinned here."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import Any
 import pika
 import pytest
 
-from keyq.broker.acks import buffer_ack, flush_acks
-from keyq.broker.consume_rounds import ConsumeRequest, open_consumers
-from keyq.broker.consumers import close_keeping_consumers
 from keyq.broker.naming import key_queue_name
 from keyq.broker.settings import Settings
+from keyq.worker.amqp.acks import buffer_ack, flush_acks
+from keyq.worker.amqp.consume_rounds import ConsumeRequest, open_consumers
+from keyq.worker.amqp.consumer_close import close_keeping_consumers
 from tests.conftest import StreamFixture
 
 

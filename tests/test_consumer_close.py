@@ -23,9 +23,9 @@ import pika.exceptions
 import pytest
 
 from keyq.broker.settings import Settings, load_settings
-from keyq.worker.consume_outcomes import ConsumeOutcome
-from keyq.worker.consumer import ConsumerLink
-from keyq.worker.deliveries import DeliveryBuffer
+from keyq.worker.amqp.consume_outcomes import ConsumeOutcome
+from keyq.worker.amqp.deliveries import DeliveryBuffer
+from keyq.worker.amqp.link import ConsumerLink
 from tests.conftest import StreamFixture
 from tests.faults import FaultProxy
 from tests.workers import bare_link, wait_until

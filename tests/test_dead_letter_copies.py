@@ -13,8 +13,8 @@ from keyq.broker.envelope import (
     HEADER_DEAD_QUEUE,
     HEADER_DEAD_REASON,
 )
-from keyq.worker.dead_letters import MAX_REASON_CHARS, DeadLetter, dead_letter_properties
-from keyq.worker.deliveries import Delivery
+from keyq.worker.amqp.dead_letters import MAX_REASON_CHARS, DeadLetter, dead_letter_properties
+from keyq.worker.amqp.deliveries import Delivery
 
 
 def delivery(headers: dict[str, object]) -> Delivery:

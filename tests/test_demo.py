@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from keyq.demo.orders import expected_states, generate_orders
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 from tests.workers import FAST, REPO, keyq_environment
 
 # Also run on RabbitMQ 4.3 in CI: the core of keyq end to end on a current broker.

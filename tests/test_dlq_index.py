@@ -24,7 +24,7 @@ from keyq import Producer
 from keyq.broker.key_control import KeyControl
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.cli.root import cli
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 from tests.conftest import StreamFixture
 from tests.operator_helpers import (
     dead_letter,

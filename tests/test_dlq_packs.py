@@ -27,7 +27,7 @@ from keyq.broker.envelope import (
 from keyq.broker.naming import dead_letter_queue_name, key_queue_name
 from keyq.broker.packs import HEADER_PACK, MAGIC, PACK_CONTENT_TYPE, encode_pack, encode_record
 from keyq.broker.topology import dead_letter_queue_arguments
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 from tests.conftest import StreamFixture
 from tests.operator_helpers import depth, keyq, one_line_error, peek_all, with_operator_queues
 from tests.workers import wait_until

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keyq.worker.deliveries import Delivery, DeliveryBuffer
+from keyq.worker.amqp.deliveries import Delivery, DeliveryBuffer
 from tests.test_worker_units import delivery
 
 

@@ -16,17 +16,17 @@ from keyq.broker.errors import BrokerUnavailable
 from keyq.broker.key_control import KeyControl
 from keyq.broker.locks import FencedLocks, Lease
 from keyq.broker.registry import QueueRegistry
-from keyq.worker.aside_drains import AsideDrains
-from keyq.worker.batch_outcome import BatchOutcome
-from keyq.worker.consume_outcomes import Consumed, ConsumeOutcome
-from keyq.worker.consumer import ConsumerCalls, ConsumerLink, QueueCounter
-from keyq.worker.consuming import ConsumerGone
-from keyq.worker.dead_letters import DeadLetterCalls
-from keyq.worker.deliveries import DeliveryBuffer
-from keyq.worker.handbacks import RELEASE_COOLDOWN_S, HandBacks
-from keyq.worker.held_queues import MAX_PREFETCH, HeldQueues, QueueEvents
-from keyq.worker.holdings import Held
-from keyq.worker.starvation import StarvedQueues
+from keyq.worker.amqp.consume_outcomes import Consumed, ConsumeOutcome
+from keyq.worker.amqp.consuming import ConsumerGone
+from keyq.worker.amqp.dead_letters import DeadLetterCalls
+from keyq.worker.amqp.deliveries import DeliveryBuffer
+from keyq.worker.amqp.link import ConsumerCalls, ConsumerLink, QueueCounter
+from keyq.worker.amqp.starvation import StarvedQueues
+from keyq.worker.batch.outcome import BatchOutcome
+from keyq.worker.holding.aside_drains import AsideDrains
+from keyq.worker.holding.handbacks import RELEASE_COOLDOWN_S, HandBacks
+from keyq.worker.holding.held_queues import MAX_PREFETCH, HeldQueues, QueueEvents
+from keyq.worker.holding.holdings import Held
 from tests.helpers import plain_delivery
 
 
@@ -307,7 +307,7 @@ def test_handing_back_closes_all_in_one_call_before_dropping_and_releases_all_in
 
 
 def test_a_quorum_queue_handed_back_starved_is_looked_into_before_its_lock_goes() -> None:
-    """The order of a starved hand-back (``keyq.worker.starvation``); whether the broker
+    """The order of a starved hand-back (``keyq.worker.amqp.starvation``); whether the broker
     starves a consumer is shown on a real cluster in ``tests/test_cluster.py``."""
     held, journal, parts = make_quorum({"q-starved-one": 3})
     for round_ in (1, 2):
@@ -522,7 +522,7 @@ def test_handbacks_ask_idle_queues_with_nothing_buffered() -> None:
 
 
 def test_refused_claims_wait_by_reason_and_say_unreachable_once(caplog: Any) -> None:
-    from keyq.worker.refused_claims import (
+    from keyq.worker.holding.refused_claims import (
         BUSY_BACKOFF_S,
         MISSING_BACKOFF_S,
         UNREACHABLE_BACKOFF_S,
@@ -533,7 +533,7 @@ def test_refused_claims_wait_by_reason_and_say_unreachable_once(caplog: Any) -> 
     now = 1000.0
     refused.refused("q-busy", ConsumeOutcome.BUSY, now)
     refused.refused("q-gone", ConsumeOutcome.MISSING, now)
-    with caplog.at_level("INFO", logger="keyq.worker.claims"):
+    with caplog.at_level("INFO", logger="keyq.worker.holding.claims"):
         refused.refused("q-down", ConsumeOutcome.UNREACHABLE, now)
         refused.refused("q-down", ConsumeOutcome.UNREACHABLE, now)
         refused.consumed("q-down")

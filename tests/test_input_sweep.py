@@ -31,9 +31,9 @@ from keyq.broker.errors import AuthenticationFailed, InvalidEvent, KeyqError
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import load_settings
+from keyq.worker.batch.state_store import StateStore
 from keyq.worker.daemon import Worker
-from keyq.worker.engine import SparkEngine
-from keyq.worker.state_store import StateStore
+from keyq.worker.spark.engine import SparkEngine
 from tests.conftest import StreamFixture
 from tests.helpers import drain, queue_depth
 from tests.servers import PrivateRabbit

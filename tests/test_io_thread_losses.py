@@ -19,7 +19,7 @@ from keyq.broker.naming import key_queue_name
 from keyq.broker.settings import load_settings
 from keyq.worker.config import WorkerSettings
 from keyq.worker.daemon import Worker
-from keyq.worker.engine import SparkEngine
+from keyq.worker.spark.engine import SparkEngine
 from tests.conftest import StreamFixture
 from tests.faults import FaultProxy
 from tests.workers import wait_until

@@ -33,7 +33,7 @@ from keyq.janitor.config import JanitorSettings
 from keyq.janitor.deleter import Outcome
 from keyq.janitor.inventory import NOT_SET, list_queues
 from keyq.janitor.janitor import Janitor
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 from tests.conftest import StreamFixture
 from tests.helpers import drain, queue_depth, unpacked
 from tests.workers import WorkerProcess, wait_until

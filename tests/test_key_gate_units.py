@@ -7,10 +7,10 @@ from typing import Any
 
 from keyq.broker.envelope import CONTENT_JSON, HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
 from keyq.broker.key_control import KeyStatus, ParkedKey
-from keyq.worker.decoding import decoder_for
-from keyq.worker.deliveries import Delivery
-from keyq.worker.key_gate import sort_by_key_status
-from keyq.worker.rate_limits import KeyRateLimiter, within_rates
+from keyq.worker.amqp.deliveries import Delivery
+from keyq.worker.batch.decoding import decoder_for
+from keyq.worker.batch.key_gate import sort_by_key_status
+from keyq.worker.batch.rate_limits import KeyRateLimiter, within_rates
 
 MAIN = "keyq.s.b.00000"
 SIDE = "keyq.s.a.0123.tok"

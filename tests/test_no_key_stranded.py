@@ -29,7 +29,7 @@ from keyq import Producer
 from keyq.broker.key_control import KeyControl
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.stranded import StrandedRecord
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 from tests.conftest import StreamFixture
 from tests.helpers import queue_depth
 from tests.workers import REPO, JanitorProcess, keyq_environment, run_keyq, wait_until

@@ -23,7 +23,6 @@ from keyq import Producer
 from keyq.broker.connections import open_redis
 from keyq.broker.errors import ConfigurationError
 from keyq.broker.fd_usage import NO_FIGURES, NOT_SET, FdUsage, near_limit, read_fd_usage
-from keyq.broker.redis_persistence import Persistence, judge, log_redis_persistence
 from keyq.broker.settings import Settings, load_settings
 from keyq.cli.status import render_table
 from keyq.janitor.config import JanitorSettings
@@ -31,6 +30,7 @@ from keyq.janitor.fd_watch import FdWatch
 from keyq.janitor.janitor import Janitor
 from keyq.janitor.metrics import JanitorMetrics
 from keyq.ops.status import collect_status
+from keyq.worker.redis_persistence import Persistence, judge, log_redis_persistence
 from tests.conftest import PRIVATE_RABBIT_NOFILE, StreamFixture
 from tests.servers import PrivateRabbit, PrivateRedis, free_port, private_servers_available
 from tests.workers import REPO, WorkerProcess, keyq_environment, wait_until

@@ -41,8 +41,8 @@ from keyq.demo.orders import (
     new_order_state,
     pipeline,
 )
-from keyq.worker.fold import FoldFailed, make_folder
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
+from keyq.worker.spark.fold import FoldFailed, make_folder
 from tests.conftest import StreamFixture
 from tests.helpers import queue_depth
 from tests.workers import held_by, run_keyq, wait_until

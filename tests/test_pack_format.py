@@ -26,9 +26,9 @@ from keyq.broker.packs import (
     is_pack,
 )
 from keyq.broker.settings import load_settings
-from keyq.worker.ack_ledger import AckLedger
-from keyq.worker.consuming import unpack
-from keyq.worker.deliveries import DeliveryBuffer
+from keyq.worker.amqp.ack_ledger import AckLedger
+from keyq.worker.amqp.consuming import unpack
+from keyq.worker.amqp.deliveries import DeliveryBuffer
 
 HEADERS: dict[str, Any] = {
     "x-keyq-stream": "orders",

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 from tests.workers import FAST, REPO, keyq_environment
 
 # It installs from the repository (the build backend comes from the package index).

@@ -34,9 +34,9 @@ from keyq.broker.envelope import (
 )
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.packs import HEADER_PACK, MAGIC, PACK_CONTENT_TYPE, encode_pack, encode_record
+from keyq.worker.batch.state_store import StateStore
 from keyq.worker.daemon import Worker
-from keyq.worker.engine import SparkEngine
-from keyq.worker.state_store import StateStore
+from keyq.worker.spark.engine import SparkEngine
 from tests.conftest import StreamFixture
 from tests.helpers import drain, open_keyed_queue, queue_depth
 from tests.test_worker_poison import fast_settings

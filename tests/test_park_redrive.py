@@ -15,7 +15,7 @@ import pytest
 from keyq import Producer
 from keyq.broker.key_control import KeyControl
 from keyq.broker.naming import dead_letter_queue_name, key_queue_name
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 from tests.conftest import StreamFixture
 from tests.workers import held_by, run_keyq, wait_until
 

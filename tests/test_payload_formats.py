@@ -15,7 +15,7 @@ import pytest
 from keyq import Producer
 from keyq.broker.envelope import HEADER_DEAD_REASON
 from keyq.broker.naming import dead_letter_queue_name
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 from tests.conftest import StreamFixture
 from tests.pipelines import DEPOSIT_SCHEMA
 from tests.workers import wait_until

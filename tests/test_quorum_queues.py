@@ -14,7 +14,7 @@ import pytest
 from keyq import Producer
 from keyq.broker.naming import key_queue_name
 from keyq.broker.topology import keyed_queue_arguments
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 from tests.helpers import queue_depth
 
 # Quorum queues ignore exclusive consumers and changed defaults on 4.x: run on 4.3 in CI too.

@@ -26,10 +26,10 @@ from keyq.broker.naming import key_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.redis_topology import parse_redis_url
 from keyq.broker.settings import Settings, load_settings
+from keyq.worker.batch.state_store import StateStore
 from keyq.worker.config import WorkerSettings
 from keyq.worker.daemon import Worker
-from keyq.worker.engine import SparkEngine
-from keyq.worker.state_store import StateStore
+from keyq.worker.spark.engine import SparkEngine
 from tests.conftest import TEST_STREAM_PREFIX, StreamFixture
 from tests.redis_topologies import (
     RedisClusterServers,

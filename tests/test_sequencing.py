@@ -9,9 +9,9 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keyq.worker.dedup import KeyMarks
-from keyq.worker.deliveries import DeliveryBuffer
-from keyq.worker.sequencing import Identified, plan_batch
+from keyq.worker.amqp.deliveries import DeliveryBuffer
+from keyq.worker.batch.marks import KeyMarks
+from keyq.worker.batch.sequencing import Identified, plan_batch
 from tests.helpers import plain_delivery
 
 

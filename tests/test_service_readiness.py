@@ -21,8 +21,8 @@ from keyq.broker.errors import (
     ConfigurationError,
     RedisUnavailable,
 )
-from keyq.broker.readiness import wait_for_services
 from keyq.broker.settings import Settings
+from keyq.ops.readiness import wait_for_services
 from tests.conftest import StreamFixture
 from tests.faults import FaultProxy
 from tests.workers import FAST, REPO, keyq_environment, run_keyq, wait_until

@@ -14,19 +14,19 @@ import pytest
 
 from keyq.broker.locks import Lease
 from keyq.broker.settings import load_settings
-from keyq.worker.abandoned_gaps import AbandonedGaps
-from keyq.worker.aside_drains import AsideDrains
-from keyq.worker.batch_outcome import BatchOutcome
-from keyq.worker.batches import BatchProcessor
-from keyq.worker.claims import ClaimLoop
+from keyq.worker.amqp.deliveries import Delivery, DeliveryBuffer
+from keyq.worker.amqp.link import ConsumerLink
+from keyq.worker.amqp.starvation import StarvedQueues
+from keyq.worker.batch.outcome import BatchOutcome
+from keyq.worker.batch.processor import BatchProcessor
 from keyq.worker.config import WorkerSettings
-from keyq.worker.consumer import ConsumerLink
-from keyq.worker.deliveries import Delivery, DeliveryBuffer
-from keyq.worker.handbacks import HandBacks
-from keyq.worker.held_queues import HeldQueues
+from keyq.worker.holding.abandoned_gaps import AbandonedGaps
+from keyq.worker.holding.aside_drains import AsideDrains
+from keyq.worker.holding.claims import ClaimLoop
+from keyq.worker.holding.handbacks import HandBacks
+from keyq.worker.holding.held_queues import HeldQueues
+from keyq.worker.holding.stuck_gaps import StuckGaps
 from keyq.worker.serving import Session, batch_wait
-from keyq.worker.starvation import StarvedQueues
-from keyq.worker.stuck_gaps import StuckGaps
 from tests.helpers import plain_delivery
 
 

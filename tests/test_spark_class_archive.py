@@ -1,5 +1,5 @@
 """A local Spark starts from a class-data archive of its JVM when one has been built
-(keyq.worker.spark_classes), and as before when it has not or cannot be."""
+(keyq.worker.spark.classes), and as before when it has not or cannot be."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from keyq.broker.settings import load_settings
 from keyq.worker.config import WorkerSettings
-from keyq.worker.spark_classes import archive_path, build_archive, cache_folder, jvm_file_option
+from keyq.worker.spark.classes import archive_path, build_archive, cache_folder, jvm_file_option
 
 # Starts a local Spark in a process of its own (a process has one JVM, and the tests' own has
 # started theirs), then says whether that JVM mapped the archive.
@@ -21,8 +21,8 @@ import sys
 from pyspark import SparkContext
 from keyq.broker.settings import load_settings
 from keyq.worker.config import WorkerSettings
-from keyq.worker.engine import SparkEngine
-from keyq.worker.spark_classes import archive_path
+from keyq.worker.spark.engine import SparkEngine
+from keyq.worker.spark.classes import archive_path
 settings = load_settings(WorkerSettings, spark_master="local[1]")
 engine = SparkEngine(settings, "keyq-test-archive")
 engine.start()

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from keyq import Producer
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 from tests.spark_cluster import SparkConnectServer, SparkStandalone, spark_cluster_available
 from tests.workers import wait_until
 

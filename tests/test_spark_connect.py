@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from keyq import Producer
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 from tests.workers import wait_until
 
 pytestmark = pytest.mark.slow

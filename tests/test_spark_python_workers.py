@@ -1,11 +1,11 @@
 """A local Spark's Python workers run without Spark's archives on their path, and collect
-only young generations after each task (see keyq.worker.spark_daemon)."""
+only young generations after each task (see keyq.worker.spark.daemon)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from keyq.worker.spark_daemon import drop_spark_archives
+from keyq.worker.spark.daemon import drop_spark_archives
 
 
 def test_only_sparks_archives_and_their_importers_are_dropped() -> None:

@@ -1,4 +1,4 @@
-"""The bookkeeping of starved holdings (``keyq.worker.starvation``): pure logic. Whether the
+"""The bookkeeping of starved holdings (``keyq.worker.amqp.starvation``): pure logic. Whether the
 broker starves a consumer, and that the worker then moves, is shown on a real cluster in
 ``tests/test_cluster.py::test_a_worker_moves_off_a_node_whose_replica_of_a_quorum_queue_is_down``."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from keyq.worker.starvation import (
+from keyq.worker.amqp.starvation import (
     MOST_LOOKED_INTO,
     SETTLE_S,
     WINDOW_S,

@@ -22,7 +22,7 @@ from keyq.broker.settings import load_settings
 from keyq.broker.stranded import StrandedRecord
 from keyq.janitor.config import JanitorSettings
 from keyq.janitor.janitor import Janitor
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 from tests.conftest import StreamFixture
 from tests.helpers import queue_depth
 from tests.operator_helpers import dead_letter, keyq_delivery

@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 
 from keyq.broker.envelope import HEADER_PRODUCER, HEADER_SEQ
-from keyq.worker.abandoned_gaps import QUIET_S
-from keyq.worker.deliveries import Delivery, DeliveryBuffer
-from keyq.worker.stuck_gaps import StuckGaps
+from keyq.worker.amqp.deliveries import Delivery, DeliveryBuffer
+from keyq.worker.holding.abandoned_gaps import QUIET_S
+from keyq.worker.holding.stuck_gaps import StuckGaps
 from tests.test_abandoned_gaps import QUEUE, parked
 
 

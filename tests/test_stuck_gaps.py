@@ -18,10 +18,10 @@ import pytest
 from keyq.broker.envelope import HEADER_DEAD_REASON
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.settings import Settings
-from keyq.worker.abandoned_gaps import QUIET_S
-from keyq.worker.engine import SparkEngine
-from keyq.worker.state_store import StateStore
-from keyq.worker.stuck_gaps import REOPEN_AFTER_S
+from keyq.worker.batch.state_store import StateStore
+from keyq.worker.holding.abandoned_gaps import QUIET_S
+from keyq.worker.holding.stuck_gaps import REOPEN_AFTER_S
+from keyq.worker.spark.engine import SparkEngine
 from tests.conftest import StreamFixture
 from tests.faults import FaultProxy
 from tests.helpers import drain, queue_depth

@@ -17,9 +17,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from keyq import Producer, Worker
 from keyq.broker.settings import load_settings
+from keyq.worker.batch.state_store import StateStore
 from keyq.worker.config import WorkerSettings
-from keyq.worker.engine import SparkEngine
-from keyq.worker.state_store import StateStore
+from keyq.worker.spark.engine import SparkEngine
 from tests.conftest import StreamFixture
 from tests.workers import wait_until
 

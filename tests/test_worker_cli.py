@@ -13,9 +13,9 @@ from keyq import Producer
 from keyq.broker.locks import FencedLocks
 from keyq.broker.naming import key_queue_name
 from keyq.broker.settings import Settings, load_settings
+from keyq.worker.batch.state_store import StateStore
 from keyq.worker.config import WorkerSettings
 from keyq.worker.daemon import Worker
-from keyq.worker.state_store import StateStore
 from tests.helpers import queue_depth
 from tests.workers import run_keyq, wait_until
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from keyq import Producer
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 from tests.workers import held_by, wait_until
 
 # Also run on RabbitMQ 4.3 in CI: the core of keyq end to end on a current broker.

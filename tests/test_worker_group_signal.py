@@ -22,7 +22,7 @@ import pytest
 
 from keyq import Producer
 from keyq.broker.naming import key_queue_name
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 from tests.helpers import drain
 from tests.workers import WorkerProcess, wait_until
 
@@ -85,9 +85,9 @@ def spark_jvm(worker: WorkerProcess) -> Proc | None:
     return None
 
 
-# Spark's Python daemon: keyq's for a local master (keyq.worker.spark_daemon, which runs
+# Spark's Python daemon: keyq's for a local master (keyq.worker.spark.daemon, which runs
 # Spark's own), Spark's (pyspark.daemon) otherwise.
-PYTHON_DAEMONS = ("keyq.worker.spark_daemon", "pyspark.daemon")
+PYTHON_DAEMONS = ("keyq.worker.spark.daemon", "pyspark.daemon")
 
 
 def python_daemon(proc: Proc) -> bool:

@@ -24,10 +24,10 @@ from keyq.broker.naming import dead_letter_queue_name, key_queue_name
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import load_settings
 from keyq.broker.topology import keyed_queue_arguments
+from keyq.worker.batch.state_store import StateStore
 from keyq.worker.config import WorkerSettings
 from keyq.worker.daemon import Worker
-from keyq.worker.engine import SparkEngine
-from keyq.worker.state_store import StateStore
+from keyq.worker.spark.engine import SparkEngine
 from tests.conftest import StreamFixture
 from tests.helpers import Landed, drain, events_in, queue_depth
 

@@ -21,12 +21,12 @@ from keyq.broker.naming import bucket_queue_name, key_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import load_settings
+from keyq.worker.amqp.link import RESERVED_CHANNELS
+from keyq.worker.batch.state_store import StateStore
 from keyq.worker.config import WorkerSettings
-from keyq.worker.consumer import RESERVED_CHANNELS
 from keyq.worker.daemon import Worker
-from keyq.worker.engine import SparkEngine
-from keyq.worker.handbacks import RELEASE_COOLDOWN_S
-from keyq.worker.state_store import StateStore
+from keyq.worker.holding.handbacks import RELEASE_COOLDOWN_S
+from keyq.worker.spark.engine import SparkEngine
 from tests.conftest import StreamFixture
 from tests.helpers import drain
 from tests.workers import held_by, wait_until

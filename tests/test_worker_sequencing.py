@@ -19,10 +19,10 @@ from keyq import Producer
 from keyq.broker.envelope import HEADER_DEAD_REASON, HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.producer_presence import ProducerPresence
-from keyq.worker.abandoned_gaps import CHECK_EVERY_S, QUIET_S
+from keyq.worker.batch.state_store import StateStore
 from keyq.worker.daemon import Worker
-from keyq.worker.engine import SparkEngine
-from keyq.worker.state_store import StateStore
+from keyq.worker.holding.abandoned_gaps import CHECK_EVERY_S, QUIET_S
+from keyq.worker.spark.engine import SparkEngine
 from tests.conftest import StreamFixture
 from tests.helpers import drain, open_keyed_queue, queue_depth
 from tests.test_worker_poison import fast_settings

@@ -19,15 +19,15 @@ import pytest
 from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_PUBLISHED_AT, HEADER_SEQ
 from keyq.broker.errors import ConfigurationError
 from keyq.broker.settings import load_settings
-from keyq.worker.batch_failures import describe_failure
+from keyq.worker.amqp.deliveries import Delivery, DeliveryBuffer
+from keyq.worker.batch.decoding import Event, Undecodable, decode
+from keyq.worker.batch.failures import describe_failure
+from keyq.worker.batch.marks import MAX_PRODUCERS_PER_KEY, KeyMarks
+from keyq.worker.batch.sequencing import Identified, plan_batch
 from keyq.worker.config import WorkerSettings
-from keyq.worker.decoding import Event, Undecodable, decode
-from keyq.worker.dedup import MAX_PRODUCERS_PER_KEY, KeyMarks
-from keyq.worker.deliveries import Delivery, DeliveryBuffer
-from keyq.worker.fold import STATE_COLUMNS, FoldFailed, make_folder
 from keyq.worker.pipeline_loading import load_pipeline
-from keyq.worker.sequencing import Identified, plan_batch
-from keyq.worker.sinks import STAGING, ParquetSink, open_sink
+from keyq.worker.spark.fold import STATE_COLUMNS, FoldFailed, make_folder
+from keyq.worker.spark.sinks import STAGING, ParquetSink, open_sink
 from tests.pipelines import audit, audit_event
 
 # --------------------------------------------------------------------------- helpers
@@ -467,7 +467,8 @@ def test_describe_failure_of_a_fold_failure_is_its_first_line() -> None:
         "An exception was thrown from the Python worker.\n"
         "Traceback (most recent call last):\n"
         '  File "fold.py", line 70, in fold\n'
-        "keyq.worker.fold.FoldFailed: fold of key 'k' failed on the event from producer p seq 3: "
+        "keyq.worker.spark.fold.FoldFailed: fold of key 'k' failed on the event from producer p "
+        "seq 3: "
         "ValueError: poison event 3\n"
         "\tat org.apache.spark.api.python.BasePythonRunner.handlePythonException(X.scala:1)\n"
     )
@@ -635,7 +636,7 @@ def test_load_pipeline_errors(spec: str, message: str) -> None:
     "key", ["plain", "ключ 'quoted' \"double\"", "new\nline ] [keyq-event 00 x 1]", "x" * 4096]
 )
 def test_a_fold_failure_names_its_event_for_any_key(key: str) -> None:
-    from keyq.worker.fold import event_token, failing_event, without_event_token
+    from keyq.worker.spark.fold import event_token, failing_event, without_event_token
 
     text = f"FoldFailed: fold of key {key!r} failed: ValueError: boom{event_token(key, 'p.1-a', 7)}"
     assert failing_event(text) == (key, "p.1-a", 7)

@@ -16,7 +16,7 @@ import redis
 from keyq import Producer
 from keyq.broker.naming import key_queue_name
 from keyq.broker.redis_keys import StreamKeys
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 from tests.conftest import StreamFixture
 from tests.workers import held_by, wait_until, wait_until_members_see_each_other
 

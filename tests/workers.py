@@ -20,8 +20,8 @@ from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.redis_topology import connect, parse_redis_url
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings
-from keyq.worker.consumer import ConsumerLink
-from keyq.worker.deliveries import DeliveryBuffer
+from keyq.worker.amqp.deliveries import DeliveryBuffer
+from keyq.worker.amqp.link import ConsumerLink
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -3,7 +3,7 @@
 Three threads: the AMQP I/O thread (deliveries in, acks out), the claim loop (membership,
 locks, fair shares) and the batch loop, which runs here in ``run`` and is the only one that
 runs Spark or user code, including the ``on_assigned`` / ``on_revoked`` callbacks. What each
-thread may do to a held queue is ``keyq.worker.held_queues``'s to say.
+thread may do to a held queue is ``keyq.worker.holding.held_queues``'s to say.
 """
 
 from __future__ import annotations
@@ -29,29 +29,31 @@ from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
 from keyq.broker.naming import Mode, check_stream_name
 from keyq.broker.producer_presence import ProducerPresence
-from keyq.broker.redis_persistence import log_redis_persistence
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import load_settings
 from keyq.broker.stream_policy import StreamPolicies
 from keyq.broker.streams import StreamConfig
 from keyq.broker.worker_report import WorkerReport
-from keyq.worker.aside_drains import AsideDrains
-from keyq.worker.batch_stats import BatchListener
-from keyq.worker.batches import BatchProcessor
-from keyq.worker.claims import ClaimLoop
+from keyq.worker.amqp.deliveries import DeliveryBuffer
+from keyq.worker.amqp.link import ConsumerLink
+from keyq.worker.amqp.starvation import StarvedQueues
+from keyq.worker.batch.processor import BatchProcessor
+from keyq.worker.batch.state_store import StateStore
+from keyq.worker.batch.stats import BatchListener
 from keyq.worker.config import WorkerSettings
-from keyq.worker.consumer import ConsumerLink
-from keyq.worker.deliveries import DeliveryBuffer
-from keyq.worker.engine import SparkEngine
-from keyq.worker.handbacks import HandBacks
-from keyq.worker.held_queues import HeldQueues, QueueEvents
+from keyq.worker.holding.aside_drains import AsideDrains
+from keyq.worker.holding.claims import ClaimLoop
+from keyq.worker.holding.handbacks import HandBacks
+from keyq.worker.holding.held_queues import HeldQueues, QueueEvents
+from keyq.worker.holding.queue_keys import QueueKeys
 from keyq.worker.pipeline import Pipeline
 from keyq.worker.pipeline_loading import load_pipeline
 from keyq.worker.policy_cache import PolicyCache
-from keyq.worker.queue_keys import QueueKeys
+from keyq.worker.redis_persistence import log_redis_persistence
 from keyq.worker.reporting import worker_report
 from keyq.worker.serving import QueueCallback, Session, gap_watchers
-from keyq.worker.sinks import ParquetSink, open_sink
+from keyq.worker.spark.engine import SparkEngine
+from keyq.worker.spark.sinks import ParquetSink, open_sink
 from keyq.worker.startup import (
     recover_sink,
     replicas_required,
@@ -59,8 +61,6 @@ from keyq.worker.startup import (
     wait_for_services,
     while_redis_is_away,
 )
-from keyq.worker.starvation import StarvedQueues
-from keyq.worker.state_store import StateStore
 
 log = logging.getLogger("keyq.worker")
 
@@ -201,7 +201,7 @@ class Worker:
         if not self._stop.is_set():
             # On a cluster: the executors must import the pipeline and keyq's fold.
             module = getattr(self._pipeline, "__module__", None) or "__main__"
-            self._engine.ship([module, "keyq.worker.fold"])
+            self._engine.ship([module, "keyq.worker.spark.fold"])
 
     def _prepare(self, client: redis.Redis) -> StateStore | None:
         """Read the stream's config, count the Redis replicas a commit waits for and finish

@@ -1,7 +1,7 @@
 """The pipeline contract: ``function(df, ctx) -> DataFrame | None``.
 
 ``df`` holds one micro-batch with the columns of ``BATCH_COLUMNS``, each key's events in
-order (by seq per producer, see ``keyq.worker.sequencing``); events already applied are not
+order (by seq per producer, see ``keyq.worker.batch.sequencing``); events already applied are not
 in it. ``ctx`` carries the batch id, the worker
 id, the SparkSession and ``ctx.state``, the exactly-once keyed state.
 """
@@ -15,8 +15,8 @@ from typing import Any
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
 
 from keyq.broker.errors import PipelineError
-from keyq.worker.fold import STATE_SCHEMA_DDL, Decoder, Reducer, make_folder
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
+from keyq.worker.spark.fold import STATE_SCHEMA_DDL, Decoder, Reducer, make_folder
 
 Pipeline = Callable[[Any, "BatchContext"], Any]
 

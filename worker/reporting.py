@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 from keyq.broker.worker_report import GapReport, WorkerReport
-from keyq.worker.batches import BatchProcessor
-from keyq.worker.deliveries import DeliveryBuffer
+from keyq.worker.amqp.deliveries import DeliveryBuffer
+from keyq.worker.batch.processor import BatchProcessor
 from keyq.worker.serving import Session
 
 GAPS_REPORTED = 5

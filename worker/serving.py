@@ -19,17 +19,17 @@ from dataclasses import dataclass
 from keyq.broker.connections import redis_errors
 from keyq.broker.errors import KeyqError
 from keyq.broker.producer_presence import ProducerPresence
-from keyq.worker.abandoned_gaps import AbandonedGaps
-from keyq.worker.aside_drains import AsideDrains
-from keyq.worker.batches import BatchProcessor
-from keyq.worker.claims import ClaimLoop
+from keyq.worker.amqp.deliveries import Delivery, DeliveryBuffer, oldest_published_ms
+from keyq.worker.amqp.link import ConsumerLink, QueueCounter
+from keyq.worker.amqp.starvation import StarvedQueues
+from keyq.worker.batch.processor import BatchProcessor
 from keyq.worker.config import WorkerSettings
-from keyq.worker.consumer import ConsumerLink, QueueCounter
-from keyq.worker.deliveries import Delivery, DeliveryBuffer, oldest_published_ms
-from keyq.worker.handbacks import HandBacks
-from keyq.worker.held_queues import HeldQueues, QueueEvents
-from keyq.worker.starvation import StarvedQueues
-from keyq.worker.stuck_gaps import StuckGaps
+from keyq.worker.holding.abandoned_gaps import AbandonedGaps
+from keyq.worker.holding.aside_drains import AsideDrains
+from keyq.worker.holding.claims import ClaimLoop
+from keyq.worker.holding.handbacks import HandBacks
+from keyq.worker.holding.held_queues import HeldQueues, QueueEvents
+from keyq.worker.holding.stuck_gaps import StuckGaps
 
 log = logging.getLogger("keyq.worker")
 
@@ -146,7 +146,7 @@ class Session:
             self.stop.wait(min(max(outcome.retry_limited_in, 0.005), RATE_WAIT_MAX_S))
 
     def drain_aside(self) -> None:
-        """Drain what keys that flow again had waiting aside (``keyq.worker.aside_drains``);
+        """Drain what keys that flow again had waiting aside (``keyq.worker.holding.aside_drains``);
         a service error only postpones it."""
         try:
             with redis_errors(self.settings.redis_url):
@@ -156,7 +156,8 @@ class Session:
 
     def give_up_abandoned_gaps(self) -> None:
         """Gaps whose producer is gone need not wait out their timeout once nothing more is
-        in their queue (``keyq.worker.abandoned_gaps``); a service error only postpones it."""
+        in their queue (``keyq.worker.holding.abandoned_gaps``); a service error only
+        postpones it."""
         if not self.buffer.deferred():
             return
         try:
@@ -166,7 +167,8 @@ class Session:
             log.debug("checking for abandoned sequence gaps failed (retried): %s", exc)
 
     def reopen_stuck_gaps(self) -> None:
-        """Reopen the consumers of queues whose gap stays open (``keyq.worker.stuck_gaps``)."""
+        """Reopen the consumers of queues whose gap stays open
+        (``keyq.worker.holding.stuck_gaps``)."""
         if not self.buffer.deferred():
             return
         for queue in self.stuck.due():

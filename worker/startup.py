@@ -27,10 +27,10 @@ from keyq.broker.naming import Mode
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.redis_topology import connected_replicas
 from keyq.broker.streams import StreamConfig, ensure_stream_config, load_stream_config
+from keyq.worker.batch.state_store import StateStore
 from keyq.worker.config import WorkerSettings
-from keyq.worker.peer_reaper import client_name
-from keyq.worker.sinks import ParquetSink
-from keyq.worker.state_store import StateStore
+from keyq.worker.holding.peer_reaper import client_name
+from keyq.worker.spark.sinks import ParquetSink
 
 _T = TypeVar("_T")
 

@@ -15,9 +15,9 @@ from types import FrameType
 from prometheus_client import CollectorRegistry
 
 from keyq.broker.errors import ConfigurationError
-from keyq.broker.log_format import LogContext, formatter_for
 from keyq.broker.metrics import Health, start_first_free
 from keyq.broker.settings import Settings, load_settings
+from keyq.cli.log_format import LogContext, formatter_for
 from keyq.janitor.config import JanitorSettings
 from keyq.janitor.janitor import Janitor
 from keyq.janitor.metrics import JanitorMetrics

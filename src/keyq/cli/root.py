@@ -139,7 +139,7 @@ def spark_cache_command() -> None:
     time (once per Java, pyspark installation and KEYQ_SPARK_DRIVER_JAVA_OPTIONS); prints
     its path."""
     from keyq.worker.config import WorkerSettings  # noqa: PLC0415 - keeps startup light
-    from keyq.worker.spark_classes import archive_path, build_archive  # noqa: PLC0415
+    from keyq.worker.spark.classes import archive_path, build_archive  # noqa: PLC0415
 
     require_worker_extra("keyq spark-cache")
     settings = load_settings(WorkerSettings)

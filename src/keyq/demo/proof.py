@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 
 
 def percentile(values: list[float], share: float) -> float | None:

@@ -32,7 +32,6 @@ from keyq.broker.connections import open_redis, redis_errors
 from keyq.broker.errors import ConfigurationError, KeyqError
 from keyq.broker.membership import Membership
 from keyq.broker.naming import Mode
-from keyq.broker.readiness import wait_for_services
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings, load_settings
 from keyq.broker.streams import StreamConfig, ensure_stream_config
@@ -40,8 +39,9 @@ from keyq.demo.chaos import Chaos, ChaosMonkey
 from keyq.demo.orders import expected_states, generate_orders
 from keyq.demo.processes import Daemon, log_folder
 from keyq.demo.proof import latency_ms, verdict, wait_drained, watch_latency
+from keyq.ops.readiness import wait_for_services
 from keyq.producer import Producer
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 
 PIPELINE = "keyq.demo.orders:pipeline"
 LATENCY_SAMPLE = 200
@@ -169,10 +169,10 @@ class Demo:
 
     def _prepare_spark(self) -> None:
         """Build, once, the class-data archive that halves a local Spark's start (see
-        ``keyq.worker.spark_classes``): the restarted worker of the chaos then takes less of
+        ``keyq.worker.spark.classes``): the restarted worker of the chaos then takes less of
         its peers' CPU."""
         from keyq.worker.config import WorkerSettings  # noqa: PLC0415 - only for own workers
-        from keyq.worker.spark_classes import archive_path, build_archive  # noqa: PLC0415
+        from keyq.worker.spark.classes import archive_path, build_archive  # noqa: PLC0415
 
         settings = load_settings(WorkerSettings)
         if settings.spark_remote or not settings.spark_master.startswith("local"):

@@ -9,7 +9,7 @@ import orjson
 from keyq.broker.connections import open_redis, redis_errors
 from keyq.broker.naming import check_stream_name, encode_key
 from keyq.broker.settings import Settings, load_settings
-from keyq.worker.state_store import StateStore
+from keyq.worker.batch.state_store import StateStore
 
 
 def read_state(stream: str, key: str) -> tuple[bool, Any, dict[str, Any]]:

@@ -1,0 +1,65 @@
+"""Reopening a consumer whose sequence gap stays open.
+
+An event that waits for an earlier seq of its producer (``keyq.worker.batch.sequencing``) is
+normally joined by the missing one within moments: the producer re-sends whatever was not
+confirmed. When it is not, the missing event may be in the queue, but counted by the broker as
+delivered to this very consumer without ever reaching it: RabbitMQ 3.10's quorum queues were
+seen keeping messages checked out to a live consumer across leader changes (the cluster soak),
+and no gap timeout brings those back, since the broker will not send them again on that
+consumer. Closing the consumer does: its channel's unacked messages return to the queue, in
+order. So a queue whose gap has stayed open for ``reopen_after_s``, with nothing arriving for
+``QUIET_S``, is reopened: its channel closed and a new consumer opened at once, the waiting
+events keeping their waiting time (``DeliveryBuffer.drop(keep_waits=True)``). Again at most
+every ``reopen_after_s`` while the gap stays open, until it fills or is given up.
+"""
+
+from __future__ import annotations
+
+import time
+
+from keyq.worker.amqp.deliveries import DeliveryBuffer
+from keyq.worker.holding.abandoned_gaps import QUIET_S
+
+# How long a gap waits before its queue's consumer is reopened (at most: half the gap
+# timeout when that is shorter). The queue must also have been quiet for ``QUIET_S``, the
+# same quiet as before a gone producer's gap is given up.
+REOPEN_AFTER_S = 10.0
+
+
+class StuckGaps:
+    """Which queues with a long-open gap to reopen now, and when each was last reopened."""
+
+    def __init__(self, buffer: DeliveryBuffer, gap_timeout_s: float) -> None:
+        self._buffer = buffer
+        self.reopen_after_s = min(REOPEN_AFTER_S, gap_timeout_s / 2)
+        self._reopened: dict[str, float] = {}
+        self.reopens = 0
+
+    def due(self, now: float | None = None) -> list[str]:
+        """Queues whose oldest waiting event has waited ``reopen_after_s``, quiet for
+        ``QUIET_S``, and not reopened within ``reopen_after_s``."""
+        now = time.monotonic() if now is None else now
+        deferred = self._buffer.deferred_items()
+        for queue in [queue for queue in self._reopened if queue not in deferred]:
+            del self._reopened[queue]  # its gap filled or was given up
+        due = []
+        for queue, items in deferred.items():
+            last = self._buffer.last_arrival(queue)
+            if last is not None and now - last < QUIET_S:
+                continue
+            waits = [item.deferred_since for item in items if item.deferred_since is not None]
+            if not waits or now - min(waits) < self.reopen_after_s:
+                continue
+            reopened = self._reopened.get(queue)
+            if reopened is not None and now - reopened < self.reopen_after_s:
+                continue
+            due.append(queue)
+        return due
+
+    def note_reopened(self, queue: str, now: float | None = None) -> None:
+        self._reopened[queue] = time.monotonic() if now is None else now
+        self.reopens += 1
+
+    def reopened_at(self, queue: str) -> float | None:
+        """When ``queue``'s consumer was last reopened for a gap, if it still has one."""
+        return self._reopened.get(queue)
