@@ -119,7 +119,7 @@ def redrive_queue_name(stream: str, key: str, token: str) -> str:
     return f"{stream_prefix(stream)}r.{key_digest(key)}.{token}"
 
 
-def is_side_queue(stream: str, queue: str) -> bool:
+def is_aside_queue(stream: str, queue: str) -> bool:
     """Whether ``queue`` is one a key's events wait in aside (``aside_queue_name``) or one a
     redrive put its dead letters back in (``redrive_queue_name``)."""
     prefix = stream_prefix(stream)

@@ -92,6 +92,8 @@ class StandInLink:
 
     def consume(self, queue: str, epoch: int, prefetch: int | None = None) -> Consumed:
         self.journal.note("consume", queue, str(epoch), str(prefetch))
+        if self.looks_fail:
+            raise BrokerUnavailable("not connected to RabbitMQ")
         return Consumed(self.outcomes.get(queue, ConsumeOutcome.CONSUMING), epoch)
 
     def close_queue(self, queue: str, epoch: int | None = None) -> None:
@@ -425,6 +427,26 @@ def test_a_reopen_the_broker_refuses_ends_the_holding_and_releases_its_lock() ->
     assert not held.reopen("q-a")
     assert "q-a" not in held and held.lost == 1
     assert parts.locks.calls == [["q-a"]]
+
+
+def test_a_reopen_while_the_link_is_down_ends_the_holding_instead_of_raising() -> None:
+    held, _journal, parts = make()
+    held.claim([lease("q-a")], budget_s=1.0)
+    parts.link.looks_fail = True  # the connection was lost; nothing consumes
+    assert not held.reopen("q-a", 40)
+    assert "q-a" not in held and held.lost == 1
+    assert parts.locks.calls == [["q-a"]]
+
+
+def test_a_consumer_the_broker_took_away_is_ended_not_reopened() -> None:
+    held, journal, parts = make()
+    held.claim([lease("q-a")], budget_s=1.0)
+    item = held.get("q-a")
+    assert item is not None
+    parts.gone.put(ConsumerGone("q-a", item.epoch, "connection lost"))
+    journal.entries.clear()
+    assert not held.reopen("q-a", 40)
+    assert "q-a" not in held and not [e for e in journal.entries if e[0] == "consume"]
 
 
 def test_a_batch_outcome_defers_stops_lost_queues_and_puts_back_the_rest() -> None:

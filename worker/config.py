@@ -106,7 +106,11 @@ class WorkerSettings(Settings):
     max_attempts: int = Field(
         default=3, ge=1, description="tries of a failing event before it is dead-lettered"
     )
-    retry_backoff_ms: int = Field(default=200, ge=0, description="first retry delay, doubled")
+    retry_backoff_ms: int = Field(
+        default=200,
+        ge=0,
+        description="first retry delay, doubled each retry (jittered, at most 10 s)",
+    )
 
     tick_ms: int = Field(
         default=250,

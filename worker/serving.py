@@ -162,6 +162,7 @@ class Session:
             return
         try:
             with redis_errors(self.settings.redis_url):
+                self.held.settle_gone()  # a gone consumer's queue is not judged by its counts
                 self.abandoned.check()
         except KeyqError as exc:
             log.debug("checking for abandoned sequence gaps failed (retried): %s", exc)

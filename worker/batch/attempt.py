@@ -13,7 +13,7 @@ from keyq.broker.clock import now_ms
 from keyq.broker.errors import KeysStopped
 from keyq.broker.key_control import KeyControl
 from keyq.broker.locks import Lease
-from keyq.broker.naming import is_side_queue
+from keyq.broker.naming import is_aside_queue
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.stream_policy import StreamPolicy
 from keyq.worker.amqp.deliveries import Delivery
@@ -98,7 +98,7 @@ class BatchAttempt:
             decoded,
             self._read(deliveries, decoded, policy),
             keys=self._dedupe.keys,
-            is_aside_queue=lambda queue: is_side_queue(self._stream, queue),
+            is_aside_queue=lambda queue: is_aside_queue(self._stream, queue),
             limiter=self._limiter_for(policy.rate_limit),
             gap_timeout_s=self._gap_timeout_ms / 1000,
             dead=dead,

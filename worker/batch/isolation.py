@@ -153,8 +153,8 @@ class Isolation:
     def _backoff(self) -> Backoff:
         """Delays between a failing batch's retries: from ``retry_backoff_ms``, doubling,
         at most ``MAX_RETRY_DELAY_S``."""
-        initial = max(self._retry_backoff_ms / 1000, MIN_RETRY_DELAY_S)
-        return Backoff(initial, max(initial, MAX_RETRY_DELAY_S))
+        initial = min(max(self._retry_backoff_ms / 1000, MIN_RETRY_DELAY_S), MAX_RETRY_DELAY_S)
+        return Backoff(initial, MAX_RETRY_DELAY_S)
 
     def _wait(self, backoff: Backoff) -> None:
         if self._stopping.wait(backoff.next()):

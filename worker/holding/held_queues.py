@@ -176,7 +176,8 @@ class HeldQueues:
         """Close ``queue``'s consumer, which hands every unacked delivery back in order, and
         consume it again at once under the same lock, with an AMQP prefetch of ``prefetch``
         messages or the one it had. Its deferred events keep their waiting time. False if
-        it is not held (any more)."""
+        it is not held (any more), or the broker cannot consume it now (it is let go)."""
+        self.settle_gone()  # a consumer the broker took away is not reopened, but ended
         held = self._holdings.get(queue)
         if held is None:
             return False
@@ -192,7 +193,11 @@ class HeldQueues:
             prefetch=prefetch,
         )
         self._holdings.add(again)
-        consumed = self._consumers.consume(queue, again.epoch, prefetch=prefetch)
+        try:
+            consumed = self._consumers.consume(queue, again.epoch, prefetch=prefetch)
+        except KeyqError as exc:  # the link is down: nothing consumes it, so it is let go
+            self._end(again, f"reopening it failed: {exc}", lock_lost=False)
+            return False
         if consumed.outcome is ConsumeOutcome.CONSUMING:
             return True
         self._end(again, f"reopening it failed: {consumed.outcome}", lock_lost=False)
