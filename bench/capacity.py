@@ -37,7 +37,7 @@ from keyq.broker.locks import FencedLocks, Lease
 from keyq.broker.management import get_json
 from keyq.broker.naming import key_queue_name
 from keyq.broker.settings import Settings, load_settings
-from keyq.worker.amqp.consume_outcomes import ConsumeOutcome
+from keyq.worker.amqp.consume_rounds import ConsumeOutcome
 from keyq.worker.amqp.link import ConsumerLink
 from tests.servers import PrivateRabbit
 from tests.workers import bare_link

@@ -10,7 +10,7 @@ keyq runs them:
   round opens them: ``keyq.worker.amqp.consume_rounds``);
 * ``deliver_ack``: that message delivered and acked;
 * ``close``: the channel closed with its consumer on it, all in one round trip (as a
-  hand-back closes them: ``keyq.worker.amqp.consumer_close``);
+  hand-back closes them: ``keyq.worker.amqp.channel_close``);
 * ``delete``: the janitor's ``queue.delete(if_empty, if_unused)``.
 
 Around each step the broker's CPU is read from ``/proc`` (the process listening on the port
@@ -43,8 +43,8 @@ from bench.common import amqp, delete_queues, emit, log, machine_info, median, p
 from bench.service_process import service_pid
 from keyq.broker.settings import Settings, load_settings
 from keyq.broker.topology import keyed_queue_arguments
+from keyq.worker.amqp.channel_close import close_all_keeping_consumers
 from keyq.worker.amqp.consume_rounds import ConsumeRequest, open_consumers
-from keyq.worker.amqp.consumer_close import close_all_keeping_consumers
 
 STEPS = ("declare", "first_message", "consume", "deliver_ack", "close", "delete")
 LAYOUTS = ("channel_per_queue", "shared_channel")

@@ -41,7 +41,7 @@ from keyq.worker.batch.plan import arrival_order, identify, plan_run
 from keyq.worker.batch.processor import BatchProcessor
 from keyq.worker.batch.stats import BatchStats
 from keyq.worker.config import WorkerSettings
-from keyq.worker.holding.holdings import Held, Holdings
+from keyq.worker.holding.held_index import Held, Holdings
 from keyq.worker.spark.fold import event_token
 
 NOT_JSON = b"{not json"

@@ -11,7 +11,7 @@ import pytest
 
 from keyq.broker.naming import key_queue_name
 from keyq.broker.settings import Settings
-from keyq.worker.amqp.consume_outcomes import FIRST_BURST, ConsumeOutcome
+from keyq.worker.amqp.consume_rounds import FIRST_BURST, ConsumeOutcome
 from keyq.worker.amqp.link import ConsumerLink
 from tests.conftest import StreamFixture
 from tests.workers import bare_link, wait_until

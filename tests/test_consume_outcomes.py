@@ -7,7 +7,7 @@ import pika.exceptions
 from hypothesis import given
 from hypothesis import strategies as st
 
-from keyq.worker.amqp.consume_outcomes import (
+from keyq.worker.amqp.consume_rounds import (
     FIRST_BURST,
     PIPELINE_DEPTH,
     ConsumeOutcome,

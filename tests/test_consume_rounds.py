@@ -13,8 +13,8 @@ import pytest
 from keyq.broker.naming import key_queue_name
 from keyq.broker.settings import Settings
 from keyq.worker.amqp.acks import buffer_ack, flush_acks
+from keyq.worker.amqp.channel_close import close_keeping_consumers
 from keyq.worker.amqp.consume_rounds import ConsumeRequest, open_consumers
-from keyq.worker.amqp.consumer_close import close_keeping_consumers
 from tests.conftest import StreamFixture
 
 

@@ -23,7 +23,7 @@ import pika.exceptions
 import pytest
 
 from keyq.broker.settings import Settings, load_settings
-from keyq.worker.amqp.consume_outcomes import ConsumeOutcome
+from keyq.worker.amqp.consume_rounds import ConsumeOutcome
 from keyq.worker.amqp.deliveries import DeliveryBuffer
 from keyq.worker.amqp.link import ConsumerLink
 from tests.conftest import StreamFixture

@@ -16,17 +16,17 @@ from keyq.broker.errors import BrokerUnavailable
 from keyq.broker.key_control import KeyControl
 from keyq.broker.locks import FencedLocks, Lease
 from keyq.broker.registry import QueueRegistry
-from keyq.worker.amqp.consume_outcomes import Consumed, ConsumeOutcome
-from keyq.worker.amqp.consuming import ConsumerGone
+from keyq.worker.amqp.consume_rounds import Consumed, ConsumeOutcome
 from keyq.worker.amqp.dead_letters import DeadLetterCalls
 from keyq.worker.amqp.deliveries import DeliveryBuffer
 from keyq.worker.amqp.link import ConsumerCalls, ConsumerLink, QueueCounter
+from keyq.worker.amqp.queue_channels import ConsumerGone
 from keyq.worker.amqp.starvation import StarvedQueues
 from keyq.worker.batch.outcome import BatchOutcome
 from keyq.worker.holding.aside_drains import AsideDrains
 from keyq.worker.holding.handbacks import RELEASE_COOLDOWN_S, HandBacks
+from keyq.worker.holding.held_index import Held
 from keyq.worker.holding.held_queues import MAX_PREFETCH, HeldQueues, QueueEvents
-from keyq.worker.holding.holdings import Held
 from tests.helpers import plain_delivery
 
 

@@ -27,8 +27,8 @@ from keyq.broker.packs import (
 )
 from keyq.broker.settings import load_settings
 from keyq.worker.amqp.ack_ledger import AckLedger
-from keyq.worker.amqp.consuming import unpack
 from keyq.worker.amqp.deliveries import DeliveryBuffer
+from keyq.worker.amqp.queue_channels import unpack
 
 HEADERS: dict[str, Any] = {
     "x-keyq-stream": "orders",

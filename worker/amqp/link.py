@@ -3,7 +3,7 @@
 pika connections are not thread-safe, so every channel operation runs on the I/O thread
 (``keyq.worker.amqp.io_thread``); the batch loop and the claim loop wait on futures. Each part of
 the connection has a thin adapter that other threads call, which runs its verbs there: the
-consumed queues (``ConsumerCalls`` over ``keyq.worker.amqp.consuming``), the dead letters
+consumed queues (``ConsumerCalls`` over ``keyq.worker.amqp.queue_channels``), the dead letters
 (``keyq.worker.amqp.dead_letters``) and the queues' counts (``QueueCounter``). Consumers the broker
 takes away are not called back: they are queued (``ConsumerLink.gone``) for the held queues'
 owner to drain on its own thread.
@@ -28,11 +28,11 @@ from keyq.broker.errors import BrokerUnavailable, KeyqError
 from keyq.broker.queue_probe import QueueCounts, QueueProbe
 from keyq.broker.settings import Settings
 from keyq.broker.urls import split_urls
-from keyq.worker.amqp.consume_outcomes import Consumed
-from keyq.worker.amqp.consuming import ConsumerGone, QueueConsumers
+from keyq.worker.amqp.consume_rounds import Consumed
 from keyq.worker.amqp.dead_letters import DeadLetterCalls, DeadLetterPublisher
 from keyq.worker.amqp.deliveries import DeliveryBuffer
 from keyq.worker.amqp.io_thread import AmqpThread
+from keyq.worker.amqp.queue_channels import ConsumerGone, QueueConsumers
 from keyq.worker.batch.ports import Acks
 
 T = TypeVar("T")

@@ -31,7 +31,7 @@ from keyq.broker.errors import KeyqError
 from keyq.broker.log_context import about_queues
 from keyq.worker.amqp.deliveries import DeliveryBuffer
 from keyq.worker.amqp.link import ConsumerCalls, ConsumerLink, QueueCounter
-from keyq.worker.holding.holdings import Held
+from keyq.worker.holding.held_index import Held
 
 log = logging.getLogger("keyq.worker.held")
 

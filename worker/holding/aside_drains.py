@@ -27,13 +27,13 @@ from keyq.broker.key_control import KeyControl, KeyStatus
 from keyq.broker.locks import Lease
 from keyq.broker.naming import base_queue_name
 from keyq.broker.queue_probe import QueueCounts
-from keyq.worker.amqp.consume_outcomes import ConsumeOutcome
-from keyq.worker.amqp.consuming import ConsumerGone
+from keyq.worker.amqp.consume_rounds import ConsumeOutcome
 from keyq.worker.amqp.dead_letters import DeadLetterCalls
 from keyq.worker.amqp.deliveries import DeliveryBuffer
 from keyq.worker.amqp.link import ConsumerCalls, QueueCounter
+from keyq.worker.amqp.queue_channels import ConsumerGone
+from keyq.worker.holding.held_index import Held, Holdings
 from keyq.worker.holding.held_queues import HeldQueues
-from keyq.worker.holding.holdings import Held, Holdings
 
 log = logging.getLogger("keyq.worker")
 

@@ -28,14 +28,14 @@ from keyq.broker.naming import Mode, base_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.stream_policy import StreamPolicy
-from keyq.worker.amqp.consume_outcomes import ConsumeOutcome
+from keyq.worker.amqp.consume_rounds import ConsumeOutcome
 from keyq.worker.amqp.link import ConsumerLink
 from keyq.worker.amqp.starvation import StarvedQueues
 from keyq.worker.config import WorkerSettings
 from keyq.worker.holding.aside_drains import AsideDrains
 from keyq.worker.holding.handbacks import HandBacks
+from keyq.worker.holding.held_index import Held
 from keyq.worker.holding.held_queues import HeldQueues
-from keyq.worker.holding.holdings import Held
 from keyq.worker.holding.peer_reaper import PeerReaper
 from keyq.worker.holding.queue_news import QueueNews
 from keyq.worker.holding.refused_claims import RefusedClaims

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable
 
 from keyq.worker.amqp.deliveries import DeliveryBuffer
-from keyq.worker.holding.holdings import Held
+from keyq.worker.holding.held_index import Held
 
 # After handing a queue over, do not take it back at once: let a peer have it.
 RELEASE_COOLDOWN_S = 3.0

@@ -24,12 +24,12 @@ from keyq.broker.errors import KeyqError
 from keyq.broker.locks import FencedLocks, Lease
 from keyq.broker.log_context import about_queues
 from keyq.broker.registry import QueueRegistry
-from keyq.worker.amqp.consume_outcomes import Consumed, ConsumeOutcome
-from keyq.worker.amqp.consuming import ConsumerGone
+from keyq.worker.amqp.consume_rounds import Consumed, ConsumeOutcome
 from keyq.worker.amqp.deliveries import Delivery, DeliveryBuffer
 from keyq.worker.amqp.link import ConsumerCalls
+from keyq.worker.amqp.queue_channels import ConsumerGone
 from keyq.worker.batch.outcome import BatchOutcome
-from keyq.worker.holding.holdings import Held, Holdings
+from keyq.worker.holding.held_index import Held, Holdings
 
 log = logging.getLogger("keyq.worker.held")
 

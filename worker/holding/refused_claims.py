@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from keyq.worker.amqp.consume_outcomes import ConsumeOutcome
+from keyq.worker.amqp.consume_rounds import ConsumeOutcome
 
 log = logging.getLogger("keyq.worker.holding.claims")
 

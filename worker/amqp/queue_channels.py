@@ -28,15 +28,18 @@ from keyq.broker.connections import describe_exception
 from keyq.broker.packs import HEADER_PACK, MalformedPack, PackedEvent, decode_pack, is_pack
 from keyq.worker.amqp.ack_ledger import AckLedger
 from keyq.worker.amqp.acks import buffer_ack, flush_acks
-from keyq.worker.amqp.consume_outcomes import (
+from keyq.worker.amqp.channel_close import close_all_keeping_consumers, close_keeping_consumers
+from keyq.worker.amqp.consume_rounds import (
     Consumed,
     ConsumeOutcome,
+    ConsumeReply,
+    ConsumeRequest,
+    OnMessage,
     first_burst,
     next_burst,
+    open_consumers,
     refused,
 )
-from keyq.worker.amqp.consume_rounds import ConsumeReply, ConsumeRequest, OnMessage, open_consumers
-from keyq.worker.amqp.consumer_close import close_all_keeping_consumers, close_keeping_consumers
 from keyq.worker.amqp.deliveries import Delivery, DeliveryBuffer
 from keyq.worker.batch.ports import Acks
 
