@@ -179,13 +179,13 @@ class DeadLetterIndex:
         letters, messages = self._client.hmget(self._key("counts"), ["letters", "messages"])
         return max(0, int(letters or 0)), max(0, int(messages or 0))
 
-    def page(self, limit: int | None) -> Page:
-        """The oldest ``limit`` entries (all if None)."""
-        return self._page_of(self._key("by-time"), limit)
+    def page(self, limit: int | None, offset: int = 0) -> Page:
+        """The oldest ``limit`` entries (all if None) past the first ``offset``."""
+        return self._page_of(self._key("by-time"), limit, offset)
 
-    def of_key(self, key: str, limit: int | None) -> Page:
-        """The key's oldest ``limit`` entries."""
-        page = self._page_of(self._key(f"key:{_digest(key)}"), limit)
+    def of_key(self, key: str, limit: int | None, offset: int = 0) -> Page:
+        """The key's oldest ``limit`` entries past the first ``offset``."""
+        page = self._page_of(self._key(f"key:{_digest(key)}"), limit, offset)
         return Page([row for row in page.rows if row["key"] == key], page.matched)
 
     def with_reason(self, text: str, limit: int | None, key: str | None = None) -> Page:
@@ -224,10 +224,10 @@ class DeadLetterIndex:
             for row in self._rows(list(names))
         ]
 
-    def _page_of(self, name: str, limit: int | None) -> Page:
+    def _page_of(self, name: str, limit: int | None, offset: int = 0) -> Page:
         pipe = self._client.pipeline(transaction=False)
         pipe.zcard(name)
-        pipe.zrange(name, 0, -1 if limit is None else limit - 1)
+        pipe.zrange(name, offset, -1 if limit is None else offset + limit - 1)
         matched, names = pipe.execute()
         return Page(self._rows([str(entry) for entry in names]), int(matched))
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KEY_PREFIX = "keyq"
+# List: the newest actions taken from `keyq console` first (who, what, when), trimmed.
+CONSOLE_AUDIT = f"{KEY_PREFIX}:console:audit"
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,12 @@ class StreamKeys:
         """Hash with a ttl: key (or queue) -> JSON of why its waiting events make no progress,
         as the janitor's watchdog last found them (``broker.stranded``)."""
         return f"{self._base}:stranded"
+
+    @property
+    def figures(self) -> str:
+        """String with a ttl: JSON of the stream's figures as its leading janitor last measured
+        them (``broker.stream_figures``)."""
+        return f"{self._base}:figures"
 
     @property
     def janitor_lease(self) -> str:

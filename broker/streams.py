@@ -21,7 +21,7 @@ from keyq.broker.naming import (
     dead_letter_queue_name,
     key_queue_name,
 )
-from keyq.broker.redis_keys import StreamKeys
+from keyq.broker.redis_keys import KEY_PREFIX, StreamKeys
 
 DEFAULT_BUCKETS = 64
 MAX_BUCKETS = 65_536
@@ -141,3 +141,14 @@ def ensure_stream_config(
             f"{asked.describe()}"
         )
     return current
+
+
+def discover_streams(client: redis.Redis) -> list[str]:
+    """Every stream with a recorded config."""
+    streams = []
+    for key in client.scan_iter(match=f"{KEY_PREFIX}:{{*}}:config", count=1000):
+        text = str(key)
+        start, end = text.find("{"), text.rfind("}")
+        if 0 <= start < end:
+            streams.append(text[start + 1 : end])
+    return sorted(streams)

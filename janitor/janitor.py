@@ -30,11 +30,10 @@ from keyq.broker.key_control import KeyControl
 from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
 from keyq.broker.naming import Mode, base_queue_name, check_stream_name, dead_letter_queue_name
-from keyq.broker.redis_keys import KEY_PREFIX
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.retirement import Mark, RetirementFence
 from keyq.broker.settings import load_settings
-from keyq.broker.streams import StreamConfig, load_stream_config
+from keyq.broker.streams import StreamConfig, discover_streams, load_stream_config
 from keyq.janitor.chunk_deletes import MARK_MARGIN_MS, Marks, delete_locked, delete_marked
 from keyq.janitor.cluster_probe import unreachable_nodes
 from keyq.janitor.config import JanitorSettings
@@ -384,14 +383,3 @@ class Janitor:
 
     def snapshot(self) -> dict[str, Any]:
         return {"janitor": self.janitor_id, **self.stats}
-
-
-def discover_streams(client: redis.Redis) -> list[str]:
-    """Every stream with a recorded config."""
-    streams = []
-    for key in client.scan_iter(match=f"{KEY_PREFIX}:{{*}}:config", count=1000):
-        text = str(key)
-        start, end = text.find("{"), text.rfind("}")
-        if 0 <= start < end:
-            streams.append(text[start + 1 : end])
-    return sorted(streams)

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from keyq.broker.metrics import Health
-from keyq.janitor.stream_gauges import StreamFigures
+from keyq.broker.stream_figures import StreamFigures
 
 if TYPE_CHECKING:
     from keyq.janitor.janitor import Janitor

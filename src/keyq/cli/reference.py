@@ -24,6 +24,7 @@ from pydantic.fields import FieldInfo
 
 from keyq.broker.fd_usage import FdUsage
 from keyq.broker.settings import env_name
+from keyq.broker.stream_figures import StreamFigures
 from keyq.broker.worker_report import WorkerReport
 from keyq.cli.errors import EXIT_FAILURE, EXIT_USAGE, EXIT_VERDICT
 from keyq.cli.root import cli
@@ -31,7 +32,6 @@ from keyq.cli.settings import COMPONENTS
 from keyq.janitor.config import JanitorSettings
 from keyq.janitor.janitor import Janitor
 from keyq.janitor.metrics import JanitorMetrics
-from keyq.janitor.stream_gauges import StreamFigures
 from keyq.producer.metrics import ProducerMetrics
 from keyq.producer.window import ConfirmWindow
 from keyq.worker.metrics import WorkerMetrics

@@ -16,6 +16,7 @@ import orjson
 from keyq.broker.settings import load_settings
 from keyq.broker.streams import requested_config
 from keyq.cli.checks import NON_NEGATIVE, POSITIVE, json_event, key_name, stream_name
+from keyq.cli.console import console_command
 from keyq.cli.control import pause_command, resume_command, stream_group
 from keyq.cli.dead_letters import dead_letters_group
 from keyq.cli.errors import EXIT_FAILURE, EXIT_VERDICT, OneLineGroup, exit_with, usage
@@ -344,6 +345,7 @@ def state_command(stream: str, key: str, marks: bool) -> None:
 
 
 cli.add_command(status_command)
+cli.add_command(console_command)
 cli.add_command(settings_command)
 
 for operator_command in (
