@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from keyq.broker.errors import ConfigurationError
@@ -258,7 +258,10 @@ class Settings(BaseSettings):
 
     def describe(self) -> dict[str, Any]:
         """The settings as shown to people: URLs without passwords."""
-        shown = self.model_dump()
+        shown = {
+            name: "***" if isinstance(value, SecretStr) else value
+            for name, value in self.model_dump().items()
+        }
         shown["amqp_url"] = redact_url(self.amqp_url)
         shown["redis_url"] = redact_url(self.redis_url)
         if self.management_url:

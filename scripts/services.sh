@@ -13,7 +13,8 @@
 #
 # It also installs promtool (Debian's prometheus package), which the tests use to check
 # deploy/prometheus's alert rules, when it is missing and it can (as root with apt-get);
-# otherwise it says so, and those tests fail in CI (skip elsewhere) naming the package.
+# otherwise it says so, and those tests fail in CI (skip elsewhere) naming the package. The
+# same goes for Debian's chromium and chromium-driver, which the console's browser tests drive.
 #
 # --check only probes and reports; it never starts or installs anything.
 #
@@ -267,7 +268,7 @@ ensure_tool() {
         say "$binary is not installed and apt-get is unavailable ($what)"
     else
         echo "keyq services: installing $package with apt-get ..." >&2
-        # Without its recommends (a node exporter, disk and IPMI tools): promtool is all.
+        # Without recommends (for prometheus: a node exporter, disk and IPMI tools).
         if apt_install "$package" --no-install-recommends &&
             command -v "$binary" >/dev/null 2>&1; then
             say "installed $binary ($package)"
@@ -278,6 +279,8 @@ ensure_tool() {
 }
 
 ensure_tool promtool prometheus "the tests check deploy/prometheus's alert rules with it"
+ensure_tool chromium chromium "the console's browser tests drive it headless"
+ensure_tool chromedriver chromium-driver "the console's browser tests drive chromium through it"
 
 ensure RabbitMQ amqp "$AMQP_URL" rabbitmq-server rabbitmq-server start_rabbitmq
 ensure Redis redis "$REDIS_URL" redis-server redis-server start_redis

@@ -21,6 +21,7 @@ import yaml
 
 from keyq.broker.settings import Settings
 from keyq.cli.root import cli
+from keyq.console.settings import ConsoleSettings
 from keyq.janitor.config import JanitorSettings
 from keyq.worker.config import WorkerSettings
 
@@ -29,13 +30,14 @@ COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 
 INFRASTRUCTURE = ("rabbitmq", "redis")
-KEYQ_SERVICES = ("worker", "janitor", "producer")
+KEYQ_SERVICES = ("worker", "janitor", "console", "producer")
 # Commands the deployment and the operations guide rely on, whether or not a service runs them.
 REQUIRED_COMMANDS = ("worker", "janitor", "demo", "produce", "status")
 SETTINGS_OF_SERVICE: dict[str, type[Settings]] = {
     "worker": WorkerSettings,
     "janitor": JanitorSettings,
     "producer": Settings,
+    "console": ConsoleSettings,
 }
 # The folders mapped into the one import package, `keyq` (pyproject's package-dir).
 PACKAGE_DIRS = tuple(
@@ -100,7 +102,7 @@ def _keyq_variables() -> list[str]:
 def _setting_variables() -> set[str]:
     return {
         f"KEYQ_{field.upper()}"
-        for kind in (Settings, WorkerSettings, JanitorSettings)
+        for kind in (Settings, WorkerSettings, JanitorSettings, ConsoleSettings)
         for field in kind.model_fields
     }
 
@@ -192,7 +194,7 @@ def test_pipelines_named_in_commands_exist(name: str) -> None:
 def test_compose_variables_are_keyq_settings(variable: str) -> None:
     assert variable in _setting_variables(), (
         f"{variable} is set in docker-compose.yml but is not a field of Settings, "
-        "WorkerSettings or JanitorSettings"
+        "WorkerSettings, JanitorSettings or ConsoleSettings"
     )
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from keyq.broker.errors import ConfigurationError
 from keyq.broker.settings import Settings, load_settings
+from keyq.console.settings import ConsoleSettings
 from keyq.janitor.config import JanitorSettings
 from keyq.worker.config import WorkerSettings
 
@@ -73,10 +74,17 @@ def test_each_value_says_whether_it_came_from_env_dotenv_or_default(tmp_path: Pa
 def test_every_component_shows_every_setting_once(tmp_path: Path) -> None:
     settings = shown(tmp_path)
     shared = set(Settings.model_fields)
-    assert set(settings) == {"shared", "worker", "janitor"}
+    assert set(settings) == {"shared", "worker", "janitor", "console"}
     assert set(settings["shared"]) == shared
     assert set(settings["worker"]) == set(WorkerSettings.model_fields) - shared
     assert set(settings["janitor"]) == set(JanitorSettings.model_fields) - shared
+    assert set(settings["console"]) == set(ConsoleSettings.model_fields) - shared
+
+
+def test_the_console_token_is_never_shown(tmp_path: Path) -> None:
+    settings = shown(tmp_path, KEYQ_CONSOLE_TOKEN="s3cret-token")
+    assert settings["console"]["console_token"]["source"] == "env"
+    assert "s3cret-token" not in str(settings)
 
 
 @pytest.mark.parametrize(

@@ -45,10 +45,12 @@ def console_command(
     from keyq.cli.daemons import configure_logging  # noqa: PLC0415
     from keyq.console.access import Access  # noqa: PLC0415
     from keyq.console.app import create_app  # noqa: PLC0415
+    from keyq.console.settings import ConsoleSettings  # noqa: PLC0415
 
-    access = Access.from_environment(host, read_only=read_only)
+    settings = load_settings(ConsoleSettings)
+    access = Access.from_settings(settings, host, read_only=read_only)
     configure_logging(log_level, "-", "console")
-    app = create_app(load_settings(), access, list(streams))
+    app = create_app(settings, access, list(streams))
     mode = "read-only" if read_only else "actions on"
     guard = "password required" if access.guarded else "open to loopback"
     click.echo(f"keyq console on http://{host}:{port}/ ({mode}, {guard})", err=True)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, Union, cast, get_args, get_origi
 import annotated_types
 import click
 from prometheus_client import CollectorRegistry
+from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 
 from keyq.broker.fd_usage import FdUsage
@@ -91,7 +92,7 @@ def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str
 
 # ------------------------------------------------------------------------------- settings
 
-_TYPE_NAMES = {int: "integer", float: "number", str: "string", bool: "boolean"}
+_TYPE_NAMES = {int: "integer", float: "number", str: "string", bool: "boolean", SecretStr: "secret"}
 
 
 def _setting_type(field: FieldInfo) -> str:

@@ -17,6 +17,7 @@ from pydantic_settings import DotEnvSettingsSource, EnvSettingsSource
 from keyq.broker.errors import KeyqError
 from keyq.broker.settings import Settings, env_name, load_settings
 from keyq.cli.errors import OneLineCommand, fail
+from keyq.console.settings import ConsoleSettings
 from keyq.janitor.config import JanitorSettings
 from keyq.worker.config import WorkerSettings
 
@@ -56,6 +57,7 @@ COMPONENTS: tuple[Component, ...] = (
     Component("shared", Settings, "producer, worker, janitor and the operator commands"),
     Component("worker", WorkerSettings, "worker"),
     Component("janitor", JanitorSettings, "janitor"),
+    Component("console", ConsoleSettings, "console"),
 )
 
 

@@ -16,11 +16,11 @@ import binascii
 import hashlib
 import hmac
 import ipaddress
-import os
 import secrets
 from dataclasses import dataclass, field
 
 from keyq.broker.errors import ConfigurationError
+from keyq.console.settings import ConsoleSettings
 
 SESSION_COOKIE = "keyq_console_session"
 LOCAL_USER = "local"
@@ -50,17 +50,21 @@ class Access:
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
 
     @classmethod
-    def from_environment(cls, host: str, *, read_only: bool) -> Access:
+    def from_settings(cls, settings: ConsoleSettings, host: str, *, read_only: bool) -> Access:
         """From ``KEYQ_CONSOLE_TOKEN`` and ``KEYQ_CONSOLE_BASIC_AUTH``; refuses an address
         beyond loopback without either."""
-        token = os.environ.get("KEYQ_CONSOLE_TOKEN") or None
-        basic = os.environ.get("KEYQ_CONSOLE_BASIC_AUTH") or None
+        secret = settings.console_token
+        token = secret.get_secret_value() if secret is not None else None
+        given = settings.console_basic_auth
+        basic = given.get_secret_value() if given is not None else None
         user = password = None
         if basic is not None:
             user, sep, password = basic.partition(":")
             if not sep or not user or not password:
                 raise ConfigurationError("KEYQ_CONSOLE_BASIC_AUTH must be user:password")
-        access = cls(token=token, basic_user=user, basic_password=password, read_only=read_only)
+        access = cls(
+            token=token or None, basic_user=user, basic_password=password, read_only=read_only
+        )
         if not is_loopback(host) and not access.guarded:
             raise ConsoleExposed(
                 f"the console would listen on {host} with no password: set KEYQ_CONSOLE_TOKEN "
