@@ -2,14 +2,18 @@
 
 Run by scripts/package_check.sh with the fresh venv's python, from outside the repository:
 publishes a few events to a stream of its own with the SDK, checks that ``keyq status`` sees
-them, then deletes the stream's queues and Redis keys. Exits non-zero on any failure.
+them and that ``keyq console`` draws the key's page, then deletes the stream's queues and Redis
+keys. Exits non-zero on any failure.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -46,6 +50,40 @@ def published_and_seen(stream: str) -> None:
         sys.exit(f"keyq status --stream {stream} does not show order-1's events: {queues}")
 
 
+def console_serves(stream: str) -> None:
+    """``keyq console`` from the wheel draws the stream's key page, its templates and static
+    files packaged with it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    keyq_command = Path(sys.executable).parent / "keyq"
+    console = subprocess.Popen(
+        [str(keyq_command), "console", "--port", str(port), "--stream", stream],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                with urllib.request.urlopen(f"{base}/streams/{stream}/key?key=order-1") as page:
+                    html = page.read().decode()
+                with urllib.request.urlopen(f"{base}/static/console.js") as script:
+                    script.read()
+                break
+            except OSError:
+                if console.poll() is not None:
+                    sys.exit(f"keyq console exited: {console.stderr.read().decode()[-2000:]}")
+                time.sleep(0.2)
+        else:
+            sys.exit("keyq console did not answer within 20 s")
+        if "order-1" not in html:
+            sys.exit("keyq console's key page does not show the key")
+    finally:
+        console.terminate()
+        console.wait(10)
+
+
 def remove(stream: str) -> None:
     """Every queue and Redis key of the stream."""
     settings = load_settings()
@@ -69,9 +107,13 @@ def main() -> None:
     stream = f"pkg-{uuid.uuid4().hex[:12]}"
     try:
         published_and_seen(stream)
+        console_serves(stream)
     finally:
         remove(stream)
-    print(f"keyq package: the wheel published {EVENTS} events and keyq status saw them")
+    print(
+        f"keyq package: the wheel published {EVENTS} events, keyq status saw them, "
+        "keyq console drew them"
+    )
 
 
 if __name__ == "__main__":
