@@ -9,7 +9,8 @@ Each run, under a compose project of its own:
    kills the worker process inside another with ``kill -9`` (a crash: the restart policy
    brings the container back);
 4. waits for the producer's verdict (its exit code: 0 OK, 3 failed, 1 a runtime failure);
-5. scrapes every running worker's and the janitor's metrics, from inside its container;
+5. scrapes every running worker's and the janitor's metrics, from inside its container, and reads
+   the console's overview (with its token, and checks the 401 without it);
 6. counts the Parquet files and rows the workers wrote into the data volume;
 7. tears everything down with its volumes, and checks nothing of the project is left.
 
@@ -43,7 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE = "keyq:local"
 SLIM_IMAGE = "keyq:slim"
-KEYQ_SERVICES = ("worker", "janitor", "producer")
+KEYQ_SERVICES = ("worker", "janitor", "console", "producer")
 METRICS_LINE = re.compile(r"serving metrics on http://[^:/]+:(\d+)/metrics")
 SPARK_READY = re.compile(r"spark ready in ([\d.]+)s")
 VERDICTS = {0: "OK", 3: "FAILED", 1: "runtime failure", 2: "usage error"}
@@ -58,6 +59,26 @@ SCRAPE = (
     "import sys, urllib.request; "
     "print(urllib.request.urlopen(f'http://127.0.0.1:{sys.argv[1]}/metrics', timeout=5)"
     ".read().decode())"
+)
+CONSOLE_LINE = re.compile(r"keyq console on (http://[^/]+)/")
+# From inside the console's container: the overview with the token it was given (none on
+# loopback), and, with a token, the 401 without it. Prints the status codes and the page.
+CONSOLE_PAGE = (
+    "import base64, os, sys, urllib.error, urllib.request\n"
+    "token = os.environ.get('KEYQ_CONSOLE_TOKEN')\n"
+    "def get(auth):\n"
+    "    request = urllib.request.Request(sys.argv[1] + '/')\n"
+    "    if auth:\n"
+    "        basic = base64.b64encode(f'operator:{token}'.encode()).decode()\n"
+    "        request.add_header('Authorization', 'Basic ' + basic)\n"
+    "    try:\n"
+    "        with urllib.request.urlopen(request, timeout=10) as answer:\n"
+    "            return answer.status, answer.read().decode()\n"
+    "    except urllib.error.HTTPError as error:\n"
+    "        return error.code, ''\n"
+    "status, page = get(bool(token))\n"
+    "print(get(False)[0] if token else 'open', status, 'stream orders' in page or "
+    "'data-stream=\"orders\"' in page)\n"
 )
 PARQUET_ROWS = (
     "import pathlib, pyarrow.parquet as pq; "
@@ -207,6 +228,24 @@ def scrape(deployment: Deployment, container: str) -> str:
     return done.stdout
 
 
+def console_answers(deployment: Deployment) -> dict[str, Any]:
+    """The console's overview shows the demo's stream, and asks for its token where it has one."""
+    (container,) = deployment.containers("console")
+    found = CONSOLE_LINE.findall(deployment.logs(container))
+    if not found:
+        raise CheckFailed("the console logged no address")
+    url = found[-1].replace("0.0.0.0", "127.0.0.1")
+    done = run("docker", "exec", container, "python", "-c", CONSOLE_PAGE, url, check=False)
+    words = done.stdout.split()
+    if done.returncode != 0 or len(words) != 3:
+        raise CheckFailed(f"the console at {url} did not answer: {done.stderr[-1000:]}")
+    without, status, shows = words
+    if status != "200" or shows != "True" or without not in ("open", "401"):
+        raise CheckFailed(f"the console at {url}: {without} without a token, {status}, {shows}")
+    say(f"console at {url}: the overview shows stream orders ({without} without a token)")
+    return {"url": url, "without_token": without, "status": int(status)}
+
+
 def metric(text: str, family: str) -> float:
     return sum(
         float(line.rsplit(" ", 1)[1])
@@ -351,6 +390,7 @@ def one_run(files: list[str], replicas: int, timeout: float) -> dict[str, Any]:
                     "port": metrics_port(deployment, container),
                     family: metric(text, family),
                 }
+        result["console"] = console_answers(deployment)
         workers = deployment.containers("worker")
         counted = run("docker", "exec", workers[0], "python", "-c", PARQUET_ROWS).stdout.split()
         result["parquet"] = {"files": int(counted[0]), "rows": int(counted[1])}

@@ -68,7 +68,7 @@ class Console:
             "csrf": self.access.csrf_token(session),
             "done": request.query_params.get("done"),
             "failed": request.query_params.get("failed"),
-            "here": request.url.path + (f"?{request.url.query}" if request.url.query else ""),
+            "here": _here(request),
         }
         return self.templates.TemplateResponse(request, name, values, status_code=status)
 
@@ -184,6 +184,12 @@ class Console:
 
     async def health(self, _request: Request) -> Response:
         return PlainTextResponse("ok")
+
+
+def _here(request: Request) -> str:
+    """This page's path and query, without the last action's outcome: where a form returns."""
+    kept = [(k, v) for k, v in request.query_params.multi_items() if k not in ("done", "failed")]
+    return request.url.path + (f"?{urlencode(kept)}" if kept else "")
 
 
 def _local_path(value: str | None) -> str | None:
