@@ -122,11 +122,12 @@ class Console:
         key, reason = query.get("key") or None, query.get("reason") or None
         try:
             page = max(0, int(query.get("page", "0")))
+        except ValueError:
+            return self.failure(request, InvalidInput("page must be a number"))
+        try:
             listed = await self.on_stream(
                 stream, lambda ctx: letters_page(ctx, key=key, reason=reason, page=page)
             )
-        except ValueError:
-            return self.failure(request, InvalidInput("page must be a number"))
         except KeyqError as exc:
             return self.failure(request, exc)
         return self.page(
