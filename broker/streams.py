@@ -146,7 +146,7 @@ def ensure_stream_config(
 def discover_streams(client: redis.Redis) -> list[str]:
     """Every stream with a recorded config."""
     streams = []
-    for key in client.scan_iter(match=f"{KEY_PREFIX}:{{*}}:config", count=1000):
+    for key in client.scan_iter(match=f"{KEY_PREFIX}:{{*}}:config", count=10_000):
         text = str(key)
         start, end = text.find("{"), text.rfind("}")
         if 0 <= start < end:

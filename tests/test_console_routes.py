@@ -24,6 +24,7 @@ from keyq.broker.dead_letter_index import DeadLetterIndex
 from keyq.broker.envelope import HEADER_KEY, HEADER_REDRIVE_ID, HEADER_SEQ
 from keyq.broker.key_control import KeyControl, ParkedKey
 from keyq.broker.naming import dead_letter_queue_name
+from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.settings import Settings, load_settings
 from keyq.broker.stream_policy import StreamPolicies, StreamPolicy
 from keyq.console.access import SESSION_COOKIE, Access, ConsoleExposed
@@ -97,7 +98,8 @@ def form_fields(page: str, stream: str, action: str, button: str | None = None) 
     inputs = re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">', chosen[0])
     fields = {name: html.unescape(value) for name, value in inputs}
     areas = re.findall(r'<textarea name="([^"]+)"[^>]*>(.*?)</textarea>', chosen[0], re.DOTALL)
-    return fields | {name: html.unescape(value) for name, value in areas}
+    # as a browser parses it: a newline right after <textarea> is not part of its text
+    return fields | {name: html.unescape(value.removeprefix("\n")) for name, value in areas}
 
 
 def outcome(response: Any) -> tuple[str, dict[str, list[str]]]:
@@ -149,8 +151,12 @@ def test_a_token_console_asks_for_its_token(settings: Settings, stream: StreamFi
         ):
             assert client.get("/", headers=wrong).status_code == 401, wrong
         assert client.get("/", auth=("alice", "nope")).status_code == 401
-    # guarded, it may be reached by any name (it is meant to be exposed)
-    with console(settings, Access(token=TOKEN), stream.name, "http://console.example") as named:
+    # guarded, it answers the names it was given, and no other even with the token: a site
+    # whose name is rebound to its address must not read it
+    with console(settings, Access(token=TOKEN), stream.name, "http://rebound.example") as named:
+        assert named.client.get("/", auth=("", TOKEN)).status_code == 403
+    named_access = Access(token=TOKEN, allowed_hosts=frozenset({"console.example"}))
+    with console(settings, named_access, stream.name, "http://console.example") as named:
         assert named.client.get("/", auth=("", TOKEN)).status_code == 200
 
 
@@ -642,3 +648,41 @@ def test_the_dead_letter_list_of_an_unknown_stream_or_a_bad_key(
     bad_key = client.get(f"/streams/{stream.name}/dead-letters", params={"key": "x" * 5000})
     assert bad_key.status_code == 400 and "page must be a number" not in bad_key.text
     assert unknown.status_code == 404 and "does not exist" in unknown.text
+
+
+def test_other_sites_may_link_to_a_page_but_not_load_it(open_console: Console) -> None:
+    client, page = open_console.client, f"/streams/{open_console.stream}"
+    linked = {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate"}
+    assert client.get(page, headers=linked).status_code == 200
+    for mode in ("no-cors", "cors"):  # an <img>, a script, a fetch from another site's page
+        loaded = client.get(page, headers={"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": mode})
+        assert loaded.status_code == 403, mode
+    # a read that walks the dead-letter queue, only from the console's own pages
+    walk = f"{page}/dead-letters/letter?id=p1:1&whole=1"
+    assert client.get(walk, headers=linked).status_code == 403
+    own = {"Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "navigate"}
+    assert client.get(page, headers=own).status_code == 200
+
+
+def test_an_open_console_refuses_what_came_through_a_proxy(open_console: Console) -> None:
+    for header in ("X-Forwarded-For", "Forwarded", "X-Real-IP"):
+        proxied = open_console.client.get("/", headers={header: "203.0.113.9"})
+        assert proxied.status_code == 403, header
+
+
+def test_a_console_given_streams_serves_no_other(
+    settings: Settings, stream: StreamFixture, redis_client: redis.Redis
+) -> None:
+    record(stream)
+    other = f"{stream.name}-other"
+    with console(settings, Access(), stream.name) as shown:
+        assert shown.client.get(f"/streams/{stream.name}").status_code == 200
+        for path in (f"/streams/{other}", f"/streams/{other}/key?key=a"):
+            assert shown.client.get(path).status_code == 404, path
+        refused = shown.client.post(
+            f"/streams/{other}/actions/pause",
+            data={"csrf": shown.csrf(), "key": "a"},
+            follow_redirects=False,
+        )
+        assert "failed=" in refused.headers["location"]
+    assert not redis_client.exists(StreamKeys(other).paused_keys)

@@ -19,6 +19,13 @@ DEFAULT_PORT = 8089
     "KEYQ_CONSOLE_BASIC_AUTH (user:password).",
 )
 @click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True)
+@click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    help="A name browsers reach a guarded console by (beyond loopback names and --host); "
+    "repeat. Requests addressed to any other name are refused.",
+)
 @click.option("--read-only", is_flag=True, help="Show everything, offer and accept no action.")
 @click.option(
     "--stream",
@@ -34,7 +41,13 @@ DEFAULT_PORT = 8089
     show_default=True,
 )
 def console_command(
-    *, host: str, port: int, read_only: bool, streams: tuple[str, ...], log_level: str
+    *,
+    host: str,
+    port: int,
+    allowed_hosts: tuple[str, ...],
+    read_only: bool,
+    streams: tuple[str, ...],
+    log_level: str,
 ) -> None:
     """Serve the keyq console: streams, workers and the janitor live; a key's whole picture
     with pause, resume, redrive and skip; dead letters paged, shown whole, redriven, edited or
@@ -48,7 +61,7 @@ def console_command(
     from keyq.console.settings import ConsoleSettings  # noqa: PLC0415
 
     settings = load_settings(ConsoleSettings)
-    access = Access.from_settings(settings, host, read_only=read_only)
+    access = Access.from_settings(settings, host, read_only=read_only, allowed_hosts=allowed_hosts)
     configure_logging(log_level, "-", "console")
     app = create_app(settings, access, list(streams))
     mode = "read-only" if read_only else "actions on"

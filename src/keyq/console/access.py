@@ -43,14 +43,22 @@ def is_loopback(host: str) -> bool:
 class Access:
     """The console's credentials and mode; ``secret`` signs CSRF tokens for this process."""
 
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
     basic_user: str | None = None
-    basic_password: str | None = None
+    basic_password: str | None = field(default=None, repr=False)
     read_only: bool = False
+    allowed_hosts: frozenset[str] = frozenset()  # Host names beyond loopback (guarded only)
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
 
     @classmethod
-    def from_settings(cls, settings: ConsoleSettings, host: str, *, read_only: bool) -> Access:
+    def from_settings(
+        cls,
+        settings: ConsoleSettings,
+        host: str,
+        *,
+        read_only: bool,
+        allowed_hosts: tuple[str, ...] = (),
+    ) -> Access:
         """From ``KEYQ_CONSOLE_TOKEN`` and ``KEYQ_CONSOLE_BASIC_AUTH``; refuses an address
         beyond loopback without either."""
         secret = settings.console_token
@@ -62,8 +70,15 @@ class Access:
             user, sep, password = basic.partition(":")
             if not sep or not user or not password:
                 raise ConfigurationError("KEYQ_CONSOLE_BASIC_AUTH must be user:password")
+        names = {name.lower() for name in allowed_hosts}
+        if host not in ("0.0.0.0", "::", ""):  # a name or address of its own: it is reached so
+            names.add(host.strip("[]").lower())
         access = cls(
-            token=token or None, basic_user=user, basic_password=password, read_only=read_only
+            token=token or None,
+            basic_user=user,
+            basic_password=password,
+            read_only=read_only,
+            allowed_hosts=frozenset(names),
         )
         if not is_loopback(host) and not access.guarded:
             raise ConsoleExposed(
@@ -101,6 +116,14 @@ class Access:
         if self.token is not None and _same(password, self.token):
             return user or "token"
         return None
+
+    def answers(self, hostname: str) -> bool:
+        """Whether a request addressed to ``hostname`` is for this console: loopback names
+        always; others only on a guarded console that was told them (``--allowed-host``), so a
+        site whose name is rebound to this address is refused even with the password."""
+        if is_loopback(hostname):
+            return True
+        return self.guarded and hostname.lower() in self.allowed_hosts
 
     def csrf_token(self, session: str) -> str:
         return hmac.new(self.secret, session.encode(), hashlib.sha256).hexdigest()

@@ -76,12 +76,18 @@ def _redrive_letter(ctx: OperatorContext, form: Form) -> str:
     request = RedriveRequest(
         letter_id=_field(form, "id"),
         key=_optional_key(form),
-        payload=None if payload is None else payload.replace("\r\n", "\n").encode(),
+        payload=None if payload is None else _as_sent(payload, crlf=form.get("crlf") == "1"),
         wait_s=DEAD_LETTER_WAIT_S,
     )
     result = redrive(ctx, request)
     edited = " with the edited payload" if payload is not None else ""
     return f"put back letter {request.letter_id} to {result.key}{edited}"
+
+
+def _as_sent(payload: str, *, crlf: bool) -> bytes:
+    """A browser sends a text area's lines ended by CRLF: back to LF unless the letter's own
+    payload had CRLF."""
+    return (payload if crlf else payload.replace("\r\n", "\n")).encode()
 
 
 def _redrive_reason(ctx: OperatorContext, form: Form) -> str:

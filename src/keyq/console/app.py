@@ -3,12 +3,13 @@ CLI calls), a live overview polled by a few lines of plain JavaScript, and one P
 for every action. ``keyq.console.guard`` stands in front of every request (who, CSRF, headers).
 
 Blocking work (Redis, RabbitMQ) runs in Starlette's thread pool, one ``OperatorContext`` per
-request, so a slow broker delays that page alone.
+request; a broker that does not answer holds one of the pool's threads until its timeouts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,8 +24,9 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from keyq.broker.connections import open_redis
+from keyq.broker.connections import open_redis, redis_errors
 from keyq.broker.errors import InvalidInput, KeyqError, ServiceUnavailable
+from keyq.broker.naming import check_stream_name
 from keyq.broker.settings import Settings
 from keyq.console.access import Access
 from keyq.console.actions import ACTIONS
@@ -41,6 +43,9 @@ from keyq.ops.dead_letter_selection import LetterNotFound
 HERE = Path(__file__).resolve().parent  # the source folder, also under a strict editable install
 T = TypeVar("T")
 NOT_FOUND = (StreamNotKnown, LetterNotFound)
+MAX_PAGE = 10_000  # of dead letters: 500,000 deep; past it, filter by key or reason
+
+log = logging.getLogger("keyq.console")
 
 
 class Console:
@@ -50,6 +55,7 @@ class Console:
         self.settings = settings
         self.access = access
         self.redis = open_redis(settings)
+        self.streams = streams
         self.overview = Overview(self.redis, settings.member_ttl_ms, streams)
         self.audit = AuditLog(self.redis)
         environment = jinja2.Environment(
@@ -73,6 +79,9 @@ class Console:
         return self.templates.TemplateResponse(request, name, values, status_code=status)
 
     async def on_stream(self, stream: str, work: Callable[[OperatorContext], T]) -> T:
+        if self.streams and check_stream_name(stream) not in self.streams:
+            raise StreamNotKnown(f"stream {stream} does not exist among the streams shown here")
+
         def run() -> T:
             with OperatorContext(stream, self.settings) as ctx:
                 return work(ctx)
@@ -87,12 +96,25 @@ class Console:
 
     # ---- pages --------------------------------------------------------------------------------
 
+    async def on_redis(self, work: Callable[[], T]) -> T:
+        def run() -> T:
+            with redis_errors(self.settings.redis_url):
+                return work()
+
+        return await run_in_threadpool(run)
+
     async def overview_page(self, request: Request) -> Response:
-        data = await run_in_threadpool(self.overview.read)
+        try:
+            data = await self.on_redis(self.overview.read)
+        except KeyqError as exc:
+            return self.failure(request, exc)
         return self.page(request, "overview.html", overview=data)
 
     async def overview_fragment(self, request: Request) -> Response:
-        data = await run_in_threadpool(self.overview.read)
+        try:
+            data = await self.on_redis(self.overview.read)
+        except KeyqError as exc:
+            return self.failure(request, exc)
         return self.page(request, "overview_body.html", overview=data)
 
     async def stream_page(self, request: Request) -> Response:
@@ -109,8 +131,10 @@ class Console:
         prefix = request.query_params.get("prefix") == "1"
         try:
             if prefix:
-                found = await self.on_stream(stream, lambda ctx: keys_with_prefix(ctx, key))
-                return self.page(request, "keys.html", stream=stream, prefix=key, found=found)
+                found, whole = await self.on_stream(stream, lambda ctx: keys_with_prefix(ctx, key))
+                return self.page(
+                    request, "keys.html", stream=stream, prefix=key, found=found, whole=whole
+                )
             picture = await self.on_stream(stream, lambda ctx: key_picture(ctx, key))
         except KeyqError as exc:
             return self.failure(request, exc)
@@ -121,7 +145,7 @@ class Console:
         query = request.query_params
         key, reason = query.get("key") or None, query.get("reason") or None
         try:
-            page = max(0, int(query.get("page", "0")))
+            page = min(max(0, int(query.get("page", "0"))), MAX_PAGE)
         except ValueError:
             return self.failure(request, InvalidInput("page must be a number"))
         try:
@@ -148,7 +172,10 @@ class Console:
         return self.page(request, "letter.html", stream=stream, letter=found)
 
     async def audit_page(self, request: Request) -> Response:
-        entries = await run_in_threadpool(self.audit.newest)
+        try:
+            entries = await self.on_redis(self.audit.newest)
+        except KeyqError as exc:
+            return self.failure(request, exc)
         return self.page(request, "audit.html", entries=entries)
 
     # ---- the one endpoint that changes things ---------------------------------------------------
@@ -170,7 +197,10 @@ class Console:
             flag = "done"
         except KeyqError as exc:
             outcome, flag = f"{type(exc).__name__}: {exc}", "failed"
-        await run_in_threadpool(
+        except Exception as exc:  # audited all the same: it may have changed something
+            log.exception("console action %s on %s failed", name, stream)
+            outcome, flag = f"unexpected {type(exc).__name__}; see the console's log", "failed"
+        await self.on_redis(
             lambda: self.audit.record(
                 who=request.state.who,
                 address=request.client.host if request.client else "",

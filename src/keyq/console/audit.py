@@ -35,7 +35,7 @@ class AuditLog:
             "outcome": outcome,
         }
         log.info(
-            "console action %s on %s %r by %s from %s: %s",
+            "console action %s on %r %r by %r from %s: %r",
             action,
             stream,
             target,
@@ -48,5 +48,5 @@ class AuditLog:
         pipe.ltrim(CONSOLE_AUDIT, 0, AUDIT_KEPT - 1)
         pipe.execute()
 
-    def newest(self, limit: int = 200) -> list[dict[str, Any]]:
+    def newest(self, limit: int = AUDIT_KEPT) -> list[dict[str, Any]]:
         return [orjson.loads(raw) for raw in self._client.lrange(CONSOLE_AUDIT, 0, limit - 1)]

@@ -1,9 +1,11 @@
 """In front of every request to the console (``keyq.console.access`` says why each check):
 
 - the health check and static files pass as they are;
-- an open console (no credentials set, loopback only) answers only requests addressed to a
-  loopback name, so a site whose name is rebound to 127.0.0.1 cannot read it;
+- a console answers only requests addressed to a loopback name or, guarded, to a name it
+  was given (``--allowed-host``), so a site whose name is rebound to its address cannot read
+  it; an open one refuses requests that came through a proxy;
 - a guarded one answers 401 without credentials;
+- another site's page may link to the console but not load it inside itself (``Sec-Fetch-*``);
 - a change (POST) is refused on a read-only console, and from another site's page;
 - every response carries headers that forbid inline scripts, framing and caching, and a
   session cookie is set where there was none (the endpoint checks its CSRF token).
@@ -18,9 +20,12 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp
 
-from keyq.console.access import SESSION_COOKIE, Access, is_loopback, new_session
+from keyq.console.access import SESSION_COOKIE, Access, new_session
 
-OPEN_PATHS = ("/healthz", "/static/")
+FORWARDED = ("forwarded", "x-forwarded-for", "x-forwarded-host", "x-real-ip")
+# Reads that change something outside Redis' records (a walk of the dead-letter queue under
+# its lock): only from the console's own pages, never from a link elsewhere.
+OWN_PAGES_ONLY = ("whole",)
 SECURITY_HEADERS = {
     "Content-Security-Policy": (
         "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
@@ -59,8 +64,18 @@ class Guard(BaseHTTPMiddleware):
 
     def _refusal(self, request: Request) -> Response | None:
         access = self.access
-        if not access.guarded and not is_loopback(request.url.hostname or ""):
-            return PlainTextResponse("forbidden: an open console answers loopback names only", 403)
+        if not access.answers(request.url.hostname or ""):
+            return PlainTextResponse(
+                "forbidden: this console does not answer to that name (--allowed-host)", 403
+            )
+        if not access.guarded and any(name in request.headers for name in FORWARDED):
+            return PlainTextResponse(
+                "forbidden: behind a proxy the console needs KEYQ_CONSOLE_TOKEN or "
+                "KEYQ_CONSOLE_BASIC_AUTH",
+                403,
+            )
+        if not _fetched_by_this_site(request):
+            return PlainTextResponse("forbidden: another site's page asked for this", 403)
         who = access.who(request.headers.get("authorization"))
         if who is None:
             return PlainTextResponse(
@@ -73,8 +88,22 @@ class Guard(BaseHTTPMiddleware):
             if access.read_only:
                 return PlainTextResponse("forbidden: this console is read-only", 403)
             if not _same_origin(request):
-                return PlainTextResponse("forbidden: the form comes from another site", 403)
+                return PlainTextResponse(
+                    "forbidden: the form comes from another site; reload the console's page", 403
+                )
         return None
+
+
+def _fetched_by_this_site(request: Request) -> bool:
+    """What a browser says of who asked (``Sec-Fetch-*``): another site may link to a page
+    (a top-level navigation), never load one as an image, a script or a fetch, nor link to a
+    read that walks the dead-letter queue. Clients that send no such header pass."""
+    site = request.headers.get("sec-fetch-site")
+    if site is None or site in ("same-origin", "none"):
+        return True
+    if any(name in request.query_params for name in OWN_PAGES_ONLY):
+        return False
+    return request.method == "GET" and request.headers.get("sec-fetch-mode") == "navigate"
 
 
 def _same_origin(request: Request) -> bool:

@@ -15,6 +15,7 @@ import redis
 
 from keyq.broker.clock import now_ms
 from keyq.broker.dead_letter_index import DeadLetterIndex
+from keyq.broker.errors import KeyqError
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.stream_figures import parse_figures
@@ -44,20 +45,32 @@ class Overview:
         self._streams: list[str] = []
         self._streams_at = 0.0
         self._previous: dict[str, _Reading] = {}
+        self._rates: dict[str, float | None] = {}
         self._lock = threading.Lock()
+        self._scan_lock = threading.Lock()
 
     def streams(self) -> list[str]:
+        """The streams shown: those given, else every stream in Redis, looked for by one
+        request at a time at most every ``STREAMS_CACHED_S`` (a SCAN of the keyspace)."""
         if self._fixed:
             return self._fixed
-        if time.monotonic() - self._streams_at > STREAMS_CACHED_S or not self._streams:
-            self._streams = discover_streams(self._client)
-            self._streams_at = time.monotonic()
-        return self._streams
+        with self._scan_lock:
+            if time.monotonic() - self._streams_at > STREAMS_CACHED_S or not self._streams:
+                self._streams = discover_streams(self._client)
+                self._streams_at = time.monotonic()
+            return self._streams
 
     def read(self) -> dict[str, Any]:
         """Every stream's row and its live workers, as JSON-ready data."""
         now = now_ms()
-        rows = [row for stream in self.streams() if (row := self._stream(stream, now))]
+        rows = []
+        for stream in self.streams():
+            try:
+                row = self._stream(stream, now)
+            except (KeyqError, ValueError) as exc:  # one stream's bad record hides no other
+                row = {"stream": stream, "error": str(exc)}
+            if row is not None:
+                rows.append(row)
         return {"at_ms": now, "streams": rows}
 
     def _stream(self, stream: str, now: int) -> dict[str, Any] | None:
@@ -143,13 +156,16 @@ class Overview:
                 self._previous[stream] = current
                 return None
             if now - before.at_ms < 1000:
-                return None  # too close to the last reading to measure: keep that one
+                return self._rates.get(stream)  # too close to the last reading: its rate
             self._previous[stream] = current
         grown = [
             count - before.events[worker]
             for worker, count in current.events.items()
             if worker in before.events and count >= before.events[worker]
         ]
-        if not grown:
-            return 0.0 if current.events or before.events else None
-        return round(sum(grown) / ((now - before.at_ms) / 1000), 1)
+        rate = round(sum(grown) / ((now - before.at_ms) / 1000), 1) if grown else None
+        if not grown and (current.events or before.events):
+            rate = 0.0
+        with self._lock:
+            self._rates[stream] = rate
+        return rate

@@ -5,6 +5,10 @@
 function refresh(box) {
   const every = Number(box.dataset.every || 2000);
   const tick = async () => {
+    if (document.hidden) {
+      setTimeout(tick, every); // a tab nobody looks at asks nothing
+      return;
+    }
     try {
       const answer = await fetch(box.dataset.refresh, { credentials: "same-origin" });
       if (answer.ok) {
