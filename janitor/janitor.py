@@ -75,7 +75,8 @@ class Janitor:
         # Nodes of KEYQ_AMQP_URL that did not answer, probed once per pass when a quorum
         # stream has queues to delete (None: not probed yet in this pass).
         self._nodes_down: list[str] | None = None
-        self.gauges = StreamGauges(self.settings, self.janitor_id)
+        figures_ttl_s = 3 * self.settings.janitor_interval_s + 30  # a few passes
+        self.gauges = StreamGauges(self.settings, self.janitor_id, figures_ttl_s)
         self.watchdog = Watchdog(self.settings, self.janitor_id, self.gauges.figures, self.stats)
         self._turned_at: float | None = None  # monotonic: the loop's last sign of life
         self._passed = False  # the last pass reached Redis and RabbitMQ

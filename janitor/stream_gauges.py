@@ -35,11 +35,11 @@ from keyq.broker.prometheus_api import queue_figures as prometheus_figures
 from keyq.broker.queue_probe import QueueCounts, QueueProbe
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
+from keyq.broker.settings import Settings
 from keyq.broker.stream_figures import FiguresRecord, StreamFigures
 from keyq.broker.streams import StreamConfig
 from keyq.broker.urls import vhost_of
 from keyq.broker.worker_report import WorkerReport
-from keyq.janitor.config import JanitorSettings
 
 log = logging.getLogger("keyq.janitor")
 
@@ -53,9 +53,10 @@ Figures = dict[str, QueueCounts | None]  # None: the queue is not there
 class StreamGauges:
     """Measures the streams a janitor leads; ``latest`` is read by its metrics."""
 
-    def __init__(self, settings: JanitorSettings, janitor_id: str) -> None:
+    def __init__(self, settings: Settings, janitor_id: str, figures_ttl_s: float = 60.0) -> None:
         self._settings = settings
         self._janitor_id = janitor_id
+        self._figures_ttl_s = figures_ttl_s  # the record outlives a few passes, no more
         self._name = f"{janitor_id}-gauges"
         self._connection: pika.BlockingConnection | None = None
         self._channel: BlockingChannel | None = None
@@ -110,9 +111,9 @@ class StreamGauges:
             paused_keys=paused,
             live_workers=live,
         )
-        # Kept for a few passes: readers other than the metrics (the console) see them too.
-        ttl_s = 3 * self._settings.janitor_interval_s + 30
-        FiguresRecord(client, stream).write(self.latest[stream], self._janitor_id, ttl_s)
+        # Kept in Redis too: readers other than the metrics (the console) see them.
+        record = FiguresRecord(client, stream)
+        record.write(self.latest[stream], self._janitor_id, self._figures_ttl_s)
 
     def close(self) -> None:
         connection, self._connection, self._channel = self._connection, None, None

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 
 from keyq import Producer
+from keyq.broker.redis_keys import StreamKeys
+from keyq.broker.stream_figures import FiguresRecord
 from keyq.broker.streams import load_stream_config
 from keyq.janitor.stream_gauges import StreamGauges
 from tests.conftest import StreamFixture
@@ -48,8 +50,12 @@ def test_the_oldest_event_age_counts_what_a_worker_holds_unapplied(
             "the age of the events the worker holds",
         )
         figures = gauges.latest[stream.name]
+        kept = FiguresRecord(stream.redis, stream.name).read()  # what the console reads
     finally:
         gauges.close()
+    assert kept is not None and kept.janitor == "test-janitor"
+    assert kept.figures.ready_events == 0 and kept.figures.live_workers == figures.live_workers
+    assert stream.redis.pttl(StreamKeys(stream.name).figures) > 0  # it goes with its janitor
     assert figures.ready_events == 0  # nothing ready: the worker holds them all
     age = figures.oldest_event_age_s
     assert age is not None and age <= time.time() - published_at + 1.0, age
