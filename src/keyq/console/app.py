@@ -88,7 +88,9 @@ class Console:
 
         return await run_in_threadpool(run)
 
-    def failure(self, request: Request, exc: KeyqError) -> Response:
+    async def failure(self, request: Request, exc: Exception) -> Response:
+        """Any page's keyq error, drawn on the error page (registered once for the app)."""
+        assert isinstance(exc, KeyqError)
         status = 404 if isinstance(exc, NOT_FOUND) else 400
         if isinstance(exc, ServiceUnavailable):
             status = 503
@@ -104,40 +106,28 @@ class Console:
         return await run_in_threadpool(run)
 
     async def overview_page(self, request: Request) -> Response:
-        try:
-            data = await self.on_redis(self.overview.read)
-        except KeyqError as exc:
-            return self.failure(request, exc)
+        data = await self.on_redis(self.overview.read)
         return self.page(request, "overview.html", overview=data)
 
     async def overview_fragment(self, request: Request) -> Response:
-        try:
-            data = await self.on_redis(self.overview.read)
-        except KeyqError as exc:
-            return self.failure(request, exc)
+        data = await self.on_redis(self.overview.read)
         return self.page(request, "overview_body.html", overview=data)
 
     async def stream_page(self, request: Request) -> Response:
         stream = request.path_params["stream"]
-        try:
-            shown, _policy = await self.on_stream(stream, stream_view)
-        except KeyqError as exc:
-            return self.failure(request, exc)
+        shown, _policy = await self.on_stream(stream, stream_view)
         return self.page(request, "stream.html", stream=stream, view=shown)
 
     async def key_page(self, request: Request) -> Response:
         stream = request.path_params["stream"]
         key = request.query_params.get("key", "")
         prefix = request.query_params.get("prefix") == "1"
-        try:
-            if prefix:
-                found, whole = await self.on_stream(stream, lambda ctx: keys_with_prefix(ctx, key))
-                return self.page(
-                    request, "keys.html", stream=stream, prefix=key, found=found, whole=whole
-                )
-            picture = await self.on_stream(stream, lambda ctx: key_picture(ctx, key))
-        except KeyqError as exc:
-            return self.failure(request, exc)
+        if prefix:
+            found, whole = await self.on_stream(stream, lambda ctx: keys_with_prefix(ctx, key))
+            return self.page(
+                request, "keys.html", stream=stream, prefix=key, found=found, whole=whole
+            )
+        picture = await self.on_stream(stream, lambda ctx: key_picture(ctx, key))
         return self.page(request, "key.html", stream=stream, key=key, picture=picture)
 
     async def letters_page(self, request: Request) -> Response:
@@ -147,13 +137,10 @@ class Console:
         try:
             page = min(max(0, int(query.get("page", "0"))), MAX_PAGE)
         except ValueError:
-            return self.failure(request, InvalidInput("page must be a number"))
-        try:
-            listed = await self.on_stream(
-                stream, lambda ctx: letters_page(ctx, key=key, reason=reason, page=page)
-            )
-        except KeyqError as exc:
-            return self.failure(request, exc)
+            raise InvalidInput("page must be a number") from None
+        listed = await self.on_stream(
+            stream, lambda ctx: letters_page(ctx, key=key, reason=reason, page=page)
+        )
         return self.page(
             request, "letters.html", stream=stream, key=key, reason=reason, listed=listed
         )
@@ -163,19 +150,11 @@ class Console:
         query = request.query_params
         letter_id, key = query.get("id", ""), query.get("key") or None
         whole = query.get("whole") == "1"
-        try:
-            found = await self.on_stream(
-                stream, lambda ctx: letter(ctx, letter_id, key, whole=whole)
-            )
-        except KeyqError as exc:
-            return self.failure(request, exc)
+        found = await self.on_stream(stream, lambda ctx: letter(ctx, letter_id, key, whole=whole))
         return self.page(request, "letter.html", stream=stream, letter=found)
 
     async def audit_page(self, request: Request) -> Response:
-        try:
-            entries = await self.on_redis(self.audit.newest)
-        except KeyqError as exc:
-            return self.failure(request, exc)
+        entries = await self.on_redis(self.audit.newest)
         return self.page(request, "audit.html", entries=entries)
 
     # ---- the one endpoint that changes things ---------------------------------------------------
@@ -250,6 +229,8 @@ def create_app(settings: Settings, access: Access, streams: list[str] | None = N
         yield
         console.redis.close()
 
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={KeyqError: console.failure}
+    )
     app.add_middleware(Guard, access=access)
     return app
