@@ -31,6 +31,12 @@ class Mode(StrEnum):
 
     KEY = "key"
     BUCKET = "bucket"
+    AUTO = "auto"  # a key in its bucket until promoted to a queue of its own (broker.routes)
+
+    @property
+    def hashes(self) -> bool:
+        """Whether keys share hash buckets' queues (bucket and auto mode)."""
+        return self is not Mode.KEY
 
 
 def check_stream_name(stream: object) -> str:

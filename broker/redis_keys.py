@@ -172,6 +172,33 @@ class StreamKeys:
         return f"{self._base}:figures"
 
     @property
+    def routes(self) -> str:
+        """Hash, auto mode: promoted key -> its route (JSON, ``broker.routes``); a key not in it
+        is in its bucket."""
+        return f"{self._base}:routes"
+
+    @property
+    def moves(self) -> str:
+        """Hash, auto mode: promoted key -> its bucket queue, while the move is open (the
+        bucket's holder has not closed it yet)."""
+        return f"{self._base}:moves"
+
+    @property
+    def route_epoch(self) -> str:
+        """Counter: each promotion's epoch; only grows, never reset."""
+        return f"{self._base}:route-epoch"
+
+    @property
+    def route_counts(self) -> str:
+        """Hash: promotions by why, and demotions, since the stream began."""
+        return f"{self._base}:route-counts"
+
+    @property
+    def route_log(self) -> str:
+        """List: the latest promotions, closes and demotions (JSON), newest first."""
+        return f"{self._base}:route-log"
+
+    @property
     def janitor_lease(self) -> str:
         return f"{self._base}:janitor"
 

@@ -43,20 +43,30 @@ class StreamConfig:
             raise ConfigurationError(
                 f"queue type must be 'classic' or 'quorum', got {self.queue_type!r}"
             )
-        if self.mode is Mode.BUCKET:
+        if self.mode.hashes:
             if self.buckets is None or not 1 <= self.buckets <= MAX_BUCKETS:
                 raise ConfigurationError(
-                    f"bucket mode needs 1..{MAX_BUCKETS} buckets, got {self.buckets!r}"
+                    f"{self.mode.value} mode needs 1..{MAX_BUCKETS} buckets, got {self.buckets!r}"
                 )
         elif self.buckets is not None:
             raise ConfigurationError("key mode takes no bucket count")
 
     def queue_for(self, key: str) -> str:
-        """The queue ``key`` belongs to (``key`` already validated)."""
-        if self.mode is Mode.BUCKET:
+        """The queue producers publish ``key``'s events to (``key`` already validated): in
+        auto mode its bucket, whose holder forwards a promoted key's events
+        (``broker.routes``)."""
+        if self.mode.hashes:
             assert self.buckets is not None
             return bucket_queue_name(self.stream, bucket_of(key, self.buckets))
+        return self.own_queue_for(key)
+
+    def own_queue_for(self, key: str) -> str:
+        """``key``'s queue of its own (base name): key mode's, or a promoted key's in auto mode."""
         return key_queue_name(self.stream, key, incarnations=self.queue_type == "quorum")
+
+    def holds_own_queues(self) -> bool:
+        """Whether keys may have queues of their own, which go idle and are reclaimed."""
+        return self.mode is not Mode.BUCKET
 
     @property
     def dead_letter_queue(self) -> str:
@@ -90,8 +100,8 @@ def requested_config(
     try:
         chosen = Mode(mode) if mode is not None else Mode.BUCKET
     except ValueError:
-        raise ConfigurationError(f"mode must be 'key' or 'bucket', got {mode!r}") from None
-    if chosen is Mode.BUCKET and buckets is None:
+        raise ConfigurationError(f"mode must be 'key', 'bucket' or 'auto', got {mode!r}") from None
+    if chosen.hashes and buckets is None:
         buckets = DEFAULT_BUCKETS
     if isinstance(buckets, bool) or (buckets is not None and not isinstance(buckets, int)):
         raise ConfigurationError(f"buckets must be an integer, got {buckets!r}")
