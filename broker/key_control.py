@@ -25,6 +25,7 @@ from keyq.broker.clock import now_ms
 from keyq.broker.locks import Lease
 from keyq.broker.naming import base_queue_name, key_queue_name
 from keyq.broker.redis_keys import StreamKeys
+from keyq.broker.routes import Route
 from keyq.broker.text import as_text
 
 # KEYS = aside hash, lock key, queue keys; ARGV = key, lease value, queue, the leased queue if
@@ -131,6 +132,7 @@ class KeyStatus:
     paused_since_ms: int | None = None
     parked: ParkedKey | None = None
     aside: tuple[str, ...] = ()
+    route: Route | None = None  # auto mode: the key's queue of its own (``broker.routes``)
 
     @property
     def stopped(self) -> bool:
@@ -210,15 +212,18 @@ class KeyControl:
         pipe.hmget(self._keys.paused_keys, names)
         pipe.hmget(self._keys.parked_keys, names)
         pipe.hmget(self._keys.aside, names)
-        paused, parked, aside = pipe.execute()
+        pipe.hmget(self._keys.routes, names)
+        paused, parked, aside, routes = pipe.execute()
         found: dict[str, KeyStatus] = {}
-        for name, since, where, queues in zip(names, paused, parked, aside, strict=True):
-            if since is None and where is None and queues is None:
+        rows = zip(names, paused, parked, aside, routes, strict=True)
+        for name, since, where, queues, route in rows:
+            if since is None and where is None and queues is None and route is None:
                 continue
             found[name] = KeyStatus(
                 paused_since_ms=None if since is None else int(since),
                 parked=None if where is None else ParkedKey.from_json(where),
                 aside=tuple(orjson.loads(queues)) if queues is not None else (),
+                route=None if route is None else Route.from_json(route),
             )
         return found
 

@@ -6,6 +6,10 @@ holder of its own queue drains (``broker.key_control``). Its own queue may be un
 (the janitor deletes drained idle key-mode queues): it is declared as a producer declares it,
 under a publish lease (so never while a deleter retires it, and under its current incarnation),
 registered with its original key, announced, and noted as woken.
+
+In an auto-mode stream a key's events are drained by the holder of its own queue once it is
+promoted (``broker.routes``), by the holder of its bucket otherwise: that queue is the one woken,
+an own queue registered with its key, a bucket with none (it is shared).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from keyq.broker.naming import Mode, incarnation_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.retirement import RetirementFence
+from keyq.broker.routes import RouteBook
 from keyq.broker.streams import StreamConfig
 from keyq.broker.topology import keyed_queue_arguments
 
@@ -37,9 +42,7 @@ def wake_keys(
     keys: list[str],
 ) -> list[str]:
     """Declare, register, announce and mark as woken the queues of ``keys``; returns them."""
-    by_base: dict[str, str | None] = {}
-    for key in keys:
-        by_base.setdefault(config.queue_for(key), key if config.mode is Mode.KEY else None)
+    by_base = queues_to_wake(client, config, keys)
     if not by_base:
         return []
     fence = RetirementFence(client, config.stream)
@@ -69,3 +72,19 @@ def wake_keys(
     QueueRegistry(client, config.stream).register(queues)
     client.zadd(StreamKeys(config.stream).woken, dict.fromkeys(queues, now_ms()))
     return list(queues)
+
+
+def queues_to_wake(
+    client: redis.Redis, config: StreamConfig, keys: list[str]
+) -> dict[str, str | None]:
+    """The base name of the queue draining each of ``keys`` -> the key to register it with
+    (None for a queue keys share)."""
+    routes = RouteBook(client, config.stream).routes(keys) if config.mode is Mode.AUTO else {}
+    by_base: dict[str, str | None] = {}
+    for key in keys:
+        route = routes.get(key)
+        if route is not None:
+            by_base.setdefault(route.queue, key)
+        else:
+            by_base.setdefault(config.queue_for(key), key if config.mode is Mode.KEY else None)
+    return by_base

@@ -132,6 +132,12 @@ def is_aside_queue(stream: str, queue: str) -> bool:
     return queue.startswith(prefix) and queue[len(prefix) : len(prefix) + 2] in ("a.", "r.")
 
 
+def is_bucket_queue(stream: str, queue: str) -> bool:
+    """Whether ``queue`` is one of the stream's bucket queues (``bucket_queue_name``)."""
+    prefix = stream_prefix(stream)
+    return queue.startswith(prefix) and queue[len(prefix) : len(prefix) + 2] == "b."
+
+
 def is_stream_queue(stream: str, queue: str) -> bool:
     """Whether ``queue`` is one of the stream's keyed queues (not its dead-letter queue)."""
     prefix = stream_prefix(stream)

@@ -29,6 +29,7 @@ import redis
 from keyq.broker.clock import now_ms
 from keyq.broker.locks import Lease
 from keyq.broker.redis_keys import StreamKeys
+from keyq.broker.streams import StreamConfig
 from keyq.broker.text import as_text
 
 LOG_KEPT = 1000
@@ -141,6 +142,14 @@ class Route:
             "since_ms": self.at_ms,
             "why": self.why,
         }
+
+
+def applying_queue(config: StreamConfig, key: str, route: Route | None) -> str | None:
+    """The queue whose holder applies ``key`` and drains what of it waits aside: its own
+    queue once promoted, its stream's queue for it otherwise; None while it moves."""
+    if route is None:
+        return config.queue_for(key)
+    return None if route.open else route.queue
 
 
 class RouteBook:

@@ -53,6 +53,9 @@ class WorkerReport:
     reconnects: int = 0
     starved_moves: int = 0  # connections moved off a node that starved a queue
     late: int = 0
+    promoted: int = 0  # auto mode: keys this worker promoted to queues of their own
+    forwarded: int = 0  # auto mode: events forwarded from their bucket to their key's queue
+    moves_closed: int = 0  # auto mode: moves closed as the holder of the key's bucket
     gaps_skipped: int = 0
     gap_reopens: int = 0
     waiting: int = 0  # events held back until an earlier seq arrives

@@ -116,7 +116,7 @@ def test_each_delivery_gets_exactly_one_disposition_of_the_seven() -> None:
     assert admission.settling == [applied, again, poison, paused, *over_rate[:4]]
     assert [e.delivery for e in admission.events] == [applied, *over_rate[:4]]
     assert admission.aside == {"b": [paused]}
-    assert admission.retry_limited_in > 0
+    assert admission.retry_later_in > 0
     assert admission.parking == {}  # under ``skip``, a poison event parks nothing
 
 
@@ -167,7 +167,7 @@ def test_the_outcome_follows_from_the_last_dispositions() -> None:
     outcome = progress.outcome()
     assert outcome.deferred == [waits]
     assert outcome.handed_back == frozenset({ASIDE})
-    assert outcome.rate_limited == []  # its key's first event in a second goes through
+    assert outcome.later == []  # its key's first event in a second goes through
     assert admission.dispositions[1] is D.APPLY
 
 

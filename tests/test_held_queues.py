@@ -172,7 +172,7 @@ def make(
         counts=cast(QueueCounter, link),
         dead_letters=cast(DeadLetterCalls, None),
         buffer=buffer,
-        queue_of_key=lambda key: key,
+        queue_of_key=lambda key, status: key,
     )
     held = HeldQueues(
         consumers=cast(ConsumerCalls, link),

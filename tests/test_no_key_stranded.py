@@ -28,6 +28,7 @@ import pytest
 from keyq import Producer
 from keyq.broker.key_control import KeyControl
 from keyq.broker.naming import dead_letter_queue_name
+from keyq.broker.routes import RouteBook
 from keyq.broker.stranded import StrandedRecord
 from keyq.worker.batch.state_store import StateStore
 from tests.conftest import StreamFixture
@@ -39,7 +40,13 @@ pytestmark = pytest.mark.slow
 # KEYQ_TEST_STRANDING_SCALE=80x80 runs the field's scale: 80 keys of 80 events, 10 poisoned.
 KEYS, EVENTS = (int(n) for n in os.environ.get("KEYQ_TEST_STRANDING_SCALE", "12x40").split("x"))
 SEEDS = [int(s) for s in os.environ.get("KEYQ_TEST_SEEDS", "").split(",") if s.strip()]
-COMBINATIONS = [("key", "classic"), ("bucket", "classic"), ("key", "quorum"), ("bucket", "quorum")]
+COMBINATIONS = [
+    ("key", "classic"),
+    ("bucket", "classic"),
+    ("auto", "classic"),
+    ("key", "quorum"),
+    ("bucket", "quorum"),
+]
 
 
 def _cases() -> list[Any]:
@@ -71,7 +78,7 @@ class Scenario:
         self.running: list[Any] = []
 
     def worker(self) -> Any:
-        buckets = 4 if self.mode == "bucket" else None
+        buckets = None if self.mode == "key" else 4
         started = self._start(
             self.stream.name,
             pipeline="tests.pipelines:ledger_until_fixed",
@@ -139,7 +146,7 @@ def test_no_key_is_stranded_under_park_pause_redrive_and_kills(
     producer = Producer(
         stream.name,
         mode=mode,
-        buckets=4 if mode == "bucket" else None,
+        buckets=None if mode == "key" else 4,
         queue_type=queue_type,
         settings=stream.settings,
     )
@@ -225,6 +232,8 @@ def test_no_key_is_stranded_under_park_pause_redrive_and_kills(
         assert queue_depth(amqp, dead_letter_queue_name(stream.name)) == 0
         record = StrandedRecord(stream.redis, stream.name)
         wait_until(lambda: record.all() == {}, 30, "no key reported stranded")
+        if mode == "auto":  # the paused keys moved to queues of their own, held back
+            assert RouteBook(stream.redis, stream.name).counts().get("promoted:stopped", 0) > 0
     finally:
         producer.close(timeout=10)
         janitor.terminate()

@@ -103,6 +103,19 @@ class WorkerSettings(Settings):
         ),
     )
 
+    auto_promote_rate: float = Field(
+        default=200.0,
+        gt=0,
+        description="auto mode: a key seen at this many events a second in its bucket is "
+        "promoted to a queue of its own",
+    )
+    auto_promote_backlog: int = Field(
+        default=1000,
+        ge=1,
+        description="auto mode: a key with this many events in one batch from its bucket is "
+        "promoted to a queue of its own",
+    )
+
     max_attempts: int = Field(
         default=3, ge=1, description="tries of a failing event before it is dead-lettered"
     )

@@ -30,6 +30,7 @@ from keyq.broker.membership import Membership
 from keyq.broker.naming import Mode, check_stream_name
 from keyq.broker.producer_presence import ProducerPresence
 from keyq.broker.registry import QueueRegistry
+from keyq.broker.routes import applying_queue
 from keyq.broker.settings import load_settings
 from keyq.broker.stream_policy import StreamPolicies
 from keyq.broker.streams import StreamConfig
@@ -38,6 +39,8 @@ from keyq.worker.amqp.deliveries import DeliveryBuffer
 from keyq.worker.amqp.link import ConsumerLink
 from keyq.worker.amqp.starvation import StarvedQueues
 from keyq.worker.batch.processor import BatchProcessor
+from keyq.worker.batch.route_watch import RouteWatch
+from keyq.worker.batch.routing import AutoRouting
 from keyq.worker.batch.state_store import StateStore
 from keyq.worker.batch.stats import BatchListener
 from keyq.worker.config import WorkerSettings
@@ -46,6 +49,7 @@ from keyq.worker.holding.claims import ClaimLoop
 from keyq.worker.holding.handbacks import HandBacks
 from keyq.worker.holding.held_queues import HeldQueues, QueueEvents
 from keyq.worker.holding.queue_keys import QueueKeys
+from keyq.worker.holding.route_moves import RouteMoves
 from keyq.worker.pipeline import Pipeline
 from keyq.worker.pipeline_loading import load_pipeline
 from keyq.worker.policy_cache import PolicyCache
@@ -301,8 +305,29 @@ class Worker:
             starved=starved,
             policy=policy,
         )
+        auto = config.mode is Mode.AUTO
+        routing = (
+            AutoRouting(
+                client=client,
+                config=config,
+                registry=registry,
+                control=control,
+                watch=RouteWatch(
+                    rate=settings.auto_promote_rate, backlog=settings.auto_promote_backlog
+                ),
+                lease_ms=settings.publish_lease_ms,
+            )
+            if auto
+            else None
+        )
         processor = self._processor(
-            store, registry=registry, link=link, held=held, control=control, policy=policy
+            store,
+            registry=registry,
+            link=link,
+            held=held,
+            control=control,
+            policy=policy,
+            routing=routing,
         )
         presence = ProducerPresence(client, self.stream)
         stuck, abandoned = gap_watchers(settings, self._buffer, presence, link.counts, held)
@@ -320,6 +345,7 @@ class Worker:
             stop=self._stop,
             drains=drains,
             starved=starved,
+            moves=RouteMoves(client, self.stream) if auto else None,
             on_assigned=self._on_assigned,
             on_revoked=self._on_revoked,
         )
@@ -337,7 +363,7 @@ class Worker:
             counts=link.counts,
             dead_letters=link.dead_letters,
             buffer=self._buffer,
-            queue_of_key=config.queue_for,
+            queue_of_key=lambda key, status: applying_queue(config, key, status.route),
         )
         starved = StarvedQueues(
             link=link,
@@ -367,6 +393,7 @@ class Worker:
         held: HeldQueues,
         control: KeyControl,
         policy: PolicyCache,
+        routing: AutoRouting | None,
     ) -> BatchProcessor:
         assert self.config is not None and self._engine is not None
         processor = BatchProcessor(
@@ -380,11 +407,12 @@ class Worker:
             sink=self._sink,
             acker=link.consumers,
             dead_letters=link.dead_letters,
-            keys=QueueKeys(registry, self.config.mode),
+            keys=QueueKeys(registry, self.config.mode, self.stream),
             holdings=held,
             stopping=self._stop,
             control=control,
             policy=policy,
+            routing=routing,
         )
         processor.stats.listeners = self.batch_listeners
         return processor

@@ -152,6 +152,22 @@ COUNTERS: tuple[Figure, ...] = (
         lambda report: report.gap_reopens,
     ),
     Figure(
+        "keyq_worker_promotions_total",
+        "Auto mode: keys this worker promoted to a queue of their own (by rate, backlog, held "
+        "back or rate-limited).",
+        lambda report: report.promoted,
+    ),
+    Figure(
+        "keyq_worker_events_forwarded_total",
+        "Auto mode: events this worker forwarded from their bucket to their key's own queue.",
+        lambda report: report.forwarded,
+    ),
+    Figure(
+        "keyq_worker_moves_closed_total",
+        "Auto mode: moves this worker closed as the holder of the key's bucket.",
+        lambda report: report.moves_closed,
+    ),
+    Figure(
         "keyq_worker_events_late_total",
         "Events that arrived after their gap was given up, dead-lettered as late.",
         lambda report: report.late,

@@ -19,6 +19,7 @@ def worker_report(
     if session is None:
         return WorkerReport(worker=worker_id, stream=stream, started_ms=started_ms, waiting=waiting)
     batch = session.processor.stats
+    routing = session.processor.routing
     open_gaps = gap_reports(session.processor, session.buffer)
     return WorkerReport(
         worker=worker_id,
@@ -43,6 +44,9 @@ def worker_report(
         reconnects=session.link.reconnects,
         starved_moves=session.starved.starved_moves,
         late=batch.late,
+        promoted=sum(routing.promoted.values()) if routing is not None else 0,
+        forwarded=routing.forwarded if routing is not None else 0,
+        moves_closed=session.moves.closed if session.moves is not None else 0,
         gaps_skipped=batch.gaps_skipped,
         gap_reopens=session.stuck.reopens,
         waiting=waiting,

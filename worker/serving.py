@@ -29,6 +29,7 @@ from keyq.worker.holding.aside_drains import AsideDrains
 from keyq.worker.holding.claims import ClaimLoop
 from keyq.worker.holding.handbacks import HandBacks
 from keyq.worker.holding.held_queues import HeldQueues, QueueEvents
+from keyq.worker.holding.route_moves import RouteMoves
 from keyq.worker.holding.stuck_gaps import StuckGaps
 
 log = logging.getLogger("keyq.worker")
@@ -97,6 +98,7 @@ class Session:
     stop: threading.Event
     drains: AsideDrains
     starved: StarvedQueues
+    moves: RouteMoves | None = None  # auto mode
     on_assigned: QueueCallback | None = None
     on_revoked: QueueCallback | None = None
     # When the oldest event of the batch being processed was published (read by reports).
@@ -122,6 +124,7 @@ class Session:
             self.give_up_abandoned_gaps()
             self.reopen_stuck_gaps()
             self.drain_aside()
+            self.close_moves()
             stats = self.processor.stats
             wait = batch_wait(self.settings, stats.last_batch_events, stats.last_spark_seconds)
             batch = self.buffer.take(self.settings.batch_max_events, wait, 0.1)
@@ -142,8 +145,8 @@ class Session:
         if outcome.interrupted is not None:
             self.stop.wait(ERROR_BACKOFF_S)
         self.held.apply(outcome)
-        if outcome.rate_limited and len(outcome.rate_limited) == len(batch):
-            self.stop.wait(min(max(outcome.retry_limited_in, 0.005), RATE_WAIT_MAX_S))
+        if outcome.later and len(outcome.later) == len(batch):
+            self.stop.wait(min(max(outcome.retry_later_in, 0.005), RATE_WAIT_MAX_S))
 
     def drain_aside(self) -> None:
         """Drain what keys that flow again had waiting aside (``keyq.worker.holding.aside_drains``);
@@ -153,6 +156,17 @@ class Session:
                 self.drains.step(self.held)
         except KeyqError as exc:
             log.debug("draining events set aside failed (retried): %s", exc)
+
+    def close_moves(self) -> None:
+        """Close the moves of promoted keys whose buckets this worker holds
+        (``keyq.worker.holding.route_moves``); a service error only postpones it."""
+        if self.moves is None:
+            return
+        try:
+            with redis_errors(self.settings.redis_url):
+                self.moves.step(self.held)
+        except KeyqError as exc:
+            log.debug("closing moves failed (retried): %s", exc)
 
     def give_up_abandoned_gaps(self) -> None:
         """Gaps whose producer is gone need not wait out their timeout once nothing more is

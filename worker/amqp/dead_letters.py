@@ -219,6 +219,18 @@ class DeadLetterCalls:
                 f"events set aside not confirmed: {describe_exception(exc)}"
             ) from None
 
+    def forward(self, queue: str, key: str, deliveries: Sequence[Delivery]) -> None:
+        """Copy a promoted key's deliveries from its bucket to its own ``queue``, confirmed
+        (declared as a keyed queue first, as an aside queue is)."""
+        if not deliveries:
+            return
+        try:
+            self._io.call(lambda: self._publisher.set_aside(queue, key, deliveries))
+        except pika.exceptions.AMQPError as exc:
+            raise BrokerUnavailable(
+                f"events forwarded to {queue} not confirmed: {describe_exception(exc)}"
+            ) from None
+
     def delete_drained(self, queue: str) -> bool:
         """Delete a drained aside queue; False if messages are in it."""
         try:

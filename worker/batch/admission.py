@@ -19,7 +19,7 @@ from keyq.broker.stream_policy import StreamPolicy
 from keyq.worker.amqp.deliveries import Delivery
 from keyq.worker.batch.decoding import Decoder, Event, Undecodable
 from keyq.worker.batch.dedupe_ids import AppliedIds, Deduped, take_out_repeats
-from keyq.worker.batch.key_gate import sort_by_key_status
+from keyq.worker.batch.key_gate import Routing, sort_by_key_status
 from keyq.worker.batch.marks import KeyMarks
 from keyq.worker.batch.plan import RunPlan, plan_run
 from keyq.worker.batch.rate_limits import KeyRateLimiter, within_rates
@@ -35,12 +35,23 @@ class Disposition(enum.Enum):
     HAND_BACK = "hand back"  # an aside queue's, its key may not apply it now: the queue goes back
     RATE_LIMITED = "rate-limited"  # beyond its key's rate: back to the buffer, unacked
     DEFER = "defer"  # behind an open sequence gap: kept, unacked, for a later batch
+    FORWARD = "forward"  # its key has a queue of its own: copied there, confirmed, then acked
+    MOVING = "moving"  # its key's move is not closed: back to the buffer, unacked
 
 
 # Acked once the attempt's commit stands.
 SETTLED = frozenset(
-    {Disposition.APPLY, Disposition.DUPLICATE, Disposition.DEAD_LETTER, Disposition.SET_ASIDE}
+    {
+        Disposition.APPLY,
+        Disposition.DUPLICATE,
+        Disposition.DEAD_LETTER,
+        Disposition.SET_ASIDE,
+        Disposition.FORWARD,
+    }
 )
+# Back to the buffer, unacked, for a later batch.
+LATER = frozenset({Disposition.RATE_LIMITED, Disposition.MOVING})
+MOVING_RETRY_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -48,7 +59,7 @@ class Reads:
     """What admission needs, read once for the attempt's keys."""
 
     policy: StreamPolicy
-    statuses: Mapping[str, KeyStatus]
+    statuses: dict[str, KeyStatus]
     marks: Mapping[str, KeyMarks]
     dedupe: AppliedIds
     now_ms: int  # wall clock, for when a key was parked
@@ -65,7 +76,8 @@ class Admission:
     deduped: Deduped  # the dedupe ids to remember with the commit
     aside: dict[str, list[Delivery]] = field(default_factory=dict)  # key -> to set aside
     parking: dict[str, ParkedKey] = field(default_factory=dict)  # keys to park, at what
-    retry_limited_in: float = 0.0  # when the rate-limited may go, in seconds
+    forward: dict[str, list[Delivery]] = field(default_factory=dict)  # key -> to its own queue
+    retry_later_in: float = 0.0  # when the rate-limited or moving may go, in seconds
 
     def of(self, *wanted: Disposition) -> list[Delivery]:
         """The deliveries with one of the ``wanted`` dispositions, in delivery order."""
@@ -93,6 +105,7 @@ def admit(
     limiter: KeyRateLimiter | None,
     gap_timeout_s: float,
     dead: str | None = None,
+    routing: Routing | None = None,
 ) -> Admission:
     """Give each of ``deliveries`` (in delivery order) its disposition; with ``dead``, every
     event that would apply is dead-lettered with that reason instead."""
@@ -104,6 +117,7 @@ def admit(
         is_aside_queue=is_aside_queue,
         park_at_poison=park,
         now_ms=reads.now_ms,
+        routing=routing,
     )
     through, limited, retry_in = gate.through, list[Delivery](), 0.0
     if limiter is not None:
@@ -124,11 +138,14 @@ def admit(
         (Disposition.SET_ASIDE, gate.set_aside),
         (Disposition.HAND_BACK, gate.hand_back),
         (Disposition.RATE_LIMITED, limited),
+        (Disposition.FORWARD, [d for copies in gate.forward.values() for d in copies]),
+        (Disposition.MOVING, gate.moving),
         (Disposition.DEFER, run.deferred),
         (Disposition.DEAD_LETTER, [letter.delivery for letter in run.letters]),
         (Disposition.APPLY, [event.delivery for event in deduped.events]),
     ):
         how.update((id(delivery), disposition) for delivery in found)
+    waits = ([retry_in] if limited else []) + ([MOVING_RETRY_S] if gate.moving else [])
     parking = dict(gate.parking)
     if park and dead is not None:
         parking.update(_parked_at_letters(run.letters, dead, reads.now_ms, parking))
@@ -140,7 +157,8 @@ def admit(
         deduped=deduped,
         aside=gate.aside,
         parking=parking,
-        retry_limited_in=retry_in if limited else 0.0,
+        forward=gate.forward,
+        retry_later_in=min(waits, default=0.0),
     )
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from keyq.broker.clock import now_ms
 from keyq.broker.errors import KeysStopped
@@ -22,10 +22,12 @@ from keyq.worker.batch.decoding import Decoder, Event, decoder_for
 from keyq.worker.batch.dedupe_ids import DedupeIds
 from keyq.worker.batch.effects import BatchEffects, Computed
 from keyq.worker.batch.failures import Stale
+from keyq.worker.batch.key_gate import Routing
 from keyq.worker.batch.outcome import BatchProgress
 from keyq.worker.batch.plan import RunPlan
 from keyq.worker.batch.ports import KeyDirectory, LeaseLookup
 from keyq.worker.batch.rate_limits import KeyRateLimiter
+from keyq.worker.batch.routing import AutoRouting, ForwardTarget
 from keyq.worker.batch.sequencing import Gap
 from keyq.worker.batch.spans import BatchSpans
 from keyq.worker.batch.state_store import StateStore
@@ -52,6 +54,7 @@ class BatchAttempt:
         policy: Callable[[], StreamPolicy],
         gap_timeout_ms: int,
         stats: BatchStats,
+        routing: AutoRouting | None = None,
     ) -> None:
         self._worker_id = worker_id
         self._stream = stream
@@ -67,6 +70,7 @@ class BatchAttempt:
         self._limiter: KeyRateLimiter | None = None
         self._gap_timeout_ms = gap_timeout_ms
         self._stats = stats
+        self._routing = routing
         self._batch_numbers = itertools.count(1)
         self._admissions = itertools.count(1)
         # Sequence gaps still open, per (key, producer), with the queue their events wait in.
@@ -93,16 +97,24 @@ class BatchAttempt:
         # The queues' declared keys are asked for all at once: a worker that has just taken
         # over a thousand queues must not make a thousand round trips before its first batch.
         decoded = decoder_for(self._keys.keys_of({delivery.queue for delivery in deliveries}))
+        reads = self._read(deliveries, decoded, policy)
+        routing: Routing | None = None
+        targets: dict[str, ForwardTarget] = {}
+        if self._routing is not None:
+            routing, targets = self._routing.prepare(deliveries, decoded, reads.statuses, leases)
         admission = admit(
             deliveries,
             decoded,
-            self._read(deliveries, decoded, policy),
+            reads,
             keys=self._dedupe.keys,
             is_aside_queue=lambda queue: is_aside_queue(self._stream, queue),
             limiter=self._limiter_for(policy.rate_limit),
             gap_timeout_s=self._gap_timeout_ms / 1000,
             dead=dead,
+            routing=routing,
         )
+        if self._routing is not None:
+            self._routing.observe(admission, decoded, leases)
         progress.admitted(admission)
         if not admission.settling:
             self._note_gaps(admission.run)
@@ -118,6 +130,7 @@ class BatchAttempt:
                     attempt=attempt,
                     progress=progress,
                     clock=clock,
+                    targets=targets,
                 )
             except KeysStopped:
                 if rerun:
@@ -126,7 +139,7 @@ class BatchAttempt:
                 log.info("a key of batch %s was paused while it ran: running it again", batch_id)
                 self.run(deliveries, attempt, dead, progress, rerun=True)
                 return
-        self._note_gaps(admission.run)
+        self._note_gaps(admission.run, moved=admission.forward.keys())
         self._touch(leases)
         clock.lap()  # touch
         self._note_committed(admission, computed, clock)
@@ -159,7 +172,7 @@ class BatchAttempt:
         events = [item for item in items if isinstance(item, Event)]
         return Reads(
             policy=policy,
-            statuses=self._control.statuses(set(keys)),
+            statuses=self._control.statuses(set(keys)),  # a dict: routing promotes in it
             marks=self._store.marks(keys),
             dedupe=self._dedupe.applied(events, policy.dedupe_window_s),
             now_ms=now_ms(),
@@ -176,9 +189,10 @@ class BatchAttempt:
             self._limiter.forget_full()
         return self._limiter
 
-    def _note_gaps(self, run: RunPlan) -> None:
-        """Keep the open gaps of this run's keys current, and report the given-up ones."""
-        done = set(run.keys)
+    def _note_gaps(self, run: RunPlan, moved: Collection[str] = ()) -> None:
+        """Keep the open gaps of this run's keys current, and report the given-up ones; the
+        gaps of keys ``moved`` to queues of their own are no longer this worker's."""
+        done = set(run.keys) | set(moved)
         for slot in [slot for slot in self.open_gaps if slot[0] in done]:
             del self.open_gaps[slot]
         items = run.ordered

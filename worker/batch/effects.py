@@ -1,11 +1,11 @@
 """The effects of an admitted attempt, in the one order that keeps the guarantees:
-compute → park → set aside → dead letters → fenced commit → ack.
+compute → park → set aside → forward → dead letters → fenced commit → ack.
 
 Nothing is acked before the commit, and nothing is committed under a lock that moved on. A
 key is parked before the commit moves its marks past its poison event, so a crash after it
-sends the poison's redelivery aside too. A copy set aside or dead-lettered is confirmed in
-its queue before the commit, so a redelivery that the moved marks would skip is never the
-only copy."""
+sends the poison's redelivery aside too. A copy set aside, forwarded or dead-lettered is
+confirmed in its queue before the commit, so a redelivery that the moved marks would skip is
+never the only copy."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from keyq.worker.batch.admission import Admission
 from keyq.worker.batch.fenced_commit import FencedCommit
 from keyq.worker.batch.outcome import BatchProgress
 from keyq.worker.batch.ports import Acker, DeadLetterSink
+from keyq.worker.batch.routing import ForwardTarget
 from keyq.worker.batch.spans import BatchSpans
 from keyq.worker.batch.state_store import StateStore
 from keyq.worker.batch.stats import StageClock
@@ -81,6 +82,7 @@ class BatchEffects:
         attempt: int,
         progress: BatchProgress,
         clock: StageClock,
+        targets: Mapping[str, ForwardTarget] | None = None,
     ) -> Computed:
         """Every effect of ``admission``, in order; raises before the ack when one fails
         (``PipelineError``, ``CommitRefused``, ``KeysStopped``, a service down). What the
@@ -92,6 +94,7 @@ class BatchEffects:
             if self._control.park(key, where):
                 log.warning("parked key %r at a poison event: %s", key, where.reason)
         self._set_aside(admission.aside, leases)
+        self._forward(admission.forward, targets or {})
         self._dead_letter(admission, attempt)
         with self._spans.stage("commit"):
             self._output.commit(
@@ -138,6 +141,16 @@ class BatchEffects:
                 )
             self._dead_letters.set_aside(queues[-1], key, deliveries)
             log.info("set %d events of key %r aside in %s", len(deliveries), key, queues[-1])
+
+    def _forward(
+        self, forward: Mapping[str, list[Delivery]], targets: Mapping[str, ForwardTarget]
+    ) -> None:
+        """Copy each promoted key's events from its bucket to its own queue, confirmed within
+        the own queue's publish lease (``keyq.worker.batch.routing``)."""
+        for key, deliveries in forward.items():
+            target = targets[key]
+            self._dead_letters.forward(target.queue, key, deliveries)
+            target.check()
 
     def _dead_letter(self, admission: Admission, attempt: int) -> None:
         """Copies confirmed in the dead-letter queue and indexed in the same step, before the

@@ -4,14 +4,22 @@ still wait aside, are set aside; an aside queue's are applied only while it is i
 and the key is not stopped. Under the ``park`` poison policy, a key's events after a poison
 one (a payload that cannot be decoded) are set aside too, and the key is parked at it.
 
+In auto mode a promoted key's events are routed first (``keyq.broker.routes``): its bucket's
+holder forwards them to the key's own queue, and hands back what it drained aside of the key;
+its own queue's holder keeps them waiting (moving) until the move is closed; after that the
+rules above apply there.
+
 Pure: the statuses are read by the caller, once per run."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from keyq.broker.key_control import FLOWING, KeyStatus, ParkedKey
+from keyq.broker.naming import base_queue_name, is_bucket_queue
+from keyq.broker.routes import Route
 from keyq.worker.amqp.deliveries import Delivery
 from keyq.worker.batch.decoding import Decoder, Item, Undecodable
 
@@ -24,6 +32,8 @@ class GateSorting:
     aside: dict[str, list[Delivery]] = field(default_factory=dict)  # key -> to set aside
     hand_back: list[Delivery] = field(default_factory=list)  # an aside queue's, not to apply now
     parking: dict[str, ParkedKey] = field(default_factory=dict)  # keys to park, at what
+    forward: dict[str, list[Delivery]] = field(default_factory=dict)  # key -> to its own queue
+    moving: list[Delivery] = field(default_factory=list)  # its key's move is not closed
 
     through_keys: list[str | None] = field(default_factory=list)  # the key of each through
 
@@ -36,6 +46,37 @@ class GateSorting:
         return [delivery for found in self.aside.values() for delivery in found]
 
 
+class Way(enum.Enum):
+    """Where auto mode's routes send a delivery, before the other rules."""
+
+    FORWARD = "forward"
+    MOVING = "moving"
+    HAND_BACK = "hand back"
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What routing needs of an auto-mode attempt."""
+
+    stream: str
+    lease_queue: Mapping[str, str]  # a delivery's queue -> the held queue whose lease covers it
+    forwardable: frozenset[str]  # promoted keys whose own queue may be published to now
+
+    def way(self, delivery: Delivery, key: str, route: Route | None, aside: bool) -> Way | None:
+        """Where ``delivery`` of ``key`` goes; None: by the other rules."""
+        holder = self.lease_queue.get(delivery.queue, delivery.queue)
+        if is_bucket_queue(self.stream, holder):
+            if route is None:
+                return None  # in its bucket: applied there
+            if aside:
+                return Way.HAND_BACK  # only its own queue's holder drains it now
+            return Way.FORWARD if key in self.forwardable else Way.MOVING
+        if route is not None and not route.open and base_queue_name(holder) == route.queue:
+            return None  # its own queue, the move closed: applied here
+        # Its move is open, or its route names no longer this queue (a copy left behind).
+        return Way.HAND_BACK if aside else Way.MOVING
+
+
 def sort_by_key_status(
     deliveries: Sequence[Delivery],
     decoded: Decoder,
@@ -44,10 +85,22 @@ def sort_by_key_status(
     is_aside_queue: Callable[[str], bool],
     park_at_poison: bool,
     now_ms: int,
+    routing: Routing | None = None,
 ) -> GateSorting:
     """Sort ``deliveries`` (in delivery order) by their keys' ``statuses``."""
     items = [decoded(d) for d in deliveries]
     sorting = GateSorting()
+    ways: list[Way | None] = [
+        None
+        if routing is None or item.key is None
+        else routing.way(
+            delivery,
+            item.key,
+            statuses.get(item.key, FLOWING).route,
+            is_aside_queue(delivery.queue),
+        )
+        for delivery, item in zip(deliveries, items, strict=True)
+    ]
 
     def may_apply(delivery: Delivery, key: str) -> bool:
         status = statuses.get(key, FLOWING)
@@ -61,6 +114,8 @@ def sort_by_key_status(
             key = item.key
             if key is None or key in poisons or not isinstance(item, Undecodable):
                 continue
+            if ways[index] is not None:
+                continue
             if may_apply(deliveries[index], key):
                 poisons[key] = index
                 sorting.parking[key] = ParkedKey(
@@ -70,6 +125,16 @@ def sort_by_key_status(
         key = item.key
         if key is None:
             sorting.let_through(delivery, None)  # dead-lettered: it has no key to hold back
+            continue
+        way = ways[index]
+        if way is Way.FORWARD:
+            sorting.forward.setdefault(key, []).append(delivery)
+            continue
+        if way is Way.MOVING:
+            sorting.moving.append(delivery)
+            continue
+        if way is Way.HAND_BACK:
+            sorting.hand_back.append(delivery)
             continue
         poison = poisons.get(key)
         stops_here = poison is not None and _after(item, index, items[poison], poison)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from keyq.broker.locks import Lease
 from keyq.worker.amqp.deliveries import Delivery
-from keyq.worker.batch.admission import Admission, Disposition
+from keyq.worker.batch.admission import LATER, Admission, Disposition
 
 
 @dataclass(frozen=True)
@@ -26,9 +26,10 @@ class BatchOutcome:
     interrupted: str | None = None
     # Aside queues whose key may not apply their deliveries now: handed back.
     handed_back: frozenset[str] = frozenset()
-    # Beyond their key's rate limit: to put back, for a batch in ``retry_limited_in`` s.
-    rate_limited: list[Delivery] = field(default_factory=list)
-    retry_limited_in: float = 0.0
+    # Beyond their key's rate limit, or their key moving: to put back, for a batch in
+    # ``retry_later_in`` s.
+    later: list[Delivery] = field(default_factory=list)
+    retry_later_in: float = 0.0
 
 
 @dataclass
@@ -40,13 +41,13 @@ class BatchProgress:
     leases: dict[str, Lease] = field(default_factory=dict)  # every lease an attempt used
     # The last disposition each delivery was given (a later attempt decides again).
     decided: dict[int, tuple[Delivery, Disposition]] = field(default_factory=dict)
-    retry_limited_in: float = 0.0
+    retry_later_in: float = 0.0
 
     def admitted(self, admission: Admission) -> None:
         for delivery, how in zip(admission.deliveries, admission.dispositions, strict=True):
             self.decided[id(delivery)] = (delivery, how)
-        if admission.retry_limited_in:
-            self.retry_limited_in = admission.retry_limited_in
+        if admission.retry_later_in:
+            self.retry_later_in = admission.retry_later_in
 
     def settle(self, deliveries: Iterable[Delivery]) -> None:
         self.settled.update(_identity(d) for d in deliveries)
@@ -59,8 +60,8 @@ class BatchProgress:
         return BatchOutcome(
             deferred=found.get(Disposition.DEFER, []),
             handed_back=frozenset(d.queue for d in found.get(Disposition.HAND_BACK, [])),
-            rate_limited=self.unsettled(found.get(Disposition.RATE_LIMITED, [])),
-            retry_limited_in=self.retry_limited_in,
+            later=self.unsettled([d for how in LATER for d in found.get(how, [])]),
+            retry_later_in=self.retry_later_in,
         )
 
     def unsettled(

@@ -24,8 +24,8 @@ class Acker(Protocol):
 
 
 class DeadLetterSink(Protocol):
-    """The stream's dead-letter queue, and the aside queues a stopped key's events wait in:
-    both take confirmed copies before the originals are acked."""
+    """The stream's dead-letter queue, the aside queues a stopped key's events wait in, and a
+    promoted key's own queue: each takes confirmed copies before the originals are acked."""
 
     def dead_letter(
         self, letters: Sequence[DeadLetter]
@@ -34,6 +34,9 @@ class DeadLetterSink(Protocol):
 
     def set_aside(self, queue: str, key: str, deliveries: Sequence[Delivery]) -> None:
         """Copy ``key``'s ``deliveries`` to its aside ``queue``, confirmed."""
+
+    def forward(self, queue: str, key: str, deliveries: Sequence[Delivery]) -> None:
+        """Copy a promoted ``key``'s ``deliveries`` to its own ``queue``, confirmed."""
 
 
 class KeyDirectory(Protocol):

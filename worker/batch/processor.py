@@ -28,6 +28,7 @@ from keyq.worker.batch.fenced_commit import FencedCommit
 from keyq.worker.batch.isolation import Isolation
 from keyq.worker.batch.outcome import BatchOutcome, BatchProgress
 from keyq.worker.batch.ports import Acker, DeadLetterSink, KeyDirectory, LeaseLookup
+from keyq.worker.batch.routing import AutoRouting
 from keyq.worker.batch.spans import BatchSpans
 from keyq.worker.batch.state_store import StateStore
 from keyq.worker.batch.stats import BatchStats
@@ -66,6 +67,7 @@ class BatchProcessor:
         stopping: threading.Event,
         control: KeyControl,
         policy: Callable[[], StreamPolicy],
+        routing: AutoRouting | None = None,
     ) -> None:
         self.stats = BatchStats()
         spans = BatchSpans(stream)
@@ -93,7 +95,9 @@ class BatchProcessor:
             policy=policy,
             gap_timeout_ms=settings.sequence_gap_timeout_ms,
             stats=self.stats,
+            routing=routing,
         )
+        self.routing = routing
         self._isolation = Isolation(
             attempt=self._run,
             max_attempts=settings.max_attempts,

@@ -55,7 +55,7 @@ class AsideDrains:
         counts: QueueCounter,
         dead_letters: DeadLetterCalls,
         buffer: DeliveryBuffer,
-        queue_of_key: Callable[[str], str],
+        queue_of_key: Callable[[str, KeyStatus], str | None],
         every_s: float = STEP_EVERY_S,
     ) -> None:
         self._control = control
@@ -80,16 +80,19 @@ class AsideDrains:
         self._stepped_at = now
         aside = self._control.keys_aside()
         statuses = self._control.statuses(aside) if aside else {}
-        flowing = {
-            key: queues
-            for key, queues in aside.items()
-            if queues and not statuses.get(key, KeyStatus()).stopped
-        }
-        self.wanted = frozenset(self._queue_of_key(key) for key in flowing)
+        # The keys that may flow, with the queue whose holder drains them (none while the key
+        # moves to a queue of its own: ``broker.routes``).
+        flowing: dict[str, tuple[list[str], str]] = {}
+        for key, queues in aside.items():
+            status = statuses.get(key, KeyStatus())
+            applying = self._queue_of_key(key, status)
+            if queues and not status.stopped and applying is not None:
+                flowing[key] = (queues, applying)
+        self.wanted = frozenset(applying for _, applying in flowing.values())
         by_base = {base_queue_name(queue): queue for queue in held.queues()}
         heads: dict[str, tuple[str, str]] = {}  # aside queue -> (key, held queue)
-        for key, queues in flowing.items():
-            main = by_base.get(self._queue_of_key(key))
+        for key, (queues, applying) in flowing.items():
+            main = by_base.get(applying)
             if main is not None:
                 heads[queues[0]] = (key, main)
         attached = set(self._attached.queues())

@@ -24,7 +24,7 @@ from keyq.broker.clock import now_ms
 from keyq.broker.errors import KeyqError
 from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership, fair_share
-from keyq.broker.naming import Mode, base_queue_name
+from keyq.broker.naming import Mode, base_queue_name, is_bucket_queue
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.stream_policy import StreamPolicy
@@ -91,6 +91,7 @@ class ClaimLoop:
         self._policy = policy
         self._stream = stream
         self._mode = mode
+        self._own_queues = mode is not Mode.BUCKET  # keys' own queues: go idle, are woken
         self._worker_id = worker_id
         self._client = client
         self._keys = StreamKeys(stream)
@@ -205,7 +206,7 @@ class ClaimLoop:
         if now - self._view.scanned_at >= interval:
             self._scan()
             scanned = True
-        woke = self._mode is Mode.KEY and self._read_woken(trim=scanned)
+        woke = self._own_queues and self._read_woken(trim=scanned)
         reaped = self._reaper.reap(self._view.activity)
         members = self._membership.alive()
         changed = members != self._members
@@ -218,14 +219,22 @@ class ClaimLoop:
             self._more_to_claim = False
             self._balance(members, force=force, probe=scanned)
         self._news.announced = False
-        if self._mode is Mode.KEY:
+        idle_s = self._settings.idle_release_ms / 1000
+        buckets = [h for h in self._held.all() if is_bucket_queue(self._stream, h.queue)]
+        if self._own_queues:
             draining = self._aside.draining()
             self._handbacks.ask_idle(
-                [h for h in self._held.all() if h.queue not in draining],
-                self._settings.idle_release_ms / 1000,
+                [
+                    h
+                    for h in self._held.all()
+                    if h.queue not in draining and not is_bucket_queue(self._stream, h.queue)
+                ],
+                idle_s,
             )
-        else:  # key mode's idle hand-backs are watched as they happen (StarvedQueues.handed_back)
-            self._starved.watch_quiet(self._held.all(), self._settings.idle_release_ms / 1000)
+        # Own queues' idle hand-backs are watched as they happen (StarvedQueues.handed_back);
+        # buckets are held for good, so they are watched while quiet.
+        if buckets:
+            self._starved.watch_quiet(buckets, idle_s)
         return True
 
     def _news_round(self) -> bool:
@@ -238,7 +247,7 @@ class ClaimLoop:
         deadline = self._renewed_at + self._claim_budget_s
         if not self._link.connected or not self._claiming.is_set() or time.monotonic() >= deadline:
             return False
-        if self._mode is Mode.KEY:
+        if self._own_queues:
             self._read_woken(trim=False)
         members = self._sharing()
         self._more_to_claim = False
@@ -286,7 +295,8 @@ class ClaimLoop:
         self._view.scanned_at = time.monotonic()
 
     def _active(self) -> set[str]:
-        """Queues worth holding: all of them in bucket mode, recently active in key mode."""
+        """Queues worth holding: every bucket, and the keys' own queues (key mode, or promoted
+        keys in auto mode) recently active."""
         if self._mode is Mode.BUCKET:
             return set(self._view.activity)
         cutoff = now_ms() - self._settings.idle_release_ms
@@ -294,7 +304,9 @@ class ClaimLoop:
         return {
             q
             for q, stamp in self._view.activity.items()
-            if stamp >= cutoff or (aside and base_queue_name(q) in aside)
+            if stamp >= cutoff
+            or (aside and base_queue_name(q) in aside)
+            or is_bucket_queue(self._stream, q)
         }
 
     def _balance(
@@ -311,7 +323,7 @@ class ClaimLoop:
             self._handbacks.ask_surplus(held, len(held) - share)
             return
         if len(held) == share or not force:
-            if probe and self._mode is Mode.KEY:
+            if probe and self._own_queues:
                 self._probe_idle(held)
             return
         now = time.monotonic()
@@ -324,7 +336,7 @@ class ClaimLoop:
         if len(candidates) < len(unheld):
             self._more_to_claim = True  # look again next tick: a wait ends, not a scan
         if not candidates:
-            if probe and self._mode is Mode.KEY:
+            if probe and self._own_queues:
                 self._probe_idle(held)
             return
         holders = self._locks.holders(candidates)

@@ -213,7 +213,7 @@ class HeldQueues:
         for queue in outcome.handed_back:
             self._aside.detach(queue)
         # Over their key's rate: back in the buffer, in order, for a later batch.
-        self.put_back(outcome.rate_limited)
+        self.put_back(outcome.later)
         for lease in outcome.lost:
             self.lose(lease, "commit refused: the lock moved on")
         self.put_back(outcome.unsettled)

@@ -1,0 +1,221 @@
+"""Auto mode: keys moved between their bucket and a queue of their own keep their order and are
+applied exactly once, with workers killed -9 before, during and after a move, two producers
+publishing throughout, and the janitor demoting idle own queues.
+
+Every event carries its producer and number; the ledger pipeline records, per key and producer,
+the numbers in the order applied, so a lost, reordered or twice-applied event shows."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from keyq import Producer
+from keyq.broker.key_control import KeyControl
+from keyq.broker.locks import FencedLocks
+from keyq.broker.membership import Membership
+from keyq.broker.routes import WHY_OPERATOR, RouteBook
+from keyq.broker.streams import ensure_stream_config
+from keyq.worker.batch.state_store import StateStore
+from tests.conftest import StreamFixture
+from tests.workers import JanitorProcess, run_keyq, wait_until
+
+pytestmark = pytest.mark.slow
+
+BUCKETS = 4
+QUIET = {"KEYQ_AUTO_PROMOTE_RATE": "1000000", "KEYQ_AUTO_PROMOTE_BACKLOG": "1000000"}
+
+
+class Moves:
+    """An auto stream, its workers, its routes, and what was applied."""
+
+    def __init__(self, stream: StreamFixture, workers: Any, env: dict[str, str]) -> None:
+        self.stream = stream
+        self.config = ensure_stream_config(stream.redis, stream.name, mode="auto", buckets=BUCKETS)
+        self.book = RouteBook(stream.redis, stream.name)
+        self.store = StateStore(stream.redis, stream.name)
+        self._start = workers
+        self.env = {"KEYQ_BATCH_MAX_EVENTS": "50", "KEYQ_IDLE_RELEASE_MS": "1000", **env}
+        self.running: list[Any] = []
+
+    def worker(self) -> Any:
+        started = self._start(self.stream.name, pipeline="tests.pipelines:ledger", env=self.env)
+        self.running.append(started)
+        return started
+
+    def kill_all(self) -> None:
+        while self.running:
+            self.running.pop().kill()
+
+    def promote(self, key: str) -> None:
+        config = self.config
+        route = self.book.promote(key, config.own_queue_for(key), config.queue_for(key), "operator")
+        assert route is not None and route.why == WHY_OPERATOR
+
+    def reported(self, figure: str) -> int:
+        """The sum of a figure over the live workers' reports."""
+        reports = Membership(self.stream.redis, self.stream.name, 1).info().values()
+        return sum(int(str(report.get(figure, 0))) for report in reports)
+
+    def seen(self, key: str, producer: str) -> list[int]:
+        state = self.store.get(key) or {"seen": {}}
+        return list(state["seen"].get(producer, []))
+
+    def wrong(self, keys: list[str], producers: dict[str, int]) -> str:
+        """The keys whose events are not each applied once, in order."""
+        return ", ".join(
+            f"{key}/{producer[-6:]}: {len(self.seen(key, producer))} of {total}"
+            for key in keys
+            for producer, total in producers.items()
+            if self.seen(key, producer) != list(range(1, total + 1))
+        )
+
+
+def publish(producer: Producer, keys: list[str], first: int, last: int, pause: float) -> None:
+    for n in range(first, last + 1):
+        for key in keys:
+            producer.publish(key, {"n": n, "producer": producer.producer_id})
+        time.sleep(pause)
+
+
+def test_moves_keep_order_and_apply_once_with_kills_before_during_and_after(
+    stream: StreamFixture, workers: Any, tmp_path: Path
+) -> None:
+    run = Moves(stream, workers, QUIET)
+    keys = [f"order-{i}" for i in range(8)]
+    moved = keys[:3]
+    first, second = (
+        Producer(stream.name, mode="auto", buckets=BUCKETS, settings=stream.settings)
+        for _ in range(2)
+    )
+    run.worker().wait_ready()
+    run.worker()
+    janitor = JanitorProcess(
+        stream.settings,
+        tmp_path,
+        "--stream",
+        stream.name,
+        "--idle-ttl",
+        "2",
+        env={"KEYQ_JANITOR_INTERVAL_S": "0.5"},
+    )
+    totals = {first.producer_id: 240, second.producer_id: 240}
+    try:
+        # The second producer runs on its own thread: the two switch at different moments.
+        other = threading.Thread(target=publish, args=(second, keys, 1, 240, 0.02))
+        other.start()
+        publish(first, keys, 1, 40, 0.02)
+        run.promote(moved[0])  # before a kill: the move closes on a live bucket holder
+        publish(first, keys, 41, 80, 0.02)
+        run.kill_all()  # during: the second key's move opens with nobody holding its bucket
+        run.promote(moved[1])
+        run.worker().wait_ready()
+        run.worker()
+        publish(first, keys, 81, 160, 0.02)
+        run.promote(moved[2])
+        publish(first, keys, 161, 200, 0.02)
+        run.kill_all()  # after: forwarded copies and own queues are taken over
+        run.worker().wait_ready()
+        run.worker()
+        publish(first, keys, 201, 240, 0.02)
+        wait_until(lambda: run.reported("forwarded") > 0, 60, "events forwarded")
+        other.join(120)
+        first.flush(timeout=60)
+        second.flush(timeout=60)
+        wait_until(lambda: not run.wrong(keys, totals), 240, "every key applied 1..N once")
+        for key in moved:
+            route = run.book.route(key)
+            assert route is None or not route.open, (key, route)
+        # Idle now: the janitor deletes the own queues and demotes their keys.
+        wait_until(lambda: run.book.count() == 0, 120, "every moved key demoted")
+        assert run.book.counts().get("demoted", 0) >= len(moved)
+        # Back in their buckets, the keys flow on.
+        publish(first, keys, 241, 260, 0.01)
+        first.flush(timeout=60)
+        totals[first.producer_id] = 260
+        wait_until(lambda: not run.wrong(keys, totals), 120, "events after the demotion")
+        history = [row["what"] for row in run.book.history(limit=100, key=moved[0])]
+        assert history[:3] == ["demoted", "closed", "promoted"], history
+    except AssertionError:
+        for key in keys:
+            found = run_keyq(stream.settings, "inspect", "--stream", stream.name, "--key", key)
+            print(found.stdout)
+        raise
+    finally:
+        first.close(timeout=10)
+        second.close(timeout=10)
+        janitor.terminate()
+        janitor.close()
+        run.kill_all()
+
+
+def test_a_hot_key_is_promoted_by_its_rate_and_a_paused_one_when_held_back(
+    stream: StreamFixture, workers: Any
+) -> None:
+    run = Moves(stream, workers, {"KEYQ_AUTO_PROMOTE_RATE": "150"})
+    hot, paused, cold = "hot-1", "paused-1", [f"cold-{i}" for i in range(5)]
+    producer = Producer(stream.name, mode="auto", buckets=BUCKETS, settings=stream.settings)
+    control = KeyControl(stream.redis, stream.name)
+    control.pause([paused])
+    run.worker().wait_ready()
+    try:
+        for n in range(1, 601):
+            producer.publish(hot, {"n": n, "producer": producer.producer_id})
+            if n % 20 == 0:
+                for key in [paused, *cold]:
+                    producer.publish(key, {"n": n // 20, "producer": producer.producer_id})
+            time.sleep(0.002)
+        producer.flush(timeout=60)
+        wait_until(lambda: run.book.route(hot) is not None, 60, "the hot key promoted")
+        wait_until(lambda: run.book.route(paused) is not None, 60, "the paused key promoted")
+        wait_until(lambda: run.reported("promoted") >= 2, 30, "the promotions reported")
+        hot_route, paused_route = run.book.route(hot), run.book.route(paused)
+        assert hot_route is not None and hot_route.why in ("rate", "backlog"), hot_route
+        assert paused_route is not None and paused_route.why == "stopped", paused_route
+        for key in cold:
+            assert run.book.route(key) is None, key
+        totals = {producer.producer_id: 600}
+        wait_until(lambda: not run.wrong([hot], totals), 120, "the hot key applied")
+        wait_until(lambda: not run.wrong(cold, {producer.producer_id: 30}), 60, "cold keys")
+        assert run.seen(paused, producer.producer_id) == []  # paused: nothing applied
+        control.resume([paused])
+        wait_until(lambda: not run.wrong([paused], {producer.producer_id: 30}), 120, "resumed key")
+        assert not control.keys_aside()
+    finally:
+        producer.close(timeout=10)
+        run.kill_all()
+
+
+def test_the_bucket_holder_alone_may_close_a_move(stream: StreamFixture) -> None:
+    """A close is fenced by the bucket's lock: a stale holder's close is refused."""
+    config = ensure_stream_config(stream.redis, stream.name, mode="auto", buckets=BUCKETS)
+    book = RouteBook(stream.redis, stream.name)
+    key = "k-1"
+    bucket = config.queue_for(key)
+    route = book.promote(key, config.own_queue_for(key), bucket, "operator")
+    assert route is not None and route.open and book.open_moves() == {key: bucket}
+    assert book.promote(key, config.own_queue_for(key), bucket, "rate") == route  # idempotent
+    locks = FencedLocks(stream.redis, stream.name)
+    stale = locks.acquire(bucket, "w1", 10_000)
+    assert stale is not None
+    locks.release([stale])
+    current = locks.acquire(bucket, "w2", 10_000)
+    assert current is not None
+    assert book.close(key, route.epoch, stale) is None
+    assert book.demote(key, route.queue) is False  # never while open
+    assert book.close(key, route.epoch, current) is True
+    assert book.close(key, route.epoch, current) is False
+    assert book.demote(key, "keyq.other.k.k-1") is False  # names another queue
+    stream.redis.hset(stream.keys.aside, key, '["q"]')
+    assert book.demote(key, route.queue) is False  # its events wait aside
+    stream.redis.hdel(stream.keys.aside, key)
+    assert book.demote(key, route.queue) is True
+    assert book.route(key) is None and book.open_moves() == {}
+    stream.redis.hset(stream.keys.aside, key, '["q"]')
+    assert book.promote(key, config.own_queue_for(key), bucket, "rate") is None
+    again = book.counts()
+    assert again == {"promoted:operator": 1, "demoted": 1}, again

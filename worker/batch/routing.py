@@ -1,0 +1,162 @@
+"""Auto mode's stage of an attempt (``keyq.broker.routes``): the promotions due, the own queues
+a bucket's holder may forward to now, and the ``Routing`` the key gate sorts by.
+
+A forward is a publish to the key's own queue, so it goes under a publish lease of the
+retirement fence, as a producer's would: while the janitor retires that queue the key's events
+wait in the bucket (moving), and a copy confirmed after its lease ran out does not count (the
+attempt fails and runs again; a second copy is a duplicate by its seq). An own queue is
+registered with its key, and announced, before its first forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+
+import redis
+
+from keyq.broker.errors import BrokerUnavailable
+from keyq.broker.key_control import KeyControl, KeyStatus
+from keyq.broker.locks import Lease
+from keyq.broker.naming import (
+    base_queue_name,
+    incarnation_name,
+    is_aside_queue,
+    is_bucket_queue,
+)
+from keyq.broker.registry import QueueRegistry
+from keyq.broker.retirement import RetirementFence
+from keyq.broker.routes import Route, RouteBook
+from keyq.broker.streams import StreamConfig
+from keyq.worker.amqp.deliveries import Delivery
+from keyq.worker.batch.admission import Admission, Disposition
+from keyq.worker.batch.decoding import Decoder
+from keyq.worker.batch.key_gate import Routing
+from keyq.worker.batch.route_watch import RouteWatch
+
+log = logging.getLogger("keyq.worker.batch")
+
+
+@dataclass(frozen=True)
+class ForwardTarget:
+    """The own queue a key's events go to, and until when its publish lease holds."""
+
+    queue: str  # its current incarnation's name
+    lease_until: float  # monotonic
+
+    def check(self) -> None:
+        """A copy confirmed after the lease ran out may have gone to a queue deleted meanwhile
+        (rabbitmq-server#4746): not proof, so the attempt runs again."""
+        if time.monotonic() > self.lease_until:
+            raise BrokerUnavailable(f"events forwarded to {self.queue} after its lease ran out")
+
+
+class AutoRouting:
+    """Routes one auto-mode worker's attempts; used only by the batch loop's thread."""
+
+    def __init__(
+        self,
+        *,
+        client: redis.Redis,
+        config: StreamConfig,
+        registry: QueueRegistry,
+        control: KeyControl,
+        watch: RouteWatch,
+        lease_ms: int,
+    ) -> None:
+        self._config = config
+        self._book = RouteBook(client, config.stream)
+        self._fence = RetirementFence(client, config.stream)
+        self._registry = registry
+        self._control = control
+        self._watch = watch
+        self._lease_s = lease_ms / 1000
+        self._registered: set[tuple[str, int]] = set()  # (own queue, epoch) registered
+        self.promoted: Counter[str] = Counter()  # by why
+        self.forwarded = 0  # events
+
+    def prepare(
+        self,
+        deliveries: Sequence[Delivery],
+        decoded: Decoder,
+        statuses: MutableMapping[str, KeyStatus],
+        leases: Mapping[str, Lease],
+    ) -> tuple[Routing, dict[str, ForwardTarget]]:
+        """Promote the keys due (their statuses updated in place), lease the own queues of the
+        promoted keys found in buckets, and say how to route this attempt and where to."""
+        lease_queue = {queue: lease.queue for queue, lease in leases.items()}
+        in_buckets = self._keys_in_buckets(deliveries, decoded, lease_queue)
+        due = self._watch.due(in_buckets, statuses)
+        if due:
+            self._promote(due)
+            statuses.update(self._control.statuses(due))
+        routed = {
+            key: route
+            for key in in_buckets
+            if (status := statuses.get(key)) is not None and (route := status.route) is not None
+        }
+        targets = self._targets(routed)
+        return Routing(self._config.stream, lease_queue, frozenset(targets)), targets
+
+    def observe(self, admission: Admission, decoded: Decoder, leases: Mapping[str, Lease]) -> None:
+        """What the attempt saw of keys in buckets, for the promotions of later ones."""
+        counts: Counter[str] = Counter()
+        limited: set[str] = set()
+        for delivery, how in zip(admission.deliveries, admission.dispositions, strict=True):
+            key = decoded(delivery).key
+            lease = leases.get(delivery.queue)
+            if key is None or lease is None or not self._from_bucket(delivery, lease.queue):
+                continue
+            if how is Disposition.RATE_LIMITED:
+                limited.add(key)
+            if how not in (Disposition.FORWARD, Disposition.MOVING):
+                counts[key] += 1
+        self._watch.observe(counts, limited, time.monotonic())
+        self.forwarded += sum(len(found) for found in admission.forward.values())
+
+    def _keys_in_buckets(
+        self, deliveries: Sequence[Delivery], decoded: Decoder, lease_queue: Mapping[str, str]
+    ) -> list[str]:
+        keys = (
+            decoded(delivery).key
+            for delivery in deliveries
+            if self._from_bucket(delivery, lease_queue.get(delivery.queue, delivery.queue))
+        )
+        return list(dict.fromkeys(key for key in keys if key is not None))
+
+    def _from_bucket(self, delivery: Delivery, held: str) -> bool:
+        stream = self._config.stream
+        return is_bucket_queue(stream, held) and not is_aside_queue(stream, delivery.queue)
+
+    def _promote(self, due: Mapping[str, str]) -> None:
+        config = self._config
+        for key, why in due.items():
+            route = self._book.promote(key, config.own_queue_for(key), config.queue_for(key), why)
+            if route is not None and route.why == why and route.open:
+                self.promoted[why] += 1
+                log.info("promoted key %r to a queue of its own (%s)", key, why)
+
+    def _targets(self, routed: Mapping[str, Route]) -> dict[str, ForwardTarget]:
+        """The own queue of each routed key that may be published to now: leased, registered."""
+        if not routed:
+            return {}
+        started = time.monotonic()
+        granted = self._fence.lease(sorted({route.queue for route in routed.values()}))
+        targets: dict[str, ForwardTarget] = {}
+        new: dict[str, str | None] = {}
+        for key, route in routed.items():
+            incarnation = granted.get(route.queue)
+            if incarnation is None:
+                continue  # being retired: its events wait in the bucket until it is demoted
+            name = incarnation_name(route.queue, incarnation)
+            targets[key] = ForwardTarget(name, started + self._lease_s)
+            if (name, route.epoch) not in self._registered:
+                new[name] = key
+        if new:
+            self._registry.register(new)
+            epochs = {route.queue: route.epoch for route in routed.values()}
+            self._registered.update((name, epochs[base_queue_name(name)]) for name in new)
+        return targets
