@@ -59,6 +59,11 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
         "registered and announced).",
     ),
     (
+        "demoted",
+        "keyq_janitor_demotions_total",
+        "Promoted keys of auto-mode streams demoted once their own queue was deleted.",
+    ),
+    (
         "not_leader",
         "keyq_janitor_not_leader_total",
         "Stream passes skipped because another janitor leads the stream.",
@@ -183,6 +188,14 @@ class JanitorCollector(Collector):
         for stream, count in sorted(dict(janitor.watchdog.latest).items()):
             stranded.add_metric([stream, janitor.janitor_id], count)
         yield stranded
+        promoted = GaugeMetricFamily(
+            "keyq_stream_promoted_keys",
+            "Keys of an auto-mode stream with a queue of their own (promoted, not yet demoted).",
+            labels=["stream", "janitor"],
+        )
+        for stream, count in sorted(dict(janitor.gauges.promoted).items()):
+            promoted.add_metric([stream, janitor.janitor_id], count)
+        yield promoted
 
 
 class JanitorMetrics:

@@ -1,6 +1,7 @@
 """What a stream looks like from outside, measured by the janitor that leads it, once per
 pass: dead letters, events ready in its queues, the age of the oldest event waiting in a
-queue no worker consumes, parked and paused keys, live workers.
+queue no worker consumes, parked and paused keys, live workers, and in auto mode its promoted
+keys (``promoted``, for the metrics only).
 
 Depths come from ``rabbitmq_prometheus`` (``KEYQ_PROMETHEUS_URL``) or the management API
 (``KEYQ_MANAGEMENT_URL``) when set, in one listing; else from passive declares of the
@@ -30,11 +31,12 @@ from keyq.broker.envelope import HEADER_PUBLISHED_AT
 from keyq.broker.errors import KeyqError
 from keyq.broker.management import queue_figures as management_figures
 from keyq.broker.membership import Membership
-from keyq.broker.naming import dead_letter_queue_name, stream_prefix
+from keyq.broker.naming import Mode, dead_letter_queue_name, stream_prefix
 from keyq.broker.prometheus_api import queue_figures as prometheus_figures
 from keyq.broker.queue_probe import QueueCounts, QueueProbe
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
+from keyq.broker.routes import RouteBook
 from keyq.broker.settings import Settings
 from keyq.broker.stream_figures import FiguresRecord, StreamFigures
 from keyq.broker.streams import StreamConfig
@@ -62,11 +64,13 @@ class StreamGauges:
         self._channel: BlockingChannel | None = None
         self._probe = QueueProbe(self._open_channel)  # shares the peeks' channel
         self.latest: dict[str, StreamFigures] = {}
+        self.promoted: dict[str, int] = {}  # auto-mode streams: keys with a queue of their own
         self._failing = False
 
     def forget(self, stream: str) -> None:
         """No longer this janitor's to measure (another leads it)."""
         self.latest.pop(stream, None)
+        self.promoted.pop(stream, None)
 
     def measure(self, client: redis.Redis, stream: str, config: StreamConfig) -> None:
         """Measure ``stream`` now. Redis errors propagate (the pass fails as a whole); a
@@ -76,6 +80,8 @@ class StreamGauges:
         pipe.hlen(keys.paused_keys)
         pipe.hlen(keys.parked_keys)
         paused, parked = (int(count) for count in pipe.execute())
+        if config.mode is Mode.AUTO:
+            self.promoted[stream] = RouteBook(client, stream).count()
         membership = Membership(client, stream, self._settings.member_ttl_ms)
         alive = membership.alive()
         live = len(alive)

@@ -1,6 +1,10 @@
 """What the watchdog reads of a stream for one look, in a few round trips: the keys with
 events aside and their own queues, the parked keys, the held queues and their holders, the
-counts of the queues watched, the live workers and their reports."""
+counts of the queues watched, the live workers and their reports.
+
+A key's *own* queue here is the one whose holder drains what of it waits aside: key mode's
+queue of the key, a bucket-mode key's bucket, and in auto mode a promoted key's queue of its
+own (``broker.routes``) or else its bucket, as ``broker.key_wake`` wakes them."""
 
 from __future__ import annotations
 
@@ -13,9 +17,10 @@ import redis
 from keyq.broker.key_control import FLOWING, KeyControl, ParkedKey
 from keyq.broker.locks import FencedLocks, Lease
 from keyq.broker.membership import Membership
-from keyq.broker.naming import incarnation_name
+from keyq.broker.naming import Mode, incarnation_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
+from keyq.broker.routes import Route, RouteBook
 from keyq.broker.stream_policy import StreamPolicies
 from keyq.broker.streams import StreamConfig
 from keyq.broker.worker_report import WorkerReport
@@ -40,10 +45,11 @@ class WatchView:
     flowing: dict[str, list[str]]  # keys that may flow with queues aside -> those queues
     parked: dict[str, ParkedKey]
     queue_of: dict[str, str]  # such a key -> its own queue, current incarnation
+    routes: dict[str, Route]  # auto mode: those keys and the parked ones that are promoted
     registered: set[str]  # of those own queues
     holders: dict[str, Lease | None]
     held: list[str]  # other held queues, least recently active first
-    keys_of: dict[str, str | None]  # held queue -> its key (key mode)
+    keys_of: dict[str, str | None]  # held queue -> its key (a key's queue of its own)
     figures: Figures
     live: list[str]
     reports: dict[str, WorkerReport]
@@ -64,7 +70,10 @@ class WatchView:
         parked = control.parked()
         statuses = control.statuses(aside)
         flowing = {k: q for k, q in aside.items() if q and not statuses.get(k, FLOWING).stopped}
-        queue_of = _current_queues(client, stream, config, flowing)
+        auto = config.mode is Mode.AUTO
+        routes = RouteBook(client, stream).routes([*aside, *parked]) if auto else {}
+        bases = {key: own_queue(config, routes.get(key), key) for key in flowing}
+        queue_of = _current_queues(client, stream, bases)
         own = sorted(set(queue_of.values()))
         scores = client.zmscore(keys.registry, own) if own else []
         registered = {queue for queue, at in zip(own, scores, strict=True) if at is not None}
@@ -90,6 +99,7 @@ class WatchView:
             flowing=flowing,
             parked=parked,
             queue_of=queue_of,
+            routes=routes,
             registered=registered,
             holders=holders,
             held=measured_held,
@@ -100,17 +110,24 @@ class WatchView:
             walking_letters=bool(client.exists(keys.redrive_lock)),
         )
 
+    def own_queue(self, key: str) -> str:
+        """``key``'s own queue (base name): see the module's docstring."""
+        return own_queue(self.config, self.routes.get(key), key)
+
     def applied_by(self, lease: Lease) -> int | None:
         """How many events the holder of ``lease`` has applied, by its report (None: none)."""
         report = self.reports.get(lease.owner)
         return None if report is None else report.events
 
 
-def _current_queues(
-    client: redis.Redis, stream: str, config: StreamConfig, keys: dict[str, list[str]]
-) -> dict[str, str]:
-    """Each key's own queue under its current incarnation."""
-    bases = {key: config.queue_for(key) for key in keys}
+def own_queue(config: StreamConfig, route: Route | None, key: str) -> str:
+    """The base name of the queue whose holder drains what of ``key`` waits aside: its own
+    queue while it is promoted (``route``, auto mode), else the queue it is published to."""
+    return route.queue if route is not None else config.queue_for(key)
+
+
+def _current_queues(client: redis.Redis, stream: str, bases: dict[str, str]) -> dict[str, str]:
+    """Each key's own queue (``bases``) under its current incarnation."""
     names = sorted(set(bases.values()))
     raw = client.hmget(StreamKeys(stream).incarnations, names) if names else []
     current = {

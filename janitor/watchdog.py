@@ -244,7 +244,7 @@ class Watchdog:
             found.append(
                 Stranded(
                     subject=key,
-                    queue=view.config.queue_for(key),
+                    queue=view.own_queue(key),
                     reason=f"parked at {where.reason!r} but no dead letter of it waits to be "
                     f"redriven (dropped?): `keyq dlq redrive --key KEY --skip` lets it go on",
                     since_ms=where.at_ms,
