@@ -30,6 +30,7 @@ from keyq.broker.envelope import (
 from keyq.broker.errors import AuthenticationFailed, InvalidEvent, KeyqError
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.registry import QueueRegistry
+from keyq.broker.routes import RouteBook
 from keyq.broker.settings import load_settings
 from keyq.worker.batch.state_store import StateStore
 from keyq.worker.daemon import Worker
@@ -68,12 +69,12 @@ def audit_state(applied: int) -> dict[str, Any]:
     return {"applied": applied, "last": {"p": applied}, "violations": []}
 
 
-@pytest.fixture(params=["key", "bucket"])
+@pytest.fixture(params=["key", "bucket", "auto"])
 def mode_producer(request: pytest.FixtureRequest, stream: StreamFixture) -> Iterator[Producer]:
     made = Producer(
         stream.name,
         mode=request.param,
-        buckets=4 if request.param == "bucket" else None,
+        buckets=None if request.param == "key" else 4,
         settings=stream.settings,
         publish_timeout=10,
     )
@@ -85,7 +86,9 @@ def mode_producer(request: pytest.FixtureRequest, stream: StreamFixture) -> Iter
 
 
 def drain_with_worker(stream: StreamFixture, engine: SparkEngine) -> Worker:
-    worker = Worker(stream.name, "tests.pipelines:audit", settings=fast_settings(), engine=engine)
+    # In auto mode every key seen is promoted at once: each moves to a queue of its own.
+    settings = fast_settings(auto_promote_rate=0.001)
+    worker = Worker(stream.name, "tests.pipelines:audit", settings=settings, engine=engine)
     worker.run(until_idle=3)
     return worker
 
@@ -110,11 +113,18 @@ def test_keys_of_every_kind_are_processed_each_on_its_own(
     assert stream.redis.hlen(stream.keys.state) == len(keys)  # no key merged into another
     assert worker.stats()["events"] == 3 * len(keys)
     assert queue_depth(amqp, dead_letter_queue_name(stream.name)) == 0
-    if mode_producer.config.mode.value == "key":
+    config = mode_producer.config
+    if config.mode.value != "bucket":
         registry = QueueRegistry(stream.redis, stream.name)
-        queues = {mode_producer.config.queue_for(key): key for key in keys}
+        queues = {config.own_queue_for(key): key for key in keys}
         assert len(queues) == len(keys)  # one queue per key, none shared
         assert registry.original_keys(queues) == queues
+    if config.mode.value == "auto":
+        routes = RouteBook(stream.redis, stream.name).routes(keys)
+        assert {key: route.queue for key, route in routes.items()} == {
+            key: config.own_queue_for(key) for key in keys
+        }
+        assert worker.stats()["forwarded"] == 3 * len(keys)
 
 
 def publish_raw(

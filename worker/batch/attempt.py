@@ -114,7 +114,7 @@ class BatchAttempt:
             routing=routing,
         )
         if self._routing is not None:
-            self._routing.observe(admission, decoded, leases)
+            self._routing.observe(admission, decoded)
         progress.admitted(admission)
         if not admission.settling:
             self._note_gaps(admission.run)
@@ -139,6 +139,8 @@ class BatchAttempt:
                 log.info("a key of batch %s was paused while it ran: running it again", batch_id)
                 self.run(deliveries, attempt, dead, progress, rerun=True)
                 return
+        if self._routing is not None:
+            self._routing.note_forwarded(admission, targets)
         self._note_gaps(admission.run, moved=admission.forward.keys())
         self._touch(leases)
         clock.lap()  # touch

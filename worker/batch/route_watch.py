@@ -1,8 +1,9 @@
 """Which keys of an auto-mode stream's buckets need a queue of their own (``keyq.broker.routes``),
-from what the bucket holder's batches see: a key at ``auto_promote_rate`` events a second, with
-``auto_promote_backlog`` events in one batch, held back (paused or parked) while its bucket-mates
+from what the bucket holder's attempts see: a key at ``auto_promote_rate`` events a second, with
+``auto_promote_backlog`` events in one attempt, held back (paused or parked) while its bucket-mates
 flow, or over its rate limit. A promoted key no longer takes its bucket's prefetch or batch room
-from its bucket-mates.
+from its bucket-mates. A key is promoted at the start of the attempt that shows it, so the events
+that showed it are forwarded already.
 
 Pure: the caller passes the counts, the statuses and the clock."""
 
@@ -25,41 +26,40 @@ class RouteWatch:
         self.backlog = backlog
         self._window_s = window_s
         self._seen: dict[str, deque[tuple[float, int]]] = {}  # key -> (when, events) in window
-        self._due: dict[str, tuple[str, float]] = {}  # key -> why, since when
+        self._limited: dict[str, float] = {}  # key -> when it was last over its rate limit
 
-    def observe(self, counts: Mapping[str, int], limited: Iterable[str], now: float) -> None:
-        """One batch's events per key taken from its bucket, and its keys over their rate."""
-        for key in limited:
-            self._due.setdefault(key, (WHY_RATE_LIMITED, now))
+    def limited(self, keys: Iterable[str], now: float) -> None:
+        """Keys an attempt held back for the stream's rate limit: promoted when seen next."""
+        self._limited.update(dict.fromkeys(keys, now))
+
+    def due(
+        self, counts: Mapping[str, int], statuses: Mapping[str, KeyStatus], now: float
+    ) -> dict[str, str]:
+        """Of the keys an attempt takes from their buckets (``counts``: events each), those to
+        promote now, and why."""
         horizon = now - self._window_s
+        found: dict[str, str] = {}
         for key, events in counts.items():
-            if events >= self.backlog:
-                self._due.setdefault(key, (WHY_BACKLOG, now))
+            status = statuses.get(key)
+            if status is not None and status.route is not None:
+                continue  # promoted already
             seen = self._seen.setdefault(key, deque())
             seen.append((now, events))
             while seen and seen[0][0] < horizon:
                 seen.popleft()
-            if sum(n for _, n in seen) >= self.rate * self._window_s:
-                self._due.setdefault(key, (WHY_RATE, now))
-        for key in [key for key, seen in self._seen.items() if seen[-1][0] < horizon]:
-            del self._seen[key]  # quiet for a window: forgotten
-        for key in [key for key, (_, since) in self._due.items() if since < horizon]:
-            del self._due[key]  # not seen again in its bucket since: no longer needed
-
-    def due(self, keys: Iterable[str], statuses: Mapping[str, KeyStatus]) -> dict[str, str]:
-        """The keys among ``keys`` (seen in a bucket now) to promote, and why: held back with
-        nothing aside yet, or proposed by earlier batches. Each proposal is given once."""
-        found: dict[str, str] = {}
-        for key in keys:
-            status = statuses.get(key)
-            if status is not None and status.route is not None:
-                self._due.pop(key, None)
-                continue
-            proposed = self._due.pop(key, None)
-            why = None if proposed is None else proposed[0]
             if status is not None and status.stopped and not status.aside:
-                why = WHY_STOPPED
-            if why is not None:
-                found[key] = why
-                self._seen.pop(key, None)
+                found[key] = WHY_STOPPED
+            elif self._limited.get(key, horizon - 1) >= horizon:
+                found[key] = WHY_RATE_LIMITED
+            elif events >= self.backlog:
+                found[key] = WHY_BACKLOG
+            elif sum(n for _, n in seen) >= self.rate * self._window_s:
+                found[key] = WHY_RATE
+        for key in found:
+            self._seen.pop(key, None)
+            self._limited.pop(key, None)
+        for key in [key for key, seen in self._seen.items() if not seen or seen[-1][0] < horizon]:
+            del self._seen[key]  # quiet for a window: forgotten
+        for key in [key for key, at in self._limited.items() if at < horizon]:
+            del self._limited[key]
         return found

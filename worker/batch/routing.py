@@ -5,7 +5,7 @@ A forward is a publish to the key's own queue, so it goes under a publish lease 
 retirement fence, as a producer's would: while the janitor retires that queue the key's events
 wait in the bucket (moving), and a copy confirmed after its lease ran out does not count (the
 attempt fails and runs again; a second copy is a duplicate by its seq). An own queue is
-registered with its key, and announced, before its first forward.
+registered with its key, and announced, once its first forward has declared it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from keyq.broker.errors import BrokerUnavailable
 from keyq.broker.key_control import KeyControl, KeyStatus
 from keyq.broker.locks import Lease
 from keyq.broker.naming import (
-    base_queue_name,
     incarnation_name,
     is_aside_queue,
     is_bucket_queue,
@@ -46,6 +45,7 @@ class ForwardTarget:
 
     queue: str  # its current incarnation's name
     lease_until: float  # monotonic
+    epoch: int  # the route's
 
     def check(self) -> None:
         """A copy confirmed after the lease ran out may have gone to a queue deleted meanwhile
@@ -88,44 +88,40 @@ class AutoRouting:
         """Promote the keys due (their statuses updated in place), lease the own queues of the
         promoted keys found in buckets, and say how to route this attempt and where to."""
         lease_queue = {queue: lease.queue for queue, lease in leases.items()}
-        in_buckets = self._keys_in_buckets(deliveries, decoded, lease_queue)
-        due = self._watch.due(in_buckets, statuses)
+        counts = self._counts_in_buckets(deliveries, decoded, lease_queue)
+        due = self._watch.due(counts, statuses, time.monotonic())
         if due:
             self._promote(due)
             statuses.update(self._control.statuses(due))
         routed = {
             key: route
-            for key in in_buckets
+            for key in counts
             if (status := statuses.get(key)) is not None and (route := status.route) is not None
         }
         targets = self._targets(routed)
         return Routing(self._config.stream, lease_queue, frozenset(targets)), targets
 
-    def observe(self, admission: Admission, decoded: Decoder, leases: Mapping[str, Lease]) -> None:
-        """What the attempt saw of keys in buckets, for the promotions of later ones."""
-        counts: Counter[str] = Counter()
-        limited: set[str] = set()
-        for delivery, how in zip(admission.deliveries, admission.dispositions, strict=True):
-            key = decoded(delivery).key
-            lease = leases.get(delivery.queue)
-            if key is None or lease is None or not self._from_bucket(delivery, lease.queue):
-                continue
-            if how is Disposition.RATE_LIMITED:
-                limited.add(key)
-            if how not in (Disposition.FORWARD, Disposition.MOVING):
-                counts[key] += 1
-        self._watch.observe(counts, limited, time.monotonic())
-        self.forwarded += sum(len(found) for found in admission.forward.values())
+    def observe(self, admission: Admission, decoded: Decoder) -> None:
+        """What the attempt came to, for later ones: its rate-limited keys."""
+        limited = {
+            key
+            for delivery in admission.of(Disposition.RATE_LIMITED)
+            if (key := decoded(delivery).key) is not None
+        }
+        if limited:
+            self._watch.limited(limited, time.monotonic())
 
-    def _keys_in_buckets(
+    def _counts_in_buckets(
         self, deliveries: Sequence[Delivery], decoded: Decoder, lease_queue: Mapping[str, str]
-    ) -> list[str]:
-        keys = (
-            decoded(delivery).key
-            for delivery in deliveries
-            if self._from_bucket(delivery, lease_queue.get(delivery.queue, delivery.queue))
-        )
-        return list(dict.fromkeys(key for key in keys if key is not None))
+    ) -> Counter[str]:
+        """The events of each key this attempt takes from a bucket (not drained aside)."""
+        counts: Counter[str] = Counter()
+        for delivery in deliveries:
+            key = decoded(delivery).key
+            held = lease_queue.get(delivery.queue, delivery.queue)
+            if key is not None and self._from_bucket(delivery, held):
+                counts[key] += 1
+        return counts
 
     def _from_bucket(self, delivery: Delivery, held: str) -> bool:
         stream = self._config.stream
@@ -140,23 +136,32 @@ class AutoRouting:
                 log.info("promoted key %r to a queue of its own (%s)", key, why)
 
     def _targets(self, routed: Mapping[str, Route]) -> dict[str, ForwardTarget]:
-        """The own queue of each routed key that may be published to now: leased, registered."""
+        """The own queue of each routed key that may be published to now, leased."""
         if not routed:
             return {}
         started = time.monotonic()
         granted = self._fence.lease(sorted({route.queue for route in routed.values()}))
         targets: dict[str, ForwardTarget] = {}
-        new: dict[str, str | None] = {}
         for key, route in routed.items():
             incarnation = granted.get(route.queue)
             if incarnation is None:
                 continue  # being retired: its events wait in the bucket until it is demoted
             name = incarnation_name(route.queue, incarnation)
-            targets[key] = ForwardTarget(name, started + self._lease_s)
-            if (name, route.epoch) not in self._registered:
-                new[name] = key
-        if new:
-            self._registry.register(new)
-            epochs = {route.queue: route.epoch for route in routed.values()}
-            self._registered.update((name, epochs[base_queue_name(name)]) for name in new)
+            targets[key] = ForwardTarget(name, started + self._lease_s, route.epoch)
         return targets
+
+    def note_forwarded(self, admission: Admission, targets: Mapping[str, ForwardTarget]) -> None:
+        """After the attempt's effects: count its forwards, and register (with its key) and
+        announce each own queue forwarded to for the first time in its epoch, declared by that
+        forward, so a worker claims it at once."""
+        self.forwarded += sum(len(found) for found in admission.forward.values())
+        new = {
+            targets[key].queue: key
+            for key in admission.forward
+            if (targets[key].queue, targets[key].epoch) not in self._registered
+        }
+        if new:
+            self._registry.register(dict[str, str | None](new))
+            self._registered.update(
+                (targets[key].queue, targets[key].epoch) for key in new.values()
+            )

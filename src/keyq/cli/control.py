@@ -1,5 +1,6 @@
-"""``keyq pause``, ``keyq resume`` and ``keyq stream set|show``: what an operator sets on keys
-and on a stream (``keyq.ops.control`` sets it), and what the commands print."""
+"""``keyq pause``, ``keyq resume``, ``keyq key promote`` and ``keyq stream set|show``: what an
+operator sets on keys and on a stream (``keyq.ops.control`` and ``keyq.ops.routes`` set it), and
+what the commands print."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from keyq.cli.checks import key_name, stream_name
 from keyq.cli.errors import OneLineCommand, OneLineGroup, usage
 from keyq.ops.context import OperatorContext, read_keys
 from keyq.ops.control import pause, resume, set_policy, stream_view
+from keyq.ops.routes import PromotionRefused, promote, refusal
 
 stream_option = click.option("--stream", required=True, callback=stream_name, help="Stream name.")
 keys_option = click.option(
@@ -95,6 +97,45 @@ def resume_command(
             f"resumed {len(changed)} keys ({len(names) - len(changed)} were not paused); "
             f"woke {len(woken)} queues"
         )
+
+
+@click.group("key", cls=OneLineGroup)
+def key_group() -> None:
+    """A key's route in an auto-mode stream: its bucket, or a queue of its own."""
+
+
+@key_group.command("promote")
+@click.argument("keys", nargs=-1, required=True, callback=key_name, metavar="KEY...")
+@stream_option
+@json_option
+def key_promote_command(keys: tuple[str, ...], stream: str, as_json: bool) -> None:
+    """Give keys of an auto-mode stream a queue of their own now: their bucket's holder
+    forwards their events there, in order. A key whose events wait aside in its bucket is
+    refused (exit 1) until they are drained."""
+    names = read_keys(keys, None)
+    with OperatorContext(stream) as ctx:
+        done = promote(ctx, names)
+    if as_json:
+        _echo_json(
+            {
+                "stream": stream,
+                "promoted": done.rows(),
+                "refused": done.refused,
+                "woken": done.woken,
+            }
+        )
+    else:
+        for row in done.rows():
+            move = f"move {row['move']}"
+            if row["already"]:
+                click.echo(
+                    f"{row['key']}: already promoted to {row['queue']} (epoch {row['epoch']}, "
+                    f"{move}, why {row['why']})"
+                )
+            else:
+                click.echo(f"{row['key']}: promoted to {row['queue']} at epoch {row['epoch']}")
+    if done.refused:
+        raise PromotionRefused(refusal(done.refused))
 
 
 @click.group("stream", cls=OneLineGroup)

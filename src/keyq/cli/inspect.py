@@ -13,6 +13,8 @@ from keyq.cli.errors import OneLineCommand
 from keyq.ops.context import OperatorContext
 from keyq.ops.inspection import inspect_key
 
+ROUTE_CHANGES_PRINTED = 5  # of an auto-mode key's latest route changes
+
 
 @click.command("inspect", cls=OneLineCommand)
 @click.option("--stream", required=True, callback=stream_name, help="Stream name.")
@@ -26,8 +28,8 @@ from keyq.ops.inspection import inspect_key
     help="Seconds to wait for a command working on the dead-letter queue.",
 )  # kept for scripts: the index of dead letters is read without the dead-letter lock
 def inspect_command(stream: str, key: str, as_json: bool, wait: float) -> None:
-    """Where a key stands: its queue, holder, pause and park, aside queues, gaps, state,
-    marks, oldest waiting event and dead letters."""
+    """Where a key stands: its route (auto mode), queue, holder, pause and park, aside
+    queues, gaps, state, marks, oldest waiting event and dead letters."""
     del wait
     with OperatorContext(stream) as ctx:
         found = inspect_key(ctx, key)
@@ -61,27 +63,55 @@ def render_inspection(found: dict[str, Any]) -> str:
 
 
 def _where(found: dict[str, Any]) -> list[str]:
-    """The key's queue, whether it is stranded, and who holds it."""
+    """The key's route (auto mode), its queue, whether it is stranded, and who holds it; for
+    a promoted key its bucket too, then its latest route changes."""
+    route = found.get("route")
+    own = route is not None and route["to"] == "own"
+    lines = [] if route is None else [_route_line(route)]
     queue = found["queue"]
     depth = "missing" if not queue["exists"] else f"{queue['depth']} ready"
-    lines = [
-        f"queue         {queue['name']}  ({depth}"
+    lines.append(
+        ("own queue     " if own else "queue         ")
+        + f"{queue['name']}  ({depth}"
         + (", being retired" if queue["retiring"] else "")
         + ")"
-    ]
+    )
     stranded = found.get("stranded")
     if stranded is not None:
         lines.append(f"STRANDED      {stranded['reason']}")
-    holder = found["holder"]
-    if holder is None:
-        lines.append("held by       nobody")
-    else:
-        alive = "" if holder["alive"] else " (not alive)"
-        lines.append(
-            f"held by       {holder['worker']}{alive} token {holder['token']} "
-            f"at {holder['host'] or '-'}:{holder['pid'] or '-'}"
-        )
+    lines.append("held by       " + _held_by(found["holder"]))
+    if route is not None and route["bucket_queue"] is not None:
+        bucket = route["bucket_queue"]
+        ready = "missing" if not bucket["exists"] else f"{bucket['depth']} ready, all its keys"
+        lines.append(f"bucket        {bucket['name']}  ({ready}), forwards the key's events")
+        lines.append("  held by     " + _held_by(bucket["holder"]))
+    if route is not None:
+        lines += [
+            f"route change  {when(change['at_ms'])} {change['what']} epoch {change['epoch']}"
+            + (f" ({change['why']})" if change.get("why") else "")
+            for change in route["changes"][:ROUTE_CHANGES_PRINTED]
+        ]
     return lines
+
+
+def _route_line(route: dict[str, Any]) -> str:
+    """Where an auto-mode key's events are applied from."""
+    if route["to"] == "bucket":
+        return f"route         bucket {route['bucket']} (not promoted)"
+    return (
+        f"route         own queue {route['queue']} since {when(route['since_ms'])}, epoch "
+        f"{route['epoch']}, move {route['move']}, why {route['why']}"
+    )
+
+
+def _held_by(holder: dict[str, Any] | None) -> str:
+    if holder is None:
+        return "nobody"
+    alive = "" if holder["alive"] else " (not alive)"
+    return (
+        f"{holder['worker']}{alive} token {holder['token']} "
+        f"at {holder['host'] or '-'}:{holder['pid'] or '-'}"
+    )
 
 
 def _flow(found: dict[str, Any]) -> list[str]:

@@ -17,7 +17,7 @@ from keyq.broker.settings import load_settings
 from keyq.broker.streams import requested_config
 from keyq.cli.checks import NON_NEGATIVE, POSITIVE, json_event, key_name, stream_name
 from keyq.cli.console import console_command
-from keyq.cli.control import pause_command, resume_command, stream_group
+from keyq.cli.control import key_group, pause_command, resume_command, stream_group
 from keyq.cli.dead_letters import dead_letters_group
 from keyq.cli.errors import EXIT_FAILURE, EXIT_VERDICT, OneLineGroup, exit_with, usage
 from keyq.cli.inspect import inspect_command
@@ -27,8 +27,16 @@ from keyq.extras import require_worker_extra
 from keyq.producer import Producer
 
 stream_option = click.option("--stream", required=True, callback=stream_name, help="Stream name.")
-mode_option = click.option("--mode", type=click.Choice(["key", "bucket"]), default=None)
-buckets_option = click.option("--buckets", type=int, default=None)
+mode_option = click.option(
+    "--mode",
+    type=click.Choice(["key", "bucket", "auto"]),
+    default=None,
+    help="A queue per key, per hash bucket, or per bucket with busy keys promoted to a queue "
+    "of their own (auto); fixed at the stream's first use.",
+)
+buckets_option = click.option(
+    "--buckets", type=int, default=None, help="Hash buckets in bucket and auto mode (default 64)."
+)
 
 metrics_port_option = click.option(
     "--metrics-port",
@@ -179,7 +187,8 @@ def janitor_command(
     metrics_port: int | None,
     log_level: str,
 ) -> None:
-    """Delete drained, idle, unheld key-mode queues and keyq's stale Redis entries.
+    """Delete drained, idle, unheld queues of single keys (key mode's, and in auto mode
+    promoted keys' own queues, demoting those keys) and keyq's stale Redis entries.
 
     Several janitors may run: one leads each stream, the others stand by. Services that are
     down are waited for; only bad configuration makes it exit (2).
@@ -261,16 +270,17 @@ def produce_command(
 )
 @click.option(
     "--mode",
-    type=click.Choice(["key", "bucket"]),
+    type=click.Choice(["key", "bucket", "auto"]),
     default="key",
     show_default=True,
-    help="A queue per order, or a queue per hash bucket of the orders.",
+    help="A queue per order, a queue per hash bucket of the orders, or buckets whose busy "
+    "orders are promoted to a queue of their own (auto).",
 )
 @click.option(
     "--buckets",
     type=click.IntRange(min=1),
     default=None,
-    help="Buckets in bucket mode (default: the stream's, else 64).",
+    help="Buckets in bucket and auto mode (default: the stream's, else 64).",
 )
 @click.option(
     "--queue-type",
@@ -352,6 +362,7 @@ for operator_command in (
     dead_letters_group,
     pause_command,
     resume_command,
+    key_group,
     stream_group,
     inspect_command,
 ):

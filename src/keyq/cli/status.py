@@ -129,6 +129,15 @@ def _print_header(console: Console, status: dict[str, Any]) -> None:
             + f"   paused keys {policy['paused_keys']}   parked keys {policy['parked_keys']}"
             + ("   STREAM PAUSED" if policy["paused"] else "")
         )
+    routes = status.get("routes")
+    if routes is not None:
+        by_why = ", ".join(f"{why} {count}" for why, count in routes["promotions"].items())
+        console.print(
+            f"promoted keys {routes['promoted_keys']}   open moves {routes['open_moves']}"
+            f"   promotions {sum(routes['promotions'].values())}"
+            + (f" ({by_why})" if by_why else "")
+            + f"   demotions {routes['demotions']}"
+        )
     if status.get("broker") is not None:
         fds = FdUsage.from_dict(status["broker"])
         console.print(f"broker file descriptors {fds.summary()}")

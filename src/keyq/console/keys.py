@@ -1,13 +1,13 @@
 """Finding keys for the console: one key's whole picture (``keyq.ops.inspection``, what ``keyq
 inspect`` prints), or the keys that begin with a prefix, looked for among those with state,
-those paused or parked, and, in key mode, those with a queue, until ``FOUND_LIMIT`` are found."""
+those paused, parked or promoted, and, in key and auto mode, those with a queue of their own,
+until ``FOUND_LIMIT`` are found."""
 
 from __future__ import annotations
 
 import re
 from typing import Any, cast
 
-from keyq.broker.naming import Mode
 from keyq.broker.text import as_text
 from keyq.ops.context import OperatorContext, check_keys
 from keyq.ops.inspection import inspect_key
@@ -30,13 +30,13 @@ def keys_with_prefix(ctx: OperatorContext, prefix: str) -> tuple[list[str], bool
     found: set[str] = set()
     budget = SCAN_BUDGET
     with ctx.services():
-        for name in (keys.state, keys.parked_keys, keys.paused_keys):
+        for name in (keys.state, keys.parked_keys, keys.paused_keys, keys.routes):
             cursor = None
             while cursor != 0 and budget > 0 and len(found) < FOUND_LIMIT:
                 cursor, fields = client.hscan(name, cursor or 0, match=match, count=SCAN_COUNT)
                 budget -= SCAN_COUNT
                 found.update(as_text(field) for field in fields)
-        cursor = 0 if ctx.config.mode is not Mode.KEY else None
+        cursor = None if ctx.config.holds_own_queues() else 0
         while cursor != 0 and budget > 0 and len(found) < FOUND_LIMIT:
             cursor, names = client.hscan(keys.queue_keys, cursor or 0, count=SCAN_COUNT)
             budget -= SCAN_COUNT

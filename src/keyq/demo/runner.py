@@ -65,15 +65,17 @@ class DemoOptions:
     drain_timeout: float = 600.0
     rate: float = 0.0  # events/s while publishing; 0 = as fast as possible
     wait_for_services: float = 120.0  # s for RabbitMQ and Redis to accept connections
-    mode: str = "key"  # a queue per order, or "bucket": a queue per hash bucket
-    buckets: int | None = None  # bucket mode only; None: the stream's, else DEFAULT_BUCKETS
+    mode: str = "key"  # a queue per order, "bucket": a queue per hash bucket, or "auto"
+    buckets: int | None = None  # bucket, auto mode; None: the stream's, else DEFAULT_BUCKETS
     queue_type: str | None = None  # "classic" or "quorum"; None: KEYQ_QUEUE_TYPE, else classic
 
     def __post_init__(self) -> None:
-        if self.mode not in ("key", "bucket"):
-            raise ConfigurationError(f"demo mode must be 'key' or 'bucket', not {self.mode!r}")
+        if self.mode not in ("key", "bucket", "auto"):
+            raise ConfigurationError(
+                f"demo mode must be 'key', 'bucket' or 'auto', not {self.mode!r}"
+            )
         if self.mode == "key" and self.buckets is not None:
-            raise ConfigurationError("--buckets is for bucket mode (--mode bucket)")
+            raise ConfigurationError("--buckets is for bucket or auto mode (--mode bucket)")
         if self.queue_type not in (None, "classic", "quorum"):
             raise ConfigurationError(
                 f"queue type must be 'classic' or 'quorum', not {self.queue_type!r}"
@@ -122,7 +124,7 @@ class Demo:
         assert config is not None  # recorded before any worker starts
         if config.mode is Mode.KEY:
             return ["--mode", "key"]
-        return ["--mode", "bucket", "--buckets", str(config.buckets)]
+        return ["--mode", config.mode.value, "--buckets", str(config.buckets)]
 
     def _start_worker(self) -> Daemon:
         worker = Daemon(

@@ -8,6 +8,11 @@ of the key's queue unacked and handing it back (its channel closed), which Rabbi
 redelivered. That is done only while no worker holds or consumes the queue and no janitor is
 retiring it, so no worker sees another order and no delete can catch it taken, and never on a
 quorum queue, where the hand-back counts toward the queue's delivery limit.
+
+In an auto-mode stream the key's *route* says which queue that is: its bucket, or once it is
+promoted its own queue (``keyq.broker.routes``), whose holder applies it; the bucket producers
+publish to, whose holder forwards its events there, is shown beside it, with the key's latest
+route changes.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 import orjson
 import pika
 import pika.exceptions
+import redis
 
 from keyq.broker.clock import now_ms
 from keyq.broker.dead_letter_index import DeadLetterIndex
@@ -27,7 +33,9 @@ from keyq.broker.locks import FencedLocks, Lease
 from keyq.broker.naming import Mode, incarnation_name
 from keyq.broker.packs import HEADER_PACK, MalformedPack, decode_pack, is_pack
 from keyq.broker.queue_probe import QueueCounts, QueueProbe
+from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.retirement import RetirementFence
+from keyq.broker.routes import Route, RouteBook
 from keyq.broker.stranded import Stranded, StrandedRecord, stranded_row
 from keyq.broker.stream_policy import StreamPolicies
 from keyq.broker.streams import StreamConfig
@@ -36,14 +44,18 @@ from keyq.ops.context import OperatorContext
 
 DEAD_LETTERS_SHOWN = 100  # of a key, oldest first, from the index of dead letters
 BUCKET_SCAN = 20  # messages looked at for the key's first event in a shared bucket queue
+ROUTE_CHANGES_SHOWN = 10  # of a key in an auto-mode stream, newest first
 
 
 def inspect_key(ctx: OperatorContext, key: str) -> dict[str, Any]:
     """The key's picture as JSON-ready data (see the module docstring)."""
     client, keys, config = ctx.redis, ctx.keys, ctx.config
     with ctx.services():
-        base = config.queue_for(key)
-        queue = incarnation_name(base, int(client.hget(keys.incarnations, base) or 0))
+        auto = config.mode is Mode.AUTO
+        book = RouteBook(client, ctx.stream) if auto else None
+        route = None if book is None else book.route(key)
+        bucket = config.queue_for(key)  # in auto mode the bucket producers publish the key to
+        queue = _current(client, keys, bucket if route is None else route.queue)
         status = KeyControl(client, ctx.stream).status(key)
         policy = StreamPolicies(client, ctx.stream).load()
         lease = FencedLocks(client, ctx.stream).holder(queue)
@@ -55,11 +67,17 @@ def inspect_key(ctx: OperatorContext, key: str) -> dict[str, Any]:
         pipe.zscore(keys.registry, queue)
         raw_state, raw_marks, raw_info, expiry, activity = pipe.execute()
         connection = ctx.amqp()
-        counts = _counts(connection, [queue, *status.aside])
+        beside = [] if route is None else [bucket]
+        counts = _counts(connection, [queue, *status.aside, *beside])
         depth = counts[queue]
         held = lease is not None or (depth is not None and depth.consumers > 0)
         retiring = bool(RetirementFence(client, ctx.stream).marked([queue]))
-        oldest = _oldest(connection, queue, key, config, depth, busy=held or retiring)
+        shared = config.mode.hashes and route is None  # an own queue holds the key alone
+        oldest = _oldest(
+            connection, queue, key, config, depth, shared=shared, busy=held or retiring
+        )
+        bucket_queue = None if route is None else _bucket_beside(ctx, bucket, counts[bucket])
+        changes = [] if book is None else _changes(book.history(ROUTE_CHANGES_SHOWN, key=key))
         dead = DeadLetterIndex(client, ctx.stream).of_key(key, DEAD_LETTERS_SHOWN)
         letters = [{"position": place} | row for place, row in enumerate(dead.rows)]
         stranded = _stranded(
@@ -71,12 +89,13 @@ def inspect_key(ctx: OperatorContext, key: str) -> dict[str, Any]:
     report = WorkerReport.parse(raw_info, worker=lease.owner, stream=ctx.stream) if lease else None
     seen = any(
         value is not None for value in (raw_state, raw_marks, depth, activity, status.parked)
-    ) or bool(status.aside or status.paused_since_ms or letters)
+    ) or bool(status.aside or status.paused_since_ms or letters or route or changes)
     return {
         "stream": ctx.stream,
         "key": key,
         "mode": config.mode.value,
         "known": seen,
+        "route": _route(bucket, route, bucket_queue, changes) if auto else None,
         "queue": _queue(queue, depth, activity, retiring=retiring),
         "holder": _holder(lease, expiry, raw_info),
         "paused_since_ms": status.paused_since_ms,
@@ -97,6 +116,61 @@ def inspect_key(ctx: OperatorContext, key: str) -> dict[str, Any]:
         "dead_letters_total": dead.matched,
         "stranded": stranded,
     }
+
+
+def _current(client: redis.Redis, keys: StreamKeys, base: str) -> str:
+    """The current incarnation of the queue ``base`` (a deleted quorum queue's is new)."""
+    return incarnation_name(base, int(client.hget(keys.incarnations, base) or 0))
+
+
+def _route(
+    bucket: str,
+    route: Route | None,
+    bucket_queue: dict[str, Any] | None,
+    changes: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """An auto-mode key's route: ``to`` "bucket" (its bucket applies it) or "own" (its own
+    queue does: ``queue``, since ``epoch``, the move from the bucket ``open`` or ``closed``,
+    ``since_ms``, ``why``); ``bucket_queue``: the bucket's figures and holder while it
+    forwards the key; ``changes``: the key's latest route changes, newest first."""
+    found: dict[str, Any] = {"to": "bucket" if route is None else "own", "bucket": bucket}
+    if route is None:
+        found |= dict.fromkeys(("queue", "epoch", "move", "since_ms", "why"))
+    else:
+        found |= route.describe()
+    return found | {"bucket_queue": bucket_queue, "changes": changes}
+
+
+def _bucket_beside(ctx: OperatorContext, bucket: str, depth: QueueCounts | None) -> dict[str, Any]:
+    """The bucket a promoted key's events are published to: its figures (all of its keys')
+    and who holds it, forwarding the key's events to its own queue."""
+    client, keys = ctx.redis, ctx.keys
+    lease = FencedLocks(client, ctx.stream).holder(bucket)
+    owner = lease.owner if lease else ""
+    pipe = client.pipeline(transaction=False)
+    pipe.hget(keys.member_info, owner)
+    pipe.zscore(keys.members, owner)
+    raw_info, expiry = pipe.execute()
+    return {
+        "name": bucket,
+        "exists": depth is not None,
+        "depth": None if depth is None else depth.ready,
+        "consumers": None if depth is None else depth.consumers,
+        "holder": _holder(lease, expiry, raw_info),
+    }
+
+
+def _changes(rows: list[dict[str, object]]) -> list[dict[str, Any]]:
+    """Route changes as ``keyq inspect`` shows them: what, epoch, why (promotions), when."""
+    return [
+        {
+            "what": row.get("what"),
+            "epoch": row.get("e"),
+            "why": row.get("why"),
+            "at_ms": row.get("at"),
+        }
+        for row in rows
+    ]
 
 
 def _counts(
@@ -155,15 +229,17 @@ def _oldest(
     config: StreamConfig,
     depth: QueueCounts | None,
     *,
+    shared: bool,
     busy: bool,
 ) -> dict[str, Any]:
-    """How old the key's oldest waiting event is, where it may be looked at."""
+    """How old the key's oldest waiting event is, where it may be looked at (``shared``: in
+    a bucket queue, among other keys' events)."""
     if depth is None or not depth.ready:
         return {"age_ms": None, "note": "nothing waits in the queue"}
     if config.queue_type == "quorum":
         note = "not looked at: on a quorum queue a hand-back counts toward its delivery limit"
         return {"age_ms": None, "note": note}
-    return _oldest_waiting(connection, queue, key, config.mode, busy)
+    return _oldest_waiting(connection, queue, key, shared=shared, busy=busy)
 
 
 def _stranded(
@@ -184,14 +260,14 @@ def _stranded(
 
 
 def _oldest_waiting(
-    connection: pika.BlockingConnection, queue: str, key: str, mode: Mode, busy: bool
+    connection: pika.BlockingConnection, queue: str, key: str, *, shared: bool, busy: bool
 ) -> dict[str, Any]:
     """The age of the key's first event in its queue, taken unacked and handed back."""
     if busy:
         return {"age_ms": None, "note": "not looked at: the queue is held, or being retired"}
     channel = connection.channel()
     try:
-        limit = BUCKET_SCAN if mode is Mode.BUCKET else 1
+        limit = BUCKET_SCAN if shared else 1
         for looked in range(1, limit + 1):
             try:
                 method, properties, body = channel.basic_get(queue, auto_ack=False)
@@ -200,7 +276,7 @@ def _oldest_waiting(
             if method is None:
                 note = "the queue is empty" if looked == 1 else "no event of the key among them"
                 return {"age_ms": None, "note": note, "looked_at": looked - 1}
-            found, published = _first_of_key(properties, body, key, mode)
+            found, published = _first_of_key(properties, body, key, shared)
             if found:
                 age = None if published is None else max(0, now_ms() - int(published))
                 return {"age_ms": age, "note": None, "looked_at": looked}
@@ -217,13 +293,13 @@ def _oldest_waiting(
 
 
 def _first_of_key(
-    properties: pika.BasicProperties, body: bytes, key: str, mode: Mode
+    properties: pika.BasicProperties, body: bytes, key: str, shared: bool
 ) -> tuple[bool, Any]:
     """Whether a message holds an event of ``key``, and when the first such was published.
-    In key mode every message is the key's (a pack carries its earliest publish time); in a
-    bucket queue a pack may hold several keys' events, each with its own headers."""
+    In a key's own queue every message is the key's (a pack carries its earliest publish
+    time); in a bucket queue a pack may hold several keys' events, each with its own headers."""
     headers = properties.headers or {}
-    if mode is Mode.KEY:
+    if not shared:
         return True, headers.get(HEADER_PUBLISHED_AT)
     events = [headers]
     if is_pack(properties.content_type):

@@ -3,7 +3,8 @@ and how close the broker is to its file-descriptor limit.
 
 Everything is read, nothing is changed: Redis in four round trips (one pipeline for the config,
 the registry, the members and the counts of paused and parked keys, one read of the stream's
-policy, one MGET for every lock, one HMGET for the original keys), RabbitMQ in one scrape of
+policy, one MGET for every lock, one HMGET for the original keys; for an auto-mode stream
+three reads of its routes), RabbitMQ in one scrape of
 each node's rabbitmq_prometheus when ``KEYQ_PROMETHEUS_URL`` is set, else in two listings of
 the management API when ``KEYQ_MANAGEMENT_URL`` is (its fd use from the same place), else by
 passive declares on one channel (AMQP cannot list queues).
@@ -37,6 +38,7 @@ from keyq.broker.prometheus_api import queue_figures as prometheus_figures
 from keyq.broker.queue_probe import QueueProbe
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
+from keyq.broker.routes import RouteBook
 from keyq.broker.settings import Settings
 from keyq.broker.stranded import Stranded, stranded_row
 from keyq.broker.stream_policy import StreamPolicies
@@ -55,6 +57,7 @@ METRICS_OFF_HINT = (
     "KEYQ_PROMETHEUS_URL reads the figures from rabbitmq_prometheus instead"
 )
 
+PROMOTED, DEMOTED = "promoted:", "demoted"  # ``RouteBook.counts``' names
 Figures = dict[str, tuple[int, int] | None]  # queue -> (ready messages, consumers), None: missing
 
 
@@ -98,6 +101,7 @@ class StatusReader:
         config, (registered, members, infos, paused, parked, stranded) = self._read_redis(now)
         with redis_errors(self.settings.redis_url):
             policy = StreamPolicies(self._redis, self.stream).load()
+            routes = self._routes() if config.mode is Mode.AUTO else None
         activity = {
             str(queue): int(score)
             for queue, score in cast(list[tuple[str, float]], registered)
@@ -132,6 +136,7 @@ class StatusReader:
                 "paused_keys": int(paused),
                 "parked_keys": int(parked),
             },
+            "routes": routes,
             "queues": [*queues, dead_letter],
             "stranded": [
                 stranded_row(Stranded.from_json(raw)) for _, raw in sorted(stranded.items())
@@ -147,6 +152,22 @@ class StatusReader:
                 "workers": len(workers),
                 "events_per_s": None,
             },
+        }
+
+    def _routes(self) -> dict[str, Any]:
+        """An auto-mode stream's keys with a queue of their own, the moves still open, and
+        how many keys were promoted (by why) and demoted since the stream began."""
+        book = RouteBook(self._redis, self.stream)
+        counts = book.counts()
+        return {
+            "promoted_keys": book.count(),
+            "open_moves": len(book.open_moves()),
+            "promotions": {
+                name.removeprefix(PROMOTED): count
+                for name, count in sorted(counts.items())
+                if name.startswith(PROMOTED)
+            },
+            "demotions": counts.get(DEMOTED, 0),
         }
 
     def _read_redis(self, now: int) -> tuple[StreamConfig, list[Any]]:
@@ -177,9 +198,14 @@ class StatusReader:
         names = list(activity)
         with redis_errors(self.settings.redis_url):
             holders = self._locks.holders(names)
-            # A bucket queue holds many keys (the registry keeps the first one seen).
-            keyed = config.mode is Mode.KEY
+            # A bucket queue holds many keys (the registry keeps the first one seen); in auto
+            # mode a promoted key's own queue is its alone.
+            keyed = config.holds_own_queues()
             originals = self._registry.original_keys(names) if keyed else dict.fromkeys(names)
+            buckets = f"{stream_prefix(self.stream)}b."
+            for name in names if config.mode is Mode.AUTO else ():
+                if name.startswith(buckets):
+                    originals[name] = None
         declared = self._figures([*names, self._dead_letter_queue])
         rows = []
         for name in names:
@@ -358,14 +384,17 @@ def collect_status(settings: Settings, stream: str) -> dict[str, Any]:
 
     ``policy``: the stream's ``poison_policy``, ``rate_limit`` (events/s per key, None for
     none), ``paused`` (the whole stream), and how many keys are paused (``paused_keys``) or
-    parked (``parked_keys``). ``queues``: every registered queue, deepest first, then the dead-
-    letter queue, each with ``name``, ``key`` (original key; None in bucket mode), ``depth``
-    (ready messages; None and ``missing`` when the queue does not exist), ``consumers``,
-    ``owner``/``token`` (lock holder), ``owner_alive`` and ``idle_ms`` (since last registry
-    activity). ``workers``: the live members with ``heartbeat_age_ms`` (expiry minus
-    ``settings.member_ttl_ms``), ``held`` (locks held now) and their reported counters;
-    ``events_per_s`` is None in a snapshot (see ``add_rates``). ``totals``: queue count, lag
-    (sum of keyed depths), dead-letter depth, held/unheld/missing queues, workers.
+    parked (``parked_keys``). ``routes`` (auto mode, else None): ``promoted_keys`` (keys with
+    a queue of their own now), ``open_moves`` (promoted keys their bucket's holder has not
+    handed over yet), ``promotions`` (since the stream began, by why) and ``demotions``.
+    ``queues``: every registered queue, deepest first, then the dead-letter queue, each with
+    ``name``, ``key`` (original key; None for a bucket), ``depth`` (ready messages; None and
+    ``missing`` when the queue does not exist), ``consumers``, ``owner``/``token`` (lock
+    holder), ``owner_alive`` and ``idle_ms`` (since last registry activity). ``workers``: the
+    live members with ``heartbeat_age_ms`` (expiry minus ``settings.member_ttl_ms``), ``held``
+    (locks held now) and their reported counters; ``events_per_s`` is None in a snapshot (see
+    ``add_rates``). ``totals``: queue count, lag (sum of keyed depths), dead-letter depth,
+    held/unheld/missing queues, workers.
     ``broker``: ``fd_used``/``fd_limit``/``fd_ratio`` of the broker node closest to its fd
     limit and ``near_limit`` (at ``settings.fd_warn_ratio``), or None figures and
     ``unknown_reason`` without rabbitmq_prometheus or the management API, and the ``source``
