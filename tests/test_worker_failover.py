@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from keyq import Producer
+from keyq.broker.routes import RouteBook
 from keyq.worker.batch.state_store import StateStore
 from tests.workers import held_by, wait_until
 
@@ -34,7 +35,7 @@ class Publisher(threading.Thread):
 
     def run(self) -> None:
         try:
-            buckets = 8 if self.mode == "bucket" else None
+            buckets = None if self.mode == "key" else 8
             with Producer(self.stream, mode=self.mode, buckets=buckets) as producer:
                 for n in range(1, self.per_key + 1):
                     for key in self.keys:
@@ -79,12 +80,14 @@ def wait_applied(store: StateStore, keys: list[str], per_key: int, timeout: floa
         raise
 
 
-@pytest.mark.parametrize("mode", ["key", "bucket"])
+@pytest.mark.parametrize("mode", ["key", "bucket", "auto"])
 def test_kill_add_and_remove_workers_mid_run(mode: str, stream: Any, workers: Any) -> None:
     keys = [f"order-{i}" for i in range(12)]
     per_key = 300
     store = StateStore(stream.redis, stream.name)
-    options = {"mode": mode, "buckets": 8 if mode == "bucket" else None}
+    options: dict[str, Any] = {"mode": mode, "buckets": None if mode == "key" else 8}
+    if mode == "auto":  # each key at about 6 events a second: promoted as the run begins
+        options["env"] = {"KEYQ_AUTO_PROMOTE_RATE": "3"}
     first = workers(stream.name, **options)
     second = workers(stream.name, **options)
     first.wait_ready()
@@ -105,5 +108,7 @@ def test_kill_add_and_remove_workers_mid_run(mode: str, stream: Any, workers: An
     assert publisher.error is None, publisher.error
     wait_applied(store, keys, per_key, timeout=90)
     check_exactly_once(store, keys, per_key)
+    if mode == "auto":  # the keys were moved to queues of their own through the kills
+        assert RouteBook(stream.redis, stream.name).counts().get("promoted:rate", 0) > 0
     assert third.process.poll() is None
     assert set(held_by(stream.redis, stream.name)) <= {third.worker_id}
