@@ -1,0 +1,69 @@
+"""The pure parts of auto mode: which keys are promoted (RouteWatch) and where the key gate
+routes a delivery (Routing.way)."""
+
+from __future__ import annotations
+
+from keyq.broker.key_control import KeyStatus, ParkedKey
+from keyq.broker.routes import Route
+from keyq.worker.batch.key_gate import Routing, Way
+from keyq.worker.batch.route_watch import RouteWatch
+from tests.helpers import plain_delivery
+
+STREAM = "s"
+BUCKET = "keyq.s.b.00001"
+OWN = "keyq.s.k.k1"
+ASIDE = "keyq.s.a.0123.abc"
+
+
+def route(*, open_move: bool, queue: str = OWN) -> Route:
+    return Route(epoch=3, queue=queue, bucket=BUCKET, open=open_move, at_ms=0, why="rate")
+
+
+def test_a_key_is_promoted_by_its_rate_over_a_window_not_by_one_quiet_batch() -> None:
+    watch = RouteWatch(rate=100, backlog=1000)
+    assert watch.due({"k1": 40}, {}, now=10.0) == {}
+    assert watch.due({"k1": 40}, {}, now=10.5) == {}
+    assert watch.due({"k1": 40}, {}, now=10.9) == {"k1": "rate"}  # 120 within a second
+    assert watch.due({"k1": 40}, {}, now=11.0) == {}  # promoted: its count starts again
+    assert watch.due({"k2": 60}, {}, now=20.0) == {}
+    assert watch.due({"k2": 60}, {}, now=21.5) == {}  # the first 60 fell out of the window
+
+
+def test_backlog_held_back_and_rate_limited_keys_are_promoted_at_once() -> None:
+    watch = RouteWatch(rate=1e9, backlog=500)
+    paused = KeyStatus(paused_since_ms=1)
+    parked_with_aside = KeyStatus(parked=ParkedKey(1, "poison", "p", 3), aside=("q",))
+    promoted = KeyStatus(route=route(open_move=False))
+    watch.limited(["limited"], now=5.0)
+    found = watch.due(
+        {"big": 500, "paused": 1, "aside": 1, "limited": 1, "promoted": 900, "small": 3},
+        {"paused": paused, "aside": parked_with_aside, "promoted": promoted},
+        now=5.1,
+    )
+    assert found == {"big": "backlog", "paused": "stopped", "limited": "rate-limited"}
+    assert watch.due({"limited": 1}, {}, now=7.0) == {}  # given once, and forgotten
+
+
+def test_the_gate_routes_a_promoted_keys_events() -> None:
+    bucket = plain_delivery(BUCKET, 1)
+    own = plain_delivery(OWN, 1)
+    aside = plain_delivery(ASIDE, 1)
+    forwarding = Routing(STREAM, {ASIDE: BUCKET}, frozenset({"k1"}))
+    retiring = Routing(STREAM, {}, frozenset())
+    # In its bucket: forwarded, or moving while its own queue is being retired.
+    assert forwarding.way(bucket, "k1", route(open_move=True), aside=False) is Way.FORWARD
+    assert forwarding.way(bucket, "k1", route(open_move=False), aside=False) is Way.FORWARD
+    assert retiring.way(bucket, "k1", route(open_move=False), aside=False) is Way.MOVING
+    assert forwarding.way(bucket, "k2", None, aside=False) is None  # not promoted
+    # Drained aside under the bucket's lease: only the own queue's holder may apply it now.
+    assert forwarding.way(aside, "k1", route(open_move=False), aside=True) is Way.HAND_BACK
+    # In its own queue: waiting while the move is open, applied once it is closed.
+    assert forwarding.way(own, "k1", route(open_move=True), aside=False) is Way.MOVING
+    assert forwarding.way(own, "k1", route(open_move=False), aside=False) is None
+    # A copy left in an own queue its route no longer names.
+    assert forwarding.way(own, "k1", None, aside=False) is Way.MOVING
+    elsewhere = route(open_move=False, queue="keyq.s.k.other")
+    assert forwarding.way(own, "k1", elsewhere, aside=False) is Way.MOVING
+    own_aside = Routing(STREAM, {ASIDE: OWN}, frozenset())
+    assert own_aside.way(aside, "k1", route(open_move=True), aside=True) is Way.HAND_BACK
+    assert own_aside.way(aside, "k1", route(open_move=False), aside=True) is None
