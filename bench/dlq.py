@@ -40,6 +40,7 @@ from bench.common import (
     registered_queues,
     stream_redis_keys,
 )
+from keyq.broker.confirm_window import ConfirmWindow
 from keyq.broker.connections import open_redis
 from keyq.broker.dead_letter_index import DeadLetterIndex
 from keyq.broker.dead_letter_queue import DeadLetterWalk, letters_of
@@ -49,7 +50,6 @@ from keyq.broker.naming import dead_letter_queue_name, key_queue_name
 from keyq.broker.settings import Settings, load_settings
 from keyq.broker.streams import ensure_stream_config
 from keyq.broker.topology import dead_letter_queue_arguments
-from keyq.ops.confirm_window import ConfirmWindow
 from keyq.worker.amqp.dead_letters import DeadLetter, dead_letter_properties
 from keyq.worker.amqp.deliveries import Delivery
 

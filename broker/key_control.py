@@ -22,20 +22,26 @@ import orjson
 import redis
 
 from keyq.broker.clock import now_ms
+from keyq.broker.errors import KeysStopped
 from keyq.broker.locks import Lease
 from keyq.broker.naming import base_queue_name, key_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.routes import Route
 from keyq.broker.text import as_text
 
-# KEYS = aside hash, lock key, queue keys; ARGV = key, lease value, queue, the leased queue if
-# it is the key's own (key mode; else ''). Sets the key's aside list to [queue] when it is
-# empty; returns the list (JSON) as it is after, or false if the lease is not current. The key's
-# own queue is recorded as the key's, so that no janitor retires it while events wait aside,
-# whatever registered it (``broker.retirement``).
+# KEYS = aside hash, lock key, queue keys, routes; ARGV = key, lease value, queue, the leased
+# queue if it is the key's own (else ''). Sets the key's aside list to [queue] when it is
+# empty; returns the list (JSON) as it is after, false if the lease is not current, or
+# 'routed' when the leased queue is a bucket whose key was promoted meanwhile (auto mode: only
+# its own queue's holder may start its list now). The key's own queue is recorded as the key's,
+# so that no janitor retires it while events wait aside, whatever registered it
+# (``broker.retirement``).
 _SET_ASIDE_TAIL = """
 if redis.call('GET', KEYS[2]) ~= ARGV[2] then
   return false
+end
+if ARGV[4] == '' and redis.call('HEXISTS', KEYS[4], ARGV[1]) == 1 then
+  return 'routed'
 end
 if ARGV[4] ~= '' then
   redis.call('HSET', KEYS[3], ARGV[4], ARGV[1])
@@ -239,16 +245,27 @@ class KeyControl:
 
     def set_aside_tail(self, key: str, lease: Lease, queue: str) -> list[str] | None:
         """The key's aside list, starting it with ``queue`` if it is empty; None if ``lease``
-        (of the queue the key's events come from) is no longer current."""
+        (of the queue the key's events come from) is no longer current. Raises ``KeysStopped``
+        when that queue is a bucket whose key was promoted since the batch read its status (the
+        batch runs again and forwards them)."""
         stream = self._keys.stream
         own = base_queue_name(lease.queue) in {
             key_queue_name(stream, key, incarnations=quorum) for quorum in (False, True)
         }
         raw = self._set_tail(
-            keys=[self._keys.aside, self._keys.lock(lease.queue), self._keys.queue_keys],
+            keys=[
+                self._keys.aside,
+                self._keys.lock(lease.queue),
+                self._keys.queue_keys,
+                self._keys.routes,
+            ],
             args=[key, lease.value, queue, lease.queue if own else ""],
         )
-        return None if raw is None else list(orjson.loads(raw))
+        if raw is None:
+            return None
+        if as_text(raw) == "routed":
+            raise KeysStopped(f"key {key!r} was promoted while its batch ran")
+        return list(orjson.loads(raw))
 
     def drop_aside(self, key: str, lease: Lease, queue: str) -> list[str] | None:
         """Drop ``queue`` (drained and deleted) from the key's list; returns what is left, or

@@ -190,6 +190,36 @@ def test_a_hot_key_is_promoted_by_its_rate_and_a_paused_one_when_held_back(
         run.kill_all()
 
 
+def test_a_backlog_of_one_key_is_promoted_and_forwarded_whole(
+    stream: StreamFixture, workers: Any
+) -> None:
+    """Thousands of one key's events wait in its bucket when the worker starts: the attempt
+    that shows them promotes the key and forwards them at once, within the own queue's publish
+    lease (at the default settings), while its bucket-mates are applied in the bucket."""
+    run = Moves(stream, workers, {})
+    run.env.pop("KEYQ_BATCH_MAX_EVENTS")
+    big, cold = "big-1", [f"cold-{i}" for i in range(20)]
+    producer = Producer(stream.name, mode="auto", buckets=BUCKETS, settings=stream.settings)
+    try:
+        for n in range(1, 3001):
+            producer.publish(big, {"n": n, "producer": producer.producer_id})
+            if n % 100 == 0:
+                for key in cold:
+                    producer.publish(key, {"n": n // 100, "producer": producer.producer_id})
+        producer.flush(timeout=60)
+        run.worker().wait_ready()
+        totals = {producer.producer_id: 3000}
+        wait_until(lambda: not run.wrong([big], totals), 180, "the big key applied")
+        wait_until(lambda: not run.wrong(cold, {producer.producer_id: 30}), 60, "cold keys")
+        route = run.book.route(big)
+        assert route is not None and route.why in ("backlog", "rate"), route
+        assert all(run.book.route(key) is None for key in cold)
+        assert run.reported("forwarded") >= 1000
+    finally:
+        producer.close(timeout=10)
+        run.kill_all()
+
+
 def test_the_bucket_holder_alone_may_close_a_move(stream: StreamFixture) -> None:
     """A close is fenced by the bucket's lock: a stale holder's close is refused."""
     config = ensure_stream_config(stream.redis, stream.name, mode="auto", buckets=BUCKETS)

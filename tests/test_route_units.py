@@ -61,9 +61,9 @@ def test_the_gate_routes_a_promoted_keys_events() -> None:
     assert forwarding.way(own, "k1", route(open_move=True), aside=False) is Way.MOVING
     assert forwarding.way(own, "k1", route(open_move=False), aside=False) is None
     # A copy left in an own queue its route no longer names.
-    assert forwarding.way(own, "k1", None, aside=False) is Way.MOVING
+    assert forwarding.way(own, "k1", None, aside=False) is Way.STALE
     elsewhere = route(open_move=False, queue="keyq.s.k.other")
-    assert forwarding.way(own, "k1", elsewhere, aside=False) is Way.MOVING
+    assert forwarding.way(own, "k1", elsewhere, aside=False) is Way.STALE
     own_aside = Routing(STREAM, {ASIDE: OWN}, frozenset())
     assert own_aside.way(aside, "k1", route(open_move=True), aside=True) is Way.HAND_BACK
     assert own_aside.way(aside, "k1", route(open_move=False), aside=True) is None

@@ -315,6 +315,7 @@ class Worker:
                 watch=RouteWatch(
                     rate=settings.auto_promote_rate, backlog=settings.auto_promote_backlog
                 ),
+                sink=link.dead_letters,
                 lease_ms=settings.publish_lease_ms,
             )
             if auto

@@ -18,9 +18,9 @@ import time
 
 import pika
 
+from keyq.broker.confirm_window import ConfirmWindow
 from keyq.cli.root import main
 from keyq.ops import bulk_redrive, dead_letter_lock
-from keyq.ops.confirm_window import ConfirmWindow
 
 
 def pause_after(count: int, seconds: float) -> None:

@@ -18,6 +18,7 @@ import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
 from keyq.broker.clock import now_ms
+from keyq.broker.confirm_window import ConfirmWindow
 from keyq.broker.connections import describe_exception
 from keyq.broker.envelope import (
     HEADER_ATTEMPTS,
@@ -164,6 +165,33 @@ class DeadLetterPublisher:
             properties = aside_properties(delivery, key)
             channel.basic_publish("", queue, delivery.body, properties, mandatory=True)
 
+    def declare(self, queues: Sequence[str]) -> None:
+        """Declare ``queues`` as the stream's keyed queues are (a promoted key's own queues)."""
+        connection = self._connection()
+        if connection is None or self._channel is None:
+            raise BrokerUnavailable("not connected to RabbitMQ")
+        channel = connection.channel()
+        arguments = keyed_queue_arguments(self._stream, self._queue_type)
+        for queue in queues:
+            channel.queue_declare(queue, durable=True, arguments=arguments)
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            channel.close()
+
+    def forward(self, copies: Sequence[tuple[str, str, Sequence[Delivery]]]) -> None:
+        """Copy each ``(queue, key, deliveries)``, in order, to its queue (which must exist:
+        mandatory), with their confirms awaited together rather than one by one."""
+        connection = self._connection()
+        if connection is None or self._channel is None:
+            raise BrokerUnavailable("not connected to RabbitMQ")
+        window = ConfirmWindow(connection)
+        try:
+            for queue, key, deliveries in copies:
+                for delivery in deliveries:
+                    window.publish(queue, delivery.body, aside_properties(delivery, key))
+            window.wait()
+        finally:
+            window.close()
+
     def delete_drained(self, queue: str) -> bool:
         """Delete ``queue``, found drained by its only consumer
         (``keyq.worker.holding.aside_drains``); False if a classic queue turned out not to be
@@ -219,16 +247,24 @@ class DeadLetterCalls:
                 f"events set aside not confirmed: {describe_exception(exc)}"
             ) from None
 
-    def forward(self, queue: str, key: str, deliveries: Sequence[Delivery]) -> None:
-        """Copy a promoted key's deliveries from its bucket to its own ``queue``, confirmed
-        (declared as a keyed queue first, as an aside queue is)."""
-        if not deliveries:
+    def declare(self, queues: Sequence[str]) -> None:
+        """Declare promoted keys' own queues."""
+        if not queues:
             return
         try:
-            self._io.call(lambda: self._publisher.set_aside(queue, key, deliveries))
+            self._io.call(lambda: self._publisher.declare(queues))
+        except pika.exceptions.AMQPError as exc:
+            raise BrokerUnavailable(f"declaring {queues[0]}: {describe_exception(exc)}") from None
+
+    def forward(self, copies: Sequence[tuple[str, str, Sequence[Delivery]]]) -> None:
+        """Copy promoted keys' deliveries from their buckets to their own queues, confirmed."""
+        if not copies:
+            return
+        try:
+            self._io.call(lambda: self._publisher.forward(copies))
         except pika.exceptions.AMQPError as exc:
             raise BrokerUnavailable(
-                f"events forwarded to {queue} not confirmed: {describe_exception(exc)}"
+                f"events forwarded to {copies[0][0]} not confirmed: {describe_exception(exc)}"
             ) from None
 
     def delete_drained(self, queue: str) -> bool:

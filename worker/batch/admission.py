@@ -140,6 +140,7 @@ def admit(
         (Disposition.RATE_LIMITED, limited),
         (Disposition.FORWARD, [d for copies in gate.forward.values() for d in copies]),
         (Disposition.MOVING, gate.moving),
+        (Disposition.DUPLICATE, gate.stale),
         (Disposition.DEFER, run.deferred),
         (Disposition.DEAD_LETTER, [letter.delivery for letter in run.letters]),
         (Disposition.APPLY, [event.delivery for event in deduped.events]),

@@ -15,6 +15,7 @@ from keyq.broker.key_control import KeyControl
 from keyq.broker.locks import Lease
 from keyq.broker.naming import is_aside_queue
 from keyq.broker.registry import QueueRegistry
+from keyq.broker.routes import Route
 from keyq.broker.stream_policy import StreamPolicy
 from keyq.worker.amqp.deliveries import Delivery
 from keyq.worker.batch.admission import Admission, Reads, admit
@@ -27,7 +28,7 @@ from keyq.worker.batch.outcome import BatchProgress
 from keyq.worker.batch.plan import RunPlan
 from keyq.worker.batch.ports import KeyDirectory, LeaseLookup
 from keyq.worker.batch.rate_limits import KeyRateLimiter
-from keyq.worker.batch.routing import AutoRouting, ForwardTarget
+from keyq.worker.batch.routing import AutoRouting
 from keyq.worker.batch.sequencing import Gap
 from keyq.worker.batch.spans import BatchSpans
 from keyq.worker.batch.state_store import StateStore
@@ -99,9 +100,9 @@ class BatchAttempt:
         decoded = decoder_for(self._keys.keys_of({delivery.queue for delivery in deliveries}))
         reads = self._read(deliveries, decoded, policy)
         routing: Routing | None = None
-        targets: dict[str, ForwardTarget] = {}
+        routes: dict[str, Route] = {}
         if self._routing is not None:
-            routing, targets = self._routing.prepare(deliveries, decoded, reads.statuses, leases)
+            routing, routes = self._routing.prepare(deliveries, decoded, reads.statuses, leases)
         admission = admit(
             deliveries,
             decoded,
@@ -130,7 +131,7 @@ class BatchAttempt:
                     attempt=attempt,
                     progress=progress,
                     clock=clock,
-                    targets=targets,
+                    routes=routes,
                 )
             except KeysStopped:
                 if rerun:
@@ -139,8 +140,6 @@ class BatchAttempt:
                 log.info("a key of batch %s was paused while it ran: running it again", batch_id)
                 self.run(deliveries, attempt, dead, progress, rerun=True)
                 return
-        if self._routing is not None:
-            self._routing.note_forwarded(admission, targets)
         self._note_gaps(admission.run, moved=admission.forward.keys())
         self._touch(leases)
         clock.lap()  # touch

@@ -24,13 +24,13 @@ from keyq.broker.key_control import KeyControl
 from keyq.broker.locks import Lease
 from keyq.broker.naming import aside_queue_name
 from keyq.broker.redis_keys import StreamKeys
+from keyq.broker.routes import Route
 from keyq.worker.amqp.dead_letters import DeadLetter
 from keyq.worker.amqp.deliveries import Delivery
 from keyq.worker.batch.admission import Admission
 from keyq.worker.batch.fenced_commit import FencedCommit
 from keyq.worker.batch.outcome import BatchProgress
-from keyq.worker.batch.ports import Acker, DeadLetterSink
-from keyq.worker.batch.routing import ForwardTarget
+from keyq.worker.batch.ports import Acker, DeadLetterSink, Forwarding
 from keyq.worker.batch.spans import BatchSpans
 from keyq.worker.batch.state_store import StateStore
 from keyq.worker.batch.stats import StageClock
@@ -61,6 +61,7 @@ class BatchEffects:
         acker: Acker,
         dead_letters: DeadLetterSink,
         spans: BatchSpans,
+        forwarding: Forwarding | None = None,
     ) -> None:
         self._stream = stream
         self._stream_keys = StreamKeys(stream)
@@ -71,6 +72,7 @@ class BatchEffects:
         self._acker = acker
         self._dead_letters = dead_letters
         self._spans = spans
+        self._forwarding = forwarding
         self._dead_letter_index: DeadLetterIndex | None = None  # made on first dead letter
 
     def run(
@@ -82,7 +84,7 @@ class BatchEffects:
         attempt: int,
         progress: BatchProgress,
         clock: StageClock,
-        targets: Mapping[str, ForwardTarget] | None = None,
+        routes: Mapping[str, Route] | None = None,
     ) -> Computed:
         """Every effect of ``admission``, in order; raises before the ack when one fails
         (``PipelineError``, ``CommitRefused``, ``KeysStopped``, a service down). What the
@@ -94,7 +96,9 @@ class BatchEffects:
             if self._control.park(key, where):
                 log.warning("parked key %r at a poison event: %s", key, where.reason)
         self._set_aside(admission.aside, leases)
-        self._forward(admission.forward, targets or {})
+        if admission.forward:
+            assert self._forwarding is not None  # only auto mode forwards
+            self._forwarding.forward(admission.forward, routes or {})
         self._dead_letter(admission, attempt)
         with self._spans.stage("commit"):
             self._output.commit(
@@ -141,16 +145,6 @@ class BatchEffects:
                 )
             self._dead_letters.set_aside(queues[-1], key, deliveries)
             log.info("set %d events of key %r aside in %s", len(deliveries), key, queues[-1])
-
-    def _forward(
-        self, forward: Mapping[str, list[Delivery]], targets: Mapping[str, ForwardTarget]
-    ) -> None:
-        """Copy each promoted key's events from its bucket to its own queue, confirmed within
-        the own queue's publish lease (``keyq.worker.batch.routing``)."""
-        for key, deliveries in forward.items():
-            target = targets[key]
-            self._dead_letters.forward(target.queue, key, deliveries)
-            target.check()
 
     def _dead_letter(self, admission: Admission, attempt: int) -> None:
         """Copies confirmed in the dead-letter queue and indexed in the same step, before the

@@ -34,6 +34,7 @@ class GateSorting:
     parking: dict[str, ParkedKey] = field(default_factory=dict)  # keys to park, at what
     forward: dict[str, list[Delivery]] = field(default_factory=dict)  # key -> to its own queue
     moving: list[Delivery] = field(default_factory=list)  # its key's move is not closed
+    stale: list[Delivery] = field(default_factory=list)  # copies no route names: settled
 
     through_keys: list[str | None] = field(default_factory=list)  # the key of each through
 
@@ -52,6 +53,7 @@ class Way(enum.Enum):
     FORWARD = "forward"
     MOVING = "moving"
     HAND_BACK = "hand back"
+    STALE = "stale"  # a copy no route names: its original is still in the bucket
 
 
 @dataclass(frozen=True)
@@ -71,10 +73,15 @@ class Routing:
             if aside:
                 return Way.HAND_BACK  # only its own queue's holder drains it now
             return Way.FORWARD if key in self.forwardable else Way.MOVING
-        if route is not None and not route.open and base_queue_name(holder) == route.queue:
-            return None  # its own queue, the move closed: applied here
-        # Its move is open, or its route names no longer this queue (a copy left behind).
-        return Way.HAND_BACK if aside else Way.MOVING
+        if aside:
+            closed = route is not None and not route.open
+            return None if closed else Way.HAND_BACK  # drained once the move is closed
+        if route is None or base_queue_name(holder) != route.queue:
+            # A copy whose forward did not count (confirmed after its lease, or its attempt
+            # failed after it): the key was demoted, so its own queue was deleted empty, and
+            # this copy's original was never acked in the bucket, where it is applied.
+            return Way.STALE
+        return Way.MOVING if route.open else None
 
 
 def sort_by_key_status(
@@ -135,6 +142,9 @@ def sort_by_key_status(
             continue
         if way is Way.HAND_BACK:
             sorting.hand_back.append(delivery)
+            continue
+        if way is Way.STALE:
+            sorting.stale.append(delivery)
             continue
         poison = poisons.get(key)
         stops_here = poison is not None and _after(item, index, items[poison], poison)

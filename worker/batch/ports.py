@@ -9,6 +9,7 @@ from typing import Protocol
 import pika
 
 from keyq.broker.locks import Lease
+from keyq.broker.routes import Route
 from keyq.worker.amqp.dead_letters import DeadLetter
 from keyq.worker.amqp.deliveries import Delivery
 
@@ -35,8 +36,19 @@ class DeadLetterSink(Protocol):
     def set_aside(self, queue: str, key: str, deliveries: Sequence[Delivery]) -> None:
         """Copy ``key``'s ``deliveries`` to its aside ``queue``, confirmed."""
 
-    def forward(self, queue: str, key: str, deliveries: Sequence[Delivery]) -> None:
-        """Copy a promoted ``key``'s ``deliveries`` to its own ``queue``, confirmed."""
+    def declare(self, queues: Sequence[str]) -> None:
+        """Declare promoted keys' own ``queues``."""
+
+    def forward(self, copies: Sequence[tuple[str, str, Sequence[Delivery]]]) -> None:
+        """Copy each ``(queue, key, deliveries)`` of promoted keys to their own queues,
+        confirmed."""
+
+
+class Forwarding(Protocol):
+    """Auto mode: a promoted key's events copied from its bucket to its own queue."""
+
+    def forward(self, forward: Mapping[str, list[Delivery]], routes: Mapping[str, Route]) -> None:
+        """Copy each key's ``forward`` deliveries to the own queue of its route, confirmed."""
 
 
 class KeyDirectory(Protocol):

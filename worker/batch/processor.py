@@ -81,7 +81,9 @@ class BatchProcessor:
             wants_output=sink is not None,
         )
         output = FencedCommit(store=store, sink=sink, stats=self.stats)
-        effects = BatchEffects(stream, job, output, store, control, acker, dead_letters, spans)
+        effects = BatchEffects(
+            stream, job, output, store, control, acker, dead_letters, spans, forwarding=routing
+        )
         self._attempt = BatchAttempt(
             worker_id=worker_id,
             stream=stream,

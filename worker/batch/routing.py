@@ -2,10 +2,12 @@
 a bucket's holder may forward to now, and the ``Routing`` the key gate sorts by.
 
 A forward is a publish to the key's own queue, so it goes under a publish lease of the
-retirement fence, as a producer's would: while the janitor retires that queue the key's events
-wait in the bucket (moving), and a copy confirmed after its lease ran out does not count (the
-attempt fails and runs again; a second copy is a duplicate by its seq). An own queue is
-registered with its key, and announced, once its first forward has declared it.
+retirement fence, as a producer's would, taken right before the copies are sent: while the
+janitor retires that queue the key's events wait in the bucket (moving); a route found changed
+after the lease (the janitor demoted the key meanwhile) runs the attempt again; and a copy
+confirmed after its lease ran out does not count (the attempt fails and runs again; a second
+copy is a duplicate by its seq). An own queue is declared, then registered with its key and
+announced, before its first copy is sent.
 """
 
 from __future__ import annotations
@@ -14,11 +16,10 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
 
 import redis
 
-from keyq.broker.errors import BrokerUnavailable
+from keyq.broker.errors import BrokerUnavailable, KeysStopped
 from keyq.broker.key_control import KeyControl, KeyStatus
 from keyq.broker.locks import Lease
 from keyq.broker.naming import (
@@ -34,24 +35,10 @@ from keyq.worker.amqp.deliveries import Delivery
 from keyq.worker.batch.admission import Admission, Disposition
 from keyq.worker.batch.decoding import Decoder
 from keyq.worker.batch.key_gate import Routing
+from keyq.worker.batch.ports import DeadLetterSink
 from keyq.worker.batch.route_watch import RouteWatch
 
 log = logging.getLogger("keyq.worker.batch")
-
-
-@dataclass(frozen=True)
-class ForwardTarget:
-    """The own queue a key's events go to, and until when its publish lease holds."""
-
-    queue: str  # its current incarnation's name
-    lease_until: float  # monotonic
-    epoch: int  # the route's
-
-    def check(self) -> None:
-        """A copy confirmed after the lease ran out may have gone to a queue deleted meanwhile
-        (rabbitmq-server#4746): not proof, so the attempt runs again."""
-        if time.monotonic() > self.lease_until:
-            raise BrokerUnavailable(f"events forwarded to {self.queue} after its lease ran out")
 
 
 class AutoRouting:
@@ -65,6 +52,7 @@ class AutoRouting:
         registry: QueueRegistry,
         control: KeyControl,
         watch: RouteWatch,
+        sink: DeadLetterSink,
         lease_ms: int,
     ) -> None:
         self._config = config
@@ -73,6 +61,7 @@ class AutoRouting:
         self._registry = registry
         self._control = control
         self._watch = watch
+        self._sink = sink
         self._lease_s = lease_ms / 1000
         self._registered: set[tuple[str, int]] = set()  # (own queue, epoch) registered
         self.promoted: Counter[str] = Counter()  # by why
@@ -84,7 +73,7 @@ class AutoRouting:
         decoded: Decoder,
         statuses: MutableMapping[str, KeyStatus],
         leases: Mapping[str, Lease],
-    ) -> tuple[Routing, dict[str, ForwardTarget]]:
+    ) -> tuple[Routing, dict[str, Route]]:
         """Promote the keys due (their statuses updated in place), lease the own queues of the
         promoted keys found in buckets, and say how to route this attempt and where to."""
         lease_queue = {queue: lease.queue for queue, lease in leases.items()}
@@ -98,8 +87,12 @@ class AutoRouting:
             for key in counts
             if (status := statuses.get(key)) is not None and (route := status.route) is not None
         }
-        targets = self._targets(routed)
-        return Routing(self._config.stream, lease_queue, frozenset(targets)), targets
+        granted = self._fence.lease(sorted({route.queue for route in routed.values()}))
+        # Being retired: its events wait in the bucket until the key is demoted.
+        forwardable = {
+            key: route for key, route in routed.items() if granted.get(route.queue) is not None
+        }
+        return Routing(self._config.stream, lease_queue, frozenset(forwardable)), forwardable
 
     def observe(self, admission: Admission, decoded: Decoder) -> None:
         """What the attempt came to, for later ones: its rate-limited keys."""
@@ -135,33 +128,35 @@ class AutoRouting:
                 self.promoted[why] += 1
                 log.info("promoted key %r to a queue of its own (%s)", key, why)
 
-    def _targets(self, routed: Mapping[str, Route]) -> dict[str, ForwardTarget]:
-        """The own queue of each routed key that may be published to now, leased."""
-        if not routed:
-            return {}
+    def forward(self, forward: Mapping[str, list[Delivery]], routes: Mapping[str, Route]) -> None:
+        """Copy each promoted key's events from its bucket to its own queue, confirmed, under a
+        publish lease taken now, its route unchanged since the attempt read it. Raises
+        ``KeysStopped`` when a route changed (the attempt runs again and sees it) and
+        ``BrokerUnavailable`` when the copies were confirmed after the lease ran out."""
+        if not forward:
+            return
         started = time.monotonic()
-        granted = self._fence.lease(sorted({route.queue for route in routed.values()}))
-        targets: dict[str, ForwardTarget] = {}
-        for key, route in routed.items():
-            incarnation = granted.get(route.queue)
-            if incarnation is None:
-                continue  # being retired: its events wait in the bucket until it is demoted
-            name = incarnation_name(route.queue, incarnation)
-            targets[key] = ForwardTarget(name, started + self._lease_s, route.epoch)
-        return targets
-
-    def note_forwarded(self, admission: Admission, targets: Mapping[str, ForwardTarget]) -> None:
-        """After the attempt's effects: count its forwards, and register (with its key) and
-        announce each own queue forwarded to for the first time in its epoch, declared by that
-        forward, so a worker claims it at once."""
-        self.forwarded += sum(len(found) for found in admission.forward.values())
+        granted = self._fence.lease(sorted({routes[key].queue for key in forward}))
+        current = self._book.routes(forward)  # read after the lease: see the module's note
+        copies: list[tuple[str, str, Sequence[Delivery]]] = []
+        for key, deliveries in forward.items():
+            route, incarnation = routes[key], granted.get(routes[key].queue)
+            now = current.get(key)
+            if incarnation is None or now is None or now.epoch != route.epoch:
+                raise KeysStopped(f"the route of key {key!r} changed while its batch ran")
+            copies.append((incarnation_name(route.queue, incarnation), key, deliveries))
         new = {
-            targets[key].queue: key
-            for key in admission.forward
-            if (targets[key].queue, targets[key].epoch) not in self._registered
+            queue: key
+            for queue, key, _ in copies
+            if (queue, routes[key].epoch) not in self._registered
         }
         if new:
+            self._sink.declare(list(new))
             self._registry.register(dict[str, str | None](new))
-            self._registered.update(
-                (targets[key].queue, targets[key].epoch) for key in new.values()
+            self._registered.update((queue, routes[key].epoch) for queue, key in new.items())
+        self._sink.forward(copies)
+        if time.monotonic() > started + self._lease_s:
+            raise BrokerUnavailable(
+                f"events forwarded to {copies[0][0]} were confirmed after their lease ran out"
             )
+        self.forwarded += sum(len(deliveries) for _, _, deliveries in copies)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from keyq.broker.confirm_window import ConfirmWindow
 from keyq.broker.dead_letter_index import DeadLetterIndex
 from keyq.broker.dead_letter_queue import DeadLetterMessage, DeadLetterWalk, packs_left_partly
 from keyq.broker.errors import LockLost
@@ -28,7 +29,6 @@ from keyq.broker.key_control import KeyControl
 from keyq.broker.key_wake import wake_keys
 from keyq.broker.naming import redrive_queue_name
 from keyq.broker.topology import keyed_queue_arguments
-from keyq.ops.confirm_window import ConfirmWindow
 from keyq.ops.context import OperatorContext
 from keyq.ops.dead_letter_lock import DeadLetterLock
 from keyq.ops.redrive import NothingToRedrive, delete_orphans, redriven_properties

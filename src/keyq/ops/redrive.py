@@ -31,6 +31,7 @@ import orjson
 import pika
 import pika.exceptions
 
+from keyq.broker.confirm_window import ConfirmWindow
 from keyq.broker.dead_letter_index import DeadLetterIndex
 from keyq.broker.dead_letter_queue import BROKER_HEADERS, DeadLetterMessage, DeadLetterWalk
 from keyq.broker.envelope import (
@@ -49,7 +50,6 @@ from keyq.broker.key_control import KeyControl
 from keyq.broker.key_wake import wake_keys
 from keyq.broker.naming import redrive_queue_name
 from keyq.broker.topology import keyed_queue_arguments
-from keyq.ops.confirm_window import ConfirmWindow
 from keyq.ops.context import OperatorContext
 from keyq.ops.dead_letter_lock import DeadLetterLock
 from keyq.ops.dead_letter_selection import by_ids, of_key, whole_packs
