@@ -161,3 +161,16 @@ def test_any_interleaving_of_adds_and_takes_is_fair_and_loses_nothing(
     assert_served_within_a_cycle(recorder.ready_before, recorder.batches, recorder.cycles)
     expected = {queue: list(range(1, n + 1)) for queue, n in recorder.added.items()}
     assert served_by_queue(recorder.batches) == expected
+
+
+def test_a_capped_queue_gives_a_shared_batch_at_most_its_cap_and_alone_all() -> None:
+    """Auto mode caps a promoted key's own queue in batches it shares with other queues."""
+    buffer = DeliveryBuffer(shared_cap=lambda queue: 100 if queue == "hot" else None)
+    for tag in range(1, 1001):
+        buffer.add(delivery("hot", tag))
+    for tag in range(1, 31):
+        buffer.add(delivery("bucket", tag))
+    shared = Counter(d.queue for d in take(buffer, 5000))
+    assert shared == {"hot": 100, "bucket": 30}
+    alone = Counter(d.queue for d in take(buffer, 5000))
+    assert alone == {"hot": 900}  # nothing else waits: no cap

@@ -116,6 +116,14 @@ class WorkerSettings(Settings):
         "promoted to a queue of its own",
     )
 
+    auto_key_batch_max: int = Field(
+        default=200,
+        ge=1,
+        description="auto mode: most events of a promoted key in a batch it shares with other "
+        "queues, so that a hot or slow key cannot make the batches of its worker long for the "
+        "keys of the buckets it holds (a key's events apply one after another anyway)",
+    )
+
     max_attempts: int = Field(
         default=3, ge=1, description="tries of a failing event before it is dead-lettered"
     )

@@ -27,7 +27,7 @@ from keyq.broker.errors import BrokerUnavailable, ConfigurationError
 from keyq.broker.key_control import KeyControl
 from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
-from keyq.broker.naming import Mode, check_stream_name
+from keyq.broker.naming import Mode, check_stream_name, is_bucket_queue, is_stream_queue
 from keyq.broker.producer_presence import ProducerPresence
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.routes import applying_queue
@@ -108,7 +108,9 @@ class Worker:
         self._owns_engine = engine is None
         self._stop = threading.Event()
         self._events: QueueEvents = queue_module.SimpleQueue()
-        self._buffer = DeliveryBuffer(self.settings.sequence_gap_timeout_ms / 1000)
+        self._buffer = DeliveryBuffer(
+            self.settings.sequence_gap_timeout_ms / 1000, shared_cap=self._shared_cap
+        )
         self._started_ms = now_ms()
         self._session: Session | None = None  # while serving
         self.config: StreamConfig | None = None
@@ -116,6 +118,16 @@ class Worker:
         # Told of every committed batch (the metrics' histograms); kept across sessions.
         self.batch_listeners: list[BatchListener] = []
         self._claim_tick_at: float | None = None  # monotonic: the claim loop's last heartbeat
+
+    def _shared_cap(self, queue: str) -> int | None:
+        """Auto mode: a promoted key's own queue gives a batch it shares with other queues at
+        most ``auto_key_batch_max`` events, so a hot or slow key cannot hold the keys of the
+        buckets this worker holds (its events apply one after another anyway)."""
+        config = self.config
+        if config is None or config.mode is not Mode.AUTO:
+            return None
+        own = is_stream_queue(self.stream, queue) and not is_bucket_queue(self.stream, queue)
+        return self.settings.auto_key_batch_max if own else None
 
     # ---- control --------------------------------------------------------------------------
 

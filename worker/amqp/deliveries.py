@@ -65,8 +65,12 @@ def _delivery_order(delivery: Delivery) -> tuple[int, int, int]:
 class DeliveryBuffer:
     """Thread-safe per-queue FIFOs with a wake-up for the batch loop."""
 
-    def __init__(self, gap_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, gap_timeout_s: float = 60.0, shared_cap: Callable[[str], int | None] | None = None
+    ) -> None:
         self._gap_timeout_s = gap_timeout_s
+        # A queue's most events in a batch it shares with other queues (None: no cap).
+        self._shared_cap = shared_cap
         self._queues: dict[str, deque[Delivery]] = {}
         self._deferred: dict[str, list[Delivery]] = {}
         self._last_arrival: dict[str, float] = {}
@@ -220,7 +224,7 @@ class DeliveryBuffer:
         Queues are visited least recently served first and the ones served move to the end,
         so with ``Q`` queues a queue with ready events is served within ``ceil(Q / max_events)``
         takes (every take when ``Q <= max_events``)."""
-        quotas = _fair_quotas(self._queues, max_events)
+        quotas = _fair_quotas(self._queues, max_events, self._shared_cap)
         taken: list[Delivery] = []
         for queue, quota in quotas.items():
             fifo = self._queues.pop(queue)
@@ -327,12 +331,19 @@ def _due(items: Iterable[Delivery], before: float) -> bool:
     return any(d.deferred_since is not None and d.deferred_since <= before for d in items)
 
 
-def _fair_quotas(queues: dict[str, deque[Delivery]], max_events: int) -> dict[str, int]:
+def _fair_quotas(
+    queues: dict[str, deque[Delivery]],
+    max_events: int,
+    shared_cap: Callable[[str], int | None] | None = None,
+) -> dict[str, int]:
     """How many to take from each queue, in ``queues``' order: rounds of an even share of
     what is left, so a short queue leaves the rest of its share to the others. Each round
-    but the last gives every queue still pending at least one, so this is O(queues + events)."""
+    but the last gives every queue still pending at least one, so this is O(queues + events).
+    A queue with a ``shared_cap`` gives at most that many when other queues have events too."""
     quotas: dict[str, int] = {}
     pending = [(queue, len(fifo)) for queue, fifo in queues.items() if fifo]
+    if shared_cap is not None and len(pending) > 1:
+        pending = [(queue, min(ready, shared_cap(queue) or ready)) for queue, ready in pending]
     left = max_events
     while left > 0 and pending:
         share = max(1, left // len(pending))
