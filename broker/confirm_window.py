@@ -19,6 +19,7 @@ import pika.spec
 from keyq.broker.errors import BrokerUnavailable
 
 CONFIRM_WAIT_S = 60.0
+POLL_S = 0.002
 
 
 class ConfirmWindow:
@@ -67,7 +68,8 @@ class ConfirmWindow:
                 raise BrokerUnavailable("the publishing channel closed before its confirms")
             if time.monotonic() > deadline:
                 raise BrokerUnavailable(f"no confirms within {CONFIRM_WAIT_S:g} s")
-            self._connection.process_data_events(time_limit=0.05)
+            # pika waits out the whole time limit: a short one, or each wait costs that much.
+            self._connection.process_data_events(time_limit=POLL_S)
         self._connection._flush_output()
 
     def _on_select(self, _frame: Any) -> None:

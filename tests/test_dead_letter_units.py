@@ -4,6 +4,7 @@ and packs dead-lettered whole read as their events."""
 from __future__ import annotations
 
 import datetime
+from dataclasses import replace
 
 import pika
 import pytest
@@ -179,3 +180,35 @@ def test_a_selection_takes_a_pack_whole_or_is_refused() -> None:
     mixed = _pack_letters([1, 2], keys=["a", "b"])
     with pytest.raises(PartialPack, match="by --id each"):
         whole_packs(mixed, of_key(mixed, "a"))
+
+
+def test_a_promoted_keys_forwarded_events_go_as_packs_that_unpack_to_them() -> None:
+    """Forwarded copies are packed (at most ``most`` events, about ``most_bytes``), each
+    event keeping its headers, message id, content type and body, with the key."""
+    from keyq.broker.packs import decode_pack
+    from keyq.worker.amqp.dead_letters import packed
+    from tests.helpers import plain_delivery
+
+    deliveries = []
+    for n in range(1, 46):
+        delivery = plain_delivery("keyq.s.b.00001", n)
+        deliveries.append(
+            replace(
+                delivery,
+                body=f'{{"n": {n}}}'.encode(),
+                headers={"x-keyq-producer": "p", "x-keyq-seq": n},
+                message_id=f"m{n}",
+                content_type="application/json",
+            )
+        )
+    messages = packed(deliveries, "k1", 20, 1_000_000)
+    assert [properties.headers["x-keyq-pack"] for _, properties in messages[:2]] == [20, 20]
+    events = [event for body, _ in messages[:3] for event in decode_pack(body)]
+    assert [event.headers["x-keyq-seq"] for event in events] == list(range(1, 46))
+    assert {event.headers["x-keyq-key"] for event in events} == {"k1"}
+    assert [event.message_id for event in events[:2]] == ["m1", "m2"]
+    assert events[44].body == b'{"n": 45}'
+    alone = packed(deliveries[:1], "k1", 20, 1_000_000)
+    assert alone[0][0] == b'{"n": 1}' and alone[0][1].headers["x-keyq-key"] == "k1"
+    by_bytes = packed(deliveries[:10], "k1", 20, 150)
+    assert len(by_bytes) > 1  # cut by size too

@@ -12,6 +12,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pika
 import pika.exceptions
@@ -26,9 +27,12 @@ from keyq.broker.envelope import (
     HEADER_DEAD_QUEUE,
     HEADER_DEAD_REASON,
     HEADER_KEY,
+    HEADER_PUBLISHED_AT,
+    HEADER_STREAM,
 )
 from keyq.broker.errors import BrokerUnavailable
 from keyq.broker.naming import dead_letter_queue_name
+from keyq.broker.packs import HEADER_PACK, PACK_CONTENT_TYPE, encode_pack, encode_record
 from keyq.broker.topology import dead_letter_queue_arguments, keyed_queue_arguments
 from keyq.worker.amqp.deliveries import Delivery
 from keyq.worker.amqp.io_thread import AmqpThread
@@ -77,6 +81,55 @@ def aside_properties(delivery: Delivery, key: str) -> pika.BasicProperties:
     )
 
 
+def packed(
+    deliveries: Sequence[Delivery], key: str, most: int, most_bytes: int
+) -> list[tuple[bytes, pika.BasicProperties]]:
+    """A promoted key's forwarded ``deliveries`` as messages: packs of up to ``most`` events
+    and about ``most_bytes`` (``keyq.broker.packs``), in order, so its own queue's prefetch
+    holds as many events as a bucket's and the second trip costs the broker what the first
+    did; a pack of one is sent as the event itself."""
+    messages: list[tuple[bytes, pika.BasicProperties]] = []
+    run: list[tuple[Delivery, bytes]] = []
+    size = 0
+
+    def flush() -> None:
+        if len(run) == 1:
+            delivery = run[0][0]
+            messages.append((delivery.body, aside_properties(delivery, key)))
+        elif run:
+            messages.append(pack_message([record for _, record in run], run[0][0], key))
+        run.clear()
+
+    for delivery in deliveries:
+        properties = aside_properties(delivery, key)
+        record = encode_record(
+            properties.message_id, properties.content_type, properties.headers or {}, delivery.body
+        )
+        if run and (len(run) >= most or size + len(record) > most_bytes):
+            flush()
+            size = 0
+        run.append((delivery, record))
+        size += len(record)
+    flush()
+    return messages
+
+
+def pack_message(
+    records: list[bytes], first: Delivery, key: str
+) -> tuple[bytes, pika.BasicProperties]:
+    headers: dict[str, Any] = {HEADER_PACK: len(records), HEADER_KEY: key}
+    for name in (HEADER_STREAM, HEADER_PUBLISHED_AT):
+        if name in first.headers:
+            headers[name] = first.headers[name]
+    properties = pika.BasicProperties(
+        delivery_mode=pika.DeliveryMode.Persistent,
+        content_type=PACK_CONTENT_TYPE,
+        message_id=f"forward:{first.message_id}",
+        headers=headers,
+    )
+    return encode_pack(records), properties
+
+
 class DeadLetterPublisher:
     """The dead-letter queue of one stream, declared on each connection, and the confirming
     channel that publishes to it and to the queues keys' events are set aside in."""
@@ -87,8 +140,10 @@ class DeadLetterPublisher:
         stream: str,
         queue_type: str,
         connection: Callable[[], pika.BlockingConnection | None],
+        pack_limits: tuple[int, int] = (1, 0),
     ) -> None:
         self._stream = stream
+        self._pack_limits = pack_limits  # most events and bytes of a forwarded pack
         self._queue_type = queue_type  # the stream's, for its dead-letter queue
         self._connection = connection
         self.queue = dead_letter_queue_name(stream)
@@ -184,10 +239,11 @@ class DeadLetterPublisher:
         if connection is None or self._channel is None:
             raise BrokerUnavailable("not connected to RabbitMQ")
         window = ConfirmWindow(connection)
+        most, most_bytes = self._pack_limits
         try:
             for queue, key, deliveries in copies:
-                for delivery in deliveries:
-                    window.publish(queue, delivery.body, aside_properties(delivery, key))
+                for body, properties in packed(deliveries, key, most, most_bytes):
+                    window.publish(queue, body, properties)
             window.wait()
         finally:
             window.close()

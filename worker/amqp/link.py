@@ -76,7 +76,10 @@ class ConsumerLink:
         self.gone: queue_module.SimpleQueue[ConsumerGone] = queue_module.SimpleQueue()
         self._queues = QueueConsumers(connection=connection, buffer=buffer, gone=self.gone)
         self._dead_letters = DeadLetterPublisher(
-            stream=stream, queue_type=queue_type, connection=connection
+            stream=stream,
+            queue_type=queue_type,
+            connection=connection,
+            pack_limits=(settings.pack_max_events, settings.pack_max_bytes),
         )
         # ``prefetch`` counts events; a message may be a pack of up to ``pack_max_events``,
         # so a consumer's AMQP prefetch (messages) is sized to hold no more events than that.
