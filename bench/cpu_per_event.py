@@ -26,7 +26,11 @@ Its queues and Redis keys are removed after each round.
 
 Progress on stderr; one JSON object on stdout (and ``--out``).
 
-Usage: ``python -m bench.cpu_per_event [--events N] [--keys K] [--mode key|bucket]
+In ``--mode bucket`` and ``auto`` keys share ``--buckets`` queues (in auto mode a key the
+workers promote gets a queue of its own); the stream's config is recorded before its workers
+start, so that they adopt its bucket count.
+
+Usage: ``python -m bench.cpu_per_event [--events N] [--keys K] [--mode key|bucket|auto]
 [--rounds R] [--out FILE]``
 """
 
@@ -64,7 +68,9 @@ from bench.e2e import WorkerProcess
 from bench.service_process import service_pid
 from keyq import Producer
 from keyq.broker.connections import open_redis
+from keyq.broker.naming import Mode
 from keyq.broker.settings import Settings, load_settings
+from keyq.broker.streams import ensure_stream_config
 from keyq.demo.orders import generate_orders
 from keyq.worker.batch.state_store import StateStore
 
@@ -124,7 +130,7 @@ def publisher_main(spec: LoadSpec) -> int:
     all flat out and flush, say how long that took; on ``exit`` close and exit. It stays
     connected meanwhile, so that its CPU can be read until every event is committed."""
     load = keyed_load(spec.events, spec.keys, spec.seed, spec.tag)
-    buckets = spec.buckets if spec.mode == "bucket" else None
+    buckets = spec.buckets if Mode(spec.mode).hashes else None
     with Producer(spec.stream, mode=spec.mode, buckets=buckets) as producer:
         _say({"ready": True, "pack_max_events": load_settings().pack_max_events})
         sys.stdin.readline()
@@ -275,6 +281,10 @@ def run_round(
     stream = f"bench-cpu-{label}-{uuid.uuid4().hex[:6]}"
     cleanup.add_stream(stream)
     store = StateStore(client, stream)
+    # Recorded first: a worker given no --buckets (in auto mode) adopts the stream's count.
+    ensure_stream_config(
+        client, stream, plan.mode, plan.buckets if Mode(plan.mode).hashes else None
+    )
     with pack_setting(pack):
         workers = [
             WorkerProcess(stream, plan.buckets, folder, PIPELINE, mode=plan.mode)
@@ -397,8 +407,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.cpu_per_event", description=__doc__)
     parser.add_argument("--events", type=positive, default=50_000)
     parser.add_argument("--keys", type=positive, default=2000, help="orders (keys)")
-    parser.add_argument("--mode", choices=("key", "bucket"), default="key")
-    parser.add_argument("--buckets", type=positive, default=16, help="bucket mode's queues")
+    parser.add_argument("--mode", choices=("key", "bucket", "auto"), default="key")
+    parser.add_argument(
+        "--buckets", type=positive, default=16, help="bucket and auto mode's queues"
+    )
     parser.add_argument("--rounds", type=positive, default=2, help="rounds of each, off and on")
     parser.add_argument("--workers", type=positive, default=2)
     parser.add_argument(
