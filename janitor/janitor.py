@@ -4,14 +4,9 @@ A pass over a stream, as its leader: read registry entries idle past the ttl, sk
 worker holds, mark the rest retiring (the retirement fence), wait ``retire_grace_ms`` so no
 producer can still be publishing to them, delete each with ``if_empty`` and ``if_unused``,
 forget the deleted ones in the registry unless a producer touched them since (compare and
-delete), and lift the marks. A queue refused as not empty is
-marked active again, so workers pick up its backlog. Bucket-mode streams keep their queues.
-
-Auto-mode streams lose their keys' own queues the same way (never a bucket, never the
-dead-letter queue), except one whose key's move is still open: its holder holds the key's
-events until the bucket's holder closes the move. A promoted key whose own queue is gone is
-demoted while the queue's mark still stands (``broker.routes``), so no forward can declare
-the queue again under the route being dropped.
+delete), and lift the marks. A queue refused as not empty is marked active again, so workers
+pick up its backlog. Bucket-mode streams keep their queues; auto-mode streams lose their keys'
+own queues the same way (``keyq.janitor.demotions``).
 """
 
 from __future__ import annotations
@@ -35,22 +30,16 @@ from keyq.broker.errors import AuthenticationFailed, ConfigurationError, KeyqErr
 from keyq.broker.key_control import KeyControl
 from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
-from keyq.broker.naming import (
-    Mode,
-    base_queue_name,
-    check_stream_name,
-    dead_letter_queue_name,
-    is_bucket_queue,
-)
+from keyq.broker.naming import Mode, base_queue_name, check_stream_name
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.retirement import Mark, RetirementFence
-from keyq.broker.routes import RouteBook
 from keyq.broker.settings import load_settings
 from keyq.broker.streams import StreamConfig, discover_streams, load_stream_config
 from keyq.janitor.chunk_deletes import MARK_MARGIN_MS, Marks, delete_locked, delete_marked
 from keyq.janitor.cluster_probe import unreachable_nodes
 from keyq.janitor.config import JanitorSettings
 from keyq.janitor.deleter import Outcome, QueueDeleter
+from keyq.janitor.demotions import Demotions, never_retired
 from keyq.janitor.fd_watch import FdWatch
 from keyq.janitor.inventory import InventoryUnavailable, list_queues
 from keyq.janitor.leader import Leadership
@@ -65,12 +54,6 @@ ADOPT_EVERY_S = 60.0
 CHUNKS_IN_FLIGHT = 3
 # What a pass fails with when a service is down; anything else is logged with its traceback.
 EXPECTED_FAILURES = (KeyqError, redis.exceptions.RedisError, OSError)
-
-
-def _never_retired(stream: str, queue: str) -> bool:
-    """The dead-letter queue, and buckets (auto mode): every key of a bucket publishes to
-    it, promoted or not, so it is never idle for good."""
-    return queue == dead_letter_queue_name(stream) or is_bucket_queue(stream, queue)
 
 
 class Janitor:
@@ -226,25 +209,23 @@ class Janitor:
             return
         registry = QueueRegistry(client, stream)
         cutoff = now_ms() - int(self.settings.idle_ttl_s * 1000)
-        # The own queues of keys with events aside stay (refused again where they are marked,
-        # their key being recorded with them): read past them, or a stream with many paused
-        # keys would never retire anything. Likewise past an auto stream's buckets.
+        # Own queues of keys with events aside stay (refused again where marked): read past
+        # them and an auto stream's buckets, or many paused keys would stop all retiring.
         kept = {config.own_queue_for(key) for key in KeyControl(client, stream).keys_aside()}
-        buckets = config.buckets or 0
-        idle = registry.idle_since(cutoff, limit=self.settings.janitor_batch + len(kept) + buckets)
+        limit = self.settings.janitor_batch + len(kept) + (config.buckets or 0)
         idle = {
             q: at
-            for q, at in idle.items()
-            if base_queue_name(q) not in kept and not _never_retired(stream, q)
+            for q, at in registry.idle_since(cutoff, limit=limit).items()
+            if base_queue_name(q) not in kept and not never_retired(stream, q)
         }
         if not idle:
             return
         holders = FencedLocks(client, stream).holders(list(idle))
         free = [queue for queue, lease in holders.items() if lease is None]
         self.stats["skipped_held"] += len(idle) - len(free)
-        routed: dict[str, str] = {}
-        if config.mode is Mode.AUTO:
-            free, routed = self._settled_routes(client, stream, registry, free)
+        demotions = Demotions(client, stream, self.stats) if config.mode is Mode.AUTO else None
+        if demotions is not None:
+            free = demotions.retirable(registry, free)
         quorum = config.queue_type == "quorum"
         if quorum and free and self._quorum_kept(stream, len(free)):
             return
@@ -258,30 +239,8 @@ class Janitor:
             seen=idle,
             waiting=deque(free[i : i + chunk] for i in range(0, len(free), chunk)),
             quorum=quorum,
-            routed=routed,
+            demotions=demotions,
         )
-
-    def _settled_routes(
-        self, client: redis.Redis, stream: str, registry: QueueRegistry, free: list[str]
-    ) -> tuple[list[str], dict[str, str]]:
-        """Auto mode: the free own queues but those whose key's move is open (their holder
-        holds the key's events until the bucket's holder closes it), and the key of each of
-        the rest whose route names it: that key is demoted once its queue is gone. Read
-        before marking; a key promoted later has its move open and refuses the demotion."""
-        keys = {q: key for q, key in registry.original_keys(free).items() if key is not None}
-        routes = RouteBook(client, stream).routes(keys.values())
-        moving: set[str] = set()
-        routed: dict[str, str] = {}
-        for queue, key in keys.items():
-            route = routes.get(key)
-            if route is None:
-                continue
-            if route.open:
-                moving.add(queue)
-            elif route.queue == base_queue_name(queue):
-                routed[queue] = key
-        self.stats["skipped_moving"] += len(moving)
-        return [queue for queue in free if queue not in moving], routed
 
     def _quorum_kept(self, stream: str, idle: int) -> bool:
         """True, and said, when a node does not answer (probed once a pass): the ``idle``
@@ -323,14 +282,12 @@ class Janitor:
         seen: dict[str, int],
         waiting: deque[list[str]],
         quorum: bool = False,
-        routed: dict[str, str] | None = None,
+        demotions: Demotions | None = None,
     ) -> None:
         """Mark chunks ahead and delete each once its grace has passed, so the grace of the
         next chunks overlaps the deletes of this one; a queue stays marked only about
-        ``retire_grace_ms`` plus a few chunks' deletes. ``routed``: own queue -> its
-        promoted key (auto mode), demoted once the queue is gone, before its mark goes."""
+        ``retire_grace_ms`` plus a few chunks' deletes."""
         fence = RetirementFence(client, stream)
-        book = RouteBook(client, stream) if routed else None
         grace_s = self.settings.retire_grace_ms / 1000
         mark_ttl = self.settings.retire_grace_ms + MARK_MARGIN_MS
         in_flight: deque[tuple[list[str], float]] = deque()
@@ -367,38 +324,12 @@ class Janitor:
                         self._nodes_down = down  # the rest of this pass keeps its queues too
                 else:
                     outcomes = delete_marked(deleter, marked, marks)
-                if book is not None and routed:
-                    self._demote(stream, book, routed, outcomes)
-                self._settle(stream, registry, seen, outcomes)
+                self._settle(stream, registry, seen, outcomes, demotions)
                 in_flight.popleft()
                 fence.unmark(marked)
         finally:
             for marked, _at in in_flight:
                 fence.unmark(marked)
-
-    def _demote(
-        self, stream: str, book: RouteBook, routed: dict[str, str], outcomes: dict[str, Outcome]
-    ) -> None:
-        """Demote the keys of the own queues gone now, while their marks still stand (no
-        forward declares the queue again meanwhile) and before the registry forgets them
-        (a crash in between leaves the entry: the next pass finds the queue gone and
-        demotes then). For quorum queues the incarnation has moved on already."""
-        for queue, outcome in outcomes.items():
-            key = routed.get(queue)
-            if key is None or outcome not in (Outcome.DELETED, Outcome.GONE):
-                continue
-            if book.demote(key, base_queue_name(queue)):
-                self.stats["demoted"] += 1
-                continue
-            self.stats["demote_refused"] += 1
-            log.warning(
-                "stream %s: key %r stays promoted though its queue %s is gone (its events "
-                "were set aside meanwhile, or its route changed); the next event forwarded to "
-                "it declares the queue again",
-                stream,
-                key,
-                queue,
-            )
 
     def _settle(
         self,
@@ -406,7 +337,10 @@ class Janitor:
         registry: QueueRegistry,
         seen: dict[str, int],
         outcomes: dict[str, Outcome],
+        demotions: Demotions | None = None,
     ) -> None:
+        if demotions is not None:
+            demotions.demote(outcomes)  # before the registry forgets them and the marks go
         tally = Counter(outcome.value for outcome in outcomes.values())
         self.stats["deleted"] += tally[Outcome.DELETED.value]
         self.stats["already_gone"] += tally[Outcome.GONE.value]

@@ -25,31 +25,27 @@ import redis.exceptions
 from keyq.broker.clock import now_ms
 from keyq.broker.errors import BrokerUnavailable, ConfigurationError
 from keyq.broker.key_control import KeyControl
-from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
-from keyq.broker.naming import Mode, check_stream_name, is_bucket_queue, is_stream_queue
+from keyq.broker.naming import Mode, check_stream_name
 from keyq.broker.producer_presence import ProducerPresence
 from keyq.broker.registry import QueueRegistry
-from keyq.broker.routes import applying_queue
 from keyq.broker.settings import load_settings
 from keyq.broker.stream_policy import StreamPolicies
 from keyq.broker.streams import StreamConfig
 from keyq.broker.worker_report import WorkerReport
 from keyq.worker.amqp.deliveries import DeliveryBuffer
 from keyq.worker.amqp.link import ConsumerLink
-from keyq.worker.amqp.starvation import StarvedQueues
+from keyq.worker.auto_mode import auto_parts, shared_cap
 from keyq.worker.batch.processor import BatchProcessor
-from keyq.worker.batch.route_watch import RouteWatch
 from keyq.worker.batch.routing import AutoRouting
 from keyq.worker.batch.state_store import StateStore
 from keyq.worker.batch.stats import BatchListener
 from keyq.worker.config import WorkerSettings
-from keyq.worker.holding.aside_drains import AsideDrains
+from keyq.worker.holding.assembly import assemble_holding
 from keyq.worker.holding.claims import ClaimLoop
 from keyq.worker.holding.handbacks import HandBacks
 from keyq.worker.holding.held_queues import HeldQueues, QueueEvents
 from keyq.worker.holding.queue_keys import QueueKeys
-from keyq.worker.holding.route_moves import RouteMoves
 from keyq.worker.pipeline import Pipeline
 from keyq.worker.pipeline_loading import load_pipeline
 from keyq.worker.policy_cache import PolicyCache
@@ -109,7 +105,8 @@ class Worker:
         self._stop = threading.Event()
         self._events: QueueEvents = queue_module.SimpleQueue()
         self._buffer = DeliveryBuffer(
-            self.settings.sequence_gap_timeout_ms / 1000, shared_cap=self._shared_cap
+            self.settings.sequence_gap_timeout_ms / 1000,
+            shared_cap=lambda queue: shared_cap(self.settings, self.config, queue),
         )
         self._started_ms = now_ms()
         self._session: Session | None = None  # while serving
@@ -118,16 +115,6 @@ class Worker:
         # Told of every committed batch (the metrics' histograms); kept across sessions.
         self.batch_listeners: list[BatchListener] = []
         self._claim_tick_at: float | None = None  # monotonic: the claim loop's last heartbeat
-
-    def _shared_cap(self, queue: str) -> int | None:
-        """Auto mode: a promoted key's own queue gives a batch it shares with other queues at
-        most ``auto_key_batch_max`` events, so a hot or slow key cannot hold the keys of the
-        buckets this worker holds (its events apply one after another anyway)."""
-        config = self.config
-        if config is None or config.mode is not Mode.AUTO:
-            return None
-        own = is_stream_queue(self.stream, queue) and not is_bucket_queue(self.stream, queue)
-        return self.settings.auto_key_batch_max if own else None
 
     # ---- control --------------------------------------------------------------------------
 
@@ -298,10 +285,17 @@ class Worker:
         """The session's parts, each given the small part of the link it uses."""
         settings, config = self.settings, self.config
         assert config is not None
-        registry = QueueRegistry(client, self.stream)
-        control = KeyControl(client, self.stream)
+        registry, control = QueueRegistry(client, self.stream), KeyControl(client, self.stream)
         policy = PolicyCache(StreamPolicies(client, self.stream))
-        drains, starved, held = self._holding(client, link, registry, control)
+        holding = assemble_holding(
+            config,
+            client=client,
+            link=link,
+            registry=registry,
+            control=control,
+            buffer=self._buffer,
+            events=self._events,
+        )
         handbacks = HandBacks(self._buffer)
         claims = ClaimLoop(
             settings=settings,
@@ -310,45 +304,30 @@ class Worker:
             worker_id=self.worker_id,
             client=client,
             link=link,
-            held=held,
+            held=holding.held,
             handbacks=handbacks,
             info=self._heartbeat_info,
-            aside=drains,
-            starved=starved,
+            aside=holding.drains,
+            starved=holding.starved,
             policy=policy,
         )
-        auto = config.mode is Mode.AUTO
-        routing = (
-            AutoRouting(
-                client=client,
-                config=config,
-                registry=registry,
-                control=control,
-                watch=RouteWatch(
-                    rate=settings.auto_promote_rate, backlog=settings.auto_promote_backlog
-                ),
-                sink=link.dead_letters,
-                lease_ms=settings.publish_lease_ms,
-            )
-            if auto
-            else None
-        )
+        auto = auto_parts(settings, config, client, link.dead_letters)
         processor = self._processor(
             store,
             registry=registry,
             link=link,
-            held=held,
+            held=holding.held,
             control=control,
             policy=policy,
-            routing=routing,
+            routing=auto.routing,
         )
         presence = ProducerPresence(client, self.stream)
-        stuck, abandoned = gap_watchers(settings, self._buffer, presence, link.counts, held)
+        stuck, abandoned = gap_watchers(settings, self._buffer, presence, link.counts, holding.held)
         return Session(
             settings=settings,
             buffer=self._buffer,
             link=link,
-            held=held,
+            held=holding.held,
             handbacks=handbacks,
             claims=claims,
             processor=processor,
@@ -356,46 +335,12 @@ class Worker:
             abandoned=abandoned,
             events=self._events,
             stop=self._stop,
-            drains=drains,
-            starved=starved,
-            moves=RouteMoves(client, self.stream) if auto else None,
+            drains=holding.drains,
+            starved=holding.starved,
+            moves=auto.moves,
             on_assigned=self._on_assigned,
             on_revoked=self._on_revoked,
         )
-
-    def _holding(
-        self, client: redis.Redis, link: ConsumerLink, registry: QueueRegistry, control: KeyControl
-    ) -> tuple[AsideDrains, StarvedQueues, HeldQueues]:
-        """The held queues, with the aside queues drained under their leases and the watch
-        for starved ones that observes their hand-backs."""
-        assert self.config is not None
-        config = self.config
-        drains = AsideDrains(
-            control=control,
-            consumers=link.consumers,
-            counts=link.counts,
-            dead_letters=link.dead_letters,
-            buffer=self._buffer,
-            queue_of_key=lambda key, status: applying_queue(config, key, status.route),
-        )
-        starved = StarvedQueues(
-            link=link,
-            consumers=link.consumers,
-            counts=link.counts,
-            buffer=self._buffer,
-            queue_type=config.queue_type,
-        )
-        held = HeldQueues(
-            consumers=link.consumers,
-            gone=link.gone,
-            buffer=self._buffer,
-            locks=FencedLocks(client, self.stream),
-            registry=registry,
-            events=self._events,
-            aside=drains,
-            observers=[starved],
-        )
-        return drains, starved, held
 
     def _processor(
         self,

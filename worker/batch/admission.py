@@ -19,7 +19,7 @@ from keyq.broker.stream_policy import StreamPolicy
 from keyq.worker.amqp.deliveries import Delivery
 from keyq.worker.batch.decoding import Decoder, Event, Undecodable
 from keyq.worker.batch.dedupe_ids import AppliedIds, Deduped, take_out_repeats
-from keyq.worker.batch.key_gate import Routing, sort_by_key_status
+from keyq.worker.batch.key_gate import GateSorting, Routing, sort_by_key_status
 from keyq.worker.batch.marks import KeyMarks
 from keyq.worker.batch.plan import RunPlan, plan_run
 from keyq.worker.batch.rate_limits import KeyRateLimiter, within_rates
@@ -133,19 +133,7 @@ def admit(
         dead=dead,
     )
     deduped = take_out_repeats(run.events, reads.dedupe, keys)
-    how: dict[int, Disposition] = {}
-    for disposition, found in (
-        (Disposition.SET_ASIDE, gate.set_aside),
-        (Disposition.HAND_BACK, gate.hand_back),
-        (Disposition.RATE_LIMITED, limited),
-        (Disposition.FORWARD, [d for copies in gate.forward.values() for d in copies]),
-        (Disposition.MOVING, gate.moving),
-        (Disposition.DUPLICATE, gate.stale),
-        (Disposition.DEFER, run.deferred),
-        (Disposition.DEAD_LETTER, [letter.delivery for letter in run.letters]),
-        (Disposition.APPLY, [event.delivery for event in deduped.events]),
-    ):
-        how.update((id(delivery), disposition) for delivery in found)
+    how = _dispositions(gate, limited, run, deduped)
     waits = ([retry_in] if limited else []) + ([MOVING_RETRY_S] if gate.moving else [])
     parking = dict(gate.parking)
     if park and dead is not None:
@@ -161,6 +149,26 @@ def admit(
         forward=gate.forward,
         retry_later_in=min(waits, default=0.0),
     )
+
+
+def _dispositions(
+    gate: GateSorting, limited: list[Delivery], run: RunPlan, deduped: Deduped
+) -> dict[int, Disposition]:
+    """Each sorted delivery's disposition, by its identity; the rest are duplicates."""
+    how: dict[int, Disposition] = {}
+    for disposition, found in (
+        (Disposition.SET_ASIDE, gate.set_aside),
+        (Disposition.HAND_BACK, gate.hand_back),
+        (Disposition.RATE_LIMITED, limited),
+        (Disposition.FORWARD, [d for copies in gate.forward.values() for d in copies]),
+        (Disposition.MOVING, gate.moving),
+        (Disposition.DUPLICATE, gate.stale),
+        (Disposition.DEFER, run.deferred),
+        (Disposition.DEAD_LETTER, [letter.delivery for letter in run.letters]),
+        (Disposition.APPLY, [event.delivery for event in deduped.events]),
+    ):
+        how.update((id(delivery), disposition) for delivery in found)
+    return how
 
 
 def _parked_at_letters(

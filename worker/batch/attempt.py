@@ -95,6 +95,45 @@ class BatchAttempt:
         policy = self._policy()
         if policy.paused:
             raise KeysStopped("the stream is paused: its queues are being handed back")
+        admission, routes = self._admit(deliveries, leases, policy, dead)
+        progress.admitted(admission)
+        if not admission.settling:
+            self._note_gaps(admission.run)
+            return  # everything here waits: nothing to commit or ack
+        clock.lap()  # decode
+        batch_id = f"{self._worker_id}-{next(self._batch_numbers)}"
+        with self._spans.batch(batch_id, [event.delivery for event in admission.events]):
+            try:
+                computed = self._effects.run(
+                    batch_id,
+                    admission=admission,
+                    leases=leases,
+                    attempt=attempt,
+                    progress=progress,
+                    clock=clock,
+                    forward=self._forwarder(routes),
+                )
+            except KeysStopped:
+                if rerun:
+                    raise
+                # Paused while it ran: once more, and admission sets those events aside.
+                log.info("a key of batch %s was paused while it ran: running it again", batch_id)
+                self.run(deliveries, attempt, dead, progress, rerun=True)
+                return
+        self._note_gaps(admission.run, moved=admission.forward.keys())
+        self._touch(leases)
+        clock.lap()  # touch
+        self._note_committed(admission, computed, clock)
+
+    def _admit(
+        self,
+        deliveries: list[Delivery],
+        leases: Mapping[str, Lease],
+        policy: StreamPolicy,
+        dead: str | None,
+    ) -> tuple[Admission, dict[str, Route]]:
+        """Each delivery's disposition, from what is read for it now; in auto mode, routed
+        first (``keyq.worker.batch.routing``), with the routes of the keys it forwards."""
         # The queues' declared keys are asked for all at once: a worker that has just taken
         # over a thousand queues must not make a thousand round trips before its first batch.
         decoded = decoder_for(self._keys.keys_of({delivery.queue for delivery in deliveries}))
@@ -116,34 +155,15 @@ class BatchAttempt:
         )
         if self._routing is not None:
             self._routing.observe(admission, decoded)
-        progress.admitted(admission)
-        if not admission.settling:
-            self._note_gaps(admission.run)
-            return  # everything here waits: nothing to commit or ack
-        clock.lap()  # decode
-        batch_id = f"{self._worker_id}-{next(self._batch_numbers)}"
-        with self._spans.batch(batch_id, [event.delivery for event in admission.events]):
-            try:
-                computed = self._effects.run(
-                    batch_id,
-                    admission=admission,
-                    leases=leases,
-                    attempt=attempt,
-                    progress=progress,
-                    clock=clock,
-                    routes=routes,
-                )
-            except KeysStopped:
-                if rerun:
-                    raise
-                # Paused while it ran: once more, and admission sets those events aside.
-                log.info("a key of batch %s was paused while it ran: running it again", batch_id)
-                self.run(deliveries, attempt, dead, progress, rerun=True)
-                return
-        self._note_gaps(admission.run, moved=admission.forward.keys())
-        self._touch(leases)
-        clock.lap()  # touch
-        self._note_committed(admission, computed, clock)
+        return admission, routes
+
+    def _forwarder(
+        self, routes: Mapping[str, Route]
+    ) -> Callable[[Mapping[str, list[Delivery]]], None] | None:
+        routing = self._routing
+        if routing is None:
+            return None
+        return lambda forward: routing.forward(forward, routes)
 
     def _leases(self, deliveries: Sequence[Delivery], progress: BatchProgress) -> dict[str, Lease]:
         """The lease of each queue, for its consumer's epoch; raises ``Stale`` if any is

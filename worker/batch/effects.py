@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import pika
@@ -24,13 +24,12 @@ from keyq.broker.key_control import KeyControl
 from keyq.broker.locks import Lease
 from keyq.broker.naming import aside_queue_name
 from keyq.broker.redis_keys import StreamKeys
-from keyq.broker.routes import Route
 from keyq.worker.amqp.dead_letters import DeadLetter
 from keyq.worker.amqp.deliveries import Delivery
 from keyq.worker.batch.admission import Admission
 from keyq.worker.batch.fenced_commit import FencedCommit
 from keyq.worker.batch.outcome import BatchProgress
-from keyq.worker.batch.ports import Acker, DeadLetterSink, Forwarding
+from keyq.worker.batch.ports import Acker, DeadLetterSink
 from keyq.worker.batch.spans import BatchSpans
 from keyq.worker.batch.state_store import StateStore
 from keyq.worker.batch.stats import StageClock
@@ -61,7 +60,6 @@ class BatchEffects:
         acker: Acker,
         dead_letters: DeadLetterSink,
         spans: BatchSpans,
-        forwarding: Forwarding | None = None,
     ) -> None:
         self._stream = stream
         self._stream_keys = StreamKeys(stream)
@@ -72,7 +70,6 @@ class BatchEffects:
         self._acker = acker
         self._dead_letters = dead_letters
         self._spans = spans
-        self._forwarding = forwarding
         self._dead_letter_index: DeadLetterIndex | None = None  # made on first dead letter
 
     def run(
@@ -84,7 +81,7 @@ class BatchEffects:
         attempt: int,
         progress: BatchProgress,
         clock: StageClock,
-        routes: Mapping[str, Route] | None = None,
+        forward: Callable[[Mapping[str, list[Delivery]]], None] | None = None,
     ) -> Computed:
         """Every effect of ``admission``, in order; raises before the ack when one fails
         (``PipelineError``, ``CommitRefused``, ``KeysStopped``, a service down). What the
@@ -97,8 +94,8 @@ class BatchEffects:
                 log.warning("parked key %r at a poison event: %s", key, where.reason)
         self._set_aside(admission.aside, leases)
         if admission.forward:
-            assert self._forwarding is not None  # only auto mode forwards
-            self._forwarding.forward(admission.forward, routes or {})
+            assert forward is not None  # only auto mode forwards (``keyq.worker.batch.routing``)
+            forward(admission.forward)
         self._dead_letter(admission, attempt)
         with self._spans.stage("commit"):
             self._output.commit(

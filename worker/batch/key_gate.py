@@ -42,6 +42,16 @@ class GateSorting:
         self.through.append(delivery)
         self.through_keys.append(key)
 
+    def route(self, delivery: Delivery, key: str, way: Way | None) -> None:
+        if way is Way.FORWARD:
+            self.forward.setdefault(key, []).append(delivery)
+        elif way is Way.MOVING:
+            self.moving.append(delivery)
+        elif way is Way.HAND_BACK:
+            self.hand_back.append(delivery)
+        elif way is Way.STALE:
+            self.stale.append(delivery)
+
     @property
     def set_aside(self) -> list[Delivery]:
         return [delivery for found in self.aside.values() for delivery in found]
@@ -97,17 +107,7 @@ def sort_by_key_status(
     """Sort ``deliveries`` (in delivery order) by their keys' ``statuses``."""
     items = [decoded(d) for d in deliveries]
     sorting = GateSorting()
-    ways: list[Way | None] = [
-        None
-        if routing is None or item.key is None
-        else routing.way(
-            delivery,
-            item.key,
-            statuses.get(item.key, FLOWING).route,
-            is_aside_queue(delivery.queue),
-        )
-        for delivery, item in zip(deliveries, items, strict=True)
-    ]
+    ways = _ways(deliveries, items, statuses, routing, is_aside_queue)
 
     def may_apply(delivery: Delivery, key: str) -> bool:
         status = statuses.get(key, FLOWING)
@@ -133,18 +133,8 @@ def sort_by_key_status(
         if key is None:
             sorting.let_through(delivery, None)  # dead-lettered: it has no key to hold back
             continue
-        way = ways[index]
-        if way is Way.FORWARD:
-            sorting.forward.setdefault(key, []).append(delivery)
-            continue
-        if way is Way.MOVING:
-            sorting.moving.append(delivery)
-            continue
-        if way is Way.HAND_BACK:
-            sorting.hand_back.append(delivery)
-            continue
-        if way is Way.STALE:
-            sorting.stale.append(delivery)
+        if ways[index] is not None:
+            sorting.route(delivery, key, ways[index])
             continue
         poison = poisons.get(key)
         stops_here = poison is not None and _after(item, index, items[poison], poison)
@@ -155,6 +145,29 @@ def sort_by_key_status(
         else:
             sorting.aside.setdefault(key, []).append(delivery)
     return sorting
+
+
+def _ways(
+    deliveries: Sequence[Delivery],
+    items: Sequence[Item],
+    statuses: Mapping[str, KeyStatus],
+    routing: Routing | None,
+    is_aside_queue: Callable[[str], bool],
+) -> list[Way | None]:
+    """Where auto mode's routes send each delivery (None everywhere in other modes)."""
+    if routing is None:
+        return [None] * len(deliveries)
+    return [
+        None
+        if item.key is None
+        else routing.way(
+            delivery,
+            item.key,
+            statuses.get(item.key, FLOWING).route,
+            is_aside_queue(delivery.queue),
+        )
+        for delivery, item in zip(deliveries, items, strict=True)
+    ]
 
 
 def _after(item: Item, index: int, poison: Item, poison_index: int) -> bool:

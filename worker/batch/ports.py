@@ -9,7 +9,6 @@ from typing import Protocol
 import pika
 
 from keyq.broker.locks import Lease
-from keyq.broker.routes import Route
 from keyq.worker.amqp.dead_letters import DeadLetter
 from keyq.worker.amqp.deliveries import Delivery
 
@@ -42,13 +41,6 @@ class DeadLetterSink(Protocol):
     def forward(self, copies: Sequence[tuple[str, str, Sequence[Delivery]]]) -> None:
         """Copy each ``(queue, key, deliveries)`` of promoted keys to their own queues,
         confirmed."""
-
-
-class Forwarding(Protocol):
-    """Auto mode: a promoted key's events copied from its bucket to its own queue."""
-
-    def forward(self, forward: Mapping[str, list[Delivery]], routes: Mapping[str, Route]) -> None:
-        """Copy each key's ``forward`` deliveries to the own queue of its route, confirmed."""
 
 
 class KeyDirectory(Protocol):

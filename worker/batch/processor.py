@@ -81,9 +81,7 @@ class BatchProcessor:
             wants_output=sink is not None,
         )
         output = FencedCommit(store=store, sink=sink, stats=self.stats)
-        effects = BatchEffects(
-            stream, job, output, store, control, acker, dead_letters, spans, forwarding=routing
-        )
+        effects = BatchEffects(stream, job, output, store, control, acker, dead_letters, spans)
         self._attempt = BatchAttempt(
             worker_id=worker_id,
             stream=stream,

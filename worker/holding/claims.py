@@ -219,22 +219,12 @@ class ClaimLoop:
             self._more_to_claim = False
             self._balance(members, force=force, probe=scanned)
         self._news.announced = False
-        idle_s = self._settings.idle_release_ms / 1000
+        # Own queues go back when idle; buckets are held for good, so watched while quiet.
+        idle_s, draining = self._settings.idle_release_ms / 1000, self._aside.draining()
         buckets = [h for h in self._held.all() if is_bucket_queue(self._stream, h.queue)]
-        if self._own_queues:
-            draining = self._aside.draining()
-            self._handbacks.ask_idle(
-                [
-                    h
-                    for h in self._held.all()
-                    if h.queue not in draining and not is_bucket_queue(self._stream, h.queue)
-                ],
-                idle_s,
-            )
-        # Own queues' idle hand-backs are watched as they happen (StarvedQueues.handed_back);
-        # buckets are held for good, so they are watched while quiet.
-        if buckets:
-            self._starved.watch_quiet(buckets, idle_s)
+        draining |= {h.queue for h in buckets}
+        self._handbacks.ask_idle([h for h in self._held.all() if h.queue not in draining], idle_s)
+        self._starved.watch_quiet(buckets, idle_s)
         return True
 
     def _news_round(self) -> bool:
@@ -295,8 +285,7 @@ class ClaimLoop:
         self._view.scanned_at = time.monotonic()
 
     def _active(self) -> set[str]:
-        """Queues worth holding: every bucket, and the keys' own queues (key mode, or promoted
-        keys in auto mode) recently active."""
+        """Queues worth holding: every bucket, and the keys' own queues recently active."""
         if self._mode is Mode.BUCKET:
             return set(self._view.activity)
         cutoff = now_ms() - self._settings.idle_release_ms

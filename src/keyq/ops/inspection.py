@@ -53,22 +53,14 @@ def inspect_key(ctx: OperatorContext, key: str) -> dict[str, Any]:
     with ctx.services():
         auto = config.mode is Mode.AUTO
         book = RouteBook(client, ctx.stream) if auto else None
-        route = None if book is None else book.route(key)
-        bucket = config.queue_for(key)  # in auto mode the bucket producers publish the key to
+        status = KeyControl(client, ctx.stream).status(key)  # with its route, in auto mode
+        route, bucket = status.route, config.queue_for(key)  # auto mode: the key's bucket
         queue = _current(client, keys, bucket if route is None else route.queue)
-        status = KeyControl(client, ctx.stream).status(key)
         policy = StreamPolicies(client, ctx.stream).load()
         lease = FencedLocks(client, ctx.stream).holder(queue)
-        pipe = client.pipeline(transaction=False)
-        pipe.hget(keys.state, key)
-        pipe.hget(keys.marks, key)
-        pipe.hget(keys.member_info, lease.owner if lease else "")
-        pipe.zscore(keys.members, lease.owner if lease else "")
-        pipe.zscore(keys.registry, queue)
-        raw_state, raw_marks, raw_info, expiry, activity = pipe.execute()
+        raw_state, raw_marks, raw_info, expiry, activity = _reads(ctx, key, lease, queue)
         connection = ctx.amqp()
-        beside = [] if route is None else [bucket]
-        counts = _counts(connection, [queue, *status.aside, *beside])
+        counts = _counts(connection, [queue, *status.aside, *([] if route is None else [bucket])])
         depth = counts[queue]
         held = lease is not None or (depth is not None and depth.consumers > 0)
         retiring = bool(RetirementFence(client, ctx.stream).marked([queue]))
@@ -78,8 +70,7 @@ def inspect_key(ctx: OperatorContext, key: str) -> dict[str, Any]:
         )
         bucket_queue = None if route is None else _bucket_beside(ctx, bucket, counts[bucket])
         changes = [] if book is None else _changes(book.history(ROUTE_CHANGES_SHOWN, key=key))
-        dead = DeadLetterIndex(client, ctx.stream).of_key(key, DEAD_LETTERS_SHOWN)
-        letters = [{"position": place} | row for place, row in enumerate(dead.rows)]
+        letters, letters_total = _letters(ctx, key)
         stranded = _stranded(
             StrandedRecord(client, ctx.stream).of(key),
             status,
@@ -113,9 +104,27 @@ def inspect_key(ctx: OperatorContext, key: str) -> dict[str, Any]:
         "marks": None if raw_marks is None else orjson.loads(raw_marks),
         "oldest_waiting": oldest,
         "dead_letters": letters,
-        "dead_letters_total": dead.matched,
+        "dead_letters_total": letters_total,
         "stranded": stranded,
     }
+
+
+def _reads(ctx: OperatorContext, key: str, lease: Lease | None, queue: str) -> list[Any]:
+    """The key's state and marks, its holder's report and heartbeat, its queue's activity."""
+    keys = ctx.keys
+    pipe = ctx.redis.pipeline(transaction=False)
+    pipe.hget(keys.state, key)
+    pipe.hget(keys.marks, key)
+    pipe.hget(keys.member_info, lease.owner if lease else "")
+    pipe.zscore(keys.members, lease.owner if lease else "")
+    pipe.zscore(keys.registry, queue)
+    return list(pipe.execute())
+
+
+def _letters(ctx: OperatorContext, key: str) -> tuple[list[dict[str, Any]], int]:
+    """The key's first dead letters, numbered, and how many it has."""
+    dead = DeadLetterIndex(ctx.redis, ctx.stream).of_key(key, DEAD_LETTERS_SHOWN)
+    return [{"position": place} | row for place, row in enumerate(dead.rows)], dead.matched
 
 
 def _current(client: redis.Redis, keys: StreamKeys, base: str) -> str:

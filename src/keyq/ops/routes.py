@@ -12,6 +12,9 @@ promoted afresh, a few times at most.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+import redis
 
 from keyq.broker.errors import InvalidInput, KeyqError
 from keyq.broker.key_wake import wake_keys
@@ -107,3 +110,23 @@ def refusal(refused: list[str]) -> str:
         f"paused, redrive {it} if parked (keyq dlq redrive), then wait until the bucket's "
         f"holder has drained those events, and promote {it} again"
     )
+
+
+PROMOTED, DEMOTED = "promoted:", "demoted"  # ``RouteBook.counts``' names
+
+
+def route_summary(client: redis.Redis, stream: str) -> dict[str, Any]:
+    """An auto-mode stream's keys with a queue of their own, the moves still open, and how many
+    keys were promoted (by why) and demoted since the stream began."""
+    book = RouteBook(client, stream)
+    counts = book.counts()
+    return {
+        "promoted_keys": book.count(),
+        "open_moves": len(book.open_moves()),
+        "promotions": {
+            name.removeprefix(PROMOTED): count
+            for name, count in sorted(counts.items())
+            if name.startswith(PROMOTED)
+        },
+        "demotions": counts.get(DEMOTED, 0),
+    }

@@ -33,18 +33,24 @@ from keyq.broker.errors import KeyqError, ManagementUnavailable, PrometheusUnava
 from keyq.broker.fd_usage import FdUsage, read_fd_usage
 from keyq.broker.locks import FencedLocks
 from keyq.broker.management import queue_figures
-from keyq.broker.naming import Mode, check_stream_name, dead_letter_queue_name, stream_prefix
+from keyq.broker.naming import (
+    Mode,
+    check_stream_name,
+    dead_letter_queue_name,
+    is_bucket_queue,
+    stream_prefix,
+)
 from keyq.broker.prometheus_api import queue_figures as prometheus_figures
 from keyq.broker.queue_probe import QueueProbe
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
-from keyq.broker.routes import RouteBook
 from keyq.broker.settings import Settings
 from keyq.broker.stranded import Stranded, stranded_row
 from keyq.broker.stream_policy import StreamPolicies
 from keyq.broker.streams import StreamConfig
 from keyq.broker.urls import vhost_of
 from keyq.broker.worker_report import WorkerReport
+from keyq.ops.routes import route_summary
 
 log = logging.getLogger("keyq.status")
 
@@ -57,7 +63,6 @@ METRICS_OFF_HINT = (
     "KEYQ_PROMETHEUS_URL reads the figures from rabbitmq_prometheus instead"
 )
 
-PROMOTED, DEMOTED = "promoted:", "demoted"  # ``RouteBook.counts``' names
 Figures = dict[str, tuple[int, int] | None]  # queue -> (ready messages, consumers), None: missing
 
 
@@ -101,7 +106,7 @@ class StatusReader:
         config, (registered, members, infos, paused, parked, stranded) = self._read_redis(now)
         with redis_errors(self.settings.redis_url):
             policy = StreamPolicies(self._redis, self.stream).load()
-            routes = self._routes() if config.mode is Mode.AUTO else None
+            routes = route_summary(self._redis, self.stream) if config.mode is Mode.AUTO else None
         activity = {
             str(queue): int(score)
             for queue, score in cast(list[tuple[str, float]], registered)
@@ -154,22 +159,6 @@ class StatusReader:
             },
         }
 
-    def _routes(self) -> dict[str, Any]:
-        """An auto-mode stream's keys with a queue of their own, the moves still open, and
-        how many keys were promoted (by why) and demoted since the stream began."""
-        book = RouteBook(self._redis, self.stream)
-        counts = book.counts()
-        return {
-            "promoted_keys": book.count(),
-            "open_moves": len(book.open_moves()),
-            "promotions": {
-                name.removeprefix(PROMOTED): count
-                for name, count in sorted(counts.items())
-                if name.startswith(PROMOTED)
-            },
-            "demotions": counts.get(DEMOTED, 0),
-        }
-
     def _read_redis(self, now: int) -> tuple[StreamConfig, list[Any]]:
         """The config, registry, live members, their reports, the counts of paused and
         parked keys and the stranded keys, in one round trip."""
@@ -202,9 +191,8 @@ class StatusReader:
             # mode a promoted key's own queue is its alone.
             keyed = config.holds_own_queues()
             originals = self._registry.original_keys(names) if keyed else dict.fromkeys(names)
-            buckets = f"{stream_prefix(self.stream)}b."
             for name in names if config.mode is Mode.AUTO else ():
-                if name.startswith(buckets):
+                if is_bucket_queue(self.stream, name):
                     originals[name] = None
         declared = self._figures([*names, self._dead_letter_queue])
         rows = []
