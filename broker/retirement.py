@@ -9,6 +9,11 @@ mark holds that queue's events until the mark is gone, then declares the queue a
 grace period is longer than the lease, by the time the deleter deletes, no producer can still
 be publishing on a lease taken before the mark.
 
+In auto mode a producer publishes a promoted key's events straight to its own queue
+(``broker.routes``); such a lease is also refused once the key's route is gone, so a producer
+that read the route before a demotion sends nothing there after it: the janitor demotes a key
+before it lifts its own queue's mark.
+
 Marks and leases are per *base* queue name. A lease also names the queue's current
 incarnation (``naming.incarnation_name``): a deleter that deleted a quorum queue moves it to
 the next one before lifting its mark, so a producer declares it again under a name never used.
@@ -17,7 +22,7 @@ the next one before lifting its mark, so a producer declares it again under a na
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import redis
 
@@ -25,24 +30,33 @@ from keyq.broker.clock import now_ms
 from keyq.broker.naming import INCARNATION_MARK, base_queue_name, incarnation_of
 from keyq.broker.redis_keys import StreamKeys
 
+# A lease's answer for a promoted key's own queue whose key has no route any more.
+UNROUTED = -2
+
 # A queue published to after this long without activity is noted as woken (see
 # ``StreamKeys.woken``); while a producer publishes, its leases touch the queue more often.
 WOKEN_AFTER_QUIET_MS = 5000
 
-# KEYS[1] = registry, KEYS[2] = incarnations, KEYS[3] = woken, KEYS[4..] = retirement marks;
-# ARGV[1] = now, ARGV[2] = quiet ms, ARGV[3] = announcements channel, ARGV[4..] = base queue
-# names. Each result: -1 (marked) or the incarnation. A registered queue whose activity is
-# older than the quiet time is noted as woken: it may have no worker, and now it has events.
+# KEYS[1] = registry, KEYS[2] = incarnations, KEYS[3] = woken, KEYS[4] = routes, KEYS[5..] =
+# retirement marks; ARGV[1] = now, ARGV[2] = quiet ms, ARGV[3] = announcements channel, then
+# the n base queue names, then n routed keys ('' for a queue that needs no route). Each result:
+# -1 (marked), -2 (its key has no route now) or the incarnation. A registered queue whose
+# activity is older than the quiet time is noted as woken: it may have no worker, and now it
+# has events.
 # Woken queues are also announced, one message a call, so that workers waiting for their
 # next tick claim them at once; the sorted set stays the record a worker reads every tick.
 _LEASE = """
 local granted = {}
 local woken = {}
 local now = tonumber(ARGV[1])
-for i = 4, #KEYS do
-  local base = ARGV[i]
-  if redis.call('EXISTS', KEYS[i]) == 1 then
-    granted[i - 3] = -1
+local n = #KEYS - 4
+for i = 1, n do
+  local base = ARGV[3 + i]
+  local routed = ARGV[3 + n + i]
+  if redis.call('EXISTS', KEYS[4 + i]) == 1 then
+    granted[i] = -1
+  elseif routed ~= '' and redis.call('HEXISTS', KEYS[4], routed) == 0 then
+    granted[i] = -2
   else
     local incarnation = tonumber(redis.call('HGET', KEYS[2], base)) or 0
     local name = base
@@ -53,7 +67,7 @@ for i = 4, #KEYS do
       redis.call('ZADD', KEYS[3], now, name)
       woken[#woken + 1] = name
     end
-    granted[i - 3] = incarnation
+    granted[i] = incarnation
   end
 end
 if #woken > 0 then
@@ -148,22 +162,34 @@ class RetirementFence:
         self._mark = client.register_script(_MARK)
         self._still_marked = client.register_script(_STILL_MARKED)
 
-    def lease(self, queues: Sequence[str]) -> dict[str, int | None]:
+    def lease(
+        self, queues: Sequence[str], routed: Mapping[str, str] | None = None
+    ) -> dict[str, int | None]:
         """For a producer: each base queue's current incarnation if it may be published to
-        (no mark), touching that incarnation's activity; None if it is being retired."""
+        (no mark), touching that incarnation's activity; None if it is being retired.
+        ``routed`` names, for a promoted key's own queue, the key whose route must still
+        exist: ``UNROUTED`` if it is gone (the key's events go to its bucket again)."""
         if not queues:
             return {}
+        routed = routed or {}
         granted = self._lease(
             keys=[
                 self._keys.registry,
                 self._keys.incarnations,
                 self._keys.woken,
+                self._keys.routes,
                 *(self._keys.retiring(queue) for queue in queues),
             ],
-            args=[now_ms(), WOKEN_AFTER_QUIET_MS, self._keys.announcements, *queues],
+            args=[
+                now_ms(),
+                WOKEN_AFTER_QUIET_MS,
+                self._keys.announcements,
+                *queues,
+                *(routed.get(queue, "") for queue in queues),
+            ],
         )
         return {
-            queue: None if int(flag) < 0 else int(flag)
+            queue: None if int(flag) == -1 else int(flag)
             for queue, flag in zip(queues, granted, strict=True)
         }
 

@@ -1,18 +1,21 @@
 """Auto mode's routes: which keys have a queue of their own, in Redis.
 
-In auto mode producers publish every event to its key's hash bucket. A key is *promoted* when
-it needs a queue of its own (it is hot, backs up its bucket, is held back, or an operator asks):
-from then on the holder of its bucket *forwards* its events, confirmed, to the key's own queue,
-and the holder of that queue applies them. A key is *demoted* by the janitor once its own queue
-has drained, stayed idle and been deleted: its bucket's holder applies it again.
+In auto mode a key's events go to its hash bucket. A key is *promoted* when it needs a queue of
+its own (it is hot, backs up its bucket, is held back, or an operator asks): from then on
+producers publish its events to that queue once they have read the route
+(``keyq.producer.route_follow``), the holder of its bucket *forwards* those that still reach
+the bucket, confirmed, to the key's own queue, and the holder of that queue applies them by
+their seqs. A key is *demoted* by the janitor once its own queue has drained, stayed idle and
+been deleted: its bucket's holder applies it again.
 
 One applier per key at a time. A move opens when the key is promoted; the holder of its
 bucket *closes* it between two of its batches, under its fenced lease, so every batch of the
 bucket that read the key's status before the promotion has committed by then. The own queue's
-holder applies nothing of the key while its move is open. After the close only forwarded copies
-reach the key, through its own queue, in the bucket's order. A demotion comes after the own
-queue was deleted empty and unused under the retirement fence: nothing of the key waits there
-or is being applied from there.
+holder applies nothing of the key while its move is open. After the close the key's events
+reach it only through its own queue: published there, or forwarded there in the bucket's
+order. A demotion comes after the own queue was deleted empty and unused under the retirement
+fence (whose leases of an own queue also need its route): nothing of the key waits there or is
+being applied from there, and no producer sends there again.
 
 Every route change is fenced in one script, epochs only grow, and the stream keeps counts and
 a short log of them for ``keyq inspect``, ``keyq status`` and the metrics.
@@ -222,6 +225,14 @@ class RouteBook:
             if len(found) >= limit:
                 break
         return found
+
+    def version(self) -> tuple[int, int]:
+        """Promotions and demotions so far: while it stays the same, so do the routes' keys."""
+        pipe = self._client.pipeline(transaction=False)
+        pipe.get(self._keys.route_epoch)
+        pipe.hget(self._keys.route_counts, "demoted")
+        epoch, demoted = pipe.execute()
+        return int(epoch or 0), int(demoted or 0)
 
     def count(self) -> int:
         return int(self._client.hlen(self._keys.routes))

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from keyq.broker.retirement import UNROUTED
 from keyq.producer.context import IoContext
 from keyq.producer.lanes import Lanes, QueueLane, WaitReason
 from keyq.producer.outgoing import Outgoing
@@ -22,13 +23,13 @@ log = logging.getLogger("keyq.producer")
 class LeaseRequests:
     """Asks leases; a queue without one has its events wait (``UNLEASED``)."""
 
-    def __init__(self, lease_s: float, request_lease: Callable[[str], None]) -> None:
+    def __init__(self, lease_s: float, request_lease: Callable[[str, str | None], None]) -> None:
         self.lease_s = lease_s
         self._request_lease = request_lease
 
     def ask(self, queue: str, lane: QueueLane) -> None:
         if lane.start_leasing():
-            self._request_lease(queue)
+            self._request_lease(queue, lane.key)
 
     def admit(self, message: Outgoing, lane: QueueLane, now: float) -> bool:
         """Whether ``message`` may go now. Past its queue's lease it waits while a lease is
@@ -58,6 +59,8 @@ class Leases:
         self._requests = requests
         self._release = release
         self.lease_s = requests.lease_s
+        # Auto mode: an own queue whose key lost its route (``route_follow.Rerouting``).
+        self.unrouted: Callable[[str, float], None] | None = None
 
     def apply(self, granted: dict[str, int | None], issued_at: float) -> None:
         """From the Redis thread: hand lease results to the I/O thread."""
@@ -72,7 +75,9 @@ class Leases:
             lane = self._lanes.get(queue)
             if lane is None:
                 continue
-            if incarnation is not None:
+            if incarnation == UNROUTED and self.unrouted is not None:
+                self.unrouted(queue, self.lease_s)
+            elif incarnation is not None:
                 lane.leased(incarnation, issued_at, self.lease_s)
                 ioloop.call_later(
                     self.lease_s / 2, lambda q=queue, s=lane: self._renew_in_flight(q, s)
@@ -95,6 +100,9 @@ class Leases:
             and time.monotonic() >= lane.lease_until - self.lease_s / 2
         ):
             self._requests.ask(queue, lane)
+
+    def ask_again(self, queue: str) -> None:
+        self._retry(queue)
 
     def _retry(self, queue: str) -> None:
         lane = self._lanes.get(queue)

@@ -15,6 +15,7 @@ calls, so that calls go one way, from the top down:
 * ``StalledQueues`` (``stalled``): queues whose confirm was overdue, on channels of their own;
 * ``Leases`` (``leases``): publish leases, asked of the registrar and applied;
 * ``Recovery`` (``recovery``): what follows confirms, returned events re-sent in order;
+* ``Rerouting`` (``route_follow``, auto mode): an own queue's events to its bucket, unrouted;
 * ``Publisher`` (``publisher``): sends, packed (``packing``), through each ``QueueLane``;
 * ``ConfirmLedger`` (``ledger``): what is in flight, settled under the lease rule.
 """
@@ -41,6 +42,7 @@ from keyq.producer.packing import Packer
 from keyq.producer.probes import Probes
 from keyq.producer.publisher import Publisher
 from keyq.producer.recovery import Recovery
+from keyq.producer.route_follow import Rerouting, RouteFollower
 from keyq.producer.stalled import OwnChannels, StalledQueues
 from keyq.producer.window import ConfirmWindow
 
@@ -55,7 +57,7 @@ class PublisherLink:
         dead_letter: tuple[str, str],  # the dead-letter queue and the stream's queue type
         *,
         on_new_queues: NewQueues,
-        request_lease: Callable[[str], None],
+        request_lease: Callable[[str, str | None], None],
         meter: Meter = NO_METRICS,
     ) -> None:
         window = ConfirmWindow(settings.confirm_window)
@@ -73,6 +75,7 @@ class PublisherLink:
         self.recovery = Recovery(ctx, lanes, self.ledger, own, self.publisher)
         release = self.publisher.release
         self.leases = Leases(ctx, lanes, requests, release)
+        self.rerouting: Rerouting | None = None  # auto mode (``follow``)
         self.stalled = StalledQueues(
             ctx,
             own,
@@ -118,6 +121,13 @@ class PublisherLink:
             self.stop()
             raise failure
 
+    def follow(self, routes: RouteFollower) -> None:
+        """Auto mode: an own queue whose key lost its route sends to its bucket instead."""
+        self.rerouting = Rerouting(
+            self.ctx, self.lanes, routes, self.publisher.send_all, self.leases.ask_again
+        )
+        self.leases.unrouted = self.rerouting.unrouted
+
     def submit(self, message: Outgoing, deadline: float) -> None:
         """Queue an event for the I/O thread, waiting while the window is full or the
         broker blocks publishers, and wake the I/O thread to send it. Call with
@@ -143,6 +153,7 @@ class PublisherLink:
             "stalled_channel_resets": self.stalled.channel_resets,
             "reconnects": self.connector.reconnects,
             "unconfirmed": self.window.unsettled,
+            "rerouted": 0 if self.rerouting is None else self.rerouting.rerouted,
             "packs": packer.packs_sent,
             "events_in_packs": packer.events_packed,
         }

@@ -37,6 +37,7 @@ from keyq.broker.errors import KeyqError, MessageTooLarge, ProducerClosed
 from keyq.broker.naming import Mode, check_stream_name, dead_letter_queue_name, encode_key
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.retirement import RetirementFence
+from keyq.broker.routes import RouteBook
 from keyq.broker.settings import Settings
 from keyq.broker.streams import StreamConfig, ensure_stream_config, requested_config
 from keyq.broker.tracing import inject_trace_context
@@ -46,6 +47,7 @@ from keyq.producer.link import PublisherLink
 from keyq.producer.metrics import meter_for
 from keyq.producer.outgoing import Outgoing
 from keyq.producer.registrar import Registrar
+from keyq.producer.route_follow import RouteFollower
 from keyq.producer.startup import instance_id, open_redis_presence, resolve_settings
 
 # Room kept for AMQP properties and keyq's headers when checking the size limit.
@@ -160,6 +162,12 @@ class Producer:
         except BaseException:
             self._shut_down()
             raise
+        self._queue_for: Callable[[str], str] = self.config.queue_for
+        if self.config.mode is Mode.AUTO:
+            routes = RouteFollower(RouteBook(self._redis, self.stream), self.config)
+            self._link.follow(routes)
+            self._registrar.follow(routes)
+            self._queue_for = routes.queue_for
 
     def _connect(self, mode: str | Mode | None, buckets: int | None, kind: str) -> StreamConfig:
         """Connect to RabbitMQ; only a producer that reached both services fixes the
@@ -234,7 +242,7 @@ class Producer:
                 f"message of about {size} bytes exceeds max_message_bytes "
                 f"({self.settings.max_message_bytes})"
             )
-        queue = self.config.queue_for(key)
+        queue = self._queue_for(key)  # auto mode: a promoted key's own queue, once read
         return PreparedEvent(queue, key, body, content_type, user_headers)
 
     def offer(self, prepared: PreparedEvent) -> Receipt | Offer:
@@ -328,7 +336,8 @@ class Producer:
         queue's publish lease ran out (the queue may have been deleted meanwhile), reconnects
         because a confirm was overdue (``confirm_timeout``), stalled queues' own channels
         reset because their confirm was overdue, reconnects of any cause,
-        events not yet confirmed, and the packs sent and the events inside them
+        events not yet confirmed, events sent to their key's bucket because its own queue
+        lost its route (auto mode), and the packs sent and the events inside them
         (``docs/pack-format.md``)."""
         return self._link.stats()
 

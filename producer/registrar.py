@@ -21,6 +21,7 @@ from keyq.broker.errors import KeyqError, PublishTimeout
 from keyq.broker.producer_presence import ProducerPresence
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.retirement import RetirementFence
+from keyq.producer.route_follow import RouteFollower
 
 log = logging.getLogger("keyq.producer")
 
@@ -49,7 +50,8 @@ class Registrar:
         self._presence_due = 0.0  # renewed every third of its ttl
         self._lock = threading.Condition()
         self._new: dict[str, str | None] = {}
-        self._leases: set[str] = set()
+        self._leases: dict[str, str | None] = {}  # queue -> the key of its events, if one
+        self._routes: RouteFollower | None = None
         self._in_progress = 0
         self._stop = False
         self._on_leases: LeaseResults | None = None
@@ -65,9 +67,15 @@ class Registrar:
             self._new.update(queues)
             self._lock.notify_all()
 
-    def request_lease(self, queue: str) -> None:
+    def follow(self, routes: RouteFollower) -> None:
+        """Auto mode: read the routes too, and lease own queues only while routed."""
         with self._lock:
-            self._leases.add(queue)
+            self._routes = routes
+            self._lock.notify_all()
+
+    def request_lease(self, queue: str, key: str | None) -> None:
+        with self._lock:
+            self._leases[queue] = key
             self._lock.notify_all()
 
     def wait_idle(self, deadline: float | None) -> None:
@@ -94,20 +102,22 @@ class Registrar:
         while True:
             with self._lock:
                 while not (self._new or self._leases or self._stop):
-                    wait = self._presence_due - time.monotonic()
+                    wait = self._next_due() - time.monotonic()
                     if wait <= 0:
                         break
                     self._lock.wait(wait)
                 if self._stop and not self._new:
                     return
                 new, self._new = self._new, {}
-                leases, self._leases = self._leases, set()
+                leases, self._leases = self._leases, {}
                 self._in_progress = len(new)
             try:
                 with redis_errors(self._redis_url):
                     if time.monotonic() >= self._presence_due:
                         self._renew_presence()
-                    self._grant(sorted(leases))
+                    if self._routes is not None and time.monotonic() >= self._routes.due:
+                        self._routes.refresh()
+                    self._grant(leases)
                     self._registry.register(new)
                 failures = 0
                 delays.reset()
@@ -122,7 +132,7 @@ class Registrar:
                 with self._lock:
                     new.update(self._new)
                     self._new = new
-                    self._leases |= leases
+                    self._leases = {**leases, **self._leases}
                     stopping = self._stop
                 if stopping and failures >= 3:
                     return
@@ -137,9 +147,22 @@ class Registrar:
         self._presence.announce(self._producer_id, self._presence_ttl_ms)
         self._presence_due = started + self._presence_ttl_ms / 3000
 
-    def _grant(self, queues: list[str]) -> None:
+    def _next_due(self) -> float:
+        routes = self._routes
+        return self._presence_due if routes is None else min(self._presence_due, routes.due)
+
+    def _grant(self, leases: dict[str, str | None]) -> None:
         assert self._on_leases is not None
+        queues = sorted(leases)
+        routes = self._routes
         for start in range(0, len(queues), LEASE_BATCH):
             batch = queues[start : start + LEASE_BATCH]
+            routed: dict[str, str] = {}
+            if routes is not None:
+                for queue in batch:
+                    key = leases[queue]
+                    needed = None if key is None else routes.routed_key(queue, key)
+                    if needed is not None:
+                        routed[queue] = needed
             issued_at = time.monotonic()  # before the check: the lease is never overstated
-            self._on_leases(self._fence.lease(batch), issued_at)
+            self._on_leases(self._fence.lease(batch, routed), issued_at)

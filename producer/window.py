@@ -200,6 +200,18 @@ class ConfirmWindow:
             self._wake_waiters()
         return heard_again
 
+    def moved(self, queue: str, to: str, events: int) -> None:
+        """``events`` unconfirmed ones of ``queue`` go to ``to`` instead (a lost route)."""
+        if not events:
+            return
+        with self.cond:
+            left = self.by_queue.get(queue, 0) - events
+            if left > 0:
+                self.by_queue[queue] = left
+            else:
+                self.by_queue.pop(queue, None)
+            self.by_queue[to] = self.by_queue.get(to, 0) + events
+
     def mark_stalled(self, queues: set[str]) -> None:
         """Publishing to these waits once each holds its room, until one confirms."""
         with self.cond:

@@ -116,13 +116,15 @@ def test_moves_keep_order_and_apply_once_with_kills_before_during_and_after(
         run.worker().wait_ready()
         run.worker()
         publish(first, keys, 81, 160, 0.02)
+        # What reached the second key's bucket before the producers read its route, while
+        # nobody held the bucket, is forwarded by the bucket's new holder.
+        wait_until(lambda: run.reported("forwarded") > 0, 60, "events forwarded")
         run.promote(moved[2])
         publish(first, keys, 161, 200, 0.02)
         run.kill_all()  # after: forwarded copies and own queues are taken over
         run.worker().wait_ready()
         run.worker()
         publish(first, keys, 201, 240, 0.02)
-        wait_until(lambda: run.reported("forwarded") > 0, 60, "events forwarded")
         other.join(120)
         first.flush(timeout=60)
         second.flush(timeout=60)
@@ -188,6 +190,70 @@ def test_a_hot_key_is_promoted_by_its_rate_and_a_paused_one_when_held_back(
     finally:
         producer.close(timeout=10)
         run.kill_all()
+
+
+def test_producers_follow_a_route_and_leave_it_when_the_key_is_demoted(
+    stream: StreamFixture, workers: Any, tmp_path: Path
+) -> None:
+    """Once a producer has read a key's route, the key's events go straight to its own queue:
+    its bucket's holder forwards only what came before. When the janitor retires the idle own
+    queue, events that wait for its lease go to the bucket instead (the lease needs the route),
+    and every event is applied once, in order."""
+    run = Moves(stream, workers, QUIET)
+    hot, cold = "hot-7", "cold-7"
+    own = run.config.own_queue_for(hot)
+    producer = Producer(stream.name, mode="auto", buckets=BUCKETS, settings=stream.settings)
+    run.worker().wait_ready()
+    janitor = None
+    try:
+        publish(producer, [hot, cold], 1, 20, 0.01)
+        run.promote(hot)
+        wait_until(lambda: _routed(run, hot), 30, "the move closed")
+        time.sleep(0.5)  # the producer reads routes every 0.25 s
+        receipts = [
+            producer.publish(hot, {"n": n, "producer": producer.producer_id})
+            for n in range(21, 221)
+        ]
+        producer.flush(timeout=60)
+        assert {receipt.queue for receipt in receipts} == {own}
+        totals = {producer.producer_id: 220}
+        wait_until(lambda: not run.wrong([hot], totals), 120, "the hot key applied")
+        assert run.reported("forwarded") < 200  # the direct events were not forwarded
+        janitor = JanitorProcess(
+            stream.settings,
+            tmp_path,
+            "--stream",
+            stream.name,
+            "--idle-ttl",
+            "1",
+            env={"KEYQ_JANITOR_INTERVAL_S": "0.3"},
+        )
+        # One event every 3 s: the own queue goes idle in between, is marked, and the event
+        # published during the mark waits until the key is demoted, then goes to the bucket.
+        n = 220
+        deadline = time.monotonic() + 90
+        while producer.stats["rerouted"] == 0:
+            assert time.monotonic() < deadline, "no event left the own queue for the bucket"
+            n += 1
+            producer.publish(hot, {"n": n, "producer": producer.producer_id})
+            time.sleep(3)
+        producer.flush(timeout=60)
+        assert run.book.route(hot) is None
+        totals = {producer.producer_id: n}
+        wait_until(lambda: not run.wrong([hot], totals), 120, "the events after the demotion")
+        after = producer.publish(hot, {"n": n + 1, "producer": producer.producer_id})
+        assert after.queue == run.config.queue_for(hot)
+    finally:
+        producer.close(timeout=10)
+        if janitor is not None:
+            janitor.terminate()
+            janitor.close()
+        run.kill_all()
+
+
+def _routed(run: Moves, key: str) -> bool:
+    route = run.book.route(key)
+    return route is not None and not route.open
 
 
 def test_a_backlog_of_one_key_is_promoted_and_forwarded_whole(

@@ -45,12 +45,16 @@ def auto_parts(
     return AutoParts(routing, RouteMoves(client, config.stream))
 
 
+def is_own_queue(config: StreamConfig | None, queue: str) -> bool:
+    """Whether ``queue`` is a promoted key's own queue in an auto stream."""
+    if config is None or config.mode is not Mode.AUTO:
+        return False
+    stream = config.stream
+    return is_stream_queue(stream, queue) and not is_bucket_queue(stream, queue)
+
+
 def shared_cap(settings: WorkerSettings, config: StreamConfig | None, queue: str) -> int | None:
     """Auto mode: a promoted key's own queue gives a batch it shares with other queues at most
     ``auto_key_batch_max`` events, so a hot or slow key cannot hold the keys of the buckets the
     same worker holds (its events apply one after another anyway)."""
-    if config is None or config.mode is not Mode.AUTO:
-        return None
-    stream = config.stream
-    own = is_stream_queue(stream, queue) and not is_bucket_queue(stream, queue)
-    return settings.auto_key_batch_max if own else None
+    return settings.auto_key_batch_max if is_own_queue(config, queue) else None

@@ -35,7 +35,7 @@ from keyq.broker.streams import StreamConfig
 from keyq.broker.worker_report import WorkerReport
 from keyq.worker.amqp.deliveries import DeliveryBuffer
 from keyq.worker.amqp.link import ConsumerLink
-from keyq.worker.auto_mode import auto_parts, shared_cap
+from keyq.worker.auto_mode import auto_parts, is_own_queue, shared_cap
 from keyq.worker.batch.processor import BatchProcessor
 from keyq.worker.batch.routing import AutoRouting
 from keyq.worker.batch.state_store import StateStore
@@ -45,6 +45,7 @@ from keyq.worker.holding.assembly import assemble_holding
 from keyq.worker.holding.claims import ClaimLoop
 from keyq.worker.holding.handbacks import HandBacks
 from keyq.worker.holding.held_queues import HeldQueues, QueueEvents
+from keyq.worker.holding.prefetch_fit import PrefetchFit
 from keyq.worker.holding.queue_keys import QueueKeys
 from keyq.worker.pipeline import Pipeline
 from keyq.worker.pipeline_loading import load_pipeline
@@ -322,7 +323,14 @@ class Worker:
             routing=auto.routing,
         )
         presence = ProducerPresence(client, self.stream)
-        stuck, abandoned = gap_watchers(settings, self._buffer, presence, link.counts, holding.held)
+        stuck, abandoned = gap_watchers(
+            settings,
+            self._buffer,
+            presence,
+            link.counts,
+            holding.held,
+            fed_by_forwards=functools.partial(is_own_queue, config),
+        )
         return Session(
             settings=settings,
             buffer=self._buffer,
@@ -337,6 +345,7 @@ class Worker:
             stop=self._stop,
             drains=holding.drains,
             starved=holding.starved,
+            prefetch=PrefetchFit(settings.prefetch, link.consumers.prefetch),
             moves=auto.moves,
             on_assigned=self._on_assigned,
             on_revoked=self._on_revoked,

@@ -29,6 +29,7 @@ from keyq.worker.holding.aside_drains import AsideDrains
 from keyq.worker.holding.claims import ClaimLoop
 from keyq.worker.holding.handbacks import HandBacks
 from keyq.worker.holding.held_queues import HeldQueues, QueueEvents
+from keyq.worker.holding.prefetch_fit import PrefetchFit
 from keyq.worker.holding.route_moves import RouteMoves
 from keyq.worker.holding.stuck_gaps import StuckGaps
 
@@ -65,8 +66,11 @@ def gap_watchers(
     presence: ProducerPresence,
     counts: QueueCounter,
     held: HeldQueues,
+    *,
+    fed_by_forwards: Callable[[str], bool],
 ) -> tuple[StuckGaps, AbandonedGaps]:
-    """What watches the sequence gaps of ``held``'s queues between batches."""
+    """What watches the sequence gaps of ``held``'s queues between batches.
+    ``fed_by_forwards(queue)``: an auto stream's own queue, whose gaps may fill late."""
     stuck = StuckGaps(buffer, settings.sequence_gap_timeout_ms / 1000)
     abandoned = AbandonedGaps(
         buffer,
@@ -76,6 +80,7 @@ def gap_watchers(
         confirm_gone_s=settings.producer_ttl_ms / 2000,
         reopened_at=stuck.reopened_at,
         reopen=functools.partial(reopen_for_gap, stuck, held),
+        fed_by_forwards=fed_by_forwards,
     )
     return stuck, abandoned
 
@@ -98,6 +103,7 @@ class Session:
     stop: threading.Event
     drains: AsideDrains
     starved: StarvedQueues
+    prefetch: PrefetchFit | None = None
     moves: RouteMoves | None = None  # auto mode
     on_assigned: QueueCallback | None = None
     on_revoked: QueueCallback | None = None
@@ -125,6 +131,8 @@ class Session:
             self.reopen_stuck_gaps()
             self.drain_aside()
             self.close_moves()
+            if self.prefetch is not None:
+                self.prefetch.refit(self.held.room_of, self.buffer.deferred, self.held.reopen)
             stats = self.processor.stats
             wait = batch_wait(self.settings, stats.last_batch_events, stats.last_spark_seconds)
             batch = self.buffer.take(self.settings.batch_max_events, wait, 0.1)
@@ -145,6 +153,8 @@ class Session:
         if outcome.interrupted is not None:
             self.stop.wait(ERROR_BACKOFF_S)
         self.held.apply(outcome)
+        if self.prefetch is not None:
+            self.prefetch.observe(batch, self.held.room_of)
         if outcome.later and len(outcome.later) == len(batch):
             self.stop.wait(min(max(outcome.retry_later_in, 0.005), RATE_WAIT_MAX_S))
 
