@@ -183,6 +183,11 @@ class StreamKeys:
         bucket's holder has not closed it yet)."""
         return f"{self._base}:moves"
 
+    def forwarded(self, key: str) -> str:
+        """Hash with a ttl, auto mode: producer -> the highest seq of ``key``'s events from it
+        that its bucket's holder forwarded to the key's own queue."""
+        return f"{self._base}:forwarded:{key}"
+
     @property
     def route_epoch(self) -> str:
         """Counter: each promotion's epoch; only grows, never reset."""

@@ -23,7 +23,7 @@ a short log of them for ``keyq inspect``, ``keyq status`` and the metrics.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import orjson
@@ -36,6 +36,7 @@ from keyq.broker.streams import StreamConfig
 from keyq.broker.text import as_text
 
 LOG_KEPT = 1000
+FORWARDED_TTL_MS = 86_400_000
 
 # Why a key was promoted (``Route.why``).
 WHY_RATE = "rate"
@@ -92,9 +93,22 @@ redis.call('LPUSH', KEYS[3], cjson.encode({what = 'closed', key = ARGV[1], e = r
 return 1
 """
 
-# KEYS = routes, moves, counts, log, aside; ARGV = key, own queue, now, log kept. Demotes the
-# key if its route names that own queue, its move is closed and nothing of it waits aside
-# (whose only drainer is the holder of that queue): 1 demoted, 0 refused or not promoted.
+# KEYS[1] = the key's forwarded hash; ARGV = ttl ms, then producer, seq pairs. Keeps, per
+# producer, the highest seq forwarded.
+_NOTE_FORWARDED = """
+for i = 2, #ARGV, 2 do
+  local seq = tonumber(ARGV[i + 1])
+  if seq > (tonumber(redis.call('HGET', KEYS[1], ARGV[i])) or 0) then
+    redis.call('HSET', KEYS[1], ARGV[i], seq)
+  end
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+
+# KEYS = routes, moves, counts, log, aside, forwarded; ARGV = key, own queue, now, log kept.
+# Demotes the key if its route names that own queue, its move is closed and nothing of it waits
+# aside (whose only drainer is the holder of that queue): 1 demoted, 0 refused or not promoted.
 _DEMOTE = """
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
 if not raw then
@@ -106,6 +120,7 @@ if route.q ~= ARGV[2] or route.open == 1 or redis.call('HEXISTS', KEYS[5], ARGV[
 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('DEL', KEYS[6])
 redis.call('HINCRBY', KEYS[3], 'demoted', 1)
 redis.call('LPUSH', KEYS[4], cjson.encode({what = 'demoted', key = ARGV[1], e = route.e,
   at = tonumber(ARGV[3])}))
@@ -164,6 +179,7 @@ class RouteBook:
         self._promote = client.register_script(_PROMOTE)
         self._close = client.register_script(_CLOSE)
         self._demote = client.register_script(_DEMOTE)
+        self._note_forwarded = client.register_script(_NOTE_FORWARDED)
 
     def promote(self, key: str, own_queue: str, bucket: str, why: str) -> Route | None:
         """Promote ``key`` to ``own_queue`` (its base name); its route as it is after, or None
@@ -197,10 +213,44 @@ class RouteBook:
         keys = self._keys
         return bool(
             self._demote(
-                keys=[keys.routes, keys.moves, keys.route_counts, keys.route_log, keys.aside],
+                keys=[
+                    keys.routes,
+                    keys.moves,
+                    keys.route_counts,
+                    keys.route_log,
+                    keys.aside,
+                    keys.forwarded(key),
+                ],
                 args=[key, own_queue, now_ms(), LOG_KEPT],
             )
         )
+
+    def note_forwarded(self, key: str, seqs: Mapping[str, int]) -> None:
+        """For the holder of ``key``'s bucket: it forwarded these producers' events of the key
+        up to these seqs, confirmed (kept a day, or until the key is demoted)."""
+        if seqs:
+            args: list[str | int] = [FORWARDED_TTL_MS]
+            for producer, seq in seqs.items():
+                args += [producer, seq]
+            self._note_forwarded(keys=[self._keys.forwarded(key)], args=args)
+
+    def passed(self, keys: Iterable[str], producer: str) -> dict[str, int]:
+        """For a producer switching keys to their own queues: per key, the highest seq of its
+        events from ``producer`` that has left the key's bucket, forwarded or applied (in the
+        key's marks, ``keyq.worker.batch.marks``)."""
+        names = list(dict.fromkeys(keys))
+        if not names:
+            return {}
+        pipe = self._client.pipeline(transaction=False)
+        for key in names:
+            pipe.hget(self._keys.forwarded(key), producer)
+        pipe.hmget(self._keys.marks, names)
+        *forwarded, marks = pipe.execute()
+        passed: dict[str, int] = {}
+        for key, sent, raw in zip(names, forwarded, marks, strict=True):
+            applied = orjson.loads(raw).get("p", {}).get(producer, 0) if raw else 0
+            passed[key] = max(int(sent or 0), int(applied))
+        return passed
 
     def routes(self, keys: Iterable[str]) -> dict[str, Route]:
         """The route of each of ``keys`` that is promoted (one round trip)."""

@@ -32,6 +32,9 @@ class WaitReason(enum.Enum):
     UNREACHABLE = enum.auto()
     # A new key's queue is being declared apart (``keyq.producer.declarers``).
     DECLARING = enum.auto()
+    # Auto mode: the key's first events for its own queue wait until its earlier ones have
+    # left its bucket (``keyq.producer.route_follow``).
+    SWITCHING = enum.auto()
 
 
 @dataclass(slots=True, eq=False)

@@ -124,9 +124,12 @@ class PublisherLink:
     def follow(self, routes: RouteFollower) -> None:
         """Auto mode: an own queue whose key lost its route sends to its bucket instead."""
         self.rerouting = Rerouting(
-            self.ctx, self.lanes, routes, self.publisher.send_all, self.leases.ask_again
+            self.ctx, self.lanes, routes, self.publisher.release, self.leases.ask_again
         )
+        self.publisher.routes = routes
+        self.publisher.rerouting = self.rerouting
         self.leases.unrouted = self.rerouting.unrouted
+        routes.on_switched = self.rerouting.switched
 
     def submit(self, message: Outgoing, deadline: float) -> None:
         """Queue an event for the I/O thread, waiting while the window is full or the

@@ -162,12 +162,12 @@ class Producer:
         except BaseException:
             self._shut_down()
             raise
-        self._queue_for: Callable[[str], str] = self.config.queue_for
+        self._routes: RouteFollower | None = None
         if self.config.mode is Mode.AUTO:
-            routes = RouteFollower(RouteBook(self._redis, self.stream), self.config)
-            self._link.follow(routes)
-            self._registrar.follow(routes)
-            self._queue_for = routes.queue_for
+            book = RouteBook(self._redis, self.stream)
+            self._routes = RouteFollower(book, self.config, self.producer_id)
+            self._link.follow(self._routes)
+            self._registrar.follow(self._routes)
 
     def _connect(self, mode: str | Mode | None, buckets: int | None, kind: str) -> StreamConfig:
         """Connect to RabbitMQ; only a producer that reached both services fixes the
@@ -242,7 +242,7 @@ class Producer:
                 f"message of about {size} bytes exceeds max_message_bytes "
                 f"({self.settings.max_message_bytes})"
             )
-        queue = self._queue_for(key)  # auto mode: a promoted key's own queue, once read
+        queue = self.config.queue_for(key)  # auto mode: settled in ``_accept``
         return PreparedEvent(queue, key, body, content_type, user_headers)
 
     def offer(self, prepared: PreparedEvent) -> Receipt | Offer:
@@ -295,7 +295,9 @@ class Producer:
             raise ProducerClosed("producer is closed")
         key = prepared.key
         published_at = now_ms()
-        seq = self._seqs.get(key, 0) + 1
+        last = self._seqs.get(key, 0)
+        seq = last + 1
+        queue = prepared.queue if self._routes is None else self._routes.queue_for(key, last)
         number = next(self._numbers)
         message_id = f"{self.producer_id}:{number}"
         user_headers = dict(prepared.headers)
@@ -312,11 +314,11 @@ class Producer:
             headers=user_headers,
         )
         confirmation = Confirmation(self._link.window, message_id)
-        message = Outgoing(number, prepared.queue, key, prepared.body, properties)
+        message = Outgoing(number, queue, key, prepared.body, properties)
         message.confirmation = confirmation
         self._link.submit(message, deadline)
         self._seqs[key] = seq
-        return Receipt(prepared.queue, key, seq, message_id, confirmation)
+        return Receipt(queue, key, seq, message_id, confirmation)
 
     def flush(self, timeout: float | None = None) -> None:
         """Return once every accepted event is confirmed and its queue registered.

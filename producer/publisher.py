@@ -14,11 +14,12 @@ from collections.abc import Iterable
 
 from keyq.broker.naming import incarnation_name
 from keyq.producer.context import IoContext
-from keyq.producer.lanes import Lanes, QueueLane
+from keyq.producer.lanes import Lanes, QueueLane, WaitReason
 from keyq.producer.leases import LeaseRequests
 from keyq.producer.ledger import ConfirmLedger
 from keyq.producer.outgoing import Outgoing
 from keyq.producer.packing import Packer
+from keyq.producer.route_follow import Rerouting, RouteFollower, Way
 from keyq.producer.stalled import OwnChannels
 
 log = logging.getLogger("keyq.producer")
@@ -46,6 +47,9 @@ class Publisher:
         self._ledger = ledger
         self._own = own
         self._leases = leases
+        # Auto mode (``PublisherLink.follow``): its keys' routes, and what follows them here.
+        self.routes: RouteFollower | None = None
+        self.rerouting: Rerouting | None = None
 
     def drain(self) -> None:
         """Send what application threads handed over (``DRAIN_BATCH`` at a time)."""
@@ -127,6 +131,8 @@ class Publisher:
 
     def send(self, message: Outgoing) -> None:
         ctx = self._ctx
+        if self.routes is not None and not self._follow_route(message):
+            return
         lane = self._lanes.of(message)
         stalled = message.queue in ctx.window.stalled
         channel = ctx.channel
@@ -159,6 +165,20 @@ class Publisher:
         lane.sent(message, name, now)
         self.packer.count_sent(message)
         self._ledger.sent(message)
+
+    def _follow_route(self, message: Outgoing) -> bool:
+        """Auto mode: readdress ``message`` to its key's bucket, or keep it waiting while its
+        key switches to its own queue (False)."""
+        assert self.routes is not None and self.rerouting is not None
+        way = self.routes.way(message.key, message.queue)
+        if way is Way.TO_BUCKET:
+            self.rerouting.to_bucket(message)
+        elif way is Way.HOLD:
+            lane = self._lanes.of(message)
+            lane.wait(WaitReason.SWITCHING)
+            lane.add_waiting(message)
+            return False
+        return True
 
     def _declare_apart(self, queue: str, lane: QueueLane, name: str) -> bool:
         """Declare a new key's queue on a declaring channel (``keyq.producer.declarers``);

@@ -116,7 +116,7 @@ class Registrar:
                     if time.monotonic() >= self._presence_due:
                         self._renew_presence()
                     if self._routes is not None and time.monotonic() >= self._routes.due:
-                        self._routes.refresh()
+                        self._routes.step()
                     self._grant(leases)
                     self._registry.register(new)
                 failures = 0

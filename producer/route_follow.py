@@ -3,18 +3,30 @@
 A promoted key's events go straight to its own queue, so its bucket's holder neither receives
 nor forwards them. The producer's Redis thread reads the routes at most every ``REFRESH_S``,
 and in full only when a promotion or a demotion happened since. A route read late is harmless:
-the events a producer sends to the bucket of a key promoted meanwhile are forwarded by the
-bucket's holder, and the own queue's holder applies the key's events by their seqs, waiting
-for the forwarded ones it lacks (a sequence gap). An own queue's publish lease is refused once
-its key's route is gone (``broker.retirement``): the events that wait for it then go to the
-key's bucket, and so do the key's next events.
+the events a producer sends to the bucket of a key promoted meanwhile are forwarded, in order,
+by the bucket's holder.
+
+*The switch.* A producer's events of a key must reach the key's own queue in its order, so it
+sends none there while any of its earlier ones are still in the bucket: its first events for
+the own queue wait (``WaitReason.SWITCHING``) until the bucket's holder has forwarded or
+applied its earlier ones (``RouteBook.passed``), and then go behind them. A switch that waits
+longer than ``SWITCH_WAIT_S`` (a bucket backed up) is put off: the waiting events go to the
+bucket, to be forwarded, and so do the key's next ones for ``SWITCH_BACKOFF_S``.
+
+*The way back.* An own queue's publish lease is refused once its key's route is gone
+(``broker.retirement``): the producer forgets the route, and the events that wait for the
+queue, and the key's next ones, go to the bucket (``Producer.stats["rerouted"]``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import logging
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from keyq.broker.naming import is_bucket_queue
 from keyq.broker.routes import RouteBook
@@ -26,22 +38,95 @@ from keyq.producer.outgoing import Outgoing
 log = logging.getLogger("keyq.producer")
 
 REFRESH_S = 0.25
+SWITCH_CHECK_S = 0.05
+SWITCH_WAIT_S = 2.0
+SWITCH_BACKOFF_S = 5.0
+
+
+class Way(enum.Enum):
+    """What the I/O thread does with an event addressed to a queue, by its key's switch."""
+
+    SEND = "send"
+    HOLD = "hold"  # its key's switch waits for the bucket
+    TO_BUCKET = "to bucket"  # its key is not (or no longer) sent to its own queue
+
+
+@dataclass(frozen=True)
+class _Switching:
+    after: int  # the last seq of the key this producer sent to the bucket
+    since: float
 
 
 class RouteFollower:
-    """The own queues of an auto stream's promoted keys, as this producer last read them."""
+    """The own queues of an auto stream's promoted keys as this producer last read them, and
+    its switches to them."""
 
-    def __init__(self, book: RouteBook, config: StreamConfig) -> None:
+    def __init__(self, book: RouteBook, config: StreamConfig, producer_id: str) -> None:
         self._book = book
         self._config = config
+        self._producer_id = producer_id
         self._own: dict[str, str] = {}  # key -> own queue; replaced whole, never changed
         self._version: tuple[int, int] | None = None
-        self.due = 0.0  # monotonic time of the next read
+        self._refresh_due = 0.0
+        self._lock = threading.Lock()
+        self._direct: set[str] = set()  # keys switched: their events go to their own queue
+        self._switching: dict[str, _Switching] = {}
+        self._put_off: dict[str, float] = {}  # key -> until when its switch is put off
+        self.on_switched: Callable[[str, str, bool], None] | None = None  # key, queue, done
 
-    def queue_for(self, key: str) -> str:
-        """Where ``key``'s next event goes (any thread)."""
+    # ------------------------------------------------------------- application threads
+    def queue_for(self, key: str, last_seq: int) -> str:
+        """Where ``key``'s next event goes; ``last_seq`` is the last seq this producer took
+        for the key. Called with the confirm window's lock held, so seqs follow this order."""
         own = self._own.get(key)
-        return own if own is not None else self._config.queue_for(key)
+        if own is None:
+            if key in self._direct or key in self._switching:
+                self.forget(key)
+            return self._config.queue_for(key)
+        with self._lock:
+            if key in self._direct or key in self._switching:
+                return own
+            if self._put_off.get(key, 0.0) > time.monotonic():
+                return self._config.queue_for(key)
+            self._put_off.pop(key, None)
+            if last_seq == 0:
+                self._direct.add(key)  # nothing of it ever went to the bucket
+            else:
+                self._switching[key] = _Switching(last_seq, time.monotonic())
+        return own
+
+    # ------------------------------------------------------------------ I/O thread
+    def way(self, key: str, queue: str) -> Way:
+        """What to do with an event of ``key`` addressed to ``queue``."""
+        if is_bucket_queue(self._config.stream, queue):
+            return Way.SEND
+        with self._lock:
+            if key in self._direct:
+                return Way.SEND
+            return Way.HOLD if key in self._switching else Way.TO_BUCKET
+
+    def switched(self, key: str, done: bool) -> bool:
+        """The key's switch is over: done, or put off. False if it was not switching."""
+        with self._lock:
+            if self._switching.pop(key, None) is None:
+                return False
+            if done:
+                self._direct.add(key)
+            else:
+                self._put_off[key] = time.monotonic() + SWITCH_BACKOFF_S
+        return True
+
+    def forget(self, key: str) -> None:
+        """``key`` has no route now; the next read of the routes is in full."""
+        with self._lock:
+            self._direct.discard(key)
+            self._switching.pop(key, None)
+            self._put_off.pop(key, None)
+            if key in self._own:
+                own = dict(self._own)
+                del own[key]
+                self._own = own
+            self._version = None
 
     def bucket_for(self, key: str) -> str:
         return self._config.queue_for(key)
@@ -50,63 +135,90 @@ class RouteFollower:
         """The key whose route a lease of ``queue`` needs: its own queue's key, else none."""
         return None if is_bucket_queue(self._config.stream, queue) else key
 
-    def refresh(self) -> None:
-        """On the Redis thread: read the routes again if they changed."""
-        self.due = time.monotonic() + REFRESH_S
-        version = self._book.version()
-        if version == self._version:
-            return
-        self._own = {key: route.queue for key, route in self._book.promoted().items()}
-        self._version = version
+    # ---------------------------------------------------------------- Redis thread
+    @property
+    def due(self) -> float:
+        """When the Redis thread next has work here."""
+        if self._switching:
+            return min(self._refresh_due, time.monotonic() + SWITCH_CHECK_S)
+        return self._refresh_due
 
-    def forget(self, key: str) -> None:
-        """On the I/O thread: ``key`` has no route now; the next read is in full."""
-        if key in self._own:
-            own = dict(self._own)
-            del own[key]
-            self._own = own
-        self._version = None
+    def step(self) -> None:
+        """Read the routes again if they changed, and settle the switches that may be."""
+        now = time.monotonic()
+        if now >= self._refresh_due:
+            self._refresh_due = now + REFRESH_S
+            version = self._book.version()
+            if version != self._version:
+                self._own = {key: route.queue for key, route in self._book.promoted().items()}
+                self._version = version
+        with self._lock:
+            waiting = dict(self._switching)
+        if not waiting:
+            return
+        passed = self._book.passed(waiting, self._producer_id)
+        now = time.monotonic()
+        for key, switching in waiting.items():
+            done = passed.get(key, 0) >= switching.after
+            if (done or now - switching.since > SWITCH_WAIT_S) and self.on_switched is not None:
+                self.on_switched(key, self._config.own_queue_for(key), done)
 
 
 class Rerouting:
-    """On the I/O thread: an own queue whose key lost its route hands its waiting events, in
-    order, to the key's bucket. Events still in flight there settle first: sent under a lease,
-    they reached the queue before it could be deleted, or come back returned."""
+    """On the I/O thread: events addressed to a key's own queue that must go to its bucket
+    (``Way.TO_BUCKET``), and the switches the Redis thread settled."""
 
     def __init__(
         self,
         ctx: IoContext,
         lanes: Lanes,
         follower: RouteFollower,
-        send_all: Callable[[list[Outgoing]], None],
+        release: Callable[[str], None],  # ``Publisher.release``
         ask_again: Callable[[str], None],
     ) -> None:
         self._ctx = ctx
         self._lanes = lanes
         self._follower = follower
-        self._send_all = send_all
+        self._release = release
         self._ask_again = ask_again
-        self.rerouted = 0  # events sent to their bucket instead
+        self.rerouted = 0  # events sent to their bucket instead of their own queue
+
+    def to_bucket(self, message: Outgoing) -> None:
+        """Address ``message`` (an event or a pack, all of one key) to its key's bucket."""
+        bucket = self._follower.bucket_for(message.key)
+        self._ctx.window.moved(message.queue, bucket, message.count)
+        for event in message.members:
+            event.queue = bucket
+        message.queue = bucket
+        self.rerouted += message.count
+
+    def switched(self, key: str, queue: str, done: bool) -> None:
+        """From the Redis thread: ``key``'s switch to ``queue`` is over (``done``, or put off:
+        its waiting events then go to the bucket)."""
+        with contextlib.suppress(RuntimeError, OSError, AttributeError):  # the loop is gone
+            self._ctx.ioloop.add_callback_threadsafe(lambda: self._switched(key, queue, done))
+
+    def _switched(self, key: str, queue: str, done: bool) -> None:
+        if not self._follower.switched(key, done):
+            return
+        log.debug("key %r: switch to %s %s", key, queue, "done" if done else "put off")
+        lane = self._lanes.get(queue)
+        if lane is not None and lane.waits_for(WaitReason.SWITCHING):
+            lane.release(WaitReason.SWITCHING)
+            self._release(queue)
 
     def unrouted(self, queue: str, lease_s: float) -> None:
+        """An own queue's lease was refused because its key has no route: its waiting events
+        go to the bucket once nothing of it is in flight (sent under a lease, those reached
+        the queue before it could be deleted, or come back returned)."""
         lane = self._lanes.get(queue)
         if lane is None or lane.key is None:
             return
         self._follower.forget(lane.key)
-        lane.refused_lease()  # nothing more goes to the own queue
+        lane.refused_lease()
         if lane.inflight or lane.returned or lane.reasons - {WaitReason.UNLEASED}:
             self._ctx.ioloop.call_later(lease_s / 4, lambda: self._ask_again(queue))
             return
-        waiting = [*lane.take_gathered(), *lane.waiting]
-        events = sorted(
-            (event for message in waiting for event in message.members),
-            key=lambda event: event.number,
-        )
-        del self._lanes[queue]
-        bucket = self._follower.bucket_for(lane.key)
-        self._ctx.window.moved(queue, bucket, len(events))
-        for event in events:
-            event.queue = bucket
-        log.debug("%s lost its route: %d events go to %s", queue, len(events), bucket)
-        self.rerouted += len(events)
-        self._send_all(events)
+        log.debug("%s lost its route: its waiting events go to the bucket", queue)
+        lane.release(WaitReason.UNLEASED)
+        self._release(queue)  # each goes through ``Way.TO_BUCKET``

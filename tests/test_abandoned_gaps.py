@@ -157,23 +157,3 @@ def test_a_consumer_not_reopened_since_the_gap_opened_is_reopened_before_anythin
     assert broker.reopened == [QUEUE]
     # Reopened since: given up.
     assert closer(buffer, broker, reopened_at=time.monotonic()).check() == 2
-
-
-def test_an_auto_streams_own_queue_waits_for_forwards_however_quiet() -> None:
-    """A promoted key's earlier events may still come from its bucket (forwarded), so a gone
-    producer's gap there is not given up early, nor the consumer reopened for it."""
-    buffer = DeliveryBuffer(gap_timeout_s=60)
-    parked(buffer, "gone", [3, 4])
-    broker = Broker()
-    gaps = AbandonedGaps(
-        buffer,
-        broker.alive,
-        broker.ready_count,
-        broker.room_of,
-        0.0,
-        reopened_at=lambda _queue: float("inf"),
-        reopen=broker.reopened.append,
-        fed_by_forwards=lambda queue: queue == QUEUE,
-    )
-    assert gaps.check() == 0
-    assert buffer.take(100, 0.0, 0.0) == [] and broker.reopened == []

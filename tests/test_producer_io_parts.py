@@ -161,7 +161,7 @@ def make_harness(**settings_overrides: Any) -> Harness:
         "s",
         ("s.dead", "classic"),
         on_new_queues=new_queues.append,
-        request_lease=asked.append,
+        request_lease=lambda queue, _key: asked.append(queue),
     )
     link.ctx.ioloop.close()
     loop = FakeLoop()

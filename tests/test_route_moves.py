@@ -251,6 +251,40 @@ def test_producers_follow_a_route_and_leave_it_when_the_key_is_demoted(
         run.kill_all()
 
 
+def test_a_switch_waits_for_the_producers_events_in_the_bucket_and_is_put_off_without_them(
+    stream: StreamFixture, workers: Any
+) -> None:
+    """A producer sends nothing of a key to its own queue while its earlier events of the key
+    are still in the bucket: with nobody holding the bucket the switch is put off and the
+    events go to the bucket; once they have been forwarded the producer switches."""
+    run = Moves(stream, workers, QUIET)
+    key = "late-1"
+    own = run.config.own_queue_for(key)
+    producer = Producer(stream.name, mode="auto", buckets=BUCKETS, settings=stream.settings)
+    try:
+        publish(producer, [key], 1, 20, 0.0)
+        producer.flush(timeout=30)
+        run.promote(key)  # nobody holds the bucket: nothing can be forwarded yet
+        time.sleep(0.5)  # the producer reads routes every 0.25 s
+        publish(producer, [key], 21, 40, 0.0)
+        producer.flush(timeout=30)  # confirmed only once they went to the bucket
+        assert producer.stats["rerouted"] == 20
+        run.worker().wait_ready()
+        totals = {producer.producer_id: 40}
+        wait_until(lambda: not run.wrong([key], totals), 60, "the key applied")
+        time.sleep(5)  # the switch was put off for 5 s
+        receipts = [
+            producer.publish(key, {"n": n, "producer": producer.producer_id}) for n in range(41, 61)
+        ]
+        producer.flush(timeout=30)
+        assert receipts[-1].queue == own
+        assert producer.stats["rerouted"] == 20
+        wait_until(lambda: not run.wrong([key], {producer.producer_id: 60}), 60, "after it")
+    finally:
+        producer.close(timeout=10)
+        run.kill_all()
+
+
 def _routed(run: Moves, key: str) -> bool:
     route = run.book.route(key)
     return route is not None and not route.open

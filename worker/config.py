@@ -84,8 +84,9 @@ class WorkerSettings(Settings):
         default=1000,
         ge=1,
         le=65535,
-        description="unacked events per queue (its AMQP prefetch is KEYQ_PREFETCH / "
-        "KEYQ_PACK_MAX_EVENTS messages, since a message may be a pack of events)",
+        description="unacked events per queue (its AMQP prefetch starts at KEYQ_PREFETCH / "
+        "KEYQ_PACK_MAX_EVENTS messages, since a message may be a pack of events, and is "
+        "fitted to the size its messages have)",
     )
     max_held_queues: int | None = Field(
         default=None,

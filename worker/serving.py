@@ -66,11 +66,8 @@ def gap_watchers(
     presence: ProducerPresence,
     counts: QueueCounter,
     held: HeldQueues,
-    *,
-    fed_by_forwards: Callable[[str], bool],
 ) -> tuple[StuckGaps, AbandonedGaps]:
-    """What watches the sequence gaps of ``held``'s queues between batches.
-    ``fed_by_forwards(queue)``: an auto stream's own queue, whose gaps may fill late."""
+    """What watches the sequence gaps of ``held``'s queues between batches."""
     stuck = StuckGaps(buffer, settings.sequence_gap_timeout_ms / 1000)
     abandoned = AbandonedGaps(
         buffer,
@@ -80,7 +77,6 @@ def gap_watchers(
         confirm_gone_s=settings.producer_ttl_ms / 2000,
         reopened_at=stuck.reopened_at,
         reopen=functools.partial(reopen_for_gap, stuck, held),
-        fed_by_forwards=fed_by_forwards,
     )
     return stuck, abandoned
 

@@ -114,6 +114,11 @@ def producer_of(delivery: Delivery) -> str | None:
     return _text(delivery.headers.get(HEADER_PRODUCER))
 
 
+def seq_of(delivery: Delivery) -> int | None:
+    """Its number among its producer's events of its key, if an SDK producer published it."""
+    return _integer(delivery.headers.get(HEADER_SEQ))
+
+
 def redrive_id_of(delivery: Delivery) -> str | None:
     """The id of the dead letter ``delivery`` was put back from, if it was redriven."""
     return _text(delivery.headers.get(HEADER_REDRIVE_ID))

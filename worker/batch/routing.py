@@ -33,7 +33,7 @@ from keyq.broker.routes import Route, RouteBook
 from keyq.broker.streams import StreamConfig
 from keyq.worker.amqp.deliveries import Delivery
 from keyq.worker.batch.admission import Admission, Disposition
-from keyq.worker.batch.decoding import Decoder
+from keyq.worker.batch.decoding import Decoder, producer_of, seq_of
 from keyq.worker.batch.key_gate import Routing
 from keyq.worker.batch.ports import DeadLetterSink
 from keyq.worker.batch.route_watch import RouteWatch
@@ -159,4 +159,17 @@ class AutoRouting:
             raise BrokerUnavailable(
                 f"events forwarded to {copies[0][0]} were confirmed after their lease ran out"
             )
-        self.forwarded += sum(len(deliveries) for _, _, deliveries in copies)
+        for _, key, sent in copies:
+            self._book.note_forwarded(key, highest_seqs(sent))
+        self.forwarded += sum(len(sent) for _, _, sent in copies)
+
+
+def highest_seqs(deliveries: Sequence[Delivery]) -> dict[str, int]:
+    """Per SDK producer, the highest seq among ``deliveries``: what producers switching the key
+    to its own queue wait for (``keyq.producer.route_follow``)."""
+    highest: dict[str, int] = {}
+    for delivery in deliveries:
+        producer, seq = producer_of(delivery), seq_of(delivery)
+        if producer is not None and seq is not None and seq > highest.get(producer, 0):
+            highest[producer] = seq
+    return highest

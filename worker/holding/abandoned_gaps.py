@@ -15,10 +15,6 @@ consumer must also have been reopened since the gap opened (``keyq.worker.holdin
 first time everything else holds, it is reopened instead, and the gap is given up only once
 the queue is quiet again after that. The gap is then given up through the usual path:
 reported, remembered in the marks, a late arrival dead-lettered.
-
-Not on an auto stream's own queue: what a gone producer sent to the key's bucket before it read
-the key's route still comes, forwarded by the bucket's holder, however quiet the own queue is.
-Its gaps wait for their events, or for ``sequence_gap_timeout_ms``.
 """
 
 from __future__ import annotations
@@ -52,7 +48,6 @@ class AbandonedGaps:
         *,
         reopened_at: Callable[[str], float | None],
         reopen: Callable[[str], None],
-        fed_by_forwards: Callable[[str], bool] = lambda _queue: False,
     ) -> None:
         """``alive(ids)``: those producers still running (``ProducerPresence.alive``);
         ``ready_count(queue)`` asks the broker for the queue's ready messages;
@@ -60,8 +55,7 @@ class AbandonedGaps:
         not held;
         ``confirm_gone_s``: how long a producer must be seen gone before it counts;
         ``reopened_at(queue)``: when its consumer was last reopened for a gap, if ever;
-        ``reopen(queue)``: reopen its consumer now;
-        ``fed_by_forwards(queue)``: its gaps may fill from elsewhere (never given up early)."""
+        ``reopen(queue)``: reopen its consumer now."""
         self._buffer = buffer
         self._alive = alive
         self._ready_count = ready_count
@@ -69,7 +63,6 @@ class AbandonedGaps:
         self._confirm_gone_s = confirm_gone_s
         self._reopened_at = reopened_at
         self._reopen = reopen
-        self._fed_by_forwards = fed_by_forwards
         self._gone_since: dict[str, float] = {}  # producer -> first seen gone
         self._next_check = 0.0
 
@@ -130,8 +123,6 @@ class AbandonedGaps:
         """Per quiet queue, the producers of its deliveries deferred for ``QUIET_S``."""
         candidates: dict[str, set[str]] = {}
         for queue, deferred in snapshot.items():
-            if self._fed_by_forwards(queue):
-                continue
             last = self._buffer.last_arrival(queue)
             if last is not None and now - last < QUIET_S:
                 continue
