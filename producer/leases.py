@@ -77,7 +77,7 @@ class Leases:
                 continue
             if incarnation == UNROUTED and self.unrouted is not None:
                 self.unrouted(queue, self.lease_s)
-            elif incarnation is not None:
+            elif incarnation is not None and incarnation >= 0:
                 lane.leased(incarnation, issued_at, self.lease_s)
                 ioloop.call_later(
                     self.lease_s / 2, lambda q=queue, s=lane: self._renew_in_flight(q, s)

@@ -15,6 +15,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import redis
+
 from keyq.broker.backoff import Backoff
 from keyq.broker.connections import redis_errors
 from keyq.broker.errors import KeyqError, PublishTimeout
@@ -115,8 +117,7 @@ class Registrar:
                 with redis_errors(self._redis_url):
                     if time.monotonic() >= self._presence_due:
                         self._renew_presence()
-                    if self._routes is not None and time.monotonic() >= self._routes.due:
-                        self._routes.step()
+                    self._follow_routes()
                     self._grant(leases)
                     self._registry.register(new)
                 failures = 0
@@ -146,6 +147,19 @@ class Registrar:
         started = time.monotonic()
         self._presence.announce(self._producer_id, self._presence_ttl_ms)
         self._presence_due = started + self._presence_ttl_ms / 3000
+
+    def _follow_routes(self) -> None:
+        """Auto mode: the routes read and the switches settled, when due. What is not a
+        service error (a route this producer cannot read) is logged: leases must go on."""
+        routes = self._routes
+        if routes is None or time.monotonic() < routes.due:
+            return
+        try:
+            routes.step()
+        except (KeyqError, redis.exceptions.RedisError, OSError):
+            raise  # retried with the leases (``redis_errors``)
+        except Exception:
+            log.exception("reading the stream's routes failed; the last ones read stand")
 
     def _next_due(self) -> float:
         routes = self._routes

@@ -39,8 +39,8 @@ log = logging.getLogger("keyq.producer")
 
 REFRESH_S = 0.25
 SWITCH_CHECK_S = 0.05
-SWITCH_WAIT_S = 2.0
-SWITCH_BACKOFF_S = 5.0
+SWITCH_WAIT_S = 0.5
+SWITCH_BACKOFF_S = 10.0
 
 
 class Way(enum.Enum):

@@ -174,3 +174,15 @@ def test_a_capped_queue_gives_a_shared_batch_at_most_its_cap_and_alone_all() -> 
     assert shared == {"hot": 100, "bucket": 30}
     alone = Counter(d.queue for d in take(buffer, 5000))
     assert alone == {"hot": 900}  # nothing else waits: no cap
+
+
+def test_a_capped_queue_may_take_as_much_as_the_other_queues_have_together() -> None:
+    """In a busy stream a promoted key is not held to its cap: it may match the others."""
+    buffer = DeliveryBuffer(shared_cap=lambda queue: 100 if queue == "hot" else None)
+    for tag in range(1, 3001):
+        buffer.add(delivery("hot", tag))
+    for queue in ("b1", "b2"):
+        for tag in range(1, 401):
+            buffer.add(delivery(queue, tag))
+    shared = Counter(d.queue for d in take(buffer, 5000))
+    assert shared == {"hot": 800, "b1": 400, "b2": 400}

@@ -20,6 +20,7 @@ from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
 from keyq.broker.routes import WHY_OPERATOR, RouteBook
 from keyq.broker.streams import ensure_stream_config
+from keyq.producer.route_follow import SWITCH_BACKOFF_S
 from keyq.worker.batch.state_store import StateStore
 from tests.conftest import StreamFixture
 from tests.workers import JanitorProcess, run_keyq, wait_until
@@ -272,7 +273,7 @@ def test_a_switch_waits_for_the_producers_events_in_the_bucket_and_is_put_off_wi
         run.worker().wait_ready()
         totals = {producer.producer_id: 40}
         wait_until(lambda: not run.wrong([key], totals), 60, "the key applied")
-        time.sleep(5)  # the switch was put off for 5 s
+        time.sleep(SWITCH_BACKOFF_S)  # the switch was put off
         receipts = [
             producer.publish(key, {"n": n, "producer": producer.producer_id}) for n in range(41, 61)
         ]

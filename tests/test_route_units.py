@@ -6,10 +6,10 @@ from __future__ import annotations
 from keyq.broker.key_control import KeyStatus, ParkedKey
 from keyq.broker.routes import Route
 from keyq.broker.streams import StreamConfig
-from keyq.worker.auto_mode import MIN_EVENT_COST_S, SHARED_BATCH_BUDGET_S, SharedCap
+from keyq.worker.auto_mode import SHARED_BATCH_S, OwnEventCost, shared_cap
 from keyq.worker.batch.key_gate import Routing, Way
 from keyq.worker.batch.route_watch import RouteWatch
-from keyq.worker.batch.stats import BatchStats
+from keyq.worker.config import WorkerSettings
 from tests.helpers import plain_delivery
 
 STREAM = "s"
@@ -72,20 +72,20 @@ def test_the_gate_routes_a_promoted_keys_events() -> None:
     assert own_aside.way(aside, "k1", route(open_move=False), aside=True) is None
 
 
-def test_a_promoted_keys_share_of_a_batch_follows_what_an_event_costs() -> None:
+def test_a_promoted_keys_share_of_a_batch_follows_what_its_events_cost() -> None:
     config = StreamConfig.from_json("s", '{"mode":"auto","buckets":4}')
     own, bucket = config.own_queue_for("hot"), config.queue_for("hot")
-    cap = SharedCap(200)
-    assert cap(config, bucket) is None  # buckets are never capped
-    assert cap(config, own) == 200  # before the first batch
-    cap.stats = stats = BatchStats()
-
-    def batch(events: int, spark_s: float) -> int | None:
-        stats.batches += 1
-        stats.last_batch_events, stats.last_spark_seconds = events, spark_s
-        return cap(config, own)
-
-    assert batch(10, 0.1) == int(SHARED_BATCH_BUDGET_S / MIN_EVENT_COST_S)  # a job's fixed cost
-    assert batch(5000, 0.6) == int(SHARED_BATCH_BUDGET_S / 0.0001)  # 0.1 ms an event beyond it
-    assert batch(500, 0.6) == 250  # 1 ms an event: slow keys
-    assert batch(100, 0.6) == 200  # never below the floor
+    settings = WorkerSettings(auto_key_batch_max=200)
+    cost = OwnEventCost(config)
+    assert shared_cap(settings, config, bucket, cost) is None  # buckets are never capped
+    assert shared_cap(settings, config, own, cost) == 200  # until its cost is known
+    cost.note([plain_delivery(bucket, 1)] * 10, 0.1)  # a job's fixed cost
+    for _ in range(50):
+        cost.note([plain_delivery(bucket, 1)] * 1000, 0.2)  # 0.1 ms an event of the buckets
+    for _ in range(50):  # 1 ms an event of the own queue
+        cost.note([plain_delivery(own, 1)] * 200 + [plain_delivery(bucket, 1)] * 1000, 0.4)
+    assert 245 <= (shared_cap(settings, config, own, cost) or 0) <= 255
+    cheap = OwnEventCost(config)
+    cheap.note([plain_delivery(bucket, 1)] * 10, 0.1)
+    cheap.note([plain_delivery(own, 1)] * 5000, 0.35)  # 0.05 ms an event
+    assert shared_cap(settings, config, own, cheap) == round(SHARED_BATCH_S / 0.00005)

@@ -5,6 +5,7 @@ a batch."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis
@@ -13,18 +14,19 @@ from keyq.broker.key_control import KeyControl
 from keyq.broker.naming import Mode, is_bucket_queue, is_stream_queue
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.streams import StreamConfig
+from keyq.worker.amqp.deliveries import Delivery
 from keyq.worker.batch.ports import DeadLetterSink
 from keyq.worker.batch.route_watch import RouteWatch
 from keyq.worker.batch.routing import AutoRouting
-from keyq.worker.batch.stats import BatchStats
 from keyq.worker.config import WorkerSettings
 from keyq.worker.holding.route_moves import RouteMoves
 
-# What a promoted key's events may cost a batch it shares with other queues (``SharedCap``),
-# over how many batches a job's fixed cost is judged, and the least an event is taken to cost.
-SHARED_BATCH_BUDGET_S = 0.25
+# What a promoted key's events may cost a batch they share with other queues, over how many
+# batches a job's fixed cost is judged, how fast costs are learnt, and the least an event costs.
+SHARED_BATCH_S = 0.25
 FIXED_COST_BATCHES = 200
-MIN_EVENT_COST_S = 0.00001
+LEARNING = 0.2
+MIN_EVENT_COST_S = 0.000005
 
 
 @dataclass(frozen=True)
@@ -61,34 +63,44 @@ def is_own_queue(config: StreamConfig | None, queue: str) -> bool:
     return is_stream_queue(stream, queue) and not is_bucket_queue(stream, queue)
 
 
-class SharedCap:
-    """Auto mode: how many events a promoted key's own queue may give a batch it shares with
-    other queues. A hot, slow key cannot then hold the keys of the buckets the same worker
-    holds (its own events apply one after another anyway), and a hot, fast one is not held to
-    a trickle while they have events waiting: the cap is what fills ``SHARED_BATCH_BUDGET_S``
-    of Spark at what an event has cost lately beyond a job's fixed cost (the least a recent job
-    took), and at least ``auto_key_batch_max``, which is also the cap before the first batch."""
+class OwnEventCost:
+    """What an event of a promoted key's own queue costs a batch's Spark job, learnt from the
+    batches: beyond a job's fixed cost (the least a recent job took), less what the batch's
+    other events cost (learnt from batches without own-queue events), per own-queue event."""
 
-    def __init__(self, floor: int) -> None:
-        self._floor = floor
-        self.stats: BatchStats | None = None  # the batch processor's, once serving
-        self._seen = 0  # batches learned from
+    def __init__(self, config: StreamConfig | None = None) -> None:
+        self.config = config  # the stream's, once read
         self._jobs: deque[float] = deque(maxlen=FIXED_COST_BATCHES)  # Spark seconds
-        self._per_event_s: float | None = None
+        self._other_s: float | None = None
+        self.own_s: float | None = None
 
-    def __call__(self, config: StreamConfig | None, queue: str) -> int | None:
-        if not is_own_queue(config, queue):
-            return None
-        self._learn()
-        if self._per_event_s is None:
-            return self._floor
-        return max(self._floor, int(SHARED_BATCH_BUDGET_S / self._per_event_s))
+    def note(self, batch: Sequence[Delivery], spark_s: float) -> None:
+        own = sum(1 for delivery in batch if is_own_queue(self.config, delivery.queue))
+        other = len(batch) - own
+        self._jobs.append(spark_s)
+        beyond = spark_s - min(self._jobs)
+        if own == 0 and other > 0:
+            self._other_s = _averaged(self._other_s, beyond / other)
+        elif own > 0:
+            rest = max(beyond - (self._other_s or 0.0) * other, 0.0)
+            self.own_s = _averaged(self.own_s, rest / own)
 
-    def _learn(self) -> None:
-        stats = self.stats
-        if stats is None or stats.batches == self._seen or stats.last_batch_events <= 0:
-            return
-        self._seen = stats.batches
-        self._jobs.append(stats.last_spark_seconds)
-        beyond = stats.last_spark_seconds - min(self._jobs)
-        self._per_event_s = max(beyond / stats.last_batch_events, MIN_EVENT_COST_S)
+
+def _averaged(before: float | None, now: float) -> float:
+    return now if before is None else LEARNING * now + (1 - LEARNING) * before
+
+
+def shared_cap(
+    settings: WorkerSettings, config: StreamConfig | None, queue: str, cost: OwnEventCost
+) -> int | None:
+    """Auto mode: a promoted key's own queue gives a batch it shares with other queues at most
+    as many events as fill ``SHARED_BATCH_S`` of Spark at what they have cost, and at least
+    ``auto_key_batch_max`` (also the cap until that cost is known): a hot, slow key cannot hold
+    the keys of the buckets the same worker holds (its events apply one after another
+    anyway), and a hot, cheap one is not held to a trickle."""
+    if not is_own_queue(config, queue):
+        return None
+    floor = settings.auto_key_batch_max
+    if cost.own_s is None:
+        return floor
+    return max(floor, int(SHARED_BATCH_S / max(cost.own_s, MIN_EVENT_COST_S)))

@@ -121,8 +121,9 @@ class WorkerSettings(Settings):
         default=200,
         ge=1,
         description="auto mode: most events of a promoted key in a batch it shares with other "
-        "queues, so that a hot or slow key cannot make the batches of its worker long for the "
-        "keys of the buckets it holds (a key's events apply one after another anyway)",
+        "queues until its events' cost is known, and the least after (then: as many as fill "
+        "0.25 s of Spark), so that a hot, slow key cannot make the batches of its worker long "
+        "for the keys of the buckets it holds (a key's events apply one after another anyway)",
     )
 
     max_attempts: int = Field(

@@ -35,7 +35,7 @@ from keyq.broker.streams import StreamConfig
 from keyq.broker.worker_report import WorkerReport
 from keyq.worker.amqp.deliveries import DeliveryBuffer
 from keyq.worker.amqp.link import ConsumerLink
-from keyq.worker.auto_mode import SharedCap, auto_parts
+from keyq.worker.auto_mode import OwnEventCost, auto_parts, shared_cap
 from keyq.worker.batch.processor import BatchProcessor
 from keyq.worker.batch.routing import AutoRouting
 from keyq.worker.batch.state_store import StateStore
@@ -105,10 +105,10 @@ class Worker:
         self._owns_engine = engine is None
         self._stop = threading.Event()
         self._events: QueueEvents = queue_module.SimpleQueue()
-        self._shared_cap = SharedCap(self.settings.auto_key_batch_max)
+        self._cost = OwnEventCost()  # auto mode
         self._buffer = DeliveryBuffer(
             self.settings.sequence_gap_timeout_ms / 1000,
-            shared_cap=lambda queue: self._shared_cap(self.config, queue),
+            shared_cap=lambda queue: shared_cap(self.settings, self.config, queue, self._cost),
         )
         self._started_ms = now_ms()
         self._session: Session | None = None  # while serving
@@ -323,9 +323,9 @@ class Worker:
             policy=policy,
             routing=auto.routing,
         )
-        self._shared_cap.stats = processor.stats
         presence = ProducerPresence(client, self.stream)
         stuck, abandoned = gap_watchers(settings, self._buffer, presence, link.counts, holding.held)
+        self._cost.config = config
         return Session(
             settings=settings,
             buffer=self._buffer,
@@ -341,6 +341,7 @@ class Worker:
             drains=holding.drains,
             starved=holding.starved,
             prefetch=PrefetchFit(settings.prefetch, link.consumers.prefetch),
+            own_cost=self._cost if config.mode is Mode.AUTO else None,
             moves=auto.moves,
             on_assigned=self._on_assigned,
             on_revoked=self._on_revoked,

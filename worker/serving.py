@@ -22,6 +22,7 @@ from keyq.broker.producer_presence import ProducerPresence
 from keyq.worker.amqp.deliveries import Delivery, DeliveryBuffer, oldest_published_ms
 from keyq.worker.amqp.link import ConsumerLink, QueueCounter
 from keyq.worker.amqp.starvation import StarvedQueues
+from keyq.worker.auto_mode import OwnEventCost
 from keyq.worker.batch.processor import BatchProcessor
 from keyq.worker.config import WorkerSettings
 from keyq.worker.holding.abandoned_gaps import AbandonedGaps
@@ -100,6 +101,7 @@ class Session:
     drains: AsideDrains
     starved: StarvedQueues
     prefetch: PrefetchFit | None = None
+    own_cost: OwnEventCost | None = None  # auto mode
     moves: RouteMoves | None = None  # auto mode
     on_assigned: QueueCallback | None = None
     on_revoked: QueueCallback | None = None
@@ -151,6 +153,8 @@ class Session:
         self.held.apply(outcome)
         if self.prefetch is not None:
             self.prefetch.observe(batch, self.held.room_of)
+        if self.own_cost is not None and outcome.interrupted is None:
+            self.own_cost.note(batch, self.processor.stats.last_spark_seconds)
         if outcome.later and len(outcome.later) == len(batch):
             self.stop.wait(min(max(outcome.retry_later_in, 0.005), RATE_WAIT_MAX_S))
 

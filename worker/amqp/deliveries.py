@@ -339,11 +339,16 @@ def _fair_quotas(
     """How many to take from each queue, in ``queues``' order: rounds of an even share of
     what is left, so a short queue leaves the rest of its share to the others. Each round
     but the last gives every queue still pending at least one, so this is O(queues + events).
-    A queue with a ``shared_cap`` gives at most that many when other queues have events too."""
+    A queue with a ``shared_cap`` gives, when other queues have events too, at most that many
+    or as many as the others have together, if more: it never makes a batch mostly its own,
+    yet is not held to a trickle in a busy stream."""
     quotas: dict[str, int] = {}
     pending = [(queue, len(fifo)) for queue, fifo in queues.items() if fifo]
     if shared_cap is not None and len(pending) > 1:
-        pending = [(queue, min(ready, shared_cap(queue) or ready)) for queue, ready in pending]
+        total = sum(ready for _, ready in pending)
+        pending = [
+            (queue, _capped(ready, shared_cap(queue), total - ready)) for queue, ready in pending
+        ]
     left = max_events
     while left > 0 and pending:
         share = max(1, left // len(pending))
@@ -358,3 +363,7 @@ def _fair_quotas(
                 still.append((queue, ready - quota))
         pending = still
     return quotas
+
+
+def _capped(ready: int, cap: int | None, others: int) -> int:
+    return ready if cap is None else min(ready, max(cap, others))
