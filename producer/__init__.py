@@ -10,7 +10,8 @@ from keyq.broker.errors import (
     PublishError,
     PublishTimeout,
 )
-from keyq.producer.producer import Producer, Receipt
+from keyq.producer.producer import Producer
+from keyq.producer.receipt import Receipt
 
 __all__ = [
     "InvalidEvent",

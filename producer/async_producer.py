@@ -28,7 +28,8 @@ from keyq.broker.settings import Settings
 from keyq.broker.streams import StreamConfig
 from keyq.producer.encoding import PreparedEvent
 from keyq.producer.loop_bridge import LoopWaker, resolve, resolve_from_thread
-from keyq.producer.producer import Offer, Producer, Receipt
+from keyq.producer.producer import Producer
+from keyq.producer.receipt import Offer, Receipt
 
 # A publish that found the window's lock held looks again this much later (without holding
 # up the loop meanwhile).

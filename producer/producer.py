@@ -8,12 +8,10 @@ waits for all of them.
 from __future__ import annotations
 
 import contextlib
-import enum
 import itertools
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -46,47 +44,13 @@ from keyq.producer.encoding import PreparedEvent, check_dedupe_id, encode_event
 from keyq.producer.link import PublisherLink
 from keyq.producer.metrics import meter_for
 from keyq.producer.outgoing import Outgoing
+from keyq.producer.receipt import Offer, Receipt
 from keyq.producer.registrar import Registrar
 from keyq.producer.route_follow import RouteFollower
 from keyq.producer.startup import instance_id, open_redis_presence, resolve_settings
 
 # Room kept for AMQP properties and keyq's headers when checking the size limit.
 HEADER_ALLOWANCE = 512
-
-
-@dataclass(frozen=True, slots=True)
-class Receipt:
-    """Where an accepted event is going and how it is identified downstream.
-
-    ``queue`` is the key's queue by its base name: on a key-mode quorum stream, a queue the
-    janitor deleted comes back as ``<queue>~1``, ``<queue>~2``… (``broker.naming``)."""
-
-    queue: str
-    key: str
-    seq: int
-    message_id: str
-    confirmation: Confirmation | None = field(default=None, repr=False, compare=False)
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until this event is published (confirmed, not returned), without waiting
-        for any other event. Raises ``PublishTimeout`` after ``timeout`` seconds, and
-        ``ProducerClosed`` (from the cause) if the producer failed or was closed first: the
-        error a ``flush`` would raise."""
-        if self.confirmation is None:
-            raise ProducerClosed("this receipt belongs to no producer")
-        self.confirmation.wait(timeout)
-
-    @property
-    def published(self) -> bool:
-        """Whether RabbitMQ has confirmed this event (and not returned it)."""
-        return self.confirmation is not None and self.confirmation.published
-
-
-class Offer(enum.Enum):
-    """Why ``Producer.offer`` did not take an event."""
-
-    NO_ROOM = "no room"  # the window is full, or publishers are blocked: wait for a change
-    BUSY = "busy"  # the I/O thread holds the window this moment: look again shortly
 
 
 class Producer:
@@ -162,12 +126,7 @@ class Producer:
         except BaseException:
             self._shut_down()
             raise
-        self._routes: RouteFollower | None = None
-        if self.config.mode is Mode.AUTO:
-            book = RouteBook(self._redis, self.stream)
-            self._routes = RouteFollower(book, self.config, self.producer_id)
-            self._link.follow(self._routes)
-            self._registrar.follow(self._routes)
+        self._routes = self._follow_routes()
 
     def _connect(self, mode: str | Mode | None, buckets: int | None, kind: str) -> StreamConfig:
         """Connect to RabbitMQ; only a producer that reached both services fixes the
@@ -175,6 +134,15 @@ class Producer:
         self._link.start()
         with redis_errors(self.settings.redis_url):
             return ensure_stream_config(self._redis, self.stream, mode, buckets, kind)
+
+    def _follow_routes(self) -> RouteFollower | None:
+        """Auto mode: where promoted keys' events go (``keyq.producer.route_follow``)."""
+        if self.config.mode is not Mode.AUTO:
+            return None
+        routes = RouteFollower(RouteBook(self._redis, self.stream), self.config, self.producer_id)
+        self._link.follow(routes)
+        self._registrar.follow(routes)
+        return routes
 
     def _shut_down(self, abandoned: int = 0) -> None:
         """Stop both threads and leave Redis: what was not confirmed will never be sent, so

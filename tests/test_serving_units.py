@@ -49,6 +49,9 @@ class StandInHeld:
         self.calls.append(("hand_back", dict(requests)))
         return [queue for queue in requests if not busy(queue)]
 
+    def room_of(self, _queue: str) -> int | None:
+        return None  # nothing held: no prefetch to fit
+
 
 class StandInDrains:
     def draining(self) -> set[str]:

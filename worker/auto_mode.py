@@ -35,13 +35,20 @@ class AutoParts:
 
     routing: AutoRouting | None = None
     moves: RouteMoves | None = None
+    cost: OwnEventCost | None = None
 
 
 def auto_parts(
-    settings: WorkerSettings, config: StreamConfig, client: redis.Redis, sink: DeadLetterSink
+    settings: WorkerSettings,
+    config: StreamConfig,
+    client: redis.Redis,
+    sink: DeadLetterSink,
+    cost: OwnEventCost,
 ) -> AutoParts:
+    """What an auto-mode worker adds; ``cost`` is what its buffer's shared cap reads."""
     if config.mode is not Mode.AUTO:
         return AutoParts()
+    cost.config = config
     watch = RouteWatch(rate=settings.auto_promote_rate, backlog=settings.auto_promote_backlog)
     routing = AutoRouting(
         client=client,
@@ -52,7 +59,7 @@ def auto_parts(
         sink=sink,
         lease_ms=settings.publish_lease_ms,
     )
-    return AutoParts(routing, RouteMoves(client, config.stream))
+    return AutoParts(routing, RouteMoves(client, config.stream), cost)
 
 
 def is_own_queue(config: StreamConfig | None, queue: str) -> bool:

@@ -45,7 +45,6 @@ from keyq.worker.holding.assembly import assemble_holding
 from keyq.worker.holding.claims import ClaimLoop
 from keyq.worker.holding.handbacks import HandBacks
 from keyq.worker.holding.held_queues import HeldQueues, QueueEvents
-from keyq.worker.holding.prefetch_fit import PrefetchFit
 from keyq.worker.holding.queue_keys import QueueKeys
 from keyq.worker.pipeline import Pipeline
 from keyq.worker.pipeline_loading import load_pipeline
@@ -283,10 +282,14 @@ class Worker:
                 self._engine.stop()
             log.info("worker %s stopped%s", self.worker_id, self._time_summary())
 
+    @property
+    def _stream_config(self) -> StreamConfig:
+        assert self.config is not None, "the stream's config is read before serving"
+        return self.config
+
     def _session_for(self, client: redis.Redis, store: StateStore, link: ConsumerLink) -> Session:
         """The session's parts, each given the small part of the link it uses."""
-        settings, config = self.settings, self.config
-        assert config is not None
+        settings, config = self.settings, self._stream_config
         registry, control = QueueRegistry(client, self.stream), KeyControl(client, self.stream)
         policy = PolicyCache(StreamPolicies(client, self.stream))
         holding = assemble_holding(
@@ -313,7 +316,7 @@ class Worker:
             starved=holding.starved,
             policy=policy,
         )
-        auto = auto_parts(settings, config, client, link.dead_letters)
+        auto = auto_parts(settings, config, client, link.dead_letters, self._cost)
         processor = self._processor(
             store,
             registry=registry,
@@ -325,7 +328,6 @@ class Worker:
         )
         presence = ProducerPresence(client, self.stream)
         stuck, abandoned = gap_watchers(settings, self._buffer, presence, link.counts, holding.held)
-        self._cost.config = config
         return Session(
             settings=settings,
             buffer=self._buffer,
@@ -340,8 +342,7 @@ class Worker:
             stop=self._stop,
             drains=holding.drains,
             starved=holding.starved,
-            prefetch=PrefetchFit(settings.prefetch, link.consumers.prefetch),
-            own_cost=self._cost if config.mode is Mode.AUTO else None,
+            own_cost=auto.cost,
             moves=auto.moves,
             on_assigned=self._on_assigned,
             on_revoked=self._on_revoked,

@@ -100,13 +100,16 @@ class Session:
     stop: threading.Event
     drains: AsideDrains
     starved: StarvedQueues
-    prefetch: PrefetchFit | None = None
     own_cost: OwnEventCost | None = None  # auto mode
     moves: RouteMoves | None = None  # auto mode
     on_assigned: QueueCallback | None = None
     on_revoked: QueueCallback | None = None
     # When the oldest event of the batch being processed was published (read by reports).
     in_batch_since_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        events = self.settings.prefetch
+        self.prefetch = PrefetchFit(events, self.settings.amqp_prefetch(events))
 
     def oldest_unprocessed_ms(self) -> int | None:
         """When the oldest event this worker holds and has not applied was published."""
@@ -129,8 +132,7 @@ class Session:
             self.reopen_stuck_gaps()
             self.drain_aside()
             self.close_moves()
-            if self.prefetch is not None:
-                self.prefetch.refit(self.held.room_of, self.buffer.deferred, self.held.reopen)
+            self.prefetch.refit(self.held.room_of, self.buffer.deferred, self.held.reopen)
             stats = self.processor.stats
             wait = batch_wait(self.settings, stats.last_batch_events, stats.last_spark_seconds)
             batch = self.buffer.take(self.settings.batch_max_events, wait, 0.1)
@@ -151,8 +153,7 @@ class Session:
         if outcome.interrupted is not None:
             self.stop.wait(ERROR_BACKOFF_S)
         self.held.apply(outcome)
-        if self.prefetch is not None:
-            self.prefetch.observe(batch, self.held.room_of)
+        self.prefetch.observe(batch, self.held.room_of)
         if self.own_cost is not None and outcome.interrupted is None:
             self.own_cost.note(batch, self.processor.stats.last_spark_seconds)
         if outcome.later and len(outcome.later) == len(batch):

@@ -52,7 +52,8 @@ if TYPE_CHECKING:
     from keyq.broker.naming import Mode
     from keyq.broker.settings import Settings, load_settings
     from keyq.janitor.janitor import Janitor
-    from keyq.producer.producer import Producer, Receipt
+    from keyq.producer.producer import Producer
+    from keyq.producer.receipt import Receipt
     from keyq.worker.daemon import Worker
     from keyq.worker.pipeline import BatchContext, KeyedState
 
