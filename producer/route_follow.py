@@ -68,6 +68,7 @@ class RouteFollower:
         self._own: dict[str, str] = {}  # key -> own queue; replaced whole, never changed
         self._version: tuple[int, int] | None = None
         self._refresh_due = 0.0
+        self._check_due = 0.0  # of the switches waiting
         self._lock = threading.Lock()
         self._direct: set[str] = set()  # keys switched: their events go to their own queue
         self._switching: dict[str, _Switching] = {}
@@ -140,7 +141,7 @@ class RouteFollower:
     def due(self) -> float:
         """When the Redis thread next has work here."""
         if self._switching:
-            return min(self._refresh_due, time.monotonic() + SWITCH_CHECK_S)
+            return min(self._refresh_due, self._check_due)
         return self._refresh_due
 
     def step(self) -> None:
@@ -156,6 +157,7 @@ class RouteFollower:
             waiting = dict(self._switching)
         if not waiting:
             return
+        self._check_due = now + SWITCH_CHECK_S
         passed = self._book.passed(waiting, self._producer_id)
         now = time.monotonic()
         for key, switching in waiting.items():
