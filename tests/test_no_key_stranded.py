@@ -33,7 +33,7 @@ from keyq.broker.stranded import StrandedRecord
 from keyq.worker.batch.state_store import StateStore
 from tests.conftest import StreamFixture
 from tests.helpers import queue_depth
-from tests.workers import REPO, JanitorProcess, keyq_environment, run_keyq, wait_until
+from tests.workers import REPO, idle_janitor, keyq_environment, run_keyq, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -153,14 +153,13 @@ def test_no_key_is_stranded_under_park_pause_redrive_and_kills(
     run.worker().wait_ready()
     run.worker()
     run.keyq("stream", "set", "--poison-policy", "park")
-    janitor = JanitorProcess(
+    janitor = idle_janitor(
         stream.settings,
         tmp_path,
-        "--stream",
         stream.name,
-        "--idle-ttl",
-        "1",
-        env={"KEYQ_JANITOR_INTERVAL_S": "0.5", "KEYQ_STRANDED_AFTER_S": "5"},
+        idle_ttl_s=1,
+        every_s=0.5,
+        env={"KEYQ_STRANDED_AFTER_S": "5"},
     )
     store = StateStore(stream.redis, stream.name)
     control = KeyControl(stream.redis, stream.name)

@@ -23,7 +23,7 @@ from keyq.broker.streams import ensure_stream_config
 from keyq.producer.route_follow import SWITCH_BACKOFF_S
 from keyq.worker.batch.state_store import StateStore
 from tests.conftest import StreamFixture
-from tests.workers import JanitorProcess, run_keyq, wait_until
+from tests.workers import idle_janitor, run_keyq, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -95,15 +95,7 @@ def test_moves_keep_order_and_apply_once_with_kills_before_during_and_after(
     )
     run.worker().wait_ready()
     run.worker()
-    janitor = JanitorProcess(
-        stream.settings,
-        tmp_path,
-        "--stream",
-        stream.name,
-        "--idle-ttl",
-        "2",
-        env={"KEYQ_JANITOR_INTERVAL_S": "0.5"},
-    )
+    janitor = idle_janitor(stream.settings, tmp_path, stream.name, idle_ttl_s=2, every_s=0.5)
     totals = {first.producer_id: 240, second.producer_id: 240}
     try:
         # The second producer runs on its own thread: the two switch at different moments.
@@ -220,15 +212,7 @@ def test_producers_follow_a_route_and_leave_it_when_the_key_is_demoted(
         totals = {producer.producer_id: 220}
         wait_until(lambda: not run.wrong([hot], totals), 120, "the hot key applied")
         assert run.reported("forwarded") < 200  # the direct events were not forwarded
-        janitor = JanitorProcess(
-            stream.settings,
-            tmp_path,
-            "--stream",
-            stream.name,
-            "--idle-ttl",
-            "1",
-            env={"KEYQ_JANITOR_INTERVAL_S": "0.3"},
-        )
+        janitor = idle_janitor(stream.settings, tmp_path, stream.name, idle_ttl_s=1, every_s=0.3)
         # One event every 3 s: the own queue goes idle in between, is marked, and the event
         # published during the mark waits until the key is demoted, then goes to the bucket.
         n = 220

@@ -77,15 +77,19 @@ def test_a_promoted_keys_share_of_a_batch_follows_what_its_events_cost() -> None
     own, bucket = config.own_queue_for("hot"), config.queue_for("hot")
     settings = WorkerSettings(auto_key_batch_max=200)
     cost = OwnEventCost(config)
-    assert shared_cap(settings, config, bucket, cost) is None  # buckets are never capped
-    assert shared_cap(settings, config, own, cost) == 200  # until its cost is known
+    assert shared_cap(settings, bucket, cost) is None  # buckets are never capped
+    assert shared_cap(settings, own, cost) == 200  # until its cost is known
     cost.note([plain_delivery(bucket, 1)] * 10, 0.1)  # a job's fixed cost
     for _ in range(50):
         cost.note([plain_delivery(bucket, 1)] * 1000, 0.2)  # 0.1 ms an event of the buckets
     for _ in range(50):  # 1 ms an event of the own queue
         cost.note([plain_delivery(own, 1)] * 200 + [plain_delivery(bucket, 1)] * 1000, 0.4)
-    assert 245 <= (shared_cap(settings, config, own, cost) or 0) <= 255
+    assert 245 <= (shared_cap(settings, own, cost) or 0) <= 255
+    cost.note([plain_delivery(own, 1)] * 200 + [plain_delivery(bucket, 1)] * 1000, 3.0)
+    assert 245 <= (shared_cap(settings, own, cost) or 0) <= 255  # one slow batch is not the cost
     cheap = OwnEventCost(config)
     cheap.note([plain_delivery(bucket, 1)] * 10, 0.1)
     cheap.note([plain_delivery(own, 1)] * 5000, 0.35)  # 0.05 ms an event
-    assert shared_cap(settings, config, own, cheap) == round(SHARED_BATCH_S / 0.00005)
+    # Before the other events' cost is known, the batch's cost is shared by all its events.
+    cheap.note([plain_delivery(own, 1)] * 1000 + [plain_delivery(bucket, 1)] * 4000, 0.35)
+    assert shared_cap(settings, own, cheap) == round(SHARED_BATCH_S / 0.00005)

@@ -246,6 +246,28 @@ class JanitorProcess:
         self._log.close()
 
 
+def idle_janitor(
+    settings: Settings,
+    log_dir: Path,
+    stream: str,
+    *,
+    idle_ttl_s: int,
+    every_s: float,
+    env: Mapping[str, str] | None = None,
+) -> JanitorProcess:
+    """A janitor of ``stream`` that reclaims queues idle ``idle_ttl_s``, looking every
+    ``every_s``: the keys of a test move on its time, not production's."""
+    return JanitorProcess(
+        settings,
+        log_dir,
+        "--stream",
+        stream,
+        "--idle-ttl",
+        str(idle_ttl_s),
+        env={"KEYQ_JANITOR_INTERVAL_S": str(every_s), **(env or {})},
+    )
+
+
 def held_by(client: redis.Redis, stream: str) -> dict[str, list[str]]:
     """worker id -> queues whose lock it holds now."""
     queues = list(QueueRegistry(client, stream).queues())

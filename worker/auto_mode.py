@@ -4,6 +4,7 @@ a batch."""
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,10 +23,13 @@ from keyq.worker.config import WorkerSettings
 from keyq.worker.holding.route_moves import RouteMoves
 
 # What a promoted key's events may cost a batch they share with other queues, over how many
-# batches a job's fixed cost is judged, how fast costs are learnt, and the least an event costs.
+# batches a job's fixed cost is judged, over how many an event's cost is (a median, so a
+# batch slowed by anything else, a collection or a neighbour's burst, does not set it), the
+# fewest events whose batch tells their cost, and the least an event costs.
 SHARED_BATCH_S = 0.25
 FIXED_COST_BATCHES = 200
-LEARNING = 0.2
+COST_BATCHES = 15
+COST_EVENTS_MIN = 100
 MIN_EVENT_COST_S = 0.000005
 
 
@@ -73,39 +77,42 @@ def is_own_queue(config: StreamConfig | None, queue: str) -> bool:
 class OwnEventCost:
     """What an event of a promoted key's own queue costs a batch's Spark job, learnt from the
     batches: beyond a job's fixed cost (the least a recent job took), less what the batch's
-    other events cost (learnt from batches without own-queue events), per own-queue event."""
+    other events cost (learnt from batches without own-queue events; until then, as much as
+    an own-queue event), per own-queue event."""
 
     def __init__(self, config: StreamConfig | None = None) -> None:
         self.config = config  # the stream's, once read
         self._jobs: deque[float] = deque(maxlen=FIXED_COST_BATCHES)  # Spark seconds
-        self._other_s: float | None = None
-        self.own_s: float | None = None
+        self._other: deque[float] = deque(maxlen=COST_BATCHES)  # seconds an event, per batch
+        self._own: deque[float] = deque(maxlen=COST_BATCHES)
+
+    @property
+    def own_s(self) -> float | None:
+        return statistics.median(self._own) if self._own else None
 
     def note(self, batch: Sequence[Delivery], spark_s: float) -> None:
         own = sum(1 for delivery in batch if is_own_queue(self.config, delivery.queue))
         other = len(batch) - own
         self._jobs.append(spark_s)
         beyond = spark_s - min(self._jobs)
-        if own == 0 and other > 0:
-            self._other_s = _averaged(self._other_s, beyond / other)
-        elif own > 0:
-            rest = max(beyond - (self._other_s or 0.0) * other, 0.0)
-            self.own_s = _averaged(self.own_s, rest / own)
+        if own == 0 and other >= COST_EVENTS_MIN:
+            self._other.append(beyond / other)
+        elif own < COST_EVENTS_MIN:
+            return
+        elif self._other:
+            rest = max(beyond - statistics.median(self._other) * other, 0.0)
+            self._own.append(rest / own)
+        else:
+            self._own.append(beyond / len(batch))
 
 
-def _averaged(before: float | None, now: float) -> float:
-    return now if before is None else LEARNING * now + (1 - LEARNING) * before
-
-
-def shared_cap(
-    settings: WorkerSettings, config: StreamConfig | None, queue: str, cost: OwnEventCost
-) -> int | None:
+def shared_cap(settings: WorkerSettings, queue: str, cost: OwnEventCost) -> int | None:
     """Auto mode: a promoted key's own queue gives a batch it shares with other queues at most
     as many events as fill ``SHARED_BATCH_S`` of Spark at what they have cost, and at least
     ``auto_key_batch_max`` (also the cap until that cost is known): a hot, slow key cannot hold
     the keys of the buckets the same worker holds (its events apply one after another
     anyway), and a hot, cheap one is not held to a trickle."""
-    if not is_own_queue(config, queue):
+    if not is_own_queue(cost.config, queue):
         return None
     floor = settings.auto_key_batch_max
     if cost.own_s is None:
