@@ -114,7 +114,7 @@ def shared_cap(settings: WorkerSettings, queue: str, cost: OwnEventCost) -> int 
     anyway), and a hot, cheap one is not held to a trickle."""
     if not is_own_queue(cost.config, queue):
         return None
-    floor = settings.auto_key_batch_max
-    if cost.own_s is None:
+    floor, own_s = settings.auto_key_batch_max, cost.own_s  # own_s: a median, read once
+    if own_s is None:
         return floor
-    return max(floor, int(SHARED_BATCH_S / max(cost.own_s, MIN_EVENT_COST_S)))
+    return max(floor, int(SHARED_BATCH_S / max(own_s, MIN_EVENT_COST_S)))
