@@ -22,14 +22,31 @@ def route(*, open_move: bool, queue: str = OWN) -> Route:
     return Route(epoch=3, queue=queue, bucket=BUCKET, open=open_move, at_ms=0, why="rate")
 
 
-def test_a_key_is_promoted_by_its_rate_over_a_window_not_by_one_quiet_batch() -> None:
+def published(start_ms: int, events: int, every_ms: float) -> list[int]:
+    return [start_ms + round(n * every_ms) for n in range(events)]
+
+
+def test_a_key_is_promoted_by_its_publish_rate_over_a_window_not_by_one_quiet_batch() -> None:
     watch = RouteWatch(rate=100, backlog=1000)
-    assert watch.due({"k1": 40}, {}, now=10.0) == {}
-    assert watch.due({"k1": 40}, {}, now=10.5) == {}
-    assert watch.due({"k1": 40}, {}, now=10.9) == {"k1": "rate"}  # 120 within a second
-    assert watch.due({"k1": 40}, {}, now=11.0) == {}  # promoted: its count starts again
-    assert watch.due({"k2": 60}, {}, now=20.0) == {}
-    assert watch.due({"k2": 60}, {}, now=21.5) == {}  # the first 60 fell out of the window
+    # 40 events published 7 ms apart (about 140 a second), taken in three attempts.
+    assert watch.due({"k1": published(0, 40, 7)}, {}, now=10.0) == {}
+    assert watch.due({"k1": published(280, 40, 7)}, {}, now=10.5) == {}
+    assert watch.due({"k1": published(560, 40, 7)}, {}, now=10.9) == {"k1": "rate"}
+    assert watch.due({"k1": published(840, 40, 7)}, {}, now=11.0) == {}  # counted afresh
+    # 60 in each of two attempts, but published 1.5 s apart: never 100 within a second.
+    assert watch.due({"k2": published(0, 60, 1)}, {}, now=20.0) == {}
+    assert watch.due({"k2": published(1500, 60, 1)}, {}, now=20.1) == {}
+
+
+def test_a_backlog_taken_fast_is_not_a_hot_key() -> None:
+    """A bucket draining a backlog takes a key's old events faster than they were published:
+    500 events published 20 ms apart (50 a second) taken within half a second."""
+    watch = RouteWatch(rate=100, backlog=1000)
+    backlog = published(0, 500, 20)
+    for n, start in enumerate(range(0, 500, 100)):
+        assert watch.due({"cold": backlog[start : start + 100]}, {}, now=30.0 + n * 0.1) == {}
+    # Published 5 ms apart (200 a second), the first 100 are a hot key's.
+    assert watch.due({"hot": published(0, 100, 5)}, {}, now=40.0) == {"hot": "rate"}
 
 
 def test_backlog_held_back_and_rate_limited_keys_are_promoted_at_once() -> None:
@@ -39,12 +56,19 @@ def test_backlog_held_back_and_rate_limited_keys_are_promoted_at_once() -> None:
     promoted = KeyStatus(route=route(open_move=False))
     watch.limited(["limited"], now=5.0)
     found = watch.due(
-        {"big": 500, "paused": 1, "aside": 1, "limited": 1, "promoted": 900, "small": 3},
+        {
+            "big": [0] * 500,
+            "paused": [0],
+            "aside": [0],
+            "limited": [0],
+            "promoted": [0] * 900,
+            "small": [0] * 3,
+        },
         {"paused": paused, "aside": parked_with_aside, "promoted": promoted},
         now=5.1,
     )
     assert found == {"big": "backlog", "paused": "stopped", "limited": "rate-limited"}
-    assert watch.due({"limited": 1}, {}, now=7.0) == {}  # given once, and forgotten
+    assert watch.due({"limited": [1]}, {}, now=7.0) == {}  # given once, and forgotten
 
 
 def test_the_gate_routes_a_promoted_keys_events() -> None:

@@ -107,8 +107,8 @@ class WorkerSettings(Settings):
     auto_promote_rate: float = Field(
         default=200.0,
         gt=0,
-        description="auto mode: a key seen at this many events a second in its bucket is "
-        "promoted to a queue of its own",
+        description="auto mode: a key published at this many events a second (by its events' "
+        "publish times) and taken from its bucket is promoted to a queue of its own",
     )
     auto_promote_backlog: int = Field(
         default=1000,

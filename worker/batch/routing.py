@@ -19,6 +19,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 
 import redis
 
+from keyq.broker.clock import now_ms
 from keyq.broker.errors import BrokerUnavailable, KeysStopped
 from keyq.broker.key_control import KeyControl, KeyStatus
 from keyq.broker.locks import Lease
@@ -33,7 +34,7 @@ from keyq.broker.routes import Route, RouteBook
 from keyq.broker.streams import StreamConfig
 from keyq.worker.amqp.deliveries import Delivery
 from keyq.worker.batch.admission import Admission, Disposition
-from keyq.worker.batch.decoding import Decoder, producer_of, seq_of
+from keyq.worker.batch.decoding import Decoder, Event, producer_of, seq_of
 from keyq.worker.batch.key_gate import Routing
 from keyq.worker.batch.ports import DeadLetterSink
 from keyq.worker.batch.route_watch import RouteWatch
@@ -77,14 +78,14 @@ class AutoRouting:
         """Promote the keys due (their statuses updated in place), lease the own queues of the
         promoted keys found in buckets, and say how to route this attempt and where to."""
         lease_queue = {queue: lease.queue for queue, lease in leases.items()}
-        counts = self._counts_in_buckets(deliveries, decoded, lease_queue)
-        due = self._watch.due(counts, statuses, time.monotonic())
+        published = self._published_in_buckets(deliveries, decoded, lease_queue)
+        due = self._watch.due(published, statuses, time.monotonic())
         if due:
             self._promote(due)
             statuses.update(self._control.statuses(due))
         routed = {
             key: route
-            for key in counts
+            for key in published
             if (status := statuses.get(key)) is not None and (route := status.route) is not None
         }
         granted = self._fence.lease(sorted({route.queue for route in routed.values()}))
@@ -104,17 +105,20 @@ class AutoRouting:
         if limited:
             self._watch.limited(limited, time.monotonic())
 
-    def _counts_in_buckets(
+    def _published_in_buckets(
         self, deliveries: Sequence[Delivery], decoded: Decoder, lease_queue: Mapping[str, str]
-    ) -> Counter[str]:
-        """The events of each key this attempt takes from a bucket (not drained aside)."""
-        counts: Counter[str] = Counter()
+    ) -> dict[str, list[int]]:
+        """The publish times (ms) of each key's events this attempt takes from a bucket (not
+        drained aside); now for an event that does not say."""
+        published: dict[str, list[int]] = {}
+        taken_ms = now_ms()
         for delivery in deliveries:
-            key = decoded(delivery).key
+            item = decoded(delivery)
             held = lease_queue.get(delivery.queue, delivery.queue)
-            if key is not None and self._from_bucket(delivery, held):
-                counts[key] += 1
-        return counts
+            if item.key is not None and self._from_bucket(delivery, held):
+                at = item.published_at_ms if isinstance(item, Event) else None
+                published.setdefault(item.key, []).append(taken_ms if at is None else at)
+        return published
 
     def _from_bucket(self, delivery: Delivery, held: str) -> bool:
         stream = self._config.stream
