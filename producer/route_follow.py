@@ -39,7 +39,9 @@ log = logging.getLogger("keyq.producer")
 
 REFRESH_S = 0.25
 SWITCH_CHECK_S = 0.05
-SWITCH_WAIT_S = 0.5
+# Long enough for the bucket's holder to finish a few batches (each may take most of a second),
+# or a hot key's switch is put off again and again and its events keep going to the bucket.
+SWITCH_WAIT_S = 3.0
 SWITCH_BACKOFF_S = 10.0
 
 
