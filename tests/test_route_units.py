@@ -8,7 +8,7 @@ from keyq.broker.routes import Route
 from keyq.broker.streams import StreamConfig
 from keyq.worker.auto_mode import SHARED_BATCH_S, OwnEventCost, shared_cap
 from keyq.worker.batch.key_gate import Routing, Way
-from keyq.worker.batch.route_watch import RouteWatch
+from keyq.worker.batch.route_watch import Published, RouteWatch
 from keyq.worker.config import WorkerSettings
 from tests.helpers import plain_delivery
 
@@ -22,20 +22,26 @@ def route(*, open_move: bool, queue: str = OWN) -> Route:
     return Route(epoch=3, queue=queue, bucket=BUCKET, open=open_move, at_ms=0, why="rate")
 
 
-def published(start_ms: int, events: int, every_ms: float) -> list[int]:
-    return [start_ms + round(n * every_ms) for n in range(events)]
+def published(
+    start_ms: int, events: int, every_ms: float, *, producer: str = "p", first_seq: int = 1
+) -> list[Published]:
+    """``events`` of one producer, numbered from ``first_seq``, published ``every_ms`` apart."""
+    return [
+        Published(producer, first_seq + n, start_ms + round(n * every_ms)) for n in range(events)
+    ]
 
 
 def test_a_key_is_promoted_by_its_publish_rate_over_a_window_not_by_one_quiet_batch() -> None:
     watch = RouteWatch(rate=100, backlog=1000)
     # 40 events published 7 ms apart (about 140 a second), taken in three attempts.
     assert watch.due({"k1": published(0, 40, 7)}, {}, now=10.0) == {}
-    assert watch.due({"k1": published(280, 40, 7)}, {}, now=10.5) == {}
-    assert watch.due({"k1": published(560, 40, 7)}, {}, now=10.9) == {"k1": "rate"}
-    assert watch.due({"k1": published(840, 40, 7)}, {}, now=11.0) == {}  # counted afresh
+    assert watch.due({"k1": published(280, 40, 7, first_seq=41)}, {}, now=10.5) == {}
+    found = watch.due({"k1": published(560, 40, 7, first_seq=81)}, {}, now=10.9)
+    assert found == {"k1": "rate"}
+    assert watch.due({"k1": published(840, 40, 7, first_seq=121)}, {}, now=11.0) == {}
     # 60 in each of two attempts, but published 1.5 s apart: never 100 within a second.
     assert watch.due({"k2": published(0, 60, 1)}, {}, now=20.0) == {}
-    assert watch.due({"k2": published(1500, 60, 1)}, {}, now=20.1) == {}
+    assert watch.due({"k2": published(1500, 60, 1, first_seq=61)}, {}, now=20.1) == {}
 
 
 def test_a_backlog_taken_fast_is_not_a_hot_key() -> None:
@@ -49,6 +55,25 @@ def test_a_backlog_taken_fast_is_not_a_hot_key() -> None:
     assert watch.due({"hot": published(0, 100, 5)}, {}, now=40.0) == {"hot": "rate"}
 
 
+def test_each_event_counts_once_and_producers_clocks_need_not_agree() -> None:
+    watch = RouteWatch(rate=100, backlog=1000)
+    # The same 60 events taken again and again (a rerun attempt, deferred behind a gap).
+    again = published(0, 60, 5)
+    for n in range(5):
+        assert watch.due({"k": again}, {}, now=50.0 + n * 0.1) == {}
+    # Two producers at 60 a second each, their clocks 5 s apart: 120 within a second.
+    ahead = published(5000, 60, 10, producer="b")
+    assert watch.due({"two": published(0, 60, 10, producer="a")}, {}, now=60.0) == {}
+    assert watch.due({"two": ahead}, {}, now=60.1) == {"two": "rate"}
+    # A producer's clock stepped back 10 s: its events count again from there.
+    assert watch.due({"step": published(20_000, 60, 10)}, {}, now=70.0) == {}
+    stepped = published(10_000, 60, 10, first_seq=61)
+    assert watch.due({"step": stepped}, {}, now=70.1) == {}  # 60, not 120
+    assert watch.due({"step": published(10_600, 40, 10, first_seq=121)}, {}, now=70.2) == {
+        "step": "rate"
+    }
+
+
 def test_backlog_held_back_and_rate_limited_keys_are_promoted_at_once() -> None:
     watch = RouteWatch(rate=1e9, backlog=500)
     paused = KeyStatus(paused_since_ms=1)
@@ -57,18 +82,20 @@ def test_backlog_held_back_and_rate_limited_keys_are_promoted_at_once() -> None:
     watch.limited(["limited"], now=5.0)
     found = watch.due(
         {
-            "big": [0] * 500,
-            "paused": [0],
-            "aside": [0],
-            "limited": [0],
-            "promoted": [0] * 900,
-            "small": [0] * 3,
+            "big": published(0, 500, 0),
+            "paused": published(0, 1, 0),
+            "aside": published(0, 1, 0),
+            "limited": published(0, 1, 0),
+            "promoted": published(0, 900, 0),
+            "small": published(0, 3, 0),
         },
         {"paused": paused, "aside": parked_with_aside, "promoted": promoted},
         now=5.1,
     )
     assert found == {"big": "backlog", "paused": "stopped", "limited": "rate-limited"}
-    assert watch.due({"limited": [1]}, {}, now=7.0) == {}  # given once, and forgotten
+    assert (
+        watch.due({"limited": published(0, 1, 0, first_seq=2)}, {}, now=7.0) == {}
+    )  # given once, and forgotten
 
 
 def test_the_gate_routes_a_promoted_keys_events() -> None:

@@ -147,8 +147,9 @@ class WorkerSettings(Settings):
     idle_release_ms: int = Field(
         default=10_000,
         ge=10,
-        description="key mode: release a queue idle this long; bucket mode: look into a "
-        "quorum queue quiet this long (is the broker holding its messages back?)",
+        description="key mode: release a queue idle this long, and claim one idle longer only "
+        "once a look finds messages in it; bucket mode: look into a quorum queue quiet this "
+        "long (is the broker holding its messages back?)",
     )
     shutdown_timeout: float = Field(
         default=30.0, gt=0, description="SIGTERM: longest wait for the batch in flight, s"

@@ -7,15 +7,21 @@ the events that showed it are forwarded already.
 
 A key's rate is read from its events' publish times, not from when they are taken: a bucket
 draining a backlog takes a cold key's old events fast, and promoting it then would only move
-that backlog (forwarded, then consumed again) for nothing.
+that backlog (forwarded, then consumed again) for nothing. Each producer's events are counted in
+a window that ends at that producer's newest publish time, so producers whose clocks disagree
+add up rather than hide each other, and each event once, by its ``(producer, seq)``, however
+often its delivery is taken again (a rerun attempt, an event deferred behind a gap). Publish
+times come from the producers' clocks, so the caller caps them at its own clock, and events
+without one (not from the SDK) count at the time they are taken.
 
-Pure: the caller passes the publish times, the statuses and the clock."""
+Pure: the caller passes the events, the statuses and the clock."""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from keyq.broker.key_control import KeyStatus
 from keyq.broker.routes import WHY_BACKLOG, WHY_RATE, WHY_RATE_LIMITED, WHY_STOPPED
@@ -23,24 +29,51 @@ from keyq.broker.routes import WHY_BACKLOG, WHY_RATE, WHY_RATE_LIMITED, WHY_STOP
 WINDOW_S = 1.0
 
 
+class Published(NamedTuple):
+    """One event of a key taken from its bucket."""
+
+    producer: str | None
+    seq: int | None
+    at_ms: int  # its publish time, at most the taker's clock
+
+
 @dataclass(slots=True)
-class _Published:
-    """One key's events within a window of its newest publish time."""
+class _Lane:
+    """One producer's events of a key within a window of its newest publish time."""
 
     times_ms: deque[int] = field(default_factory=deque)
     newest_ms: int = 0
+    counted_seq: int = 0  # its events up to this seq are counted
+
+    def add(self, event: Published, window_ms: int) -> None:
+        if event.seq is not None:
+            if event.seq <= self.counted_seq:
+                return  # taken again: counted already
+            self.counted_seq = event.seq
+        if event.at_ms <= self.newest_ms - window_ms:
+            self.times_ms.clear()  # its clock stepped back: start again from here
+            self.newest_ms = event.at_ms
+        self.times_ms.append(event.at_ms)
+        self.newest_ms = max(self.newest_ms, event.at_ms)
+
+    def recent(self, window_ms: int) -> int:
+        start = self.newest_ms - window_ms
+        while self.times_ms and self.times_ms[0] <= start:
+            self.times_ms.popleft()
+        return len(self.times_ms)
+
+
+@dataclass(slots=True)
+class _KeyRate:
+    lanes: dict[str | None, _Lane] = field(default_factory=dict)
     seen_at: float = 0.0  # when an attempt last took some (monotonic)
 
-    def add(self, times_ms: Sequence[int], window_ms: int, now: float) -> int:
-        """Note ``times_ms`` (not empty); how many of the key's events were published within
-        the window that ends at the newest."""
-        self.times_ms.extend(times_ms)
-        self.newest_ms = max(self.newest_ms, *times_ms)
+    def add(self, events: Sequence[Published], window_ms: int, now: float) -> int:
+        """Note ``events``; how many of the key's events were published within a window."""
         self.seen_at = now
-        start = self.newest_ms - window_ms
-        while self.times_ms and self.times_ms[0] < start:
-            self.times_ms.popleft()
-        return sum(1 for at in self.times_ms if at >= start)
+        for event in events:
+            self.lanes.setdefault(event.producer, _Lane()).add(event, window_ms)
+        return sum(lane.recent(window_ms) for lane in self.lanes.values())
 
 
 class RouteWatch:
@@ -50,7 +83,7 @@ class RouteWatch:
         self.rate = rate
         self.backlog = backlog
         self._window_s = window_s
-        self._published: dict[str, _Published] = {}
+        self._rates: dict[str, _KeyRate] = {}
         self._limited: dict[str, float] = {}  # key -> when it was last over its rate limit
 
     def limited(self, keys: Iterable[str], now: float) -> None:
@@ -59,34 +92,33 @@ class RouteWatch:
 
     def due(
         self,
-        published: Mapping[str, Sequence[int]],
+        published: Mapping[str, Sequence[Published]],
         statuses: Mapping[str, KeyStatus],
         now: float,
     ) -> dict[str, str]:
-        """Of the keys an attempt takes from their buckets (``published``: the publish times,
-        ms, of each one's events), those to promote now, and why."""
+        """Of the keys an attempt takes from their buckets (``published``: each one's events),
+        those to promote now, and why."""
         horizon = now - self._window_s
+        for key in [key for key, rate in self._rates.items() if rate.seen_at < horizon]:
+            del self._rates[key]  # none taken for a window: forgotten
+        for key in [key for key, at in self._limited.items() if at < horizon]:
+            del self._limited[key]
         window_ms = round(self._window_s * 1000)
         found: dict[str, str] = {}
-        for key, times_ms in published.items():
+        for key, events in published.items():
             status = statuses.get(key)
             if status is not None and status.route is not None:
                 continue  # promoted already
-            recent = self._published.setdefault(key, _Published()).add(times_ms, window_ms, now)
+            recent = self._rates.setdefault(key, _KeyRate()).add(events, window_ms, now)
             if status is not None and status.stopped and not status.aside:
                 found[key] = WHY_STOPPED
-            elif self._limited.get(key, horizon - 1) >= horizon:
+            elif key in self._limited:
                 found[key] = WHY_RATE_LIMITED
-            elif len(times_ms) >= self.backlog:
+            elif len(events) >= self.backlog:
                 found[key] = WHY_BACKLOG
             elif recent >= self.rate * self._window_s:
                 found[key] = WHY_RATE
         for key in found:
-            self._published.pop(key, None)
+            self._rates.pop(key, None)
             self._limited.pop(key, None)
-        quiet = [key for key, seen in self._published.items() if seen.seen_at < horizon]
-        for key in quiet:
-            del self._published[key]  # none taken for a window: forgotten
-        for key in [key for key, at in self._limited.items() if at < horizon]:
-            del self._limited[key]
         return found

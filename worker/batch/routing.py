@@ -37,7 +37,7 @@ from keyq.worker.batch.admission import Admission, Disposition
 from keyq.worker.batch.decoding import Decoder, Event, producer_of, seq_of
 from keyq.worker.batch.key_gate import Routing
 from keyq.worker.batch.ports import DeadLetterSink
-from keyq.worker.batch.route_watch import RouteWatch
+from keyq.worker.batch.route_watch import Published, RouteWatch
 
 log = logging.getLogger("keyq.worker.batch")
 
@@ -107,17 +107,19 @@ class AutoRouting:
 
     def _published_in_buckets(
         self, deliveries: Sequence[Delivery], decoded: Decoder, lease_queue: Mapping[str, str]
-    ) -> dict[str, list[int]]:
-        """The publish times (ms) of each key's events this attempt takes from a bucket (not
-        drained aside); now for an event that does not say."""
-        published: dict[str, list[int]] = {}
+    ) -> dict[str, list[Published]]:
+        """Each key's events this attempt takes from a bucket (not drained aside), with their
+        publish times: at most now (a producer's clock may run ahead), now if they do not say."""
+        published: dict[str, list[Published]] = {}
         taken_ms = now_ms()
         for delivery in deliveries:
             item = decoded(delivery)
             held = lease_queue.get(delivery.queue, delivery.queue)
             if item.key is not None and self._from_bucket(delivery, held):
                 at = item.published_at_ms if isinstance(item, Event) else None
-                published.setdefault(item.key, []).append(taken_ms if at is None else at)
+                at_ms = taken_ms if at is None else min(at, taken_ms)
+                event = Published(item.producer, item.seq, at_ms)
+                published.setdefault(item.key, []).append(event)
         return published
 
     def _from_bucket(self, delivery: Delivery, held: str) -> bool:
