@@ -186,7 +186,12 @@ def publish_paced(
         sent[key].append(now)
         publish(key, {"key": key, "n": numbers[key], "pad": PAD})
     producer.flush(timeout=120)
-    return {"behind_max_s": round(behind_max, 3), "behind_end_s": round(behind, 3)}
+    return {
+        "behind_max_s": round(behind_max, 3),
+        "behind_end_s": round(behind, 3),
+        # Auto mode: events sent to the bucket because a switch to the own queue was put off.
+        "rerouted": producer.stats.get("rerouted", 0),
+    }
 
 
 def summary_ms(values: Sequence[float]) -> dict[str, float | None]:

@@ -165,7 +165,7 @@ def test_any_interleaving_of_adds_and_takes_is_fair_and_loses_nothing(
 
 def test_a_capped_queue_gives_a_shared_batch_at_most_its_cap_and_alone_all() -> None:
     """Auto mode caps a promoted key's own queue in batches it shares with other queues."""
-    buffer = DeliveryBuffer(shared_cap=lambda queue: 100 if queue == "hot" else None)
+    buffer = DeliveryBuffer(shared_cap=lambda queue, others: 100 if queue == "hot" else None)
     for tag in range(1, 1001):
         buffer.add(delivery("hot", tag))
     for tag in range(1, 31):
@@ -176,9 +176,13 @@ def test_a_capped_queue_gives_a_shared_batch_at_most_its_cap_and_alone_all() -> 
     assert alone == {"hot": 900}  # nothing else waits: no cap
 
 
-def test_a_capped_queue_may_take_as_much_as_the_other_queues_have_together() -> None:
-    """In a busy stream a promoted key is not held to its cap: it may match the others."""
-    buffer = DeliveryBuffer(shared_cap=lambda queue: 100 if queue == "hot" else None)
+def test_a_capped_queue_is_told_how_many_the_other_queues_have() -> None:
+    """Until its events' cost is known, a promoted key may match the others in a busy stream."""
+
+    def cap(queue: str, others: int) -> int | None:
+        return max(100, others) if queue == "hot" else None
+
+    buffer = DeliveryBuffer(shared_cap=cap)
     for tag in range(1, 3001):
         buffer.add(delivery("hot", tag))
     for queue in ("b1", "b2"):

@@ -8,7 +8,7 @@ from keyq.broker.routes import Route
 from keyq.broker.streams import StreamConfig
 from keyq.worker.auto_mode import SHARED_BATCH_S, OwnEventCost, shared_cap
 from keyq.worker.batch.key_gate import Routing, Way
-from keyq.worker.batch.route_watch import Published, RouteWatch
+from keyq.worker.batch.route_watch import CURRENT_S, Published, RouteWatch
 from keyq.worker.config import WorkerSettings
 from tests.helpers import plain_delivery
 
@@ -31,17 +31,30 @@ def published(
     ]
 
 
+def due(
+    watch: RouteWatch,
+    events: dict[str, list[Published]],
+    *,
+    now: float,
+    statuses: dict[str, KeyStatus] | None = None,
+    behind_ms: int = 0,
+) -> dict[str, str]:
+    """``watch.due``, taken ``behind_ms`` after the newest event was published."""
+    newest = max((event.at_ms for each in events.values() for event in each), default=0)
+    return watch.due(events, statuses or {}, now, newest + behind_ms)
+
+
 def test_a_key_is_promoted_by_its_publish_rate_over_a_window_not_by_one_quiet_batch() -> None:
     watch = RouteWatch(rate=100, backlog=1000)
     # 40 events published 7 ms apart (about 140 a second), taken in three attempts.
-    assert watch.due({"k1": published(0, 40, 7)}, {}, now=10.0) == {}
-    assert watch.due({"k1": published(280, 40, 7, first_seq=41)}, {}, now=10.5) == {}
-    found = watch.due({"k1": published(560, 40, 7, first_seq=81)}, {}, now=10.9)
+    assert due(watch, {"k1": published(0, 40, 7)}, now=10.0) == {}
+    assert due(watch, {"k1": published(280, 40, 7, first_seq=41)}, now=10.5) == {}
+    found = due(watch, {"k1": published(560, 40, 7, first_seq=81)}, now=10.9)
     assert found == {"k1": "rate"}
-    assert watch.due({"k1": published(840, 40, 7, first_seq=121)}, {}, now=11.0) == {}
+    assert due(watch, {"k1": published(840, 40, 7, first_seq=121)}, now=11.0) == {}
     # 60 in each of two attempts, but published 1.5 s apart: never 100 within a second.
-    assert watch.due({"k2": published(0, 60, 1)}, {}, now=20.0) == {}
-    assert watch.due({"k2": published(1500, 60, 1, first_seq=61)}, {}, now=20.1) == {}
+    assert due(watch, {"k2": published(0, 60, 1)}, now=20.0) == {}
+    assert due(watch, {"k2": published(1500, 60, 1, first_seq=61)}, now=20.1) == {}
 
 
 def test_a_backlog_taken_fast_is_not_a_hot_key() -> None:
@@ -50,9 +63,22 @@ def test_a_backlog_taken_fast_is_not_a_hot_key() -> None:
     watch = RouteWatch(rate=100, backlog=1000)
     backlog = published(0, 500, 20)
     for n, start in enumerate(range(0, 500, 100)):
-        assert watch.due({"cold": backlog[start : start + 100]}, {}, now=30.0 + n * 0.1) == {}
+        assert due(watch, {"cold": backlog[start : start + 100]}, now=30.0 + n * 0.1) == {}
     # Published 5 ms apart (200 a second), the first 100 are a hot key's.
-    assert watch.due({"hot": published(0, 100, 5)}, {}, now=40.0) == {"hot": "rate"}
+    assert due(watch, {"hot": published(0, 100, 5)}, now=40.0) == {"hot": "rate"}
+
+
+def test_a_hot_key_in_a_bucket_far_behind_is_promoted_by_its_backlog_only() -> None:
+    """Its producers' switch would wait for the bucket's holder to reach their last events
+    there, longer than ``SWITCH_WAIT_S``: a promotion would only forward its events."""
+    watch = RouteWatch(rate=100, backlog=300)
+    behind = round(CURRENT_S * 1000) + 500
+    hot = published(0, 200, 2)  # 500 a second
+    assert due(watch, {"k": hot}, now=80.0, behind_ms=behind) == {}
+    more = published(400, 200, 2, first_seq=201)
+    assert due(watch, {"k": more}, now=80.1, behind_ms=behind - 1000) == {"k": "rate"}
+    backlog = published(0, 300, 2)
+    assert due(watch, {"b": backlog}, now=81.0, behind_ms=60_000) == {"b": "backlog"}
 
 
 def test_each_event_counts_once_and_producers_clocks_need_not_agree() -> None:
@@ -60,16 +86,16 @@ def test_each_event_counts_once_and_producers_clocks_need_not_agree() -> None:
     # The same 60 events taken again and again (a rerun attempt, deferred behind a gap).
     again = published(0, 60, 5)
     for n in range(5):
-        assert watch.due({"k": again}, {}, now=50.0 + n * 0.1) == {}
+        assert due(watch, {"k": again}, now=50.0 + n * 0.1) == {}
     # Two producers at 60 a second each, their clocks 5 s apart: 120 within a second.
     ahead = published(5000, 60, 10, producer="b")
-    assert watch.due({"two": published(0, 60, 10, producer="a")}, {}, now=60.0) == {}
-    assert watch.due({"two": ahead}, {}, now=60.1) == {"two": "rate"}
+    assert due(watch, {"two": published(0, 60, 10, producer="a")}, now=60.0) == {}
+    assert due(watch, {"two": ahead}, now=60.1) == {"two": "rate"}
     # A producer's clock stepped back 10 s: its events count again from there.
-    assert watch.due({"step": published(20_000, 60, 10)}, {}, now=70.0) == {}
+    assert due(watch, {"step": published(20_000, 60, 10)}, now=70.0) == {}
     stepped = published(10_000, 60, 10, first_seq=61)
-    assert watch.due({"step": stepped}, {}, now=70.1) == {}  # 60, not 120
-    assert watch.due({"step": published(10_600, 40, 10, first_seq=121)}, {}, now=70.2) == {
+    assert due(watch, {"step": stepped}, now=70.1) == {}  # 60, not 120
+    assert due(watch, {"step": published(10_600, 40, 10, first_seq=121)}, now=70.2) == {
         "step": "rate"
     }
 
@@ -80,7 +106,8 @@ def test_backlog_held_back_and_rate_limited_keys_are_promoted_at_once() -> None:
     parked_with_aside = KeyStatus(parked=ParkedKey(1, "poison", "p", 3), aside=("q",))
     promoted = KeyStatus(route=route(open_move=False))
     watch.limited(["limited"], now=5.0)
-    found = watch.due(
+    found = due(
+        watch,
         {
             "big": published(0, 500, 0),
             "paused": published(0, 1, 0),
@@ -89,12 +116,12 @@ def test_backlog_held_back_and_rate_limited_keys_are_promoted_at_once() -> None:
             "promoted": published(0, 900, 0),
             "small": published(0, 3, 0),
         },
-        {"paused": paused, "aside": parked_with_aside, "promoted": promoted},
         now=5.1,
+        statuses={"paused": paused, "aside": parked_with_aside, "promoted": promoted},
     )
     assert found == {"big": "backlog", "paused": "stopped", "limited": "rate-limited"}
     assert (
-        watch.due({"limited": published(0, 1, 0, first_seq=2)}, {}, now=7.0) == {}
+        due(watch, {"limited": published(0, 1, 0, first_seq=2)}, now=7.0) == {}
     )  # given once, and forgotten
 
 
@@ -128,19 +155,35 @@ def test_a_promoted_keys_share_of_a_batch_follows_what_its_events_cost() -> None
     own, bucket = config.own_queue_for("hot"), config.queue_for("hot")
     settings = WorkerSettings(auto_key_batch_max=200)
     cost = OwnEventCost(config)
-    assert shared_cap(settings, bucket, cost) is None  # buckets are never capped
-    assert shared_cap(settings, own, cost) == 200  # until its cost is known
-    cost.note([plain_delivery(bucket, 1)] * 10, 0.1)  # a job's fixed cost
+    assert shared_cap(settings, bucket, cost, 0) is None  # buckets are never capped
+    # Until its cost is known: 200, or as many as the other queues have.
+    assert shared_cap(settings, own, cost, 50) == 200
+    assert shared_cap(settings, own, cost, 3000) == 3000
+    cost.note({bucket: 10}, 0.1)  # a job's fixed cost
     for _ in range(50):
-        cost.note([plain_delivery(bucket, 1)] * 1000, 0.2)  # 0.1 ms an event of the buckets
+        cost.note({bucket: 1000}, 0.2)  # 0.1 ms an event of the buckets
     for _ in range(50):  # 1 ms an event of the own queue
-        cost.note([plain_delivery(own, 1)] * 200 + [plain_delivery(bucket, 1)] * 1000, 0.4)
-    assert 245 <= (shared_cap(settings, own, cost) or 0) <= 255
-    cost.note([plain_delivery(own, 1)] * 200 + [plain_delivery(bucket, 1)] * 1000, 3.0)
-    assert 245 <= (shared_cap(settings, own, cost) or 0) <= 255  # one slow batch is not the cost
-    cheap = OwnEventCost(config)
-    cheap.note([plain_delivery(bucket, 1)] * 10, 0.1)
-    cheap.note([plain_delivery(own, 1)] * 5000, 0.35)  # 0.05 ms an event
-    # Before the other events' cost is known, the batch's cost is shared by all its events.
-    cheap.note([plain_delivery(own, 1)] * 1000 + [plain_delivery(bucket, 1)] * 4000, 0.35)
-    assert shared_cap(settings, own, cheap) == round(SHARED_BATCH_S / 0.00005)
+        cost.note({own: 200, bucket: 1000}, 0.4)
+    assert 245 <= (shared_cap(settings, own, cost, 0) or 0) <= 255
+    cost.note({own: 200, bucket: 1000}, 3.0)
+    assert 245 <= (shared_cap(settings, own, cost, 0) or 0) <= 255  # one slow batch is not it
+    # Known, it holds however many the buckets have: some may be the key's own, forwarded.
+    assert 245 <= (shared_cap(settings, own, cost, 3000) or 0) <= 255
+
+
+def test_only_the_events_a_job_applied_tell_what_they_cost() -> None:
+    """A batch of the own queue's events waiting for their key's move applies none of them:
+    its job says nothing of their cost."""
+    config = StreamConfig.from_json("s", '{"mode":"auto","buckets":4}')
+    own, bucket = config.own_queue_for("hot"), config.queue_for("hot")
+    cost = OwnEventCost(config)
+    cost.note({bucket: 10}, 0.1)
+    for _ in range(20):
+        cost.note({bucket: 50}, 0.1)  # the own queue's 500 waited: nothing of them applied
+    assert cost.own_s is None
+    for _ in range(20):
+        cost.note({own: 500}, 0.6)
+    assert cost.own_s is not None and abs(cost.own_s - 0.001) < 1e-6
+    assert shared_cap(WorkerSettings(auto_key_batch_max=10), own, cost, 5000) == round(
+        SHARED_BATCH_S / 0.001
+    )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import redis
@@ -15,7 +15,6 @@ from keyq.broker.key_control import KeyControl
 from keyq.broker.naming import Mode, is_bucket_queue, is_stream_queue
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.streams import StreamConfig
-from keyq.worker.amqp.deliveries import Delivery
 from keyq.worker.batch.ports import DeadLetterSink
 from keyq.worker.batch.route_watch import RouteWatch
 from keyq.worker.batch.routing import AutoRouting
@@ -78,7 +77,8 @@ class OwnEventCost:
     """What an event of a promoted key's own queue costs a batch's Spark job, learnt from the
     batches: beyond a job's fixed cost (the least a recent job took), less what the batch's
     other events cost (learnt from batches without own-queue events; until then, as much as
-    an own-queue event), per own-queue event."""
+    an own-queue event), per own-queue event. Only the events a job applied count: forwarded
+    copies and events waiting for their key's move cost it nothing."""
 
     def __init__(self, config: StreamConfig | None = None) -> None:
         self.config = config  # the stream's, once read
@@ -90,9 +90,10 @@ class OwnEventCost:
     def own_s(self) -> float | None:
         return statistics.median(self._own) if self._own else None
 
-    def note(self, batch: Sequence[Delivery], spark_s: float) -> None:
-        own = sum(1 for delivery in batch if is_own_queue(self.config, delivery.queue))
-        other = len(batch) - own
+    def note(self, applied: Mapping[str, int], spark_s: float) -> None:
+        """A Spark job of ``spark_s`` applied ``applied`` events from each queue."""
+        own = sum(n for queue, n in applied.items() if is_own_queue(self.config, queue))
+        other = sum(applied.values()) - own
         self._jobs.append(spark_s)
         beyond = spark_s - min(self._jobs)
         if own == 0 and other >= COST_EVENTS_MIN:
@@ -103,18 +104,20 @@ class OwnEventCost:
             rest = max(beyond - statistics.median(self._other) * other, 0.0)
             self._own.append(rest / own)
         else:
-            self._own.append(beyond / len(batch))
+            self._own.append(beyond / (own + other))
 
 
-def shared_cap(settings: WorkerSettings, queue: str, cost: OwnEventCost) -> int | None:
-    """Auto mode: a promoted key's own queue gives a batch it shares with other queues at most
-    as many events as fill ``SHARED_BATCH_S`` of Spark at what they have cost, and at least
-    ``auto_key_batch_max`` (also the cap until that cost is known): a hot, slow key cannot hold
+def shared_cap(settings: WorkerSettings, queue: str, cost: OwnEventCost, others: int) -> int | None:
+    """Auto mode: a promoted key's own queue gives a batch it shares with other queues (which
+    have ``others`` events ready) at most as many events as fill ``SHARED_BATCH_S`` of Spark
+    at what they have cost, and at least ``auto_key_batch_max``: a hot, slow key cannot hold
     the keys of the buckets the same worker holds (its events apply one after another
-    anyway), and a hot, cheap one is not held to a trickle."""
+    anyway), and a hot, cheap one is not held to a trickle. Until that cost is known, it gives
+    ``auto_key_batch_max`` or as many as the others, if more. Not after: a bucket's events
+    counted there may be the key's own, still to be forwarded, costing the job nothing."""
     if not is_own_queue(cost.config, queue):
         return None
     floor, own_s = settings.auto_key_batch_max, cost.own_s  # own_s: a median, read once
     if own_s is None:
-        return floor
+        return max(floor, others)
     return max(floor, int(SHARED_BATCH_S / max(own_s, MIN_EVENT_COST_S)))

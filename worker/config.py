@@ -108,7 +108,8 @@ class WorkerSettings(Settings):
         default=200.0,
         gt=0,
         description="auto mode: a key published at this many events a second (by its events' "
-        "publish times) and taken from its bucket is promoted to a queue of its own",
+        "publish times) and taken from its bucket while that is at most 1.5 s behind is "
+        "promoted to a queue of its own",
     )
     auto_promote_backlog: int = Field(
         default=1000,
@@ -121,9 +122,10 @@ class WorkerSettings(Settings):
         default=200,
         ge=1,
         description="auto mode: most events of a promoted key in a batch it shares with other "
-        "queues until its events' cost is known, and the least after (then: as many as fill "
-        "0.25 s of Spark), so that a hot, slow key cannot make the batches of its worker long "
-        "for the keys of the buckets it holds (a key's events apply one after another anyway)",
+        "queues until its events' cost is known (or as many as the others have, if more), and "
+        "the least after (then: as many as fill 0.25 s of Spark), so that a hot, slow key "
+        "cannot make the batches of its worker long for the keys of the buckets it holds (a "
+        "key's events apply one after another anyway)",
     )
 
     max_attempts: int = Field(

@@ -107,7 +107,7 @@ class Worker:
         self._cost = OwnEventCost()  # auto mode
         self._buffer = DeliveryBuffer(
             self.settings.sequence_gap_timeout_ms / 1000,
-            shared_cap=lambda queue: shared_cap(self.settings, queue, self._cost),
+            shared_cap=lambda queue, others: shared_cap(self.settings, queue, self._cost, others),
         )
         self._started_ms = now_ms()
         self._session: Session | None = None  # while serving

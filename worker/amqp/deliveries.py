@@ -66,10 +66,13 @@ class DeliveryBuffer:
     """Thread-safe per-queue FIFOs with a wake-up for the batch loop."""
 
     def __init__(
-        self, gap_timeout_s: float = 60.0, shared_cap: Callable[[str], int | None] | None = None
+        self,
+        gap_timeout_s: float = 60.0,
+        shared_cap: Callable[[str, int], int | None] | None = None,
     ) -> None:
         self._gap_timeout_s = gap_timeout_s
-        # A queue's most events in a batch it shares with other queues (None: no cap).
+        # A queue's most events in a batch it shares with other queues, which have so many
+        # ready (None: no cap).
         self._shared_cap = shared_cap
         self._queues: dict[str, deque[Delivery]] = {}
         self._deferred: dict[str, list[Delivery]] = {}
@@ -334,20 +337,19 @@ def _due(items: Iterable[Delivery], before: float) -> bool:
 def _fair_quotas(
     queues: dict[str, deque[Delivery]],
     max_events: int,
-    shared_cap: Callable[[str], int | None] | None = None,
+    shared_cap: Callable[[str, int], int | None] | None = None,
 ) -> dict[str, int]:
     """How many to take from each queue, in ``queues``' order: rounds of an even share of
     what is left, so a short queue leaves the rest of its share to the others. Each round
     but the last gives every queue still pending at least one, so this is O(queues + events).
-    A queue with a ``shared_cap`` gives, when other queues have events too, at most that many
-    or as many as the others have together, if more: it never makes a batch mostly its own,
-    yet is not held to a trickle in a busy stream."""
+    A queue with a ``shared_cap`` (told how many events the other queues have) gives, when
+    other queues have events too, at most that many."""
     quotas: dict[str, int] = {}
     pending = [(queue, len(fifo)) for queue, fifo in queues.items() if fifo]
     if shared_cap is not None and len(pending) > 1:
         total = sum(ready for _, ready in pending)
         pending = [
-            (queue, _capped(ready, shared_cap(queue), total - ready)) for queue, ready in pending
+            (queue, _capped(ready, shared_cap(queue, total - ready))) for queue, ready in pending
         ]
     left = max_events
     while left > 0 and pending:
@@ -365,5 +367,5 @@ def _fair_quotas(
     return quotas
 
 
-def _capped(ready: int, cap: int | None, others: int) -> int:
-    return ready if cap is None else min(ready, max(cap, others))
+def _capped(ready: int, cap: int | None) -> int:
+    return ready if cap is None else min(ready, cap)

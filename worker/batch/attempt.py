@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 from keyq.broker.clock import now_ms
@@ -250,6 +251,7 @@ class BatchAttempt:
             spark_seconds=computed.spark_seconds,
             clock=clock,
             published_at_ms=[event.published_at_ms for event in admission.events],
+            applied_from=Counter(event.delivery.queue for event in admission.events),
         )
         for letter in run.letters:
             log.warning("dead-lettered a message of %s: %s", letter.delivery.queue, letter.reason)

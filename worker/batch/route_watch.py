@@ -14,6 +14,13 @@ often its delivery is taken again (a rerun attempt, an event deferred behind a g
 times come from the producers' clocks, so the caller caps them at its own clock, and events
 without one (not from the SDK) count at the time they are taken.
 
+A key is promoted by its rate only while its bucket is nearly current: its newest event taken
+was published at most ``CURRENT_S`` ago. Producers switch to a key's own queue only once their
+earlier events of it have left the bucket, and wait ``SWITCH_WAIT_S`` for that; in a bucket
+further behind, the switch is put off again and again, and a promotion would only forward the
+key's events, to be consumed a second time. A key whose backlog is what holds its bucket still
+is promoted by ``auto_promote_backlog``.
+
 Pure: the caller passes the events, the statuses and the clock."""
 
 from __future__ import annotations
@@ -24,9 +31,18 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from keyq.broker.key_control import KeyStatus
-from keyq.broker.routes import WHY_BACKLOG, WHY_RATE, WHY_RATE_LIMITED, WHY_STOPPED
+from keyq.broker.routes import (
+    SWITCH_WAIT_S,
+    WHY_BACKLOG,
+    WHY_RATE,
+    WHY_RATE_LIMITED,
+    WHY_STOPPED,
+)
 
 WINDOW_S = 1.0
+# How far behind its publishing a bucket may be for a key's rate to promote it: well inside a
+# producer's switch wait, which must also cover the producer's next read of the routes.
+CURRENT_S = SWITCH_WAIT_S / 2
 
 
 class Published(NamedTuple):
@@ -95,9 +111,10 @@ class RouteWatch:
         published: Mapping[str, Sequence[Published]],
         statuses: Mapping[str, KeyStatus],
         now: float,
+        taken_ms: int,
     ) -> dict[str, str]:
         """Of the keys an attempt takes from their buckets (``published``: each one's events),
-        those to promote now, and why."""
+        those to promote now, and why; ``taken_ms``: the taker's clock."""
         horizon = now - self._window_s
         for key in [key for key, rate in self._rates.items() if rate.seen_at < horizon]:
             del self._rates[key]  # none taken for a window: forgotten
@@ -116,9 +133,15 @@ class RouteWatch:
                 found[key] = WHY_RATE_LIMITED
             elif len(events) >= self.backlog:
                 found[key] = WHY_BACKLOG
-            elif recent >= self.rate * self._window_s:
+            elif recent >= self.rate * self._window_s and _current(events, taken_ms):
                 found[key] = WHY_RATE
         for key in found:
             self._rates.pop(key, None)
             self._limited.pop(key, None)
         return found
+
+
+def _current(events: Sequence[Published], taken_ms: int) -> bool:
+    """Whether the newest of ``events`` was published at most ``CURRENT_S`` before taken."""
+    newest = max((event.at_ms for event in events), default=taken_ms)
+    return taken_ms - newest <= CURRENT_S * 1000

@@ -78,8 +78,9 @@ class AutoRouting:
         """Promote the keys due (their statuses updated in place), lease the own queues of the
         promoted keys found in buckets, and say how to route this attempt and where to."""
         lease_queue = {queue: lease.queue for queue, lease in leases.items()}
-        published = self._published_in_buckets(deliveries, decoded, lease_queue)
-        due = self._watch.due(published, statuses, time.monotonic())
+        taken_ms = now_ms()
+        published = self._published_in_buckets(deliveries, decoded, lease_queue, taken_ms)
+        due = self._watch.due(published, statuses, time.monotonic(), taken_ms)
         if due:
             self._promote(due)
             statuses.update(self._control.statuses(due))
@@ -106,12 +107,15 @@ class AutoRouting:
             self._watch.limited(limited, time.monotonic())
 
     def _published_in_buckets(
-        self, deliveries: Sequence[Delivery], decoded: Decoder, lease_queue: Mapping[str, str]
+        self,
+        deliveries: Sequence[Delivery],
+        decoded: Decoder,
+        lease_queue: Mapping[str, str],
+        taken_ms: int,
     ) -> dict[str, list[Published]]:
         """Each key's events this attempt takes from a bucket (not drained aside), with their
         publish times: at most now (a producer's clock may run ahead), now if they do not say."""
         published: dict[str, list[Published]] = {}
-        taken_ms = now_ms()
         for delivery in deliveries:
             item = decoded(delivery)
             held = lease_queue.get(delivery.queue, delivery.queue)

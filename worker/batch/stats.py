@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -37,6 +37,7 @@ class BatchStats:
     spark_seconds: float = 0.0
     last_spark_seconds: float = 0.0
     last_batch_events: int = 0
+    last_applied: dict[str, int] = field(default_factory=dict)  # queue -> events applied
     batch_seconds: list[float] = field(default_factory=list)
     # Where batches spend their time, summed: decoding and ordering, the Spark job, the
     # fenced commit (with dead letters and sink output), the acks, the registry touch.
@@ -54,9 +55,11 @@ class BatchStats:
         spark_seconds: float,
         clock: StageClock,
         published_at_ms: Sequence[int | None] = (),
+        applied_from: Mapping[str, int] | None = None,
     ) -> None:
-        """Count a committed run; ``clock`` has timed each of ``STAGES``, and
-        ``published_at_ms`` are the publish times of the events it applied."""
+        """Count a committed run; ``clock`` has timed each of ``STAGES``,
+        ``published_at_ms`` are the publish times of the events it applied, and
+        ``applied_from`` how many of them came from each queue."""
         self.batches += 1
         self.events += events
         self.skipped += skipped
@@ -65,6 +68,7 @@ class BatchStats:
         self.spark_seconds += spark_seconds
         self.last_spark_seconds = spark_seconds
         self.last_batch_events = events
+        self.last_applied = dict(applied_from or {})
         self.batch_seconds.append(clock.total())
         del self.batch_seconds[:-1000]
         for stage, seconds in zip(STAGES, clock.laps(), strict=True):
