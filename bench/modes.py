@@ -172,6 +172,8 @@ def run_round(
         "chaos_failed_steps": chaos.get("failed_steps"),
         "queues_created": summary["queues_created"],
         "routes": routes,
+        # Auto mode: events a producer sent to their bucket because a switch was put off.
+        "rerouted": (summary.get("producer") or {}).get("rerouted"),
         "broker_cpu_s": None if cpu is None else round(cpu, 3),
         "broker_cpu_measured_s": None if demo.measured_s is None else round(demo.measured_s, 1),
         "broker_cpu_s_per_1000_events": (

@@ -60,6 +60,16 @@ def ledger(df: Any, ctx: Any) -> Any:
     return ctx.state.fold(df, ledger_event)
 
 
+def ledger_paced_event(state: Any, event: Any) -> Any:
+    """``ledger_event`` after a pause of ``KEYQ_TEST_EVENT_PAUSE`` seconds: a slow key."""
+    time.sleep(float(os.environ.get("KEYQ_TEST_EVENT_PAUSE", "0.001")))
+    return ledger_event(state, event)
+
+
+def ledger_paced(df: Any, ctx: Any) -> Any:
+    return ctx.state.fold(df, ledger_paced_event)
+
+
 def paced_audit_event(state: Any, event: Any) -> Any:
     """``audit_event``, paused ``KEYQ_TEST_EVENT_PAUSE`` seconds an event inside Spark's Python
     worker, after touching ``KEYQ_TEST_BATCH_MARKER``: a test sees that a Spark job is running

@@ -21,6 +21,7 @@ from keyq.broker.membership import Membership
 from keyq.broker.routes import WHY_OPERATOR, RouteBook
 from keyq.broker.streams import ensure_stream_config
 from keyq.producer.route_follow import SWITCH_BACKOFF_S
+from keyq.worker.batch.route_watch import CURRENT_S
 from keyq.worker.batch.state_store import StateStore
 from tests.conftest import StreamFixture
 from tests.workers import idle_janitor, run_keyq, wait_until
@@ -43,8 +44,8 @@ class Moves:
         self.env = {"KEYQ_BATCH_MAX_EVENTS": "50", "KEYQ_IDLE_RELEASE_MS": "1000", **env}
         self.running: list[Any] = []
 
-    def worker(self) -> Any:
-        started = self._start(self.stream.name, pipeline="tests.pipelines:ledger", env=self.env)
+    def worker(self, pipeline: str = "tests.pipelines:ledger") -> Any:
+        started = self._start(self.stream.name, pipeline=pipeline, env=self.env)
         self.running.append(started)
         return started
 
@@ -173,7 +174,7 @@ def test_a_hot_key_is_promoted_by_its_rate_and_a_paused_one_when_held_back(
         wait_until(lambda: run.book.route(paused) is not None, 60, "the paused key promoted")
         wait_until(lambda: run.reported("promoted") >= 2, 30, "the promotions reported")
         hot_route, paused_route = run.book.route(hot), run.book.route(paused)
-        assert hot_route is not None and hot_route.why in ("rate", "backlog"), hot_route
+        assert hot_route is not None and hot_route.why == "rate", hot_route  # batches of 50
         assert paused_route is not None and paused_route.why == "stopped", paused_route
         for key in cold:
             assert run.book.route(key) is None, key
@@ -285,8 +286,10 @@ def test_a_backlog_of_one_key_is_promoted_and_forwarded_whole(
 ) -> None:
     """Thousands of one key's events wait in its bucket when the worker starts: the attempt
     that shows them promotes the key by its backlog (published fast, but long before: not by
-    its rate) and forwards them at once, within the own queue's publish lease (at the default
-    batch size), while its bucket-mates are applied in the bucket."""
+    its rate; the backlog lowered to 400, since at the defaults one batch takes at most the
+    bucket's prefetch of 1,000 events and the cold keys' share) and forwards them at once,
+    within the own queue's publish lease (at the default batch size), while its bucket-mates
+    are applied in the bucket."""
     run = Moves(stream, workers, {"KEYQ_AUTO_PROMOTE_BACKLOG": "400"})
     run.env.pop("KEYQ_BATCH_MAX_EVENTS")
     big, cold = "big-1", [f"cold-{i}" for i in range(20)]
@@ -307,6 +310,54 @@ def test_a_backlog_of_one_key_is_promoted_and_forwarded_whole(
         assert all(run.book.route(key) is None for key in cold)
         assert run.reported("forwarded") >= 1000
     finally:
+        producer.close(timeout=10)
+        run.kill_all()
+
+
+def test_a_slow_hot_key_is_promoted_by_its_rate_in_a_bucket_far_behind(
+    stream: StreamFixture, workers: Any
+) -> None:
+    """A worker stopped for seconds (SIGSTOP) while a key is published fast finds it in its
+    bucket far behind. Its events are slow to apply (1 ms each), so forwarding them pays
+    whether or not producers can switch: once the worker has measured what its bucket's
+    events cost it promotes the key by its rate, and applies its bucket-mates in the bucket."""
+    run = Moves(
+        stream,
+        workers,
+        {
+            "KEYQ_AUTO_PROMOTE_RATE": "150",
+            "KEYQ_TEST_EVENT_PAUSE": "0.001",
+            "KEYQ_BATCH_MAX_EVENTS": "500",  # 100 events or more tell what they cost
+        },
+    )
+    hot, cold = "slow-hot-1", [f"cold-{i}" for i in range(5)]
+    producer = Producer(stream.name, mode="auto", buckets=BUCKETS, settings=stream.settings)
+    worker = run.worker(pipeline="tests.pipelines:ledger_paced").wait_ready()
+    try:
+        for n in range(1, 21):  # small batches first: they tell a job's fixed cost
+            for key in cold:
+                producer.publish(key, {"n": n, "producer": producer.producer_id})
+            time.sleep(0.05)
+        producer.flush(timeout=60)
+        wait_until(lambda: not run.wrong(cold, {producer.producer_id: 20}), 60, "warm-up")
+        worker.pause()
+        for n in range(1, 1501):
+            producer.publish(hot, {"n": n, "producer": producer.producer_id})
+            if n % 50 == 0:
+                for key in cold:
+                    producer.publish(key, {"n": 20 + n // 50, "producer": producer.producer_id})
+        producer.flush(timeout=60)
+        time.sleep(2 * CURRENT_S)  # behind by more than CURRENT_S when taken
+        worker.resume()
+        wait_until(lambda: run.book.route(hot) is not None, 60, "the slow hot key promoted")
+        route = run.book.route(hot)
+        assert route is not None and route.why == "rate", route
+        totals = {producer.producer_id: 1500}
+        wait_until(lambda: not run.wrong([hot], totals), 120, "the slow hot key applied")
+        wait_until(lambda: not run.wrong(cold, {producer.producer_id: 50}), 60, "cold keys")
+        assert all(run.book.route(key) is None for key in cold)
+    finally:
+        worker.resume()
         producer.close(timeout=10)
         run.kill_all()
 

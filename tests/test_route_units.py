@@ -8,7 +8,7 @@ from keyq.broker.routes import Route
 from keyq.broker.streams import StreamConfig
 from keyq.worker.auto_mode import SHARED_BATCH_S, OwnEventCost, shared_cap
 from keyq.worker.batch.key_gate import Routing, Way
-from keyq.worker.batch.route_watch import CURRENT_S, Published, RouteWatch
+from keyq.worker.batch.route_watch import CURRENT_S, SLOW_EVENT_S, Published, RouteWatch
 from keyq.worker.config import WorkerSettings
 from tests.helpers import plain_delivery
 
@@ -79,6 +79,21 @@ def test_a_hot_key_in_a_bucket_far_behind_is_promoted_by_its_backlog_only() -> N
     assert due(watch, {"k": more}, now=80.1, behind_ms=behind - 1000) == {"k": "rate"}
     backlog = published(0, 300, 2)
     assert due(watch, {"b": backlog}, now=81.0, behind_ms=60_000) == {"b": "backlog"}
+
+
+def test_a_slow_hot_key_is_promoted_by_its_rate_however_far_behind_its_bucket() -> None:
+    """Forwarding a slow key's events costs far less than applying them: a bucket behind
+    because of it, or taken over behind, gets its other keys back at once."""
+    cost: list[float | None] = [None]
+    watch = RouteWatch(rate=100, backlog=1000, event_cost=lambda: cost[0])
+    behind = round(CURRENT_S * 1000) + 5000
+    assert due(watch, {"k": published(0, 200, 2)}, now=90.0, behind_ms=behind) == {}
+    cost[0] = SLOW_EVENT_S / 10  # cheap: forwarding would cost about what applying does
+    more = published(400, 200, 2, first_seq=201)
+    assert due(watch, {"k": more}, now=90.1, behind_ms=behind) == {}
+    cost[0] = SLOW_EVENT_S
+    again = published(800, 200, 2, first_seq=401)
+    assert due(watch, {"k": again}, now=90.2, behind_ms=behind) == {"k": "rate"}
 
 
 def test_each_event_counts_once_and_producers_clocks_need_not_agree() -> None:
@@ -162,6 +177,7 @@ def test_a_promoted_keys_share_of_a_batch_follows_what_its_events_cost() -> None
     cost.note({bucket: 10}, 0.1)  # a job's fixed cost
     for _ in range(50):
         cost.note({bucket: 1000}, 0.2)  # 0.1 ms an event of the buckets
+    assert cost.bucket_s is not None and abs(cost.bucket_s - 0.0001) < 1e-9
     for _ in range(50):  # 1 ms an event of the own queue
         cost.note({own: 200, bucket: 1000}, 0.4)
     assert 245 <= (shared_cap(settings, own, cost, 0) or 0) <= 255
@@ -180,7 +196,9 @@ def test_only_the_events_a_job_applied_tell_what_they_cost() -> None:
     cost.note({bucket: 10}, 0.1)
     for _ in range(20):
         cost.note({bucket: 50}, 0.1)  # the own queue's 500 waited: nothing of them applied
+        cost.note({}, 0.0)  # a commit of forwards only: no job, so no job's fixed cost
     assert cost.own_s is None
+    assert cost.bucket_s is None  # no batch of 100 bucket events
     for _ in range(20):
         cost.note({own: 500}, 0.6)
     assert cost.own_s is not None and abs(cost.own_s - 0.001) < 1e-6

@@ -52,7 +52,11 @@ def auto_parts(
     if config.mode is not Mode.AUTO:
         return AutoParts()
     cost.config = config
-    watch = RouteWatch(rate=settings.auto_promote_rate, backlog=settings.auto_promote_backlog)
+    watch = RouteWatch(
+        rate=settings.auto_promote_rate,
+        backlog=settings.auto_promote_backlog,
+        event_cost=lambda: cost.bucket_s,
+    )
     routing = AutoRouting(
         client=client,
         config=config,
@@ -90,8 +94,17 @@ class OwnEventCost:
     def own_s(self) -> float | None:
         return statistics.median(self._own) if self._own else None
 
+    @property
+    def bucket_s(self) -> float | None:
+        """What an event of the buckets has cost lately (a median), if known."""
+        return statistics.median(self._other) if self._other else None
+
     def note(self, applied: Mapping[str, int], spark_s: float) -> None:
-        """A Spark job of ``spark_s`` applied ``applied`` events from each queue."""
+        """A Spark job of ``spark_s`` applied ``applied`` events from each queue. A commit
+        that applied nothing (its events all forwarded, duplicates or dead letters) ran no
+        job, and says nothing of a job's fixed cost."""
+        if not applied or spark_s <= 0:
+            return
         own = sum(n for queue, n in applied.items() if is_own_queue(self.config, queue))
         other = sum(applied.values()) - own
         self._jobs.append(spark_s)

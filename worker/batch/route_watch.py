@@ -19,14 +19,16 @@ was published at most ``CURRENT_S`` ago. Producers switch to a key's own queue o
 earlier events of it have left the bucket, and wait ``SWITCH_WAIT_S`` for that; in a bucket
 further behind, the switch is put off again and again, and a promotion would only forward the
 key's events, to be consumed a second time. A key whose backlog is what holds its bucket still
-is promoted by ``auto_promote_backlog``.
+is promoted by ``auto_promote_backlog``, and so by its rate is a key whose bucket's events
+are slow to apply (``SLOW_EVENT_S`` each, as the worker measured them): forwarding its events
+then costs its bucket's holder far less than applying them would, switch or none.
 
 Pure: the caller passes the events, the statuses and the clock."""
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -43,6 +45,10 @@ WINDOW_S = 1.0
 # How far behind its publishing a bucket may be for a key's rate to promote it: well inside a
 # producer's switch wait, which must also cover the producer's next read of the routes.
 CURRENT_S = SWITCH_WAIT_S / 2
+# What an event of a bucket must cost a Spark job, beyond a job's fixed cost, for a promotion
+# to pay in a bucket further behind: several times what forwarding it costs (a publish
+# confirmed, then consumed again).
+SLOW_EVENT_S = 0.0005
 
 
 class Published(NamedTuple):
@@ -95,10 +101,18 @@ class _KeyRate:
 class RouteWatch:
     """Proposes promotions for one worker."""
 
-    def __init__(self, *, rate: float, backlog: int, window_s: float = WINDOW_S) -> None:
+    def __init__(
+        self,
+        *,
+        rate: float,
+        backlog: int,
+        window_s: float = WINDOW_S,
+        event_cost: Callable[[], float | None] = lambda: None,
+    ) -> None:
         self.rate = rate
         self.backlog = backlog
         self._window_s = window_s
+        self._event_cost = event_cost  # what a bucket's event costs a Spark job (s), if known
         self._rates: dict[str, _KeyRate] = {}
         self._limited: dict[str, float] = {}  # key -> when it was last over its rate limit
 
@@ -133,12 +147,18 @@ class RouteWatch:
                 found[key] = WHY_RATE_LIMITED
             elif len(events) >= self.backlog:
                 found[key] = WHY_BACKLOG
-            elif recent >= self.rate * self._window_s and _current(events, taken_ms):
+            elif recent >= self.rate * self._window_s and (
+                _current(events, taken_ms) or self._slow()
+            ):
                 found[key] = WHY_RATE
         for key in found:
             self._rates.pop(key, None)
             self._limited.pop(key, None)
         return found
+
+    def _slow(self) -> bool:
+        cost = self._event_cost()
+        return cost is not None and cost >= SLOW_EVENT_S
 
 
 def _current(events: Sequence[Published], taken_ms: int) -> bool:
