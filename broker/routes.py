@@ -37,11 +37,6 @@ from keyq.broker.text import as_text
 
 LOG_KEPT = 1000
 FORWARDED_TTL_MS = 86_400_000
-# How long a producer's first events of a promoted key wait for its earlier ones to leave the
-# bucket before the switch is put off (``keyq.producer.route_follow``): longer than a few of the
-# bucket holder's batches, each of which may take most of a second. Workers promote by rate
-# only a key whose bucket is current enough for the switch to be made within it.
-SWITCH_WAIT_S = 3.0
 
 # Why a key was promoted (``Route.why``).
 WHY_RATE = "rate"

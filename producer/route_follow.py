@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from keyq.broker.naming import is_bucket_queue
-from keyq.broker.routes import SWITCH_WAIT_S, RouteBook
+from keyq.broker.routes import RouteBook
 from keyq.broker.streams import StreamConfig
 from keyq.producer.context import IoContext
 from keyq.producer.lanes import Lanes, WaitReason
@@ -39,6 +39,9 @@ log = logging.getLogger("keyq.producer")
 
 REFRESH_S = 0.25
 SWITCH_CHECK_S = 0.05
+# Long enough for the bucket's holder to finish a few batches (each may take most of a second),
+# or a hot key's switch is put off again and again and its events keep going to the bucket.
+SWITCH_WAIT_S = 3.0
 SWITCH_BACKOFF_S = 10.0
 
 

@@ -70,7 +70,7 @@ def test_a_backlog_taken_fast_is_not_a_hot_key() -> None:
 
 def test_a_hot_key_in_a_bucket_far_behind_is_promoted_by_its_backlog_only() -> None:
     """Its producers' switch would wait for the bucket's holder to reach their last events
-    there, longer than ``SWITCH_WAIT_S``: a promotion would only forward its events."""
+    there, longer than they wait: a promotion would only forward its events."""
     watch = RouteWatch(rate=100, backlog=300)
     behind = round(CURRENT_S * 1000) + 500
     hot = published(0, 200, 2)  # 500 a second

@@ -108,7 +108,7 @@ class WorkerSettings(Settings):
         default=200.0,
         gt=0,
         description="auto mode: a key published at this many events a second (by its events' "
-        "publish times) and taken from its bucket while that is at most 1.5 s behind (or "
+        "publish times) and taken from its bucket while that is at most 0.5 s behind (or "
         "its events are slow to apply, 0.5 ms each or more) is promoted to a queue of its own",
     )
     auto_promote_backlog: int = Field(
