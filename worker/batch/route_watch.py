@@ -19,11 +19,10 @@ published at most ``CURRENT_S`` ago. Producers switch to a key's own queue only 
 earlier events of it have left the bucket, and wait a few seconds for that; a bucket further
 behind is most often one of a stream published faster than its workers apply it, which falls
 further behind before the switch can be made, so the switch is put off again and again, and a
-promotion would only forward the key's events, to be consumed a second time. A key whose backlog
-is what holds its bucket still is promoted by ``auto_promote_backlog``, and so by its rate is a
-key whose bucket's events are slow to apply (``SLOW_EVENT_S`` each, as the worker measured
-them): forwarding its events then costs its bucket's holder far less than applying them would,
-switch or none.
+promotion would only forward the key's events, to be consumed a second time. Further behind, a
+key is promoted by its backlog (``auto_promote_backlog``), or by its rate when its bucket's
+events are slow to apply (``SLOW_EVENT_S`` each, as the worker measured them): forwarding them
+then costs the bucket's holder far less than applying them would, switch or none.
 
 Pure: the caller passes the events, the statuses and the clock."""
 
