@@ -66,15 +66,16 @@ def _watch(reader: StatusReader, as_json: bool, every: float) -> None:
 def status_command(stream: str, as_json: bool, watch: float | None) -> None:
     """Show a stream's queues (depth, owner, idle time), live workers and dead letters."""
     reader = StatusReader(load_settings(), stream)
+    graceful = True
     try:
         if watch is None:
             _show(reader.collect(), as_json, watching=False)
         else:
             _watch(reader, as_json, watch)
     except KeyboardInterrupt:
-        pass  # Ctrl-C ends --watch; exit 0
+        graceful = False  # Ctrl-C ends --watch; exit 0
     finally:
-        reader.close()
+        reader.close(graceful=graceful)
 
 
 def render_table(status: dict[str, Any], *, width: int = PIPE_WIDTH) -> str:
