@@ -66,16 +66,15 @@ def _watch(reader: StatusReader, as_json: bool, every: float) -> None:
 def status_command(stream: str, as_json: bool, watch: float | None) -> None:
     """Show a stream's queues (depth, owner, idle time), live workers and dead letters."""
     reader = StatusReader(load_settings(), stream)
-    graceful = True
     try:
         if watch is None:
             _show(reader.collect(), as_json, watching=False)
         else:
             _watch(reader, as_json, watch)
     except KeyboardInterrupt:
-        graceful = False  # Ctrl-C ends --watch; exit 0
+        pass  # Ctrl-C ends --watch; exit 0
     finally:
-        reader.close(graceful=graceful)
+        reader.close()
 
 
 def render_table(status: dict[str, Any], *, width: int = PIPE_WIDTH) -> str:

@@ -230,15 +230,8 @@ class StatusReader:
         except (pika.exceptions.AMQPError, OSError):
             self._close_amqp()  # reconnected at the next refresh
 
-    def close(self, *, graceful: bool = True) -> None:
-        """Close the connections. Not ``graceful`` (after Ctrl-C): the interrupt may have
-        stopped the AMQP client mid-frame, and a close handshake could then wait for a reply
-        that never comes; the process's exit closes the socket, and the broker drops the
-        connection."""
-        if graceful:
-            self._close_amqp()
-        else:
-            self._connection = None
+    def close(self) -> None:
+        self._close_amqp()
         with contextlib.suppress(Exception):
             self._redis.close()
 
