@@ -260,6 +260,11 @@ def test_a_bad_stream_name_is_a_usage_error(settings: Settings) -> None:
     assert len(done.stderr.strip().splitlines()) == 1
 
 
+# Ctrl-C as a terminal sends it: a run started as a background job of a shell without job
+# control inherits SIGINT ignored, and Python then keeps it ignored.
+RUN_STATUS_CTRL_C = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+
+
 def test_watch_json_prints_one_object_per_refresh_until_ctrl_c(
     world: World, settings: Settings, amqp: Any, tmp_path: Path
 ) -> None:
@@ -269,7 +274,7 @@ def test_watch_json_prints_one_object_per_refresh_until_ctrl_c(
             [
                 sys.executable,
                 "-c",
-                RUN_STATUS,
+                RUN_STATUS_CTRL_C + RUN_STATUS,
                 "--stream",
                 world.stream,
                 "--json",
