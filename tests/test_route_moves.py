@@ -392,3 +392,59 @@ def test_the_bucket_holder_alone_may_close_a_move(stream: StreamFixture) -> None
     assert book.promote(key, config.own_queue_for(key), bucket, "rate") is None
     again = book.counts()
     assert again == {"promoted:operator": 1, "demoted": 1}, again
+
+
+def test_a_promoted_keys_own_queue_is_taken_by_a_peer_of_its_buckets_holder(
+    stream: StreamFixture, workers: Any
+) -> None:
+    """With two workers, a promoted key's own queue is held by the one that does not hold its
+    bucket: the key's events then never share a batch with its bucket-mates. One key per
+    bucket, so both workers' buckets are tried; every event is still applied once, in order."""
+    run = Moves(stream, workers, QUIET)
+    for started in (run.worker(), run.worker()):
+        started.wait_ready()
+    locks = FencedLocks(stream.redis, stream.name)
+    buckets = [run.config.queue_for(f"spread-{n}") for n in range(200)]
+    keys: dict[str, str] = {}  # bucket -> one key of it
+    for n, bucket in enumerate(buckets):
+        keys.setdefault(bucket, f"spread-{n}")
+    assert len(keys) == BUCKETS
+
+    def owners(queues: list[str]) -> dict[str, str | None]:
+        return {
+            q: None if lease is None else lease.owner for q, lease in locks.holders(queues).items()
+        }
+
+    producer = Producer(stream.name, mode="auto", buckets=BUCKETS, settings=stream.settings)
+    own = {run.config.own_queue_for(key): bucket for bucket, key in keys.items()}
+    placed: dict[str, tuple[str, str]] = {}  # own queue -> (its holder, its bucket's holder)
+    try:
+        publish(producer, list(keys.values()), 1, 5, 0.01)  # the buckets are declared
+        wait_until(
+            lambda: (
+                len({o for o in owners(list(keys)).values() if o}) == 2
+                and all(owners(list(keys)).values())
+            ),
+            30,
+            "the buckets split between both workers",
+        )
+        for key in keys.values():
+            run.promote(key)
+        n = 5
+        deadline = time.monotonic() + 60
+        while len(placed) < len(own):
+            assert time.monotonic() < deadline, f"own queues held: {sorted(placed)}"
+            n += 1
+            publish(producer, list(keys.values()), n, n, 0.05)
+            holders = owners([*own, *keys])
+            for queue, bucket in own.items():
+                if holders[queue] and queue not in placed:
+                    placed[queue] = (str(holders[queue]), str(holders[bucket]))
+        producer.flush(timeout=60)
+        beside = [queue for queue, (holder, beside) in placed.items() if holder == beside]
+        assert not beside, f"held beside their bucket: {beside} of {placed}"
+        totals = {producer.producer_id: n}
+        wait_until(lambda: not run.wrong(list(keys.values()), totals), 120, "every event applied")
+    finally:
+        producer.close(timeout=10)
+        run.kill_all()

@@ -1,15 +1,18 @@
-"""The pure parts of auto mode: which keys are promoted (RouteWatch) and where the key gate
-routes a delivery (Routing.way)."""
+"""The pure parts of auto mode: which keys are promoted (RouteWatch), where the key gate
+routes a delivery (Routing.way), and where a promoted key's own queue is held (with the
+routes in the real Redis)."""
 
 from __future__ import annotations
 
 from keyq.broker.key_control import KeyStatus, ParkedKey
-from keyq.broker.routes import Route
-from keyq.broker.streams import StreamConfig
+from keyq.broker.routes import Route, RouteBook
+from keyq.broker.streams import StreamConfig, ensure_stream_config
 from keyq.worker.auto_mode import SHARED_BATCH_S, OwnEventCost, shared_cap
 from keyq.worker.batch.key_gate import Routing, Way
 from keyq.worker.batch.route_watch import CURRENT_S, SLOW_EVENT_S, Published, RouteWatch
 from keyq.worker.config import WorkerSettings
+from keyq.worker.holding.placement import SPREAD_WAIT_S, Placement, auto_share
+from tests.conftest import StreamFixture
 from tests.helpers import plain_delivery
 
 STREAM = "s"
@@ -205,3 +208,29 @@ def test_only_the_events_a_job_applied_tell_what_they_cost() -> None:
     assert shared_cap(WorkerSettings(auto_key_batch_max=10), own, cost, 5000) == round(
         SHARED_BATCH_S / 0.001
     )
+
+
+def test_an_auto_share_leaves_room_for_every_own_queue_whoever_holds_the_buckets() -> None:
+    queues = [f"keyq.s.b.{b:05d}" for b in range(64)] + ["keyq.s.k.a", "keyq.s.k.b", "keyq.s.k.c"]
+    for members in (["w1"], ["w1", "w2"], ["w1", "w2", "w3"]):
+        shares = [auto_share(STREAM, queues, members, worker) for worker in members]
+        assert sum(shares) >= len(queues)
+        assert max(shares) - min(shares) <= 1
+    assert auto_share(STREAM, queues[:64], ["w1", "w2"], "w2") == 32  # no own queue: no slack
+
+
+def test_the_holder_of_a_keys_bucket_leaves_its_own_queue_to_a_peer_for_a_while(
+    stream: StreamFixture,
+) -> None:
+    config = ensure_stream_config(stream.redis, stream.name, mode="auto", buckets=4)
+    book = RouteBook(stream.redis, stream.name)
+    key = "hot-1"
+    own, bucket = config.own_queue_for(key), config.queue_for(key)
+    other_bucket = next(q for q in (config.queue_for(f"k{n}") for n in range(100)) if q != bucket)
+    assert book.promote(key, own, bucket, "operator") is not None
+    spread = Placement(stream.redis, stream.name, config.mode, "w1", None)
+    assert spread.left_to_peers([own, other_bucket], [bucket], 2, now=100.0) == {own}
+    assert spread.left_to_peers([own], [bucket], 2, now=100.0 + SPREAD_WAIT_S - 0.1) == {own}
+    assert spread.left_to_peers([own], [bucket], 2, now=100.0 + SPREAD_WAIT_S) == set()
+    assert spread.left_to_peers([own], [other_bucket], 2, now=200.0) == set()  # not its bucket
+    assert spread.left_to_peers([own], [bucket], 1, now=300.0) == set()  # no peer to leave it to

@@ -23,7 +23,7 @@ import redis.exceptions
 from keyq.broker.clock import now_ms
 from keyq.broker.errors import KeyqError
 from keyq.broker.locks import FencedLocks
-from keyq.broker.membership import Membership, fair_share
+from keyq.broker.membership import Membership
 from keyq.broker.naming import Mode, base_queue_name, is_bucket_queue
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
@@ -37,6 +37,7 @@ from keyq.worker.holding.handbacks import HandBacks
 from keyq.worker.holding.held_index import Held
 from keyq.worker.holding.held_queues import HeldQueues
 from keyq.worker.holding.peer_reaper import PeerReaper
+from keyq.worker.holding.placement import Placement
 from keyq.worker.holding.queue_news import QueueNews
 from keyq.worker.holding.refused_claims import RefusedClaims
 
@@ -92,6 +93,7 @@ class ClaimLoop:
         self._stream = stream
         self._mode = mode
         self._own_queues = mode is not Mode.BUCKET  # keys' own queues: go idle, are woken
+        self._placement = Placement(client, stream, mode, worker_id, settings.max_held_queues)
         self._worker_id = worker_id
         self._client = client
         self._keys = StreamKeys(stream)
@@ -305,15 +307,14 @@ class ClaimLoop:
         (once a scan, in key mode) also look into a few idle queues for a backlog."""
         held = set(self._held.queues())
         active = self._active() | held
-        share = min(fair_share(len(active), members, self._worker_id), self._capacity())
+        share = self._placement.share(active, members, self._link.capacity)
         if self._policy().paused:
             share = 0  # paused: hand everything back, events wait in their queues
         if len(held) > share:
             self._handbacks.ask_surplus(held, len(held) - share)
             return
         if len(held) == share or not force:
-            if probe and self._own_queues:
-                self._probe_idle(held)
+            self._probe_idle(held, probe)
             return
         now = time.monotonic()
         unheld = active - held
@@ -325,11 +326,13 @@ class ClaimLoop:
         if len(candidates) < len(unheld):
             self._more_to_claim = True  # look again next tick: a wait ends, not a scan
         if not candidates:
-            if probe and self._own_queues:
-                self._probe_idle(held)
+            self._probe_idle(held, probe)
             return
         holders = self._locks.holders(candidates)
         free = [q for q, lease in holders.items() if lease is None]
+        left = self._placement.left_to_peers(free, held, len(members), now)
+        self._more_to_claim |= bool(left)  # taken here after the wait if no peer has
+        free = [q for q in free if q not in left]
         random.shuffle(free)
         # Claims are made in rounds (one script for the locks, one I/O-thread call for the
         # consumers), but hundreds of them (a dead peer's queues, a burst of new keys) would
@@ -372,15 +375,11 @@ class ClaimLoop:
         self.stats.claims += claimed
         return None if untried else claimed
 
-    def _capacity(self) -> int:
-        """The most queues this worker may hold: its setting, within what its connection's
-        channels allow."""
-        cap = self._settings.max_held_queues
-        return self._link.capacity if cap is None else min(cap, self._link.capacity)
-
-    def _probe_idle(self, held: set[str]) -> None:
-        """Look into a few idle unheld queues: one with messages is made active again, so
-        a backlog left while no worker ran is never stranded."""
+    def _probe_idle(self, held: set[str], probe: bool) -> None:
+        """With ``probe``, look into a few idle unheld own queues: one with messages is made
+        active again, so a backlog left while no worker ran is never stranded."""
+        if not probe or not self._own_queues:
+            return
         cutoff = now_ms() - self._settings.idle_release_ms
         idle = sorted(
             q for q, stamp in self._view.activity.items() if stamp < cutoff and q not in held
