@@ -595,3 +595,64 @@ def test_a_worker_moves_off_a_node_whose_replica_of_a_quorum_queue_is_down(
                 cluster.ctl(node, "eval", f"ra:restart_server(quorum_queues, {ra_member}).")
         producer.close(timeout=30)
         stream.cleanup()
+
+
+def test_a_worker_moves_off_a_node_that_keeps_a_gaps_message_from_it(
+    rabbit_cluster: RabbitCluster, redis_client: redis.Redis, workers: Any
+) -> None:
+    """A quorum queue's message counted as delivered through one node and never sent: after
+    node restarts, RabbitMQ 3.10 was seen doing this to the missing event of a gap, to every
+    consumer on that node, while a consumer on another node got it at once (the cluster soak;
+    without a move the gap was given up and the event dead-lettered as late). The fault proxy
+    in front of node 0 plays that node: it cuts seq 3 out of every delivery stream. Each time
+    the gap's consumer is reopened, the broker has more messages ready than the worker held;
+    the second time, the worker moves its connection to the next node, and 1..6 are applied
+    in order, long before the gap timeout."""
+    from tests.faults import FaultProxy
+
+    cluster = rabbit_cluster
+    name = f"{TEST_STREAM_PREFIX}gapkept-{uuid.uuid4().hex[:8]}"
+    stream = StreamFixture(name, load_settings(amqp_url=cluster.urls[0]), redis_client).own()
+    key = "acct-1"
+    producer = Producer(
+        name,
+        mode="key",
+        queue_type="quorum",
+        settings=load_settings(amqp_url=cluster.urls[0], pack_max_events=1),
+    )
+    store = StateStore(redis_client, name)
+
+    def seen() -> list[int]:
+        state = store.get(key) or {"seen": {}}
+        return list(state["seen"].get("p", []))
+
+    try:
+        with (
+            FaultProxy("127.0.0.1", cluster.ports[0]) as proxy,
+            FaultProxy("127.0.0.1", cluster.ports[1]) as elsewhere,
+        ):
+            proxy.drop_deliveries(*[b'"n":3}'] * 20)  # more than a gap timeout of reopenings
+            urls = [proxy.url_for(cluster.urls[0]), elsewhere.url_for(cluster.urls[1])]
+            env = {
+                "KEYQ_AMQP_URL": ",".join(urls),
+                "KEYQ_QUEUE_TYPE": "quorum",
+                "KEYQ_SEQUENCE_GAP_TIMEOUT_MS": "45000",
+            }
+            elsewhere.refuse()  # so that the worker connects through node 0's proxy first
+            worker = workers(name, env=env, pipeline="tests.pipelines:ledger")
+            worker.wait_ready(120)
+            elsewhere.refuse(on=False)
+            assert proxy.connections >= 1 and elsewhere.connections == 0
+            for n in range(1, 7):
+                producer.publish(key, {"producer": "p", "n": n})
+            producer.flush(timeout=60)
+            wait_until(lambda: len(seen()) >= 6, 90, "every event applied", every=1.0)
+            assert seen() == [1, 2, 3, 4, 5, 6], worker.log()[-3000:]
+            assert proxy.deliveries_dropped >= 2, "the gap's message was not kept from it"
+            log = worker.log()
+            assert "messages were kept from its consumer behind a gap" in log, log[-3000:]
+            assert "gave up waiting" not in log, log[-3000:]
+            assert worker.terminate() == 0, worker.log()[-3000:]
+    finally:
+        producer.close(timeout=30)
+        stream.cleanup()

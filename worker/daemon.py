@@ -327,7 +327,14 @@ class Worker:
             routing=auto.routing,
         )
         presence = ProducerPresence(client, self.stream)
-        stuck, abandoned = gap_watchers(settings, self._buffer, presence, link.counts, holding.held)
+        stuck, abandoned = gap_watchers(
+            settings,
+            self._buffer,
+            presence=presence,
+            counts=link.counts,
+            held=holding.held,
+            starved=holding.starved,
+        )
         return Session(
             settings=settings,
             buffer=self._buffer,

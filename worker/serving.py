@@ -55,18 +55,22 @@ def batch_wait(settings: WorkerSettings, last_batch_events: int, last_spark_s: f
     return min(max(floor, BATCH_WAIT_SPARK_FACTOR * last_spark_s), BATCH_WAIT_MAX_S)
 
 
-def reopen_for_gap(stuck: StuckGaps, held: HeldQueues, queue: str) -> None:
-    """Reopen ``queue``'s consumer for a sequence gap, and note when (``StuckGaps``)."""
+def reopen_for_gap(stuck: StuckGaps, held: HeldQueues, starved: StarvedQueues, queue: str) -> None:
+    """Reopen ``queue``'s consumer for a sequence gap, and note when (``StuckGaps``); what
+    the closing gives back says whether the broker keeps messages from this node."""
     stuck.note_reopened(queue)
-    held.reopen(queue)
+    room = held.room_of(queue)
+    held.reopen(queue, closed=lambda messages: starved.closed_for_gap(queue, messages, room))
 
 
 def gap_watchers(
     settings: WorkerSettings,
     buffer: DeliveryBuffer,
+    *,
     presence: ProducerPresence,
     counts: QueueCounter,
     held: HeldQueues,
+    starved: StarvedQueues,
 ) -> tuple[StuckGaps, AbandonedGaps]:
     """What watches the sequence gaps of ``held``'s queues between batches."""
     stuck = StuckGaps(buffer, settings.sequence_gap_timeout_ms / 1000)
@@ -77,7 +81,7 @@ def gap_watchers(
         room_of=held.room_of,
         confirm_gone_s=settings.producer_ttl_ms / 2000,
         reopened_at=stuck.reopened_at,
-        reopen=functools.partial(reopen_for_gap, stuck, held),
+        reopen=functools.partial(reopen_for_gap, stuck, held, starved),
     )
     return stuck, abandoned
 
@@ -207,7 +211,7 @@ class Session:
                 queue,
                 self.stuck.reopen_after_s,
             )
-            reopen_for_gap(self.stuck, self.held, queue)
+            reopen_for_gap(self.stuck, self.held, self.starved, queue)
 
     def hand_back(self, requests: dict[str, str]) -> None:
         """Hand back the queues the claim loop asked for, at this batch boundary."""

@@ -172,18 +172,27 @@ class HeldQueues:
             self._events.put(("assigned", consuming, "claimed"))
         return outcomes
 
-    def reopen(self, queue: str, prefetch: int | None = None) -> bool:
+    def reopen(
+        self,
+        queue: str,
+        prefetch: int | None = None,
+        closed: Callable[[int], None] | None = None,
+    ) -> bool:
         """Close ``queue``'s consumer, which hands every unacked delivery back in order, and
         consume it again at once under the same lock, with an AMQP prefetch of ``prefetch``
-        messages or the one it had. Its deferred events keep their waiting time. False if
-        it is not held (any more), or the broker cannot consume it now (it is let go)."""
+        messages or the one it had; ``closed`` is told, in between, how many messages the old
+        one held here. Its deferred events keep their waiting time. False if it is not held
+        (any more), or the broker cannot consume it now (it is let go)."""
         self.settle_gone()  # a consumer the broker took away is not reopened, but ended
         held = self._holdings.get(queue)
         if held is None:
             return False
         if prefetch is None:
             prefetch = held.prefetch
+        messages = self._buffer.messages(queue)
         self._consumers.close_queue(queue, held.epoch)
+        if closed is not None:
+            closed(messages)
         self._buffer.drop(queue, held.epoch, keep_waits=True)
         again = Held(
             queue=queue,
