@@ -327,14 +327,7 @@ class Worker:
             routing=auto.routing,
         )
         presence = ProducerPresence(client, self.stream)
-        stuck, abandoned = gap_watchers(
-            settings,
-            self._buffer,
-            presence=presence,
-            counts=link.counts,
-            held=holding.held,
-            starved=holding.starved,
-        )
+        stuck, abandoned = gap_watchers(settings, self._buffer, presence, link.counts, holding)
         return Session(
             settings=settings,
             buffer=self._buffer,

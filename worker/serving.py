@@ -27,6 +27,7 @@ from keyq.worker.batch.processor import BatchProcessor
 from keyq.worker.config import WorkerSettings
 from keyq.worker.holding.abandoned_gaps import AbandonedGaps
 from keyq.worker.holding.aside_drains import AsideDrains
+from keyq.worker.holding.assembly import Holding
 from keyq.worker.holding.claims import ClaimLoop
 from keyq.worker.holding.handbacks import HandBacks
 from keyq.worker.holding.held_queues import HeldQueues, QueueEvents
@@ -66,13 +67,12 @@ def reopen_for_gap(stuck: StuckGaps, held: HeldQueues, starved: StarvedQueues, q
 def gap_watchers(
     settings: WorkerSettings,
     buffer: DeliveryBuffer,
-    *,
     presence: ProducerPresence,
     counts: QueueCounter,
-    held: HeldQueues,
-    starved: StarvedQueues,
+    holding: Holding,
 ) -> tuple[StuckGaps, AbandonedGaps]:
-    """What watches the sequence gaps of ``held``'s queues between batches."""
+    """What watches the sequence gaps of the held queues between batches."""
+    held, starved = holding.held, holding.starved
     stuck = StuckGaps(buffer, settings.sequence_gap_timeout_ms / 1000)
     abandoned = AbandonedGaps(
         buffer,
