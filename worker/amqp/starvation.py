@@ -14,8 +14,8 @@ the queue has messages ready (closing gave them back); in bucket mode, whose que
 for good, a queue quiet for the idle time whose consumer has nothing unacked while messages
 wait ready; in any mode, a queue reopened for a gap that stayed open that has more messages
 ready once closed than its consumer held, with room for more (the gap's missing event was
-kept from this node). Twice for one queue through one connection, within ``WINDOW_S``, and the worker
-moves its connection to another node. Only quorum queues are watched: a classic queue has
+kept from this node). Twice for one queue through one connection, within ``WINDOW_S``, and
+the worker moves its connection to another node. Only quorum queues are watched: a classic queue has
 one process, which sends its deliveries itself. ``StarvedQueues`` watches: it observes the
 held queues' hand-backs (``keyq.worker.holding.held_queues``), and the claim loop has it look into
 quiet holdings in bucket mode.
