@@ -193,6 +193,7 @@ class StarvedQueues:
             log.debug("looking into a queue reopened for a gap failed: %s", exc)
             return
         kept = ready.get(queue, 0) - held_messages
+        log.debug("queue %s reopened for a gap: %d kept of it", queue, max(kept, 0))
         if kept > 0:
             self._strike(queue, f"{kept} messages were kept from its consumer behind a gap")
 
