@@ -58,3 +58,29 @@ def test_a_reopened_consumers_redeliveries_keep_waiting_from_when_they_first_did
     again = delivery(4, 3, time.monotonic())
     buffer.add(again)
     assert again.deferred_since is None
+
+
+def test_a_gap_due_takes_all_of_its_queue_buffered_here_so_its_filler_is_not_left_behind() -> None:
+    """The batch that gives a gap up must see every event of its queue that arrived: the one
+    that fills it may sit past the queue's share of a batch (a deep prefetch, backed up), and
+    taken one batch later it would be late, dead-lettered. Another queue keeps its share."""
+    buffer = DeliveryBuffer(gap_timeout_s=60)
+    parked(buffer, "p", [5, 6], ago=61)  # due: waited past the gap timeout
+    now = time.monotonic()
+    buffer.add_all([delivery(100 + n, 1, now) for n in range(20)])  # others of its queue
+    buffer.add(delivery(4, 1, now))  # the gap's event, behind them
+    other = [
+        Delivery("other", 1, n, False, {}, None, None, b"{}", received_at=now) for n in range(20)
+    ]
+    buffer.add_all(other)
+    batch = buffer.take(max_events=10, max_wait_s=0, idle_wait_s=0)
+    seqs = {d.headers[HEADER_SEQ] for d in batch if d.queue == QUEUE}
+    assert {4, 5, 6} <= seqs and len(seqs) == 23
+    assert sum(d.queue == "other" for d in batch) < 10  # its share, not all of it
+    assert buffer.depth(QUEUE) == 0
+    # Not due: a queue gives a batch its share only, and its waiting events rejoin it.
+    buffer = DeliveryBuffer(gap_timeout_s=60)
+    parked(buffer, "p", [5, 6], ago=1)
+    buffer.add_all([delivery(100 + n, 1, now) for n in range(20)])
+    batch = buffer.take(max_events=10, max_wait_s=0, idle_wait_s=0)
+    assert len(batch) == 12 and buffer.depth(QUEUE) == 10

@@ -228,17 +228,21 @@ class DeliveryBuffer:
         so with ``Q`` queues a queue with ready events is served within ``ceil(Q / max_events)``
         takes (every take when ``Q <= max_events``)."""
         quotas = _fair_quotas(self._queues, max_events, self._shared_cap)
+        due_before = time.monotonic() - self._gap_timeout_s
+        # A gap that is due is given up by the batch that takes its waiting events: all of
+        # its queue that is buffered here joins that batch, or an event that would fill the
+        # gap, arrived but past the queue's share, would come in the next one, late.
+        due = {q for q, items in self._deferred.items() if _due(items, due_before)}
         taken: list[Delivery] = []
-        for queue, quota in quotas.items():
-            fifo = self._queues.pop(queue)
+        for queue in [*quotas, *(due - quotas.keys())]:
+            fifo = self._queues.pop(queue, deque())
+            quota = len(fifo) if queue in due else quotas[queue]
             # What waits in this queue rejoins it: the events taken may fill its gap.
             taken.extend(self._deferred.pop(queue, ()))
             taken.extend(fifo.popleft() for _ in range(quota))
-            self._queues[queue] = fifo  # re-inserted last: served most recently
+            if fifo or queue in quotas:
+                self._queues[queue] = fifo  # re-inserted last: served most recently
             self._count -= quota
-        due_before = time.monotonic() - self._gap_timeout_s
-        for queue in [q for q, items in self._deferred.items() if _due(items, due_before)]:
-            taken.extend(self._deferred.pop(queue))
         self._reset_first_arrival()
         return taken
 
