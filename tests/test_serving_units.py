@@ -19,7 +19,6 @@ from keyq.worker.amqp.link import ConsumerLink
 from keyq.worker.amqp.starvation import StarvedQueues
 from keyq.worker.batch.outcome import BatchOutcome
 from keyq.worker.batch.processor import BatchProcessor
-from keyq.worker.batch.stats import BatchStats
 from keyq.worker.config import WorkerSettings
 from keyq.worker.holding.abandoned_gaps import AbandonedGaps
 from keyq.worker.holding.aside_drains import AsideDrains
@@ -34,7 +33,6 @@ from tests.helpers import plain_delivery
 class StandInProcessor:
     def __init__(self, outcome: BatchOutcome) -> None:
         self.outcome = outcome
-        self.stats = BatchStats()
 
     def process(self, batch: list[Delivery]) -> BatchOutcome:
         return self.outcome

@@ -150,8 +150,7 @@ class Session:
         """Process one batch and have the held queues apply its outcome; back off after a
         service failure, and wait for a token when every event was over its key's rate."""
         self.in_batch_since_ms = oldest_published_ms(batch)
-        stats = self.processor.stats
-        committed = stats.batches
+        committed = None if self.own_cost is None else self.processor.stats.batches
         try:
             outcome = self.processor.process(batch)
         finally:
@@ -159,11 +158,11 @@ class Session:
         if outcome.interrupted is not None:
             self.stop.wait(ERROR_BACKOFF_S)
         self.held.apply(outcome)
-        # What its last run applied of each queue, and its job, if it committed.
-        applied = stats.last_applied if stats.batches > committed else None
-        self.prefetch.observe(batch, self.held.room_of, applied)
-        if self.own_cost is not None and applied is not None:
-            self.own_cost.note(applied, stats.last_spark_seconds)
+        self.prefetch.observe(batch, self.held.room_of)
+        if self.own_cost is not None and committed is not None:
+            stats = self.processor.stats
+            if stats.batches > committed:  # committed: what its last run applied, and its job
+                self.own_cost.note(stats.last_applied, stats.last_spark_seconds)
         if outcome.later and len(outcome.later) == len(batch):
             self.stop.wait(min(max(outcome.retry_later_in, 0.005), RATE_WAIT_MAX_S))
 
