@@ -86,8 +86,7 @@ class WorkerSettings(Settings):
         le=65535,
         description="unacked events per queue (its AMQP prefetch starts at KEYQ_PREFETCH / "
         "KEYQ_PACK_MAX_EVENTS messages, since a message may be a pack of events, and is "
-        "fitted to the size its messages have; a queue whose events are mostly forwarded or "
-        "set aside, not applied, holds up to 4 times as many)",
+        "fitted to the size its messages have)",
     )
     max_held_queues: int | None = Field(
         default=None,
