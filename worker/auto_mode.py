@@ -23,14 +23,11 @@ from keyq.worker.holding.route_moves import RouteMoves
 
 # What a promoted key's events may cost a batch they share with other queues, over how many
 # batches a job's fixed cost is judged, over how many an event's cost is (a median, so a
-# batch slowed by anything else, a collection or a neighbour's burst, does not set it), over
-# how many the buckets' is when it decides whether a key is slow (a median of few, so a key
-# that makes its bucket slow is seen within two batches), the fewest events whose batch
-# tells their cost, and the least an event costs.
+# batch slowed by anything else, a collection or a neighbour's burst, does not set it), the
+# fewest events whose batch tells their cost, and the least an event costs.
 SHARED_BATCH_S = 0.25
 FIXED_COST_BATCHES = 200
 COST_BATCHES = 15
-BUCKET_COST_BATCHES = 3
 COST_EVENTS_MIN = 100
 MIN_EVENT_COST_S = 0.000005
 
@@ -99,10 +96,8 @@ class OwnEventCost:
 
     @property
     def bucket_s(self) -> float | None:
-        """What an event of the buckets has cost in the latest few batches (a median), if
-        known."""
-        recent = list(self._other)[-BUCKET_COST_BATCHES:]
-        return statistics.median(recent) if recent else None
+        """What an event of the buckets has cost lately (a median), if known."""
+        return statistics.median(self._other) if self._other else None
 
     def note(self, applied: Mapping[str, int], spark_s: float) -> None:
         """A Spark job of ``spark_s`` applied ``applied`` events from each queue. A commit
