@@ -61,7 +61,7 @@ def reopen_for_gap(stuck: StuckGaps, held: HeldQueues, starved: StarvedQueues, q
     the closing gives back says whether the broker keeps messages from this node."""
     stuck.note_reopened(queue)
     room = held.room_of(queue)
-    held.reopen(queue, closed=lambda messages: starved.closed_for_gap(queue, messages, room))
+    held.reopen(queue, closed=lambda: starved.closed_for_gap(queue, room))
 
 
 def gap_watchers(

@@ -178,14 +178,17 @@ class StarvedQueues:
                 self._next_look.clear()
                 return
 
-    def closed_for_gap(self, queue: str, held_messages: int, room: int | None) -> None:
-        """``queue``'s consumer, ``held_messages`` of its prefetch of ``room`` held here
-        behind a gap that stayed open with nothing arriving, was just closed to get back what
-        the broker counts as delivered to it. More messages ready now than it held, while it
-        had room for more, were kept from it: the broker counts them delivered through this
-        node and does not send them (seen on 3.10 after node restarts; reopening on the same
-        node does not help)."""
-        if not self._watching or room is None or held_messages >= room:
+    def closed_for_gap(self, queue: str, room: int | None) -> None:
+        """``queue``'s consumer, its prefetch of ``room`` messages, was just closed for a gap
+        that stayed open with nothing arriving, to get back what the broker counts as
+        delivered to it; what it held is still buffered. More messages ready now than it
+        held, while it had room for more, were kept from it: the broker counts them
+        delivered through this node and does not send them (seen on 3.10 after node
+        restarts; reopening on the same node does not help)."""
+        if not self._watching or room is None:
+            return
+        held_messages = self._buffer.messages(queue)
+        if held_messages >= room:
             return
         try:
             ready = ready_after_close(self._counts.message_counts, [queue], time.sleep)

@@ -176,12 +176,12 @@ class HeldQueues:
         self,
         queue: str,
         prefetch: int | None = None,
-        closed: Callable[[int], None] | None = None,
+        closed: Callable[[], None] | None = None,
     ) -> bool:
         """Close ``queue``'s consumer, which hands every unacked delivery back in order, and
         consume it again at once under the same lock, with an AMQP prefetch of ``prefetch``
-        messages or the one it had; ``closed`` is told, in between, how many messages the old
-        one held here. Its deferred events keep their waiting time. False if it is not held
+        messages or the one it had; ``closed`` is called in between, the old one's deliveries
+        still buffered. Its deferred events keep their waiting time. False if it is not held
         (any more), or the broker cannot consume it now (it is let go)."""
         self.settle_gone()  # a consumer the broker took away is not reopened, but ended
         held = self._holdings.get(queue)
@@ -189,10 +189,9 @@ class HeldQueues:
             return False
         if prefetch is None:
             prefetch = held.prefetch
-        messages = self._buffer.messages(queue)
         self._consumers.close_queue(queue, held.epoch)
         if closed is not None:
-            closed(messages)
+            closed()
         self._buffer.drop(queue, held.epoch, keep_waits=True)
         again = Held(
             queue=queue,
