@@ -149,7 +149,7 @@ class StarvedQueues:
             log.debug("looking into queues handed back starved failed: %s", exc)
             return
         for queue, count in ready.items():
-            if count and self._strike(queue, count):
+            if count and self._strike(queue, _held_idle(count)):
                 return
 
     def watch_quiet(self, held: list[Held], quiet_after_s: float) -> None:
@@ -174,7 +174,7 @@ class StarvedQueues:
             self._next_look[item.queue] = now + quiet_after_s
             ready = self._counts.message_count(item.queue)
             idle = ready and self._consumers.unacked_of(item.queue) == 0
-            if idle and self._strike(item.queue, ready):
+            if idle and self._strike(item.queue, _held_idle(ready)):
                 self._next_look.clear()
                 return
 
@@ -198,20 +198,15 @@ class StarvedQueues:
         kept = ready.get(queue, 0) - held_messages
         log.debug("queue %s reopened for a gap: %d kept of it", queue, max(kept, 0))
         if kept > 0:
-            self._strike(queue, f"{kept} messages were kept from its consumer behind a gap")
+            self._strike(queue, f"twice, {kept} messages were kept from its consumer behind a gap")
 
-    def _strike(self, queue: str, ready: int | str) -> bool:
-        """Count a starved holding of ``queue`` (``ready``: the messages ready, or what was
+    def _strike(self, queue: str, seen: str) -> bool:
+        """Count a starved holding of ``queue`` (``seen``: what the second one says was
         seen); the second within the window through the same connection moves it to another
         node (True), unless it has nowhere to go."""
         if not self._watch.starved(queue, time.monotonic(), self._link.reconnects):
             return False
         node = self._link.node or "its node"
-        seen = (
-            f"held twice with nothing delivered while {ready} messages were ready"
-            if isinstance(ready, int)
-            else f"twice, {ready}"
-        )
         why = (
             f"queue {queue}: {seen}; RabbitMQ does not deliver it through {node} (a quorum "
             "queue sends through its replica on the consumer's node: that replica may be down)"
@@ -226,3 +221,8 @@ class StarvedQueues:
         self._watch.forget()
         self._link.move(f"queue {queue} starved on {node}: moving to another node")
         return True
+
+
+def _held_idle(ready: int) -> str:
+    """What two idle starved holdings of a queue look like, ``ready`` messages waiting."""
+    return f"held twice with nothing delivered while {ready} messages were ready"
