@@ -30,6 +30,7 @@ from keyq.janitor.config import JanitorSettings
 from keyq.worker.batch.state_store import StateStore
 from tests.cluster import RabbitCluster, cluster_fixture
 from tests.conftest import TEST_STREAM_PREFIX, StreamFixture
+from tests.faults import FaultProxy
 from tests.helpers import drain
 from tests.workers import wait_until
 
@@ -608,8 +609,6 @@ def test_a_worker_moves_off_a_node_that_keeps_a_gaps_message_from_it(
     the gap's consumer is reopened, the broker has more messages ready than the worker held;
     the second time, the worker moves its connection to the next node, and 1..6 are applied
     in order, long before the gap timeout."""
-    from tests.faults import FaultProxy
-
     cluster = rabbit_cluster
     name = f"{TEST_STREAM_PREFIX}gapkept-{uuid.uuid4().hex[:8]}"
     stream = StreamFixture(name, load_settings(amqp_url=cluster.urls[0]), redis_client).own()
