@@ -158,7 +158,7 @@ class Session:
         if outcome.interrupted is not None:
             self.stop.wait(ERROR_BACKOFF_S)
         self.held.apply(outcome)
-        self.prefetch.observe(batch, self.held.room_of)
+        self.prefetch.observe(batch, self.held.room_of, self.buffer.ready_messages)
         if self.own_cost is not None and committed is not None:
             stats = self.processor.stats
             if stats.batches > committed:  # committed: what its last run applied, and its job

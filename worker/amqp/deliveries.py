@@ -143,6 +143,11 @@ class DeliveryBuffer:
             found.update(d.message for d in self._deferred.get(queue, ()))
             return len(found)
 
+    def ready_messages(self, queue: str) -> int:
+        """The AMQP messages that ready (not deferred) deliveries of ``queue`` came in."""
+        with self._changed:
+            return len({d.message for d in self._queues.get(queue, ())})
+
     def deferred_messages(self, queue: str) -> int:
         """The AMQP messages that deferred deliveries of ``queue`` came in."""
         with self._changed:

@@ -5,11 +5,14 @@ message may be a pack of up to ``KEYQ_PACK_MAX_EVENTS`` events. Consumers start 
 ``prefetch / pack_max_events`` messages, right for a producer that publishes flat out (full
 packs). Paced producers send small messages, often one event each: such a queue's consumer
 then holds a twentieth of the events it may, and a batch takes that many from the queue however
-many wait, so a busy bucket falls behind. After each batch, a queue whose batch took its
-consumer's whole prefetch is reopened with room for ``prefetch`` events at the size its
-messages had; one with far more room than that (its packs grew again) is reopened smaller, so
-a worker's memory stays bounded by events, not messages. At most once per ``COOL_DOWN_S`` per
-queue, since a reopening hands the queue's unacked deliveries back to be sent again.
+many wait, so a busy bucket falls behind. After each batch, a queue whose consumer was full
+(the batch's messages and those that arrived while it ran fill its room) is reopened with
+room for ``prefetch`` events at the size its messages had; one with far more room than that
+(its packs grew again) is reopened smaller, so a worker's memory stays bounded by events, not
+messages. A reopening hands the queue's unacked deliveries back to be sent again, so a queue
+grows at most once per ``GROW_COOL_DOWN_S`` and shrinks at most once per ``COOL_DOWN_S``: a
+bucket a hot key has just left (its packs forwarded, its bucket-mates' single events left)
+grows twice within seconds, while one whose sizes swing is not reopened back and forth.
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ from keyq.worker.holding.held_queues import MAX_PREFETCH
 log = logging.getLogger("keyq.worker")
 
 COOL_DOWN_S = 5.0
+GROW_COOL_DOWN_S = 1.0
 WEIGHT = 0.3  # of the latest batch in the running size of a queue's messages
 
 
 @dataclass
 class _Seen:
-    events_per_message: float
-    took_all: bool  # the latest batch took as many messages as the consumer may hold
+    events_per_message: float  # a running average
+    latest: float  # in the latest batch
+    full: bool  # after the latest batch, its messages and those buffered filled the room
 
 
 class PrefetchFit:
@@ -45,26 +50,41 @@ class PrefetchFit:
         self._last_change: dict[str, float] = {}
         self.refits = 0
 
-    def observe(self, batch: Sequence[Delivery], room_of: Callable[[str], int | None]) -> None:
-        """Note each queue's message size in ``batch``, and whether it took the whole room."""
+    def observe(
+        self,
+        batch: Sequence[Delivery],
+        room_of: Callable[[str], int | None],
+        buffered: Callable[[str], int],
+    ) -> None:
+        """Note each queue's message size in ``batch``, and whether its consumer was full:
+        the batch's messages and those ``buffered`` since (ready ones: what the batch deferred
+        is among its messages) fill its room. A batch of a backed-up
+        queue takes only what had arrived when it began, often half the room (the rest comes
+        while it runs), so the batch alone seldom shows a consumer held to its room."""
         messages: dict[str, set[tuple[int, int]]] = {}
         events: dict[str, int] = {}
         for delivery in batch:
             messages.setdefault(delivery.queue, set()).add(delivery.message)
             events[delivery.queue] = events.get(delivery.queue, 0) + 1
         for queue, taken in messages.items():
-            size = events[queue] / len(taken)
+            latest = size = events[queue] / len(taken)
             before = self._seen.get(queue)
             if before is not None:
-                size = WEIGHT * size + (1 - WEIGHT) * before.events_per_message
+                size = WEIGHT * latest + (1 - WEIGHT) * before.events_per_message
             room = room_of(queue)
-            self._seen[queue] = _Seen(size, room is not None and len(taken) >= room)
+            full = room is not None and len(taken) + buffered(queue) >= room
+            self._seen[queue] = _Seen(size, latest, full)
 
     def want(self, queue: str) -> int | None:
+        """The room for ``prefetch`` events at the smaller of the latest batch's message size
+        and the running one: the latest is what a queue whose packs have just gone (a hot key
+        promoted out of its bucket) delivers now, while one odd batch of big messages does not
+        make a busy queue narrow."""
         seen = self._seen.get(queue)
         if seen is None:
             return None
-        fitted = math.ceil(self._events / max(seen.events_per_message, 1.0))
+        size = min(seen.latest, seen.events_per_message)
+        fitted = math.ceil(self._events / max(size, 1.0))
         return min(MAX_PREFETCH, max(self._base, fitted))
 
     def due(
@@ -79,10 +99,12 @@ class PrefetchFit:
                 self._last_change.pop(queue, None)
                 continue
             want = self.want(queue)
-            if want is None or now - self._last_change.get(queue, -COOL_DOWN_S) < COOL_DOWN_S:
+            if want is None:
                 continue
-            grow = self._seen[queue].took_all and want >= 2 * room
-            shrink = room >= 2 * want and not deferred(queue)  # a gap's widening stays
+            since = now - self._last_change.get(queue, -COOL_DOWN_S)
+            grow = self._seen[queue].full and want >= 2 * room and since >= GROW_COOL_DOWN_S
+            # a gap's widening stays
+            shrink = room >= 2 * want and not deferred(queue) and since >= COOL_DOWN_S
             if grow or shrink:
                 changes[queue] = want
                 self._last_change[queue] = now
@@ -100,7 +122,7 @@ class PrefetchFit:
                 "queue %s: its messages hold %.1f events; reopening it with a prefetch of %d "
                 "messages (was %s)",
                 queue,
-                self._seen[queue].events_per_message,
+                min(self._seen[queue].latest, self._seen[queue].events_per_message),
                 prefetch,
                 room_of(queue),
             )
