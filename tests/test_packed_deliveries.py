@@ -342,3 +342,38 @@ def test_a_small_prefetch_drains_packs_that_arrive_out_of_order(
     stats = worker.stats()
     assert (stats["events"], stats["skipped"], stats["gaps_skipped"]) == (100, 0, 0), stats
     assert queue_depth(amqp, sender.queue) == 0
+
+
+def test_a_queue_whose_packs_give_way_to_single_events_gets_room_for_them_within_seconds(
+    stream: StreamFixture,
+    amqp: pika.BlockingConnection,
+    spark_engine: SparkEngine,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """prefetch 100 events, packs of up to 20: the consumer starts with room for 5 messages.
+    Packs come first, then single events (a hot key's packs forwarded away, its bucket-mates'
+    events left): the consumer is widened to 100 messages within a second or two of its first
+    reopening, not one shrink cool-down (5 s) later, and every event is applied once, in
+    order."""
+    sender = PackPublisher(stream, amqp, "narrowing")
+    for first in range(1, 201, 20):
+        sender.pack(range(first, first + 20))
+    for seq in range(201, 1201):
+        sender.single(seq)
+
+    caplog.set_level(logging.INFO, logger="keyq.worker")
+    worker = run_worker(stream, spark_engine, prefetch=100, pack_max_events=20)
+
+    reopenings = [
+        (record.created, record.getMessage())
+        for record in caplog.records
+        if "reopening it with a prefetch of" in record.getMessage()
+    ]
+    assert reopenings, caplog.text
+    wide = [at for at, message in reopenings if "a prefetch of 100 messages" in message]
+    assert wide, reopenings
+    assert wide[0] - reopenings[0][0] < 3.0, reopenings
+    store = StateStore(stream.redis, stream.name)
+    assert store.get(sender.key) == audit_of(1200, 1200)
+    assert worker.stats()["events"] == 1200
+    assert queue_depth(amqp, sender.queue) == 0
