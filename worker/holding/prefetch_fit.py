@@ -58,9 +58,9 @@ class PrefetchFit:
     ) -> None:
         """Note each queue's message size in ``batch``, and whether its consumer was full:
         the batch's messages and those ``buffered`` since (ready ones: what the batch deferred
-        is among its messages) fill its room. A batch of a backed-up
-        queue takes only what had arrived when it began, often half the room (the rest comes
-        while it runs), so the batch alone seldom shows a consumer held to its room."""
+        is among its messages) fill its room. A batch of a backed-up queue takes only what had
+        arrived when it began, often half the room (the rest comes while it runs), so the batch
+        alone seldom shows a consumer held to its room."""
         messages: dict[str, set[tuple[int, int]]] = {}
         events: dict[str, int] = {}
         for delivery in batch:
