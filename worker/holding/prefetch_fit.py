@@ -39,6 +39,14 @@ class _Seen:
     latest: float  # in the latest batch
     full: bool  # after the latest batch, its messages and those buffered filled the room
 
+    @property
+    def size(self) -> float:
+        """The message size a queue is fitted to: the smaller of the latest batch's and the
+        running one. The latest is what a queue whose packs have just gone (a hot key promoted
+        out of its bucket) delivers now, while one odd batch of big messages does not make a
+        busy queue narrow."""
+        return min(self.latest, self.events_per_message)
+
 
 class PrefetchFit:
     """Which held queues to reopen with another prefetch, and with what."""
@@ -76,15 +84,11 @@ class PrefetchFit:
             self._seen[queue] = _Seen(size, latest, full)
 
     def want(self, queue: str) -> int | None:
-        """The room for ``prefetch`` events at the smaller of the latest batch's message size
-        and the running one: the latest is what a queue whose packs have just gone (a hot key
-        promoted out of its bucket) delivers now, while one odd batch of big messages does not
-        make a busy queue narrow."""
+        """The room for ``prefetch`` events at the size ``queue``'s messages have."""
         seen = self._seen.get(queue)
         if seen is None:
             return None
-        size = min(seen.latest, seen.events_per_message)
-        fitted = math.ceil(self._events / max(size, 1.0))
+        fitted = math.ceil(self._events / max(seen.size, 1.0))
         return min(MAX_PREFETCH, max(self._base, fitted))
 
     def due(
@@ -122,7 +126,7 @@ class PrefetchFit:
                 "queue %s: its messages hold %.1f events; reopening it with a prefetch of %d "
                 "messages (was %s)",
                 queue,
-                min(self._seen[queue].latest, self._seen[queue].events_per_message),
+                self._seen[queue].size,
                 prefetch,
                 room_of(queue),
             )
