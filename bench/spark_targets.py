@@ -46,6 +46,10 @@ def _table(stream: str, round_: int) -> pa.Table:
             pa.array([0] * BATCH, pa.timestamp("ms", tz="UTC")),
             pa.array([False] * BATCH, pa.bool_()),
             pa.array(['{"n": 1}'] * BATCH, pa.string()),
+            pa.array([False] * BATCH, pa.bool_()),
+            pa.array([b'{"n": 1}'] * BATCH, pa.binary()),
+            pa.array(["application/json"] * BATCH, pa.string()),
+            pa.array([[]] * BATCH, pa.map_(pa.string(), pa.string())),
         ],
         schema=_ARROW_SCHEMA,
     )
