@@ -8,7 +8,7 @@ import time
 from keyq.broker.envelope import HEADER_PRODUCER, HEADER_SEQ
 from keyq.worker.amqp.deliveries import Delivery, DeliveryBuffer
 from keyq.worker.holding.abandoned_gaps import QUIET_S
-from keyq.worker.holding.stuck_gaps import StuckGaps
+from keyq.worker.holding.stuck_gaps import BUSY_FACTOR, StuckGaps
 from tests.test_abandoned_gaps import QUEUE, parked
 
 
@@ -30,13 +30,20 @@ def test_a_queue_is_reopened_once_its_gap_waited_and_it_went_quiet_then_not_agai
     assert stuck.due(now + 1 + stuck.reopen_after_s) == [QUEUE]
 
 
-def test_a_queue_still_receiving_is_not_reopened() -> None:
+def test_a_queue_still_receiving_is_reopened_only_once_its_gap_waited_longer() -> None:
+    """A busy bucket is never quiet: its gap still gets a reopening, well within the
+    gap timeout, or a message the broker withholds comes back only to be dead-lettered."""
     buffer = DeliveryBuffer(gap_timeout_s=60)
     stuck = StuckGaps(buffer, gap_timeout_s=60)
-    parked(buffer, "p", [3], ago=30)
+    busy_after = stuck.reopen_after_s * BUSY_FACTOR
+    parked(buffer, "p", [3], ago=busy_after - 1)
     now = time.monotonic()
     buffer.add(delivery(9, 1, now - QUIET_S / 2))  # something arrived just now
-    assert stuck.due(now) == []
+    assert not stuck.quiet(QUEUE, now)
+    assert stuck.due(now) == []  # a quiet queue would be due: waited reopen_after_s
+    buffer.add(delivery(10, 1, now + 1 - QUIET_S / 2))
+    assert stuck.due(now + 1) == [QUEUE]
+    assert busy_after < 60 - stuck.reopen_after_s  # time for a second one before the timeout
 
 
 def test_a_short_gap_timeout_reopens_sooner() -> None:

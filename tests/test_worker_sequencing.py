@@ -41,22 +41,28 @@ class RawPublisher:
         key: str,
         *,
         running: bool = False,
+        producer: str = "ext",
     ) -> None:
         """``running``: the producer announces itself as a live one would, so a gap in its
         seqs may still fill; otherwise it is a producer that is gone."""
         self.key = key
+        self.producer = producer
         self.queue, self.channel = open_keyed_queue(stream, amqp, key)
         if running:
-            ProducerPresence(stream.redis, stream.name).announce("ext", 600_000)
+            ProducerPresence(stream.redis, stream.name).announce(producer, 600_000)
 
     def publish(self, *seqs: int) -> None:
         for seq in seqs:
             self.channel.basic_publish(
                 "",
                 self.queue,
-                orjson.dumps({"n": seq, "producer": "ext"}),
+                orjson.dumps({"n": seq, "producer": self.producer}),
                 pika.BasicProperties(
-                    headers={HEADER_KEY: self.key, HEADER_PRODUCER: "ext", HEADER_SEQ: seq},
+                    headers={
+                        HEADER_KEY: self.key,
+                        HEADER_PRODUCER: self.producer,
+                        HEADER_SEQ: seq,
+                    },
                     delivery_mode=pika.DeliveryMode.Persistent,
                     content_type="application/json",
                 ),

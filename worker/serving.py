@@ -56,12 +56,16 @@ def batch_wait(settings: WorkerSettings, last_batch_events: int, last_spark_s: f
     return min(max(floor, BATCH_WAIT_SPARK_FACTOR * last_spark_s), BATCH_WAIT_MAX_S)
 
 
-def reopen_for_gap(stuck: StuckGaps, held: HeldQueues, starved: StarvedQueues, queue: str) -> None:
-    """Reopen ``queue``'s consumer for a sequence gap, and note when (``StuckGaps``); what
-    the closing gives back says whether the broker keeps messages from this node."""
+def reopen_for_gap(
+    stuck: StuckGaps, held: HeldQueues, starved: StarvedQueues, queue: str, look: bool = True
+) -> None:
+    """Reopen ``queue``'s consumer for a sequence gap, and note when (``StuckGaps``); with
+    ``look`` (a quiet queue), what the closing gives back says whether the broker keeps
+    messages from this node. A busy queue's ready messages may just have arrived."""
     stuck.note_reopened(queue)
     room = held.room_of(queue)
-    held.reopen(queue, closed=lambda: starved.closed_for_gap(queue, room))
+    closed = (lambda: starved.closed_for_gap(queue, room)) if look else None
+    held.reopen(queue, closed=closed)
 
 
 def gap_watchers(
@@ -206,12 +210,13 @@ class Session:
             return
         for queue in self.stuck.due():
             log.warning(
-                "queue %s: a sequence gap has stayed open for %.0f s; reopening its consumer so "
-                "that the broker hands back anything it counts as delivered here",
+                "queue %s: a sequence gap has stayed open for %.0f s or more; reopening its "
+                "consumer so that the broker hands back anything it counts as delivered here",
                 queue,
                 self.stuck.reopen_after_s,
             )
-            reopen_for_gap(self.stuck, self.held, self.starved, queue)
+            quiet = self.stuck.quiet(queue)
+            reopen_for_gap(self.stuck, self.held, self.starved, queue, look=quiet)
 
     def hand_back(self, requests: dict[str, str]) -> None:
         """Hand back the queues the claim loop asked for, at this batch boundary."""

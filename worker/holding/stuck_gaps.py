@@ -9,8 +9,11 @@ and no gap timeout brings those back, since the broker will not send them again 
 consumer. Closing the consumer does: its channel's unacked messages return to the queue, in
 order. So a queue whose gap has stayed open for ``reopen_after_s``, with nothing arriving for
 ``QUIET_S``, is reopened: its channel closed and a new consumer opened at once, the waiting
-events keeping their waiting time (``DeliveryBuffer.drop(keep_waits=True)``). Again at most
-every ``reopen_after_s`` while the gap stays open, until it fills or is given up.
+events keeping their waiting time (``DeliveryBuffer.drop(keep_waits=True)``). A queue that
+keeps receiving (a busy bucket is never quiet) is reopened once its gap has waited
+``BUSY_FACTOR`` times as long, still well within the gap timeout: otherwise its withheld
+message would only come back after the gap was given up, to be dead-lettered as late. Again
+at most every ``reopen_after_s`` while the gap stays open, until it fills or is given up.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from keyq.worker.holding.abandoned_gaps import QUIET_S
 # timeout when that is shorter). The queue must also have been quiet for ``QUIET_S``, the
 # same quiet as before a gone producer's gap is given up.
 REOPEN_AFTER_S = 10.0
+# How much longer the gap of a queue that is never quiet waits before its reopening: a
+# producer's re-send, arriving among the others, has had every chance by then.
+BUSY_FACTOR = 1.5
 
 
 class StuckGaps:
@@ -36,25 +42,30 @@ class StuckGaps:
         self.reopens = 0
 
     def due(self, now: float | None = None) -> list[str]:
-        """Queues whose oldest waiting event has waited ``reopen_after_s``, quiet for
-        ``QUIET_S``, and not reopened within ``reopen_after_s``."""
+        """Queues whose oldest waiting event has waited ``reopen_after_s`` (quiet for
+        ``QUIET_S``) or ``BUSY_FACTOR`` times that (still receiving), and not reopened within
+        ``reopen_after_s``."""
         now = time.monotonic() if now is None else now
         deferred = self._buffer.deferred_items()
         for queue in [queue for queue in self._reopened if queue not in deferred]:
             del self._reopened[queue]  # its gap filled or was given up
         due = []
         for queue, items in deferred.items():
-            last = self._buffer.last_arrival(queue)
-            if last is not None and now - last < QUIET_S:
-                continue
             waits = [item.deferred_since for item in items if item.deferred_since is not None]
-            if not waits or now - min(waits) < self.reopen_after_s:
+            wait_s = self.reopen_after_s * (1.0 if self.quiet(queue, now) else BUSY_FACTOR)
+            if not waits or now - min(waits) < wait_s:
                 continue
             reopened = self._reopened.get(queue)
             if reopened is not None and now - reopened < self.reopen_after_s:
                 continue
             due.append(queue)
         return due
+
+    def quiet(self, queue: str, now: float | None = None) -> bool:
+        """Whether nothing has arrived on ``queue`` for ``QUIET_S``."""
+        last = self._buffer.last_arrival(queue)
+        now = time.monotonic() if now is None else now
+        return last is None or now - last >= QUIET_S
 
     def note_reopened(self, queue: str, now: float | None = None) -> None:
         self._reopened[queue] = time.monotonic() if now is None else now
