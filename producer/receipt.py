@@ -14,8 +14,11 @@ from keyq.producer.confirmation import Confirmation
 class Receipt:
     """Where an accepted event is going and how it is identified downstream.
 
-    ``queue`` is the key's queue by its base name: on a key-mode quorum stream, a queue the
-    janitor deleted comes back as ``<queue>~1``, ``<queue>~2``… (``broker.naming``)."""
+    ``queue`` is the queue the event was addressed to when accepted, by its base name: on a
+    key-mode quorum stream, a queue the janitor deleted comes back as ``<queue>~1``,
+    ``<queue>~2``… (``broker.naming``). On an auto stream, an event addressed to its key's
+    own queue goes to the key's bucket instead when the switch to that queue is put off (the
+    bucket's holder forwards it, in order) or the key was demoted meanwhile."""
 
     queue: str
     key: str
