@@ -45,24 +45,26 @@ class KeyedState:
         if self.folded is not None:
             raise PipelineError("ctx.state.fold may be called once per batch")
         prior = self._store.states(self._keys)
-        present = set(df.columns)
-        body = F.col("body") if "body" in present else F.lit(None).cast("binary")
-        kind = F.col("content_type") if "content_type" in present else F.lit(None).cast("string")
-        numbered = df.select(
-            "key", "payload", body.alias("body"), kind.alias("content_type"), "producer", "seq"
-        ).withColumn("_arrival", F.monotonically_increasing_id())
-        # One partition: no shuffle at all (a narrow coalesce keeps every key together).
-        together = (
-            numbered.coalesce(1)
-            if self._partitions == 1
-            else numbered.repartition(self._partitions, "key")
-        )
-        self.folded = together.mapInArrow(make_folder(reducer, prior, decoder), STATE_SCHEMA_DDL)
+        self.folded = fold_frame(df, make_folder(reducer, prior, decoder), self._partitions)
         return self.folded
 
     def get(self, key: str) -> Any | None:
         """The committed state of ``key`` (before this batch)."""
         return self._store.get(key)
+
+
+def fold_frame(df: Any, folder: Any, partitions: int) -> Any:
+    """``df``'s events through ``folder`` (``make_folder``), each key's in one partition, in
+    arrival order: the Spark side of ``KeyedState.fold``."""
+    present = set(df.columns)
+    body = F.col("body") if "body" in present else F.lit(None).cast("binary")
+    kind = F.col("content_type") if "content_type" in present else F.lit(None).cast("string")
+    numbered = df.select(
+        "key", "payload", body.alias("body"), kind.alias("content_type"), "producer", "seq"
+    ).withColumn("_arrival", F.monotonically_increasing_id())
+    # One partition: no shuffle at all (a narrow coalesce keeps every key together).
+    together = numbered.coalesce(1) if partitions == 1 else numbered.repartition(partitions, "key")
+    return together.mapInArrow(folder, STATE_SCHEMA_DDL)
 
 
 @dataclass

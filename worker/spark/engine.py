@@ -29,7 +29,7 @@ from keyq.broker.errors import ConfigurationError
 from keyq.worker.batch.decoding import Event
 from keyq.worker.config import WorkerSettings, spark_options
 from keyq.worker.spark.classes import jvm_file_option, jvm_word, usable_archive
-from keyq.worker.spark.fold import STATE_SCHEMA_DDL, make_folder
+from keyq.worker.spark.warm_up import warm_up
 
 log = logging.getLogger("keyq.worker.spark")
 
@@ -287,24 +287,7 @@ class SparkEngine:
             log.debug("cancelling Spark's start-up job failed", exc_info=True)
 
     def _warm_up(self) -> None:
-        """Run the same shape of job a batch runs (shuffle by key, Arrow fold), so the first
-        real batch does not pay for starting Spark's Python workers."""
-        rows = 64
-        table = pa.table(
-            {
-                "key": [f"k{i % 8}" for i in range(rows)],
-                "payload": ["{}"] * rows,
-                "producer": ["warmup"] * rows,
-                "seq": list(range(rows)),
-                "_arrival": list(range(rows)),
-            }
-        )
-        frame = self.session.createDataFrame(
-            table, schema="key string, payload string, producer string, seq long, _arrival long"
-        )
-        partitions = self._settings.spark_shuffle_partitions
-        spread = frame.coalesce(1) if partitions == 1 else frame.repartition(partitions, "key")
-        spread.mapInArrow(make_folder(_keep_state, {}), STATE_SCHEMA_DDL).toArrow()
+        warm_up(self.dataframe, _ARROW_SCHEMA, self._settings.spark_shuffle_partitions)
 
     def dataframe(self, table: pa.Table) -> Any:
         return self.session.createDataFrame(table, schema=BATCH_SCHEMA_DDL)
@@ -385,8 +368,3 @@ def describe_spark_error(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     said = [line for line in lines if "Error" in line and not line.startswith(("at ", "File "))]
     return (said[-1] if said else lines[-1] if lines else "no detail")[:300]
-
-
-def _keep_state(state: Any, event: Any) -> Any:
-    del event
-    return state
