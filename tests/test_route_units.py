@@ -49,15 +49,23 @@ def due(
 
 def test_a_key_is_promoted_by_its_publish_rate_over_a_window_not_by_one_quiet_batch() -> None:
     watch = RouteWatch(rate=100, backlog=1000)
-    # 40 events published 7 ms apart (about 140 a second), taken in three attempts.
+    # 40 events published 7 ms apart (about 140 a second), taken in attempts: the first
+    # spans 0.27 s, under half the window, so it counts as half a window's worth (80 a second).
     assert due(watch, {"k1": published(0, 40, 7)}, now=10.0) == {}
-    assert due(watch, {"k1": published(280, 40, 7, first_seq=41)}, now=10.5) == {}
-    found = due(watch, {"k1": published(560, 40, 7, first_seq=81)}, now=10.9)
+    found = due(watch, {"k1": published(280, 40, 7, first_seq=41)}, now=10.5)
     assert found == {"k1": "rate"}
-    assert due(watch, {"k1": published(840, 40, 7, first_seq=121)}, now=11.0) == {}
-    # 60 in each of two attempts, but published 1.5 s apart: never 100 within a second.
-    assert due(watch, {"k2": published(0, 60, 1)}, now=20.0) == {}
-    assert due(watch, {"k2": published(1500, 60, 1, first_seq=61)}, now=20.1) == {}
+    assert due(watch, {"k1": published(560, 40, 7, first_seq=81)}, now=11.0) == {}
+    # Bursts of 40 a millisecond apart, 1.5 s apart: never 100 a second.
+    assert due(watch, {"k2": published(0, 40, 1)}, now=20.0) == {}
+    assert due(watch, {"k2": published(1500, 40, 1, first_seq=41)}, now=20.1) == {}
+
+
+def test_a_key_that_has_just_got_hot_is_promoted_by_the_first_attempt_that_takes_it() -> None:
+    """Its first 0.08 s at 2,000 a second: the rate over what it was seen for, while its
+    bucket is current. A count over a whole window would wait for later attempts, by which
+    time applying its events may have put the bucket behind."""
+    watch = RouteWatch(rate=200, backlog=1000)
+    assert due(watch, {"hot": published(0, 160, 0.5)}, now=5.0) == {"hot": "rate"}
 
 
 def test_a_backlog_taken_fast_is_not_a_hot_key() -> None:
@@ -101,19 +109,19 @@ def test_a_slow_hot_key_is_promoted_by_its_rate_however_far_behind_its_bucket() 
 
 def test_each_event_counts_once_and_producers_clocks_need_not_agree() -> None:
     watch = RouteWatch(rate=100, backlog=1000)
-    # The same 60 events taken again and again (a rerun attempt, deferred behind a gap).
-    again = published(0, 60, 5)
+    # The same 45 events taken again and again (a rerun attempt, deferred behind a gap).
+    again = published(0, 45, 5)
     for n in range(5):
         assert due(watch, {"k": again}, now=50.0 + n * 0.1) == {}
-    # Two producers at 60 a second each, their clocks 5 s apart: 120 within a second.
-    ahead = published(5000, 60, 10, producer="b")
-    assert due(watch, {"two": published(0, 60, 10, producer="a")}, now=60.0) == {}
+    # Two producers at 50 a second each, their clocks 5 s apart: 100 a second.
+    ahead = published(5000, 50, 20, producer="b")
+    assert due(watch, {"two": published(0, 50, 20, producer="a")}, now=60.0) == {}
     assert due(watch, {"two": ahead}, now=60.1) == {"two": "rate"}
     # A producer's clock stepped back 10 s: its events count again from there.
-    assert due(watch, {"step": published(20_000, 60, 10)}, now=70.0) == {}
-    stepped = published(10_000, 60, 10, first_seq=61)
-    assert due(watch, {"step": stepped}, now=70.1) == {}  # 60, not 120
-    assert due(watch, {"step": published(10_600, 40, 10, first_seq=121)}, now=70.2) == {
+    assert due(watch, {"step": published(20_000, 50, 20)}, now=70.0) == {}
+    stepped = published(10_000, 50, 20, first_seq=51)
+    assert due(watch, {"step": stepped}, now=70.1) == {}  # 50 a second, not 100
+    assert due(watch, {"step": published(11_000, 80, 5, first_seq=101)}, now=70.2) == {
         "step": "rate"
     }
 

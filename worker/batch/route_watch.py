@@ -14,6 +14,12 @@ often its delivery is taken again (a rerun attempt, an event deferred behind a g
 times come from the producers' clocks, so the caller caps them at its own clock, and events
 without one (not from the SDK) count at the time they are taken.
 
+The count is divided by the time the counted events span, at least ``LEAST_SPAN`` of the
+window: a key that has just got hot shows its rate in the first attempt that takes it, while
+its bucket is still current. Counted over a whole window, it would show only in a later
+attempt, and applying its events meanwhile (a slow key's especially) may have put the bucket
+behind, which puts off its promotion (below).
+
 A key is promoted by its rate only while its bucket keeps up: its newest event taken was
 published at most ``CURRENT_S`` ago. Producers switch to a key's own queue only once their
 earlier events of it have left the bucket, and wait a few seconds for that; a bucket further
@@ -37,6 +43,9 @@ from keyq.broker.key_control import KeyStatus
 from keyq.broker.routes import WHY_BACKLOG, WHY_RATE, WHY_RATE_LIMITED, WHY_STOPPED
 
 WINDOW_S = 1.0
+# The least share of the window a rate is read over: a key whose events so far span less (it
+# has just got hot, or this is a burst) needs at least this much of a window's events.
+LEAST_SPAN = 0.5
 # How far behind its publishing a bucket may be for a key's rate to promote it: about a batch.
 # At 1.5 s, the demo (published flat out) promoted a dozen orders whose switches were then put
 # off, and 9,000 to 13,000 of its 100,000 events went through the buckets to be forwarded.
@@ -74,11 +83,16 @@ class _Lane:
         self.times_ms.append(event.at_ms)
         self.newest_ms = max(self.newest_ms, event.at_ms)
 
-    def recent(self, window_ms: int) -> int:
+    def rate(self, window_ms: int, least_ms: int) -> float:
+        """Events a second within a window of its newest publish time: over the time they
+        span, at least ``least_ms`` (a lane seen for less than a window is judged by what it
+        was seen for, so a hot key's first attempt can show it)."""
         start = self.newest_ms - window_ms
         while self.times_ms and self.times_ms[0] <= start:
             self.times_ms.popleft()
-        return len(self.times_ms)
+        if not self.times_ms:
+            return 0.0
+        return len(self.times_ms) * 1000 / max(self.newest_ms - self.times_ms[0], least_ms)
 
 
 @dataclass(slots=True)
@@ -86,12 +100,13 @@ class _KeyRate:
     lanes: dict[str | None, _Lane] = field(default_factory=dict)
     seen_at: float = 0.0  # when an attempt last took some (monotonic)
 
-    def add(self, events: Sequence[Published], window_ms: int, now: float) -> int:
-        """Note ``events``; how many of the key's events were published within a window."""
+    def add(self, events: Sequence[Published], window_ms: int, now: float) -> float:
+        """Note ``events``; the key's publish rate (events a second) over its producers."""
         self.seen_at = now
         for event in events:
             self.lanes.setdefault(event.producer, _Lane()).add(event, window_ms)
-        return sum(lane.recent(window_ms) for lane in self.lanes.values())
+        least_ms = round(window_ms * LEAST_SPAN)
+        return sum(lane.rate(window_ms, least_ms) for lane in self.lanes.values())
 
 
 class RouteWatch:
@@ -136,16 +151,14 @@ class RouteWatch:
             status = statuses.get(key)
             if status is not None and status.route is not None:
                 continue  # promoted already
-            recent = self._rates.setdefault(key, _KeyRate()).add(events, window_ms, now)
+            rate = self._rates.setdefault(key, _KeyRate()).add(events, window_ms, now)
             if status is not None and status.stopped and not status.aside:
                 found[key] = WHY_STOPPED
             elif key in self._limited:
                 found[key] = WHY_RATE_LIMITED
             elif len(events) >= self.backlog:
                 found[key] = WHY_BACKLOG
-            elif recent >= self.rate * self._window_s and (
-                _current(events, taken_ms) or self._slow()
-            ):
+            elif rate >= self.rate and (_current(events, taken_ms) or self._slow()):
                 found[key] = WHY_RATE
         for key in found:
             self._rates.pop(key, None)
