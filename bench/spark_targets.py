@@ -32,28 +32,11 @@ KEYS = 200
 ON_LOOPBACK = "spark.driver.host=127.0.0.1,spark.driver.bindAddress=127.0.0.1"
 
 
-def _table(stream: str, round_: int) -> pa.Table:
+def _table() -> pa.Table:
     from keyq.worker.spark.engine import _ARROW_SCHEMA
+    from keyq.worker.spark.warm_up import synthetic_batch
 
-    rows = range(BATCH)
-    return pa.table(
-        [
-            pa.array([stream] * BATCH, pa.string()),
-            pa.array([f"keyq.{stream}.k.key-{i % KEYS}" for i in rows], pa.string()),
-            pa.array([f"key-{i % KEYS}" for i in rows], pa.string()),
-            pa.array([round_ * BATCH + i for i in rows], pa.int64()),
-            pa.array(["bench"] * BATCH, pa.string()),
-            pa.array([f"bench:{i}" for i in rows], pa.string()),
-            pa.array([0] * BATCH, pa.timestamp("ms", tz="UTC")),
-            pa.array([False] * BATCH, pa.bool_()),
-            pa.array(['{"n": 1}'] * BATCH, pa.string()),
-            pa.array([False] * BATCH, pa.bool_()),
-            pa.array([b'{"n": 1}'] * BATCH, pa.binary()),
-            pa.array(["application/json"] * BATCH, pa.string()),
-            pa.array([[]] * BATCH, pa.map_(pa.string(), pa.string())),
-        ],
-        schema=_ARROW_SCHEMA,
-    )
+    return synthetic_batch(BATCH, KEYS, _ARROW_SCHEMA, key_prefix="key-")
 
 
 def measure(target: dict[str, str], repeats: int) -> dict[str, Any]:
@@ -77,10 +60,11 @@ def measure(target: dict[str, str], repeats: int) -> dict[str, Any]:
     keys = [f"key-{i}" for i in range(KEYS)]
     seconds = []
     first = None
+    table = _table()
     try:
         for round_ in range(repeats + 1):
             began = time.perf_counter()
-            frame = engine.dataframe(_table(stream, round_))
+            frame = engine.dataframe(table)
             state = KeyedState(store, keys, settings.spark_shuffle_partitions)
             context = BatchContext(
                 batch_id=f"b{round_}",

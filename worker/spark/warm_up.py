@@ -23,15 +23,21 @@ KEYS = 32
 def warm_up(dataframe: Callable[[pa.Table], Any], schema: pa.Schema, partitions: int) -> None:
     """Run the batch-shaped job; ``dataframe`` makes a batch's DataFrame from an Arrow table
     of ``schema``."""
-    table = pa.Table.from_pylist([_row(number) for number in range(ROWS)], schema=schema)
+    table = synthetic_batch(ROWS, KEYS, schema)
     fold_frame(dataframe(table), make_folder(_keep_state, {}), partitions).toArrow()
 
 
-def _row(number: int) -> dict[str, Any]:
+def synthetic_batch(rows: int, keys: int, schema: pa.Schema, key_prefix: str = "k") -> pa.Table:
+    """A batch of ``rows`` JSON events over ``keys`` keys (``<key_prefix><n>``), every column
+    of ``schema`` filled: what the start-up job and ``bench.spark_targets`` run."""
+    return pa.Table.from_pylist([_row(n, f"{key_prefix}{n % keys}") for n in range(rows)], schema)
+
+
+def _row(number: int, key: str) -> dict[str, Any]:
     return {
         "stream": "warm-up",
         "queue": "warm-up",
-        "key": f"k{number % KEYS}",
+        "key": key,
         "seq": number,
         "producer": "warm-up",
         "message_id": f"warm-up:{number}",
