@@ -11,7 +11,13 @@ sends none there while any of its earlier ones are still in the bucket: its firs
 the own queue wait (``WaitReason.SWITCHING``) until the bucket's holder has forwarded or
 applied its earlier ones (``RouteBook.passed``), and then go behind them. A switch that waits
 longer than ``SWITCH_WAIT_S`` (a bucket backed up) is put off: the waiting events go to the
-bucket, to be forwarded, and so do the key's next ones for ``SWITCH_BACKOFF_S``.
+bucket, to be forwarded, and so do the key's next ones for ``SWITCH_BACKOFF_S``, or until the
+bucket has caught up: it passed the producer's events of the key within ``CAUGHT_UP_S`` of
+their publish. A switch is most often put off because the bucket's holder was killed, and a new
+holder is through the backlog within seconds; every event sent to the bucket after that would
+only be forwarded, consumed a second time. A bucket that stays behind (a stream published
+faster than its workers apply it) keeps the whole put-off, so a switch that would wait again is
+not tried.
 
 *The way back.* An own queue's publish lease is refused once its key's route is gone
 (``broker.retirement``): the producer forgets the route, and the events that wait for the
@@ -43,6 +49,9 @@ SWITCH_CHECK_S = 0.05
 # or a hot key's switch is put off again and again and its events keep going to the bucket.
 SWITCH_WAIT_S = 3.0
 SWITCH_BACKOFF_S = 10.0
+# How soon after their publish a put-off key's events must leave the bucket for the switch to
+# be tried again at once: well inside ``SWITCH_WAIT_S``, so that the switch is made.
+CAUGHT_UP_S = 1.0
 
 
 class Way(enum.Enum):
@@ -57,6 +66,25 @@ class Way(enum.Enum):
 class _Switching:
     after: int  # the last seq of the key this producer sent to the bucket
     since: float
+
+
+@dataclass
+class PutOff:
+    """A key whose switch is put off, and how far behind its bucket runs."""
+
+    until: float
+    sent: int  # the last seq of the key this producer sent to the bucket
+    mark: tuple[float, int] | None = None  # (when, ``sent`` then): for the bucket to pass
+
+    def caught_up(self, passed: int, now: float) -> bool:
+        """Whether the bucket, having passed ``passed``, passed the mark within
+        ``CAUGHT_UP_S``; a new mark is set when it passed an older one."""
+        if self.mark is not None and passed < self.mark[1]:
+            return False
+        if self.mark is not None and now - self.mark[0] <= CAUGHT_UP_S:
+            return True
+        self.mark = (now, self.sent)
+        return passed >= self.sent
 
 
 class RouteFollower:
@@ -74,7 +102,7 @@ class RouteFollower:
         self._lock = threading.Lock()
         self._direct: set[str] = set()  # keys switched: their events go to their own queue
         self._switching: dict[str, _Switching] = {}
-        self._put_off: dict[str, float] = {}  # key -> until when its switch is put off
+        self._put_off: dict[str, PutOff] = {}
         self.on_switched: Callable[[str, str, bool], None] | None = None  # key, queue, done
 
     # ------------------------------------------------------------- application threads
@@ -89,7 +117,9 @@ class RouteFollower:
         with self._lock:
             if key in self._direct or key in self._switching:
                 return own
-            if self._put_off.get(key, 0.0) > time.monotonic():
+            put_off = self._put_off.get(key)
+            if put_off is not None and put_off.until > time.monotonic():
+                put_off.sent = last_seq + 1
                 return self._config.queue_for(key)
             self._put_off.pop(key, None)
             if last_seq == 0:
@@ -111,12 +141,14 @@ class RouteFollower:
     def switched(self, key: str, done: bool) -> bool:
         """The key's switch is over: done, or put off. False if it was not switching."""
         with self._lock:
-            if self._switching.pop(key, None) is None:
+            switching = self._switching.pop(key, None)
+            if switching is None:
                 return False
             if done:
                 self._direct.add(key)
             else:
-                self._put_off[key] = time.monotonic() + SWITCH_BACKOFF_S
+                until = time.monotonic() + SWITCH_BACKOFF_S
+                self._put_off[key] = PutOff(until, switching.after)
         return True
 
     def forget(self, key: str) -> None:
@@ -147,7 +179,8 @@ class RouteFollower:
         return self._refresh_due
 
     def step(self) -> None:
-        """Read the routes again if they changed, and settle the switches that may be."""
+        """Read the routes again if they changed, end the put-offs of keys whose bucket has
+        caught up, and settle the switches that may be."""
         now = time.monotonic()
         if now >= self._refresh_due:
             self._refresh_due = now + REFRESH_S
@@ -155,6 +188,7 @@ class RouteFollower:
             if version != self._version:
                 self._own = {key: route.queue for key, route in self._book.promoted().items()}
                 self._version = version
+            self._end_put_offs_caught_up()
         with self._lock:
             waiting = dict(self._switching)
         if not waiting:
@@ -166,6 +200,20 @@ class RouteFollower:
             done = passed.get(key, 0) >= switching.after
             if (done or now - switching.since > SWITCH_WAIT_S) and self.on_switched is not None:
                 self.on_switched(key, self._config.own_queue_for(key), done)
+
+    def _end_put_offs_caught_up(self) -> None:
+        with self._lock:
+            keys = [key for key, put_off in self._put_off.items() if key in self._own]
+        if not keys:
+            return
+        passed = self._book.passed(keys, self._producer_id)
+        now = time.monotonic()
+        with self._lock:
+            for key in keys:
+                put_off = self._put_off.get(key)
+                if put_off is not None and put_off.caught_up(passed.get(key, 0), now):
+                    log.debug("key %r: its bucket caught up, so its switch is tried again", key)
+                    del self._put_off[key]
 
 
 class Rerouting:

@@ -20,7 +20,7 @@ from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
 from keyq.broker.routes import WHY_OPERATOR, RouteBook
 from keyq.broker.streams import ensure_stream_config
-from keyq.producer.route_follow import SWITCH_BACKOFF_S
+from keyq.producer.route_follow import SWITCH_BACKOFF_S, SWITCH_WAIT_S
 from keyq.worker.batch.route_watch import CURRENT_S
 from keyq.worker.batch.state_store import StateStore
 from tests.conftest import StreamFixture
@@ -274,6 +274,59 @@ def test_a_switch_waits_for_the_producers_events_in_the_bucket_and_is_put_off_wi
         wait_until(lambda: not run.wrong([key], {producer.producer_id: 60}), 60, "after it")
     finally:
         producer.close(timeout=10)
+        run.kill_all()
+
+
+def test_a_put_off_switch_is_made_once_its_bucket_has_caught_up(
+    stream: StreamFixture, workers: Any
+) -> None:
+    """A switch put off because nobody applied the bucket (its holder stopped with SIGSTOP) is
+    tried again once the holder is back and through the backlog, not only when the put-off runs
+    out: the key's events go to its own queue within seconds of the holder's return, none is
+    put off again, and every event is applied once, in order."""
+    slow_ttls = {"KEYQ_LOCK_TTL_MS": "15000", "KEYQ_MEMBER_TTL_MS": "15000"}  # outlast the stop
+    run = Moves(stream, workers, {**QUIET, **slow_ttls})
+    key = "stalled-1"
+    own = run.config.own_queue_for(key)
+    producer = Producer(stream.name, mode="auto", buckets=BUCKETS, settings=stream.settings)
+    holder = run.worker().wait_ready()
+    sent: list[tuple[float, str]] = []  # (when published, the queue it was addressed to)
+    stop = threading.Event()
+
+    def paced() -> None:
+        while not stop.is_set():
+            receipt = producer.publish(key, {"n": len(sent) + 1, "producer": producer.producer_id})
+            sent.append((time.monotonic(), receipt.queue))
+            time.sleep(0.02)
+
+    publishing = threading.Thread(target=paced)
+    publishing.start()
+    try:
+        try:
+            wait_until(lambda: run.seen(key, producer.producer_id), 30, "the key applied")
+            holder.pause()
+            run.promote(key)
+            wait_until(lambda: producer.stats["rerouted"] > 0, 15, "the switch put off")
+            holder.resume()
+            back = time.monotonic()
+            time.sleep(0.5)
+            rerouted = producer.stats["rerouted"]
+            wait_until(
+                lambda: any(at > back and queue == own for at, queue in sent),
+                SWITCH_BACKOFF_S - 4,
+                "events addressed to the own queue again, before the put-off ran out",
+            )
+            time.sleep(SWITCH_WAIT_S + 1)  # a switch that waited in vain is put off by now
+            assert producer.stats["rerouted"] == rerouted
+        finally:
+            stop.set()
+            publishing.join()
+            producer.flush(timeout=30)
+            producer.close(timeout=10)
+        totals = {producer.producer_id: len(sent)}
+        wait_until(lambda: not run.wrong([key], totals), 60, "every event applied once, in order")
+    finally:
+        holder.resume()
         run.kill_all()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from keyq.broker.key_control import KeyStatus, ParkedKey
 from keyq.broker.routes import Route, RouteBook
 from keyq.broker.streams import StreamConfig, ensure_stream_config
+from keyq.producer.route_follow import CAUGHT_UP_S, PutOff
 from keyq.worker.auto_mode import SHARED_BATCH_S, OwnEventCost, shared_cap
 from keyq.worker.batch.key_gate import Routing, Way
 from keyq.worker.batch.route_watch import CURRENT_S, SLOW_EVENT_S, Published, RouteWatch
@@ -124,6 +125,18 @@ def test_each_event_counts_once_and_producers_clocks_need_not_agree() -> None:
     assert due(watch, {"step": published(11_000, 80, 5, first_seq=101)}, now=70.2) == {
         "step": "rate"
     }
+
+
+def test_a_put_off_switch_is_tried_again_once_its_bucket_passes_events_soon_after() -> None:
+    put_off = PutOff(until=100.0, sent=10)
+    assert not put_off.caught_up(passed=5, now=0.0)  # marks seq 10, sent by now
+    put_off.sent = 40
+    assert not put_off.caught_up(passed=9, now=0.5)
+    late = CAUGHT_UP_S + 1
+    assert not put_off.caught_up(passed=10, now=late)  # passed, but late: marks seq 40
+    put_off.sent = 60
+    assert put_off.caught_up(passed=40, now=late + CAUGHT_UP_S / 2)
+    assert PutOff(until=100.0, sent=10).caught_up(passed=10, now=0.0)  # nothing left in it
 
 
 def test_backlog_held_back_and_rate_limited_keys_are_promoted_at_once() -> None:

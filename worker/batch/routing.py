@@ -116,19 +116,24 @@ class AutoRouting:
         """Each key's events this attempt takes from a bucket (not drained aside), with their
         publish times: at most now (a producer's clock may run ahead), now if they do not say."""
         published: dict[str, list[Published]] = {}
+        from_bucket: dict[str, bool] = {}  # by queue: a batch holds thousands of its events
         for delivery in deliveries:
-            item = decoded(delivery)
-            held = lease_queue.get(delivery.queue, delivery.queue)
-            if item.key is not None and self._from_bucket(delivery, held):
+            queue = delivery.queue
+            bucket = from_bucket.get(queue)
+            if bucket is None:
+                bucket = from_bucket[queue] = self._from_bucket(queue, lease_queue)
+            item = decoded(delivery) if bucket else None
+            if item is not None and item.key is not None:
                 at = item.published_at_ms if isinstance(item, Event) else None
                 at_ms = taken_ms if at is None else min(at, taken_ms)
                 event = Published(item.producer, item.seq, at_ms)
                 published.setdefault(item.key, []).append(event)
         return published
 
-    def _from_bucket(self, delivery: Delivery, held: str) -> bool:
+    def _from_bucket(self, queue: str, lease_queue: Mapping[str, str]) -> bool:
         stream = self._config.stream
-        return is_bucket_queue(stream, held) and not is_aside_queue(stream, delivery.queue)
+        held = lease_queue.get(queue, queue)
+        return is_bucket_queue(stream, held) and not is_aside_queue(stream, queue)
 
     def _promote(self, due: Mapping[str, str]) -> None:
         config = self._config
