@@ -12,12 +12,12 @@ the own queue wait (``WaitReason.SWITCHING``) until the bucket's holder has forw
 applied its earlier ones (``RouteBook.passed``), and then go behind them. A switch that waits
 longer than ``SWITCH_WAIT_S`` (a bucket backed up) is put off: the waiting events go to the
 bucket, to be forwarded, and so do the key's next ones for ``SWITCH_BACKOFF_S``, or until the
-bucket has caught up: it passed the producer's events of the key within ``CAUGHT_UP_S`` of
-their publish. A switch is most often put off because the bucket's holder was killed, and a new
-holder is through the backlog within seconds; every event sent to the bucket after that would
-only be forwarded, consumed a second time. A bucket that stays behind (a stream published
-faster than its workers apply it) keeps the whole put-off, so a switch that would wait again is
-not tried.
+bucket has caught up: every ``REFRESH_S`` the Redis thread marks the last seq sent there (the
+held events among them), and the bucket passed a mark within ``CAUGHT_UP_S`` of its setting. A
+switch is most often put off because the bucket's holder was killed, and a new holder is
+through the backlog within seconds; every event sent to the bucket after that would only be
+forwarded, consumed a second time. A bucket that stays behind (a stream published faster than
+its workers apply it) keeps the whole put-off, so a switch that would wait again is not tried.
 
 *The way back.* An own queue's publish lease is refused once its key's route is gone
 (``broker.retirement``): the producer forgets the route, and the events that wait for the
@@ -49,8 +49,8 @@ SWITCH_CHECK_S = 0.05
 # or a hot key's switch is put off again and again and its events keep going to the bucket.
 SWITCH_WAIT_S = 3.0
 SWITCH_BACKOFF_S = 10.0
-# How soon after their publish a put-off key's events must leave the bucket for the switch to
-# be tried again at once: well inside ``SWITCH_WAIT_S``, so that the switch is made.
+# How soon after it is marked a put-off key's last event in the bucket must leave it for the
+# switch to be tried again at once: well inside ``SWITCH_WAIT_S``, so that the switch is made.
 CAUGHT_UP_S = 1.0
 
 
@@ -62,10 +62,11 @@ class Way(enum.Enum):
     TO_BUCKET = "to bucket"  # its key is not (or no longer) sent to its own queue
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Switching:
     after: int  # the last seq of the key this producer sent to the bucket
     since: float
+    latest: int  # the last seq it took for the own queue meanwhile: to the bucket if put off
 
 
 @dataclass
@@ -78,7 +79,8 @@ class PutOff:
 
     def caught_up(self, passed: int, now: float) -> bool:
         """Whether the bucket, having passed ``passed``, passed the mark within
-        ``CAUGHT_UP_S``; a new mark is set when it passed an older one."""
+        ``CAUGHT_UP_S`` of its setting. Without a mark, or with one passed late, a new one is
+        set at ``sent``, and the answer is whether the bucket passed that already."""
         if self.mark is not None and passed < self.mark[1]:
             return False
         if self.mark is not None and now - self.mark[0] <= CAUGHT_UP_S:
@@ -115,7 +117,10 @@ class RouteFollower:
                 self.forget(key)
             return self._config.queue_for(key)
         with self._lock:
-            if key in self._direct or key in self._switching:
+            switching = self._switching.get(key)
+            if switching is not None:
+                switching.latest = last_seq + 1
+            if key in self._direct or switching is not None:
                 return own
             put_off = self._put_off.get(key)
             if put_off is not None and put_off.until > time.monotonic():
@@ -125,7 +130,7 @@ class RouteFollower:
             if last_seq == 0:
                 self._direct.add(key)  # nothing of it ever went to the bucket
             else:
-                self._switching[key] = _Switching(last_seq, time.monotonic())
+                self._switching[key] = _Switching(last_seq, time.monotonic(), last_seq + 1)
         return own
 
     # ------------------------------------------------------------------ I/O thread
@@ -148,7 +153,7 @@ class RouteFollower:
                 self._direct.add(key)
             else:
                 until = time.monotonic() + SWITCH_BACKOFF_S
-                self._put_off[key] = PutOff(until, switching.after)
+                self._put_off[key] = PutOff(until, switching.latest)  # its held events too
         return True
 
     def forget(self, key: str) -> None:
@@ -202,8 +207,11 @@ class RouteFollower:
                 self.on_switched(key, self._config.own_queue_for(key), done)
 
     def _end_put_offs_caught_up(self) -> None:
+        now = time.monotonic()
         with self._lock:
-            keys = [key for key, put_off in self._put_off.items() if key in self._own]
+            for key in [key for key, put_off in self._put_off.items() if put_off.until <= now]:
+                del self._put_off[key]  # run out
+            keys = [key for key in self._put_off if key in self._own]
         if not keys:
             return
         passed = self._book.passed(keys, self._producer_id)

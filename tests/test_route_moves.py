@@ -288,20 +288,25 @@ def test_a_put_off_switch_is_made_once_its_bucket_has_caught_up(
     run = Moves(stream, workers, {**QUIET, **slow_ttls})
     key = "stalled-1"
     own = run.config.own_queue_for(key)
-    producer = Producer(stream.name, mode="auto", buckets=BUCKETS, settings=stream.settings)
-    holder = run.worker().wait_ready()
     sent: list[tuple[float, str]] = []  # (when published, the queue it was addressed to)
+    failures: list[Exception] = []
     stop = threading.Event()
+    producer = Producer(stream.name, mode="auto", buckets=BUCKETS, settings=stream.settings)
 
     def paced() -> None:
-        while not stop.is_set():
-            receipt = producer.publish(key, {"n": len(sent) + 1, "producer": producer.producer_id})
-            sent.append((time.monotonic(), receipt.queue))
-            time.sleep(0.02)
+        try:
+            while not stop.is_set():
+                event = {"n": len(sent) + 1, "producer": producer.producer_id}
+                sent.append((time.monotonic(), producer.publish(key, event).queue))
+                time.sleep(0.02)
+        except Exception as exc:  # noqa: BLE001 - reported by the test, not lost with the thread
+            failures.append(exc)
 
     publishing = threading.Thread(target=paced)
-    publishing.start()
+    holder = None
     try:
+        holder = run.worker().wait_ready()
+        publishing.start()
         try:
             wait_until(lambda: run.seen(key, producer.producer_id), 30, "the key applied")
             holder.pause()
@@ -313,20 +318,25 @@ def test_a_put_off_switch_is_made_once_its_bucket_has_caught_up(
             rerouted = producer.stats["rerouted"]
             wait_until(
                 lambda: any(at > back and queue == own for at, queue in sent),
-                SWITCH_BACKOFF_S - 4,
+                SWITCH_BACKOFF_S - 2.5,  # the put-off runs out 9.9 s after the resume
                 "events addressed to the own queue again, before the put-off ran out",
             )
             time.sleep(SWITCH_WAIT_S + 1)  # a switch that waited in vain is put off by now
             assert producer.stats["rerouted"] == rerouted
         finally:
             stop.set()
-            publishing.join()
-            producer.flush(timeout=30)
-            producer.close(timeout=10)
+            holder.resume()
+            if publishing.ident is not None:
+                publishing.join(timeout=30)
+            try:
+                producer.flush(timeout=30)
+            finally:
+                producer.close(timeout=10)
+        assert not failures, failures
         totals = {producer.producer_id: len(sent)}
         wait_until(lambda: not run.wrong([key], totals), 60, "every event applied once, in order")
     finally:
-        holder.resume()
+        producer.close(timeout=10)
         run.kill_all()
 
 

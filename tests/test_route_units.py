@@ -4,10 +4,14 @@ routes in the real Redis)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any, cast
+
 from keyq.broker.key_control import KeyStatus, ParkedKey
+from keyq.broker.naming import Mode
 from keyq.broker.routes import Route, RouteBook
 from keyq.broker.streams import StreamConfig, ensure_stream_config
-from keyq.producer.route_follow import CAUGHT_UP_S, PutOff
+from keyq.producer.route_follow import CAUGHT_UP_S, PutOff, RouteFollower
 from keyq.worker.auto_mode import SHARED_BATCH_S, OwnEventCost, shared_cap
 from keyq.worker.batch.key_gate import Routing, Way
 from keyq.worker.batch.route_watch import CURRENT_S, SLOW_EVENT_S, Published, RouteWatch
@@ -137,6 +141,42 @@ def test_a_put_off_switch_is_tried_again_once_its_bucket_passes_events_soon_afte
     put_off.sent = 60
     assert put_off.caught_up(passed=40, now=late + CAUGHT_UP_S / 2)
     assert PutOff(until=100.0, sent=10).caught_up(passed=10, now=0.0)  # nothing left in it
+
+
+class _Book:
+    """A route book with one promoted key, and how far its bucket has passed."""
+
+    def __init__(self, key: str, queue: str) -> None:
+        self.own = {key: SimpleNamespace(queue=queue)}
+        self.passed_seq = 0
+
+    def version(self) -> tuple[int, int]:
+        return (1, 0)
+
+    def promoted(self) -> dict[str, Any]:
+        return self.own
+
+    def passed(self, keys: Any, producer: str) -> dict[str, int]:
+        return dict.fromkeys(keys, self.passed_seq)
+
+
+def test_a_put_off_lasts_until_the_bucket_passes_the_events_held_while_switching() -> None:
+    config = StreamConfig("units-follow", Mode.AUTO, buckets=4)
+    key = "k-1"
+    book = _Book(key, config.own_queue_for(key))
+    follower = RouteFollower(cast(RouteBook, book), config, "p-1")
+    follower.step()  # reads the route
+    assert follower.queue_for(key, 10) == config.own_queue_for(key)  # seq 11: the switch
+    follower.queue_for(key, 11)  # seq 12, held too
+    assert follower.switched(key, done=False)  # put off: 11 and 12 go to the bucket
+    book.passed_seq = 10  # the bucket has passed what went there before the switch only
+    follower._refresh_due = 0.0  # the next read, without waiting for it
+    follower.step()
+    assert follower.queue_for(key, 12) == config.queue_for(key)  # still put off
+    book.passed_seq = 13  # and now everything sent there
+    follower._refresh_due = 0.0  # the next read, without waiting for it
+    follower.step()
+    assert follower.queue_for(key, 13) == config.own_queue_for(key)  # a switch again
 
 
 def test_backlog_held_back_and_rate_limited_keys_are_promoted_at_once() -> None:
