@@ -4,6 +4,7 @@ keep the open gaps and the stats current."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -148,7 +149,8 @@ class BatchAttempt:
             decoded,
             reads,
             keys=self._dedupe.keys,
-            is_aside_queue=lambda queue: is_aside_queue(self._stream, queue),
+            # Asked up to three times a delivery, of a few queues: answered once per queue.
+            is_aside_queue=functools.cache(functools.partial(is_aside_queue, self._stream)),
             limiter=self._limiter_for(policy.rate_limit),
             gap_timeout_s=self._gap_timeout_ms / 1000,
             dead=dead,
