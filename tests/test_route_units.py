@@ -34,9 +34,7 @@ def published(
     start_ms: int, events: int, every_ms: float, *, producer: str = "p", first_seq: int = 1
 ) -> list[Published]:
     """``events`` of one producer, numbered from ``first_seq``, published ``every_ms`` apart."""
-    return [
-        Published(producer, first_seq + n, start_ms + round(n * every_ms)) for n in range(events)
-    ]
+    return [(producer, first_seq + n, start_ms + round(n * every_ms)) for n in range(events)]
 
 
 def due(
@@ -48,7 +46,7 @@ def due(
     behind_ms: int = 0,
 ) -> dict[str, str]:
     """``watch.due``, taken ``behind_ms`` after the newest event was published."""
-    newest = max((event.at_ms for each in events.values() for event in each), default=0)
+    newest = max((at_ms for each in events.values() for _, _, at_ms in each), default=0)
     return watch.due(events, statuses or {}, now, newest + behind_ms)
 
 

@@ -73,11 +73,17 @@ class Routing:
     stream: str
     lease_queue: Mapping[str, str]  # a delivery's queue -> the held queue whose lease covers it
     forwardable: frozenset[str]  # promoted keys whose own queue may be published to now
+    # Whether a delivery's queue is held under a bucket's lease, by queue: asked per delivery.
+    _bucket_held: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
 
     def way(self, delivery: Delivery, key: str, route: Route | None, aside: bool) -> Way | None:
         """Where ``delivery`` of ``key`` goes; None: by the other rules."""
-        holder = self.lease_queue.get(delivery.queue, delivery.queue)
-        if is_bucket_queue(self.stream, holder):
+        queue = delivery.queue
+        holder = self.lease_queue.get(queue, queue)
+        bucket = self._bucket_held.get(queue)
+        if bucket is None:
+            bucket = self._bucket_held[queue] = is_bucket_queue(self.stream, holder)
+        if bucket:
             if route is None:
                 return None  # in its bucket: applied there
             if aside:

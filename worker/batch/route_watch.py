@@ -37,7 +37,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from keyq.broker.key_control import KeyStatus
 from keyq.broker.routes import WHY_BACKLOG, WHY_RATE, WHY_RATE_LIMITED, WHY_STOPPED
@@ -56,12 +55,9 @@ CURRENT_S = 0.5
 SLOW_EVENT_S = 0.0005
 
 
-class Published(NamedTuple):
-    """One event of a key taken from its bucket."""
-
-    producer: str | None
-    seq: int | None
-    at_ms: int  # its publish time, at most the taker's clock
+# One event of a key taken from its bucket: (producer, seq, publish time in ms, at most the
+# taker's clock). A plain tuple: a batch holds thousands, read once each.
+Published = tuple[str | None, int | None, int]
 
 
 @dataclass(slots=True)
@@ -72,16 +68,16 @@ class _Lane:
     newest_ms: int = 0
     counted_seq: int = 0  # its events up to this seq are counted
 
-    def add(self, event: Published, window_ms: int) -> None:
-        if event.seq is not None:
-            if event.seq <= self.counted_seq:
+    def add(self, seq: int | None, at_ms: int, window_ms: int) -> None:
+        if seq is not None:
+            if seq <= self.counted_seq:
                 return  # taken again: counted already
-            self.counted_seq = event.seq
-        if event.at_ms <= self.newest_ms - window_ms:
+            self.counted_seq = seq
+        if at_ms <= self.newest_ms - window_ms:
             self.times_ms.clear()  # its clock stepped back: start again from here
-            self.newest_ms = event.at_ms
-        self.times_ms.append(event.at_ms)
-        self.newest_ms = max(self.newest_ms, event.at_ms)
+            self.newest_ms = at_ms
+        self.times_ms.append(at_ms)
+        self.newest_ms = max(self.newest_ms, at_ms)
 
     def rate(self, window_ms: int, least_ms: int) -> float:
         """Events a second within a window of its newest publish time: over the time they
@@ -103,8 +99,12 @@ class _KeyRate:
     def add(self, events: Sequence[Published], window_ms: int, now: float) -> float:
         """Note ``events``; the key's publish rate (events a second) over its producers."""
         self.seen_at = now
-        for event in events:
-            self.lanes.setdefault(event.producer, _Lane()).add(event, window_ms)
+        lanes = self.lanes
+        for producer, seq, at_ms in events:
+            lane = lanes.get(producer)
+            if lane is None:
+                lane = lanes[producer] = _Lane()
+            lane.add(seq, at_ms, window_ms)
         least_ms = round(window_ms * LEAST_SPAN)
         return sum(lane.rate(window_ms, least_ms) for lane in self.lanes.values())
 
@@ -172,5 +172,5 @@ class RouteWatch:
 
 def _current(events: Sequence[Published], taken_ms: int) -> bool:
     """Whether the newest of ``events`` was published at most ``CURRENT_S`` before taken."""
-    newest = max((event.at_ms for event in events), default=taken_ms)
+    newest = max((at_ms for _, _, at_ms in events), default=taken_ms)
     return taken_ms - newest <= CURRENT_S * 1000

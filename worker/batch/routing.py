@@ -122,12 +122,15 @@ class AutoRouting:
             bucket = from_bucket.get(queue)
             if bucket is None:
                 bucket = from_bucket[queue] = self._from_bucket(queue, lease_queue)
-            item = decoded(delivery) if bucket else None
-            if item is not None and item.key is not None:
-                at = item.published_at_ms if isinstance(item, Event) else None
-                at_ms = taken_ms if at is None else min(at, taken_ms)
-                event = Published(item.producer, item.seq, at_ms)
-                published.setdefault(item.key, []).append(event)
+            if not bucket:
+                continue
+            item = decoded(delivery)
+            key = item.key
+            if key is None:
+                continue
+            at = item.published_at_ms if isinstance(item, Event) else None
+            at_ms = taken_ms if at is None else min(at, taken_ms)
+            published.setdefault(key, []).append((item.producer, item.seq, at_ms))
         return published
 
     def _from_bucket(self, queue: str, lease_queue: Mapping[str, str]) -> bool:
