@@ -74,7 +74,9 @@ class Routing:
     lease_queue: Mapping[str, str]  # a delivery's queue -> the held queue whose lease covers it
     forwardable: frozenset[str]  # promoted keys whose own queue may be published to now
     # Whether a delivery's queue is held under a bucket's lease, by queue: asked per delivery.
-    _bucket_held: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
+    _bucket_held: dict[str, bool] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
 
     def way(self, delivery: Delivery, key: str, route: Route | None, aside: bool) -> Way | None:
         """Where ``delivery`` of ``key`` goes; None: by the other rules."""
