@@ -2,11 +2,12 @@
 
 Each round runs ``keyq demo --chaos``'s workload (``keyq.demo.runner.Demo``, in this process
 as ``keyq demo`` runs it): ``--events`` order events over ``--orders`` Zipf-skewed orders,
-published flat out, two workers and a janitor, the chaos thread killing a worker with -9
-while publishing (and restarting and scaling them), then every order's state checked against
-a plain-Python fold of what was published. A round is one mode (``--modes``, default key,
-bucket and auto); the modes take turns, in reverse order every other round, ``--rounds`` of
-each.
+published flat out, two workers and a janitor, one of them killed with -9 once a third of
+the events are published (in every mode at the same point; ``keyq demo --chaos`` steps by the
+clock, and a mode that publishes fast could finish before its first step), then every order's
+state checked against a plain-Python fold of what was published. A round is one mode
+(``--modes``, default key, bucket and auto); the modes take turns, in reverse order every
+other round, ``--rounds`` of each.
 
 Per round: the demo's end to end events/s (first publish until every order is committed),
 its publish rate, its p50/p99 publish-to-commit latency (a sample of orders), its verdict,
@@ -32,6 +33,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -39,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import redis
 
 from bench import proc_cpu
 from bench.common import (
@@ -61,6 +64,7 @@ from keyq.demo.runner import Demo, DemoOptions
 MODES = ("key", "bucket", "auto")
 RATIOS = (("auto", "key"), ("auto", "bucket"), ("bucket", "key"))
 FIGURES = ("end_to_end_events_per_s", "p99_ms", "broker_cpu_s_per_1000_events")
+KILL_AT = 1 / 3  # of the events published: where each round's worker is killed
 
 
 def broker_seconds(pid: int | None) -> float | None:
@@ -72,7 +76,10 @@ def broker_seconds(pid: int | None) -> float | None:
 
 class MeasuredDemo(Demo):
     """The demo, with the broker's CPU read when publishing starts and again when the run is
-    judged, before its daemons are stopped (their shutdown is not the workload)."""
+    judged, before its daemons are stopped (their shutdown is not the workload), and its
+    chaos one kill -9 once ``KILL_AT`` of the events are published, the same point in every
+    mode (the demo's own chaos steps by the clock, and a mode that publishes fast may be done
+    before the first)."""
 
     def __init__(self, settings: Settings, options: DemoOptions, broker: int | None) -> None:
         super().__init__(settings, options, progress=self._tick, say=log)
@@ -82,11 +89,20 @@ class MeasuredDemo(Demo):
         self.measured_s: float | None = None
         self._started = 0.0
         self._ticked = 0
+        self._kill_due = threading.Event()
 
     def _tick(self, done: int, total: int) -> None:
+        if done >= total * KILL_AT:
+            self._kill_due.set()
         if done % 20_000 == 0 and done != self._ticked:
             self._ticked = done
             log(f"published {done:,}/{total:,}")
+
+    def _chaos_loop(self, client: redis.Redis) -> None:
+        while not self._kill_due.wait(0.02):
+            if self._stop.is_set():
+                return
+        self._chaos_monkey().kill_one(client)
 
     def _publish(
         self,

@@ -110,6 +110,21 @@ class ChaosMonkey:
             except Exception as exc:  # noqa: BLE001 - the chaos goes on whatever one step met
                 self._failed(action, exc)
 
+    def kill_one(self, client: redis.Redis) -> None:
+        """One step, now: a serving worker killed with -9 (none while fewer than two serve),
+        its failover timed. For runs that must meet the same fault at the same point."""
+        rng = random.Random(self._seed)
+        members = Membership(client, self.stream, ttl_ms=1)
+        alive = self._serving_workers(members)
+        if len(alive) < 2:
+            return
+        action: dict[str, Any] = {"at": time.time(), "action": "kill"}
+        locks = FencedLocks(client, self.stream)
+        try:
+            self._kill(rng.choice(alive), locks, QueueRegistry(client, self.stream), action)
+        except Exception as exc:  # noqa: BLE001 - reported as a failed step, as in run()
+            self._failed(action, exc)
+
     def _step(
         self,
         rng: random.Random,
@@ -133,25 +148,35 @@ class ChaosMonkey:
             victim.stop()
             self.record.actions.append(action)
         elif alive and choice in ("kill", "restart"):
-            victim = rng.choice(alive)
-            action.update(action="kill -9", worker=victim.id)
-            queues = list(registry.queues())
-            held = [
-                q
-                for q, lease in locks.holders(queues).items()
-                if lease and lease.owner == victim.id
-            ]
-            victim.kill()
-            killed_at = time.monotonic()
-            action["held"] = len(held)
-            self.record.actions.append(action)
-            if choice == "restart":
-                self._start_worker()
-            if held:
-                try:
-                    self._measure_failover(locks, victim.id, held, killed_at)
-                except Exception as exc:  # noqa: BLE001 - the kill is done, its measure failed
-                    self._failed(action, exc, "failover not measured")
+            self._kill(rng.choice(alive), locks, registry, action, restart=choice == "restart")
+
+    def _kill(
+        self,
+        victim: Daemon,
+        locks: FencedLocks,
+        registry: QueueRegistry,
+        action: dict[str, Any],
+        *,
+        restart: bool = False,
+    ) -> None:
+        """``victim`` killed with -9 (and another worker started if ``restart``), then the
+        time until its queues are in live hands."""
+        action.update(action="kill -9", worker=victim.id)
+        queues = list(registry.queues())
+        held = [
+            q for q, lease in locks.holders(queues).items() if lease and lease.owner == victim.id
+        ]
+        victim.kill()
+        killed_at = time.monotonic()
+        action["held"] = len(held)
+        self.record.actions.append(action)
+        if restart:
+            self._start_worker()
+        if held:
+            try:
+                self._measure_failover(locks, victim.id, held, killed_at)
+            except Exception as exc:  # noqa: BLE001 - the kill is done, its measure failed
+                self._failed(action, exc, "failover not measured")
 
     def _failed(self, action: dict[str, Any], exc: Exception, what: str = "") -> None:
         """One line on why a chaos step failed, in the log and in the step's action."""

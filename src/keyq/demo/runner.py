@@ -154,7 +154,10 @@ class Demo:
     def _chaos_loop(self, client: redis.Redis) -> None:
         """The chaos thread: kills, restarts and scale changes while events are published
         (see ``ChaosMonkey``), recorded in ``self.chaos``."""
-        ChaosMonkey(
+        self._chaos_monkey().run(client)
+
+    def _chaos_monkey(self) -> ChaosMonkey:
+        return ChaosMonkey(
             self.settings,
             self.stream,
             self.chaos,
@@ -165,7 +168,7 @@ class Demo:
             start_worker=self._start_worker,
             stop=self._stop,
             published=self._published,
-        ).run(client)
+        )
 
     # ---- the run ----------------------------------------------------------------------------
 
