@@ -130,6 +130,17 @@ def machine_info(
     }
 
 
+def keyq_settings_from_env() -> dict[str, str]:
+    """The ``KEYQ_`` settings in this process's environment, which its workers inherit: what
+    a run was tuned with. Those that may carry credentials are named, not shown."""
+    hidden = ("URL", "TOKEN", "AUTH", "PASSWORD", "SECRET")
+    return {
+        name: "(set)" if any(word in name for word in hidden) else value
+        for name, value in sorted(os.environ.items())
+        if name.startswith("KEYQ_")
+    }
+
+
 # ------------------------------------------------------------------------------ payloads
 def padded_event(index: int, key: str, pad: str) -> dict[str, Any]:
     """A typical small event; ``pad`` brings it to the wanted size."""

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import threading
 import time
@@ -47,6 +46,7 @@ from bench import proc_cpu
 from bench.common import (
     Cleanup,
     emit,
+    keyq_settings_from_env,
     log,
     machine_info,
     measure_then_clean,
@@ -309,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine_info(),
         "params": params,
         "processes": {"broker": {"pid": broker, "found": broker_how}},
-        "environment": {k: v for k, v in os.environ.items() if k.startswith("KEYQ_PACK")},
+        "environment": keyq_settings_from_env(),
     }
     errors: list[str] = []
     if broker is None:

@@ -1,6 +1,6 @@
 """bench.proc_cpu: the CPU of a process tree as /proc tells it, against real processes that
 burn a known amount of CPU (children alive, children exited and waited for), and the process
-listening on a port."""
+listening on a port; and the KEYQ_ settings a benchmark records with its figures."""
 
 from __future__ import annotations
 
@@ -97,3 +97,19 @@ def test_listener_pid_finds_this_process_by_its_listening_port() -> None:
         server.listen()
         assert proc_cpu.listener_pid(port) == os.getpid()
     assert proc_cpu.listener_pid(port) is None
+
+
+def test_a_benchmark_records_its_keyq_settings_without_credentials(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from bench.common import keyq_settings_from_env
+
+    monkeypatch.setenv("KEYQ_BATCH_MAX_EVENTS", "20000")
+    monkeypatch.setenv("KEYQ_AMQP_URL", "amqp://user:s3cret@host:5672/%2F")
+    monkeypatch.setenv("KEYQ_CONSOLE_TOKEN", "t0ken")
+    monkeypatch.setenv("NOT_KEYQ", "x")
+    recorded = keyq_settings_from_env()
+    assert recorded["KEYQ_BATCH_MAX_EVENTS"] == "20000"
+    assert recorded["KEYQ_AMQP_URL"] == recorded["KEYQ_CONSOLE_TOKEN"] == "(set)"
+    assert "NOT_KEYQ" not in recorded
+    assert "s3cret" not in repr(recorded) and "t0ken" not in repr(recorded)
