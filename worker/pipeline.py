@@ -59,9 +59,16 @@ def fold_frame(df: Any, folder: Any, partitions: int) -> Any:
     present = set(df.columns)
     body = F.col("body") if "body" in present else F.lit(None).cast("binary")
     kind = F.col("content_type") if "content_type" in present else F.lit(None).cast("string")
+    # One select, the arrival number in it: each DataFrame step costs the driver a plan.
     numbered = df.select(
-        "key", "payload", body.alias("body"), kind.alias("content_type"), "producer", "seq"
-    ).withColumn("_arrival", F.monotonically_increasing_id())
+        "key",
+        "payload",
+        body.alias("body"),
+        kind.alias("content_type"),
+        "producer",
+        "seq",
+        F.monotonically_increasing_id().alias("_arrival"),
+    )
     # One partition: no shuffle at all (a narrow coalesce keeps every key together).
     together = numbered.coalesce(1) if partitions == 1 else numbered.repartition(partitions, "key")
     return together.mapInArrow(folder, STATE_SCHEMA_DDL)
