@@ -1,9 +1,11 @@
 """Fair batches: with more ready events than one batch holds, ``DeliveryBuffer.take`` shares
-each batch among the queues, so no queue starves behind busy ones.
+half of each batch evenly among the queues, so no queue starves behind busy ones, and gives
+the other half to the oldest events, so a queue left behind catches up.
 
 The bound: with ``Q`` queues in the buffer and batches of ``B`` events, a queue with ready
-deliveries at a take is served by that take or one of the ``ceil(Q / B) - 1`` after it (one
-batch cycle); when ``Q <= B`` that is every batch. Pure logic, no services.
+deliveries at a take is served by that take or one of the ``ceil(Q / E) - 1`` after it (one
+batch cycle), where ``E = ceil(B / 2)`` is the even half; when ``Q <= E`` that is every batch,
+whatever ages the events claim. Pure logic, no services.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from keyq.broker.envelope import HEADER_PUBLISHED_AT
 from keyq.worker.amqp.deliveries import Delivery, DeliveryBuffer
 from tests.test_worker_units import delivery
 
@@ -30,6 +33,11 @@ def filled(queues: list[str], depth: int) -> DeliveryBuffer:
         for queue in queues:
             buffer.add(delivery(queue, tag))
     return buffer
+
+
+def cycle(queue_count: int, batch: int) -> int:
+    """Takes within which a queue with ready events is served."""
+    return math.ceil(queue_count / (batch - batch // 2))
 
 
 def take(buffer: DeliveryBuffer, max_events: int) -> list[Delivery]:
@@ -49,10 +57,10 @@ def assert_served_within_a_cycle(
 ) -> None:
     """Each queue ready before take ``i`` is in one of takes ``i .. i + cycles[i] - 1``."""
     served = [{item.queue for item in batch} for batch in batches]
-    for index, (ready, cycle) in enumerate(zip(ready_before, cycles, strict=True)):
-        window = set().union(*served[index : index + cycle])
+    for index, (ready, takes) in enumerate(zip(ready_before, cycles, strict=True)):
+        window = set().union(*served[index : index + takes])
         starved = ready - window
-        assert not starved, f"take {index}: {sorted(starved)} not served within {cycle} takes"
+        assert not starved, f"take {index}: {sorted(starved)} not served within {takes} takes"
 
 
 @pytest.mark.parametrize(("queue_count", "batch"), [(16, 5), (16, 16), (17, 4), (4, 10), (3, 7)])
@@ -61,7 +69,6 @@ def test_saturated_queues_are_all_served_within_one_cycle(queue_count: int, batc
     depth = 4 * batch  # many more ready deliveries than one batch holds, in every queue
     buffer = filled(queues, depth)
     left = dict.fromkeys(queues, depth)
-    cycle = math.ceil(queue_count / batch)
     batches: list[list[Delivery]] = []
     ready_before: list[set[str]] = []
     while len(buffer):
@@ -72,7 +79,9 @@ def test_saturated_queues_are_all_served_within_one_cycle(queue_count: int, batc
             left[item.queue] -= 1
         batches.append(taken)
 
-    assert_served_within_a_cycle(ready_before, batches, [cycle] * len(batches))
+    assert_served_within_a_cycle(
+        ready_before, batches, [cycle(queue_count, batch)] * len(batches)
+    )
     # Nothing lost, nothing twice, and each queue's deliveries in arrival order across takes.
     assert served_by_queue(batches) == {queue: list(range(1, depth + 1)) for queue in queues}
 
@@ -99,7 +108,7 @@ def test_a_queue_that_arrives_late_is_served_within_a_cycle() -> None:
     buffer = filled(names(10), 50)
     take(buffer, 4)
     buffer.add(delivery("late", 1))
-    later = [take(buffer, 4) for _ in range(math.ceil(11 / 4))]
+    later = [take(buffer, 4) for _ in range(cycle(11, 4))]
     assert "late" in {item.queue for batch in later for item in batch}
 
 
@@ -125,33 +134,44 @@ class Recorder:
         self.ready_before: list[set[str]] = []
         self.cycles: list[int] = []
 
-    def add(self, queue: str, count: int) -> None:
+    def add(self, queue: str, count: int, published_ms: int | None = None) -> None:
+        headers = {} if published_ms is None else {HEADER_PUBLISHED_AT: published_ms}
         for _ in range(count):
             self.added[queue] += 1
-            self.buffer.add(delivery(queue, self.added[queue]))
+            self.buffer.add(delivery(queue, self.added[queue], headers=dict(headers)))
 
     def take(self) -> None:
         self.ready_before.append({q for q in self.added if self.taken[q] < self.added[q]})
-        self.cycles.append(math.ceil(len(self.added) / self.batch))
+        self.cycles.append(cycle(len(self.added), self.batch))
         batch = take(self.buffer, self.batch)
         assert 0 < len(batch) <= self.batch
         self.taken.update(item.queue for item in batch)
         self.batches.append(batch)
 
 
-# One step: add ``count`` deliveries to queue ``index``, or (count 0) take a batch.
-steps = st.lists(st.tuples(st.integers(0, 11), st.integers(0, 9)), min_size=1, max_size=80)
+# One step: add ``count`` deliveries to queue ``index`` that claim to have been published at
+# a time (or say nothing: their arrival counts), or (count 0) take a batch. The claimed times
+# are any, as producers' clocks may be: none may starve a queue or reorder one.
+steps = st.lists(
+    st.tuples(
+        st.integers(0, 11),
+        st.integers(0, 9),
+        st.none() | st.integers(1_700_000_000_000, 1_700_000_100_000),
+    ),
+    min_size=1,
+    max_size=80,
+)
 
 
 @settings(max_examples=300, deadline=None)
 @given(steps=steps, batch=st.integers(1, 12))
 def test_any_interleaving_of_adds_and_takes_is_fair_and_loses_nothing(
-    steps: list[tuple[int, int]], batch: int
+    steps: list[tuple[int, int, int | None]], batch: int
 ) -> None:
     recorder = Recorder(DeliveryBuffer(), batch)
-    for index, count in steps:
+    for index, count, published_ms in steps:
         if count:
-            recorder.add(f"q{index:02d}", count)
+            recorder.add(f"q{index:02d}", count, published_ms)
         elif len(recorder.buffer):
             recorder.take()
     while len(recorder.buffer):
@@ -190,3 +210,51 @@ def test_a_capped_queue_is_told_how_many_the_other_queues_have() -> None:
             buffer.add(delivery(queue, tag))
     shared = Counter(d.queue for d in take(buffer, 5000))
     assert shared == {"hot": 800, "b1": 400, "b2": 400}
+
+
+def stamped(queue: str, tags: range, published_ms: int) -> list[Delivery]:
+    return [delivery(queue, tag, headers={HEADER_PUBLISHED_AT: published_ms}) for tag in tags]
+
+
+def test_a_queue_left_behind_gets_the_oldest_half_of_a_batch() -> None:
+    """After a takeover one bucket holds events seconds older than the 60 others: at an even
+    share of a batch it would catch up some 40 events a batch; oldest first, all it holds."""
+    buffer = DeliveryBuffer()
+    now_ms = 1_700_000_000_000
+    buffer.add_all(stamped("behind", range(1, 1001), now_ms - 5_000))
+    for queue in names(60):
+        buffer.add_all(stamped(queue, range(1, 201), now_ms))
+    counts = Counter(item.queue for item in take(buffer, 5000))
+    assert counts["behind"] == 1000
+    assert set(counts) == {"behind", *names(60)}  # the even half still reaches every queue
+    assert sum(counts.values()) == 5000
+
+
+def test_the_oldest_half_follows_publish_times_across_queues() -> None:
+    buffer = DeliveryBuffer()
+    base = 1_700_000_000_000
+    for tag in range(1, 101):  # a: 100 events 10 ms apart from base; b: the same, 5 ms later
+        buffer.add_all(stamped("a", range(tag, tag + 1), base + 10 * tag))
+        buffer.add_all(stamped("b", range(tag, tag + 1), base + 10 * tag + 5))
+    buffer.add_all(stamped("c", range(1, 101), base + 10_000))  # newer than all of a and b
+    counts = Counter(item.queue for item in take(buffer, 60))
+    # Even half: 10 each. Oldest half: a and b alternate (their next events interleave).
+    assert counts == {"a": 25, "b": 25, "c": 10}
+
+
+def test_without_publish_times_the_oldest_half_goes_by_arrival() -> None:
+    buffer = DeliveryBuffer()
+    for tag in range(1, 51):
+        buffer.add(delivery("early", tag, received_at=100.0 + tag / 1000))
+    for tag in range(1, 51):
+        buffer.add(delivery("late", tag, received_at=200.0 + tag / 1000))
+    counts = Counter(item.queue for item in take(buffer, 40))
+    assert counts == {"early": 30, "late": 10}
+
+
+def test_the_oldest_half_keeps_to_a_capped_queues_cap() -> None:
+    buffer = DeliveryBuffer(shared_cap=lambda queue, others: 100 if queue == "hot" else None)
+    buffer.add_all(stamped("hot", range(1, 1001), 1_700_000_000_000))
+    buffer.add_all(stamped("bucket", range(1, 3001), 1_700_000_009_000))
+    counts = Counter(item.queue for item in take(buffer, 5000))
+    assert counts == {"hot": 100, "bucket": 3000}

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_PUBLISHED_AT, HEADER_SEQ
+from keyq.worker.amqp.batch_shares import batch_shares
 
 
 @dataclass(slots=True)
@@ -227,12 +228,13 @@ class DeliveryBuffer:
             return self._take_locked(max_events)
 
     def _take_locked(self, max_events: int) -> list[Delivery]:
-        """A prefix of each queue, shared fairly: busy queues must not starve the others.
+        """A prefix of each queue, shared fairly: busy queues must not starve the others, and
+        queues left behind catch up (``batch_shares``).
 
         Queues are visited least recently served first and the ones served move to the end,
-        so with ``Q`` queues a queue with ready events is served within ``ceil(Q / max_events)``
-        takes (every take when ``Q <= max_events``)."""
-        quotas = _fair_quotas(self._queues, max_events, self._shared_cap)
+        so with ``Q`` queues and an even half of ``E = ceil(max_events / 2)`` events, a queue
+        with ready events is served within ``ceil(Q / E)`` takes (every take when ``Q <= E``)."""
+        quotas = batch_shares(self._queues, max_events, self._shared_cap)
         due_before = time.monotonic() - self._gap_timeout_s
         # A gap that is due is given up by the batch that takes its waiting events: all of
         # its queue that is buffered here joins that batch, or an event that would fill the
@@ -341,40 +343,3 @@ def _identity(delivery: Delivery) -> tuple[str, ...] | None:
 
 def _due(items: Iterable[Delivery], before: float) -> bool:
     return any(d.deferred_since is not None and d.deferred_since <= before for d in items)
-
-
-def _fair_quotas(
-    queues: dict[str, deque[Delivery]],
-    max_events: int,
-    shared_cap: Callable[[str, int], int | None] | None = None,
-) -> dict[str, int]:
-    """How many to take from each queue, in ``queues``' order: rounds of an even share of
-    what is left, so a short queue leaves the rest of its share to the others. Each round
-    but the last gives every queue still pending at least one, so this is O(queues + events).
-    A queue with a ``shared_cap`` (told how many events the other queues have) gives, when
-    other queues have events too, at most that many."""
-    quotas: dict[str, int] = {}
-    pending = [(queue, len(fifo)) for queue, fifo in queues.items() if fifo]
-    if shared_cap is not None and len(pending) > 1:
-        total = sum(ready for _, ready in pending)
-        pending = [
-            (queue, _capped(ready, shared_cap(queue, total - ready))) for queue, ready in pending
-        ]
-    left = max_events
-    while left > 0 and pending:
-        share = max(1, left // len(pending))
-        still: list[tuple[str, int]] = []
-        for queue, ready in pending:
-            if left == 0:
-                break
-            quota = min(share, ready, left)
-            quotas[queue] = quotas.get(queue, 0) + quota
-            left -= quota
-            if ready > quota:
-                still.append((queue, ready - quota))
-        pending = still
-    return quotas
-
-
-def _capped(ready: int, cap: int | None) -> int:
-    return ready if cap is None else min(ready, cap)
