@@ -89,6 +89,7 @@ def run_worker_daemon(
     signal exits at once). Imports Spark."""
     from keyq.worker.config import WorkerSettings  # noqa: PLC0415 - Spark for workers only
     from keyq.worker.daemon import Worker  # noqa: PLC0415
+    from keyq.worker.heap import settle_heap  # noqa: PLC0415
     from keyq.worker.metrics import WorkerMetrics  # noqa: PLC0415
 
     settings = load_settings(WorkerSettings, metrics_port=metrics_port)
@@ -120,6 +121,7 @@ def run_worker_daemon(
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     metrics = WorkerMetrics(worker)
+    settle_heap()  # last before serving: what start-up built stays out of collections
     with serve_metrics(settings, metrics.registry, metrics.health):
         worker.run(until_idle=until_idle)
 
