@@ -11,13 +11,14 @@ whatever ages the events claim. Pure logic, no services.
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keyq.broker.envelope import HEADER_PUBLISHED_AT
+from keyq.broker.envelope import HEADER_PUBLISHED_AT, HEADER_REDRIVE_ID
 from keyq.worker.amqp.deliveries import Delivery, DeliveryBuffer
 from tests.test_worker_units import delivery
 
@@ -79,9 +80,7 @@ def test_saturated_queues_are_all_served_within_one_cycle(queue_count: int, batc
             left[item.queue] -= 1
         batches.append(taken)
 
-    assert_served_within_a_cycle(
-        ready_before, batches, [cycle(queue_count, batch)] * len(batches)
-    )
+    assert_served_within_a_cycle(ready_before, batches, [cycle(queue_count, batch)] * len(batches))
     # Nothing lost, nothing twice, and each queue's deliveries in arrival order across takes.
     assert served_by_queue(batches) == {queue: list(range(1, depth + 1)) for queue in queues}
 
@@ -258,3 +257,36 @@ def test_the_oldest_half_keeps_to_a_capped_queues_cap() -> None:
     buffer.add_all(stamped("bucket", range(1, 3001), 1_700_000_009_000))
     counts = Counter(item.queue for item in take(buffer, 5000))
     assert counts == {"hot": 100, "bucket": 3000}
+
+
+def test_redriven_letters_and_clocks_ahead_count_from_their_arrival() -> None:
+    """A redriven letter keeps its first publish time, maybe days old: it goes by when it was
+    put back. An event stamped after it arrived (its producer's clock runs ahead) goes by its
+    arrival too, not behind every other queue's."""
+    now_ms = round(time.time() * 1000)
+    arrived = time.monotonic()
+    buffer = DeliveryBuffer()
+    redriven = {HEADER_PUBLISHED_AT: now_ms - 86_400_000, HEADER_REDRIVE_ID: "letter-1"}
+    for tag in range(1, 101):
+        buffer.add(delivery("redriven", tag, headers=dict(redriven), received_at=arrived))
+    live = {HEADER_PUBLISHED_AT: now_ms - 5_000}  # published 5 s ago, arrived now too
+    for tag in range(1, 101):
+        buffer.add(delivery("live", tag, headers=dict(live), received_at=arrived))
+    ahead = {HEADER_PUBLISHED_AT: now_ms + 3_600_000}  # arrived 10 s ago
+    for tag in range(1, 101):
+        buffer.add(delivery("ahead", tag, headers=dict(ahead), received_at=arrived - 10))
+    counts = Counter(item.queue for item in take(buffer, 60))
+    # Even half: 10 each. Oldest half: "ahead" (10 s), then "live" (5 s); "redriven" is newest.
+    assert counts == {"ahead": 40, "live": 10, "redriven": 10}
+
+
+def test_a_queue_giving_up_a_gap_leaves_the_whole_batch_to_the_others() -> None:
+    """A due gap's queue joins the batch whole; it takes no share of the others' room."""
+    buffer = DeliveryBuffer(gap_timeout_s=1.0)
+    waiting = [delivery("gap", tag) for tag in range(101, 106)]
+    buffer.defer(waiting, now=time.monotonic() - 5.0)  # waited past the timeout: due
+    for tag in range(1, 101):
+        for queue in ("gap", "a", "b"):
+            buffer.add(delivery(queue, tag))
+    counts = Counter(item.queue for item in take(buffer, 100))
+    assert counts == {"gap": 105, "a": 50, "b": 50}

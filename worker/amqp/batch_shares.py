@@ -10,13 +10,14 @@ whose clock runs behind, or a flood of old events, take every batch. Half of eac
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from keyq.broker.envelope import HEADER_PUBLISHED_AT
+from keyq.broker.envelope import HEADER_PUBLISHED_AT, HEADER_REDRIVE_ID
 
 if TYPE_CHECKING:
     from keyq.worker.amqp.deliveries import Delivery
@@ -71,36 +72,56 @@ def _add_oldest_first(
 ) -> None:
     """Grow ``quotas`` by up to ``room`` events, the oldest next event of any queue first
     (each queue's taken events stay a prefix of it, so its order holds), to at most
-    ``limits`` of a queue. A run of a queue's events older than every other queue's next is
-    taken at once, so this is O(events + switches between queues x log queues)."""
+    ``limits`` of a queue. A run of a queue's events no newer than every other queue's next
+    is taken at once, each event's age read once: O(events + runs x log queues)."""
     if room <= 0:
         return
-    wall_offset_ms = (time.time() - time.monotonic()) * 1000
-
-    def age_stamp(delivery: Delivery) -> float:
-        published = delivery.headers.get(HEADER_PUBLISHED_AT)
-        if isinstance(published, int) and not isinstance(published, bool):
-            return float(published)
-        return delivery.received_at * 1000 + wall_offset_ms  # not from the SDK: its arrival
-
-    heap = [
-        (age_stamp(queues[queue][quotas.get(queue, 0)]), queue)
-        for queue, limit in limits.items()
-        if limit > quotas.get(queue, 0)
-    ]
+    age_of = _age_stamps(time.time() - time.monotonic())
+    # (age of its next event, tie-break, queue, the rest of what it may give)
+    heap: list[tuple[float, int, str, Iterator[Delivery]]] = []
+    for order, (queue, limit) in enumerate(limits.items()):
+        start = quotas.get(queue, 0)
+        if limit > start:
+            rest: Iterator[Delivery] = itertools.islice(queues[queue], start, limit)
+            heap.append((age_of(next(rest)), order, queue, rest))
     heapq.heapify(heap)
     while room > 0 and heap:
-        _stamp, queue = heapq.heappop(heap)
-        fifo, start, limit = queues[queue], quotas.get(queue, 0), limits[queue]
+        _age, order, queue, rest = heapq.heappop(heap)
         newer_than = heap[0][0] if heap else math.inf
-        end = min(limit, start + room)
-        at = start + 1
-        while at < end and age_stamp(fifo[at]) <= newer_than:
-            at += 1
-        quotas[queue] = at
-        room -= at - start
-        if at < limit:
-            heapq.heappush(heap, (age_stamp(fifo[at]), queue))
+        taken = 1
+        room -= 1
+        while room > 0:
+            following = next(rest, None)
+            if following is None:
+                break
+            age = age_of(following)
+            if age > newer_than:
+                heapq.heappush(heap, (age, order, queue, rest))
+                break
+            taken += 1
+            room -= 1
+        quotas[queue] = quotas.get(queue, 0) + taken
+
+
+def _age_stamps(wall_offset_ms: float) -> Callable[[Delivery], float]:
+    """When an event began to wait (ms since the epoch): its producer's publish time, but
+    never after it arrived here (a clock running ahead), and its arrival for events not from
+    the SDK and for redriven dead letters (put back now, however old their first publish:
+    a redrive of old letters must not take the oldest half of every batch until it is done)."""
+
+    def age_of(delivery: Delivery) -> float:
+        arrived_ms = delivery.received_at * 1000 + wall_offset_ms
+        headers = delivery.headers
+        published = headers.get(HEADER_PUBLISHED_AT)
+        if (
+            isinstance(published, int)
+            and not isinstance(published, bool)
+            and HEADER_REDRIVE_ID not in headers
+        ):
+            return min(float(published), arrived_ms)
+        return arrived_ms
+
+    return age_of
 
 
 def _capped(ready: int, cap: int | None) -> int:

@@ -121,7 +121,7 @@ def run_worker_daemon(
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     metrics = WorkerMetrics(worker)
-    settle_heap()  # last before serving: what start-up built stays out of collections
+    settle_heap()  # what it has imported (pyspark, py4j, pyarrow) stays out of collections
     with serve_metrics(settings, metrics.registry, metrics.health):
         worker.run(until_idle=until_idle)
 
