@@ -27,6 +27,13 @@ CONTENT_BYTES = "application/octet-stream"
 _HEADER_VALUE_TYPES = (str, bytes, int, bool, type(None))
 
 
+def published_at_ms(headers: Mapping[str, Any]) -> int | None:
+    """When the producer published the event (``x-keyq-published-at``, ms since the epoch),
+    if the headers say so as an integer (a bool is not one)."""
+    stamp = headers.get(HEADER_PUBLISHED_AT)
+    return stamp if isinstance(stamp, int) and not isinstance(stamp, bool) else None
+
+
 def header_bytes(headers: Mapping[str, Any]) -> int:
     """About how many bytes ``headers`` take on the wire (checked headers only)."""
     size = 0

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from keyq.broker.envelope import HEADER_PUBLISHED_AT, HEADER_REDRIVE_ID
+from keyq.broker.envelope import HEADER_REDRIVE_ID, published_at_ms
 
 if TYPE_CHECKING:
     from keyq.worker.amqp.deliveries import Delivery
@@ -111,15 +111,10 @@ def _age_stamps(wall_offset_ms: float) -> Callable[[Delivery], float]:
 
     def age_of(delivery: Delivery) -> float:
         arrived_ms = delivery.received_at * 1000 + wall_offset_ms
-        headers = delivery.headers
-        published = headers.get(HEADER_PUBLISHED_AT)
-        if (
-            isinstance(published, int)
-            and not isinstance(published, bool)
-            and HEADER_REDRIVE_ID not in headers
-        ):
-            return min(float(published), arrived_ms)
-        return arrived_ms
+        published = published_at_ms(delivery.headers)
+        if published is None or HEADER_REDRIVE_ID in delivery.headers:
+            return arrived_ms
+        return min(float(published), arrived_ms)
 
     return age_of
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_PUBLISHED_AT, HEADER_SEQ
+from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ, published_at_ms
 from keyq.worker.amqp.batch_shares import batch_shares
 
 
@@ -51,10 +51,7 @@ class Delivery:
 def oldest_published_ms(deliveries: Iterable[Delivery]) -> int | None:
     """The earliest ``x-keyq-published-at`` among ``deliveries``, if any carries one."""
     stamps = [
-        stamp
-        for delivery in deliveries
-        if isinstance(stamp := delivery.headers.get(HEADER_PUBLISHED_AT), int)
-        and not isinstance(stamp, bool)
+        stamp for delivery in deliveries if (stamp := published_at_ms(delivery.headers)) is not None
     ]
     return min(stamps, default=None)
 

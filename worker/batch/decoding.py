@@ -20,9 +20,9 @@ from keyq.broker.envelope import (
     HEADER_KEY,
     HEADER_PREFIX,
     HEADER_PRODUCER,
-    HEADER_PUBLISHED_AT,
     HEADER_REDRIVE_ID,
     HEADER_SEQ,
+    published_at_ms,
 )
 from keyq.worker.amqp.deliveries import Delivery
 
@@ -136,7 +136,7 @@ def decode(delivery: Delivery, fallback_key: str | None = None) -> Event | Undec
         return Undecodable(delivery, f"malformed pack: {delivery.malformed}", key, producer, seq)
     if key is None:
         return Undecodable(delivery, f"missing header {HEADER_KEY}", None, producer, seq)
-    published = _integer(headers.get(HEADER_PUBLISHED_AT))
+    published = published_at_ms(headers)
     if not labelled_json(delivery.content_type):
         return Event(delivery, key, producer, seq, published, json_text(delivery.body))
     try:
