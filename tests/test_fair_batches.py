@@ -278,15 +278,3 @@ def test_redriven_letters_and_clocks_ahead_count_from_their_arrival() -> None:
     counts = Counter(item.queue for item in take(buffer, 60))
     # Even half: 10 each. Oldest half: "ahead" (10 s), then "live" (5 s); "redriven" is newest.
     assert counts == {"ahead": 40, "live": 10, "redriven": 10}
-
-
-def test_a_queue_giving_up_a_gap_leaves_the_whole_batch_to_the_others() -> None:
-    """A due gap's queue joins the batch whole; it takes no share of the others' room."""
-    buffer = DeliveryBuffer(gap_timeout_s=1.0)
-    waiting = [delivery("gap", tag) for tag in range(101, 106)]
-    buffer.defer(waiting, now=time.monotonic() - 5.0)  # waited past the timeout: due
-    for tag in range(1, 101):
-        for queue in ("gap", "a", "b"):
-            buffer.add(delivery(queue, tag))
-    counts = Counter(item.queue for item in take(buffer, 100))
-    assert counts == {"gap": 105, "a": 50, "b": 50}

@@ -231,18 +231,14 @@ class DeliveryBuffer:
         Queues are visited least recently served first and the ones served move to the end,
         so with ``Q`` queues and an even half of ``E = ceil(max_events / 2)`` events, a queue
         with ready events is served within ``ceil(Q / E)`` takes (every take when ``Q <= E``)."""
+        quotas = batch_shares(self._queues, max_events, self._shared_cap)
         due_before = time.monotonic() - self._gap_timeout_s
         # A gap that is due is given up by the batch that takes its waiting events: all of
         # its queue that is buffered here joins that batch, or an event that would fill the
-        # gap, arrived but past the queue's share, would come in the next one, late. Such a
-        # queue has no share of its own: the others share the batch.
+        # gap, arrived but past the queue's share, would come in the next one, late.
         due = {q for q, items in self._deferred.items() if _due(items, due_before)}
-        sharing = (
-            {q: fifo for q, fifo in self._queues.items() if q not in due} if due else self._queues
-        )
-        quotas = batch_shares(sharing, max_events, self._shared_cap)
         taken: list[Delivery] = []
-        for queue in [*quotas, *due]:
+        for queue in [*quotas, *(due - quotas.keys())]:
             fifo = self._queues.pop(queue, deque())
             quota = len(fifo) if queue in due else quotas[queue]
             # What waits in this queue rejoins it: the events taken may fill its gap.
