@@ -362,7 +362,10 @@ def test_a_queue_whose_packs_give_way_to_single_events_gets_room_for_them_within
         sender.single(seq)
 
     caplog.set_level(logging.INFO, logger="keyq.worker")
-    worker = run_worker(stream, spark_engine, prefetch=100, pack_max_events=20)
+    # A batch of 100 events leaves no room to widen into: the message size alone is fitted.
+    worker = run_worker(
+        stream, spark_engine, prefetch=100, pack_max_events=20, batch_max_events=100
+    )
 
     reopenings = [
         (record.created, record.getMessage())
@@ -376,4 +379,32 @@ def test_a_queue_whose_packs_give_way_to_single_events_gets_room_for_them_within
     store = StateStore(stream.redis, stream.name)
     assert store.get(sender.key) == audit_of(1200, 1200)
     assert worker.stats()["events"] == 1200
+    assert queue_depth(amqp, sender.queue) == 0
+
+
+def test_a_lone_backed_up_queue_is_widened_to_drain_a_batch_at_a_time(
+    stream: StreamFixture,
+    amqp: pika.BlockingConnection,
+    spark_engine: SparkEngine,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """prefetch 100 events, batches of up to 2,000: 3,000 events wait in one queue. Held to its
+    prefetch, the queue would take at least 30 batches, each nearly empty; its consumer is
+    widened to a batch's worth once it shows full, and every event is applied once, in
+    order."""
+    sender = PackPublisher(stream, amqp, "backlog")
+    for first in range(1, 3001, 20):
+        sender.pack(range(first, first + 20))
+
+    caplog.set_level(logging.INFO, logger="keyq.worker")
+    worker = run_worker(
+        stream, spark_engine, prefetch=100, pack_max_events=20, batch_max_events=2000
+    )
+
+    assert "reopening it with a prefetch of 100 messages (was 5)" in caplog.text
+    stats = worker.stats()
+    assert stats["events"] == 3000, stats
+    assert stats["batches"] <= 10, stats
+    store = StateStore(stream.redis, stream.name)
+    assert store.get(sender.key) == audit_of(3000, 3000)
     assert queue_depth(amqp, sender.queue) == 0

@@ -86,7 +86,8 @@ class WorkerSettings(Settings):
         le=65535,
         description="unacked events per queue (its AMQP prefetch starts at KEYQ_PREFETCH / "
         "KEYQ_PACK_MAX_EVENTS messages, since a message may be a pack of events, and is "
-        "fitted to the size its messages have)",
+        "fitted to the size its messages have; a queue backed up beyond it is widened to a "
+        "batch while batches have room to spare)",
     )
     max_held_queues: int | None = Field(
         default=None,

@@ -22,7 +22,7 @@ from keyq.broker.producer_presence import ProducerPresence
 from keyq.worker.amqp.deliveries import Delivery, DeliveryBuffer, oldest_published_ms
 from keyq.worker.amqp.link import ConsumerLink, QueueCounter
 from keyq.worker.amqp.starvation import StarvedQueues
-from keyq.worker.auto_mode import OwnEventCost
+from keyq.worker.auto_mode import OwnEventCost, is_own_queue
 from keyq.worker.batch.processor import BatchProcessor
 from keyq.worker.config import WorkerSettings
 from keyq.worker.holding.abandoned_gaps import AbandonedGaps
@@ -117,7 +117,17 @@ class Session:
 
     def __post_init__(self) -> None:
         events = self.settings.prefetch
-        self.prefetch = PrefetchFit(events, self.settings.amqp_prefetch(events))
+        self.prefetch = PrefetchFit(
+            events,
+            self.settings.amqp_prefetch(events),
+            self.settings.batch_max_events,
+            widens=self._widens,
+        )
+
+    def _widens(self, queue: str) -> bool:
+        """In auto mode only a promoted key's own queue is widened, not a bucket
+        (``keyq.worker.holding.prefetch_fit``)."""
+        return self.own_cost is None or is_own_queue(self.own_cost.config, queue)
 
     def oldest_unprocessed_ms(self) -> int | None:
         """When the oldest event this worker holds and has not applied was published."""

@@ -13,6 +13,17 @@ messages. A reopening hands the queue's unacked deliveries back to be sent again
 grows at most once per ``GROW_COOL_DOWN_S`` and shrinks at most once per ``COOL_DOWN_S``: a
 bucket a hot key has just left (its packs forwarded, its bucket-mates' single events left)
 grows twice within seconds, while one whose sizes swing is not reopened back and forth.
+
+A queue backed up beyond its room drains at most its room a batch, however idle the worker: a
+hot key behind a burst would take ``backlog / prefetch`` batch cycles while its batches ran
+nearly empty. So a queue whose consumer was full after a batch that had room to spare is
+widened to hold up to a whole batch (``KEYQ_BATCH_MAX_EVENTS``), and narrowed back to
+``prefetch`` once it is no longer full. What widening adds over ``prefetch`` is bounded for the
+whole worker (``WIDE_BATCHES`` batches), so its memory stays bounded however many queues back
+up at once. An auto-mode bucket is not widened: a key that backs its bucket up is promoted to
+a queue of its own by the events it gives one batch (``KEYQ_AUTO_PROMOTE_BACKLOG``, at most
+a prefetch), and a wider bucket would promote cheap keys that are merely behind after a
+failover, whose forwarding costs about what applying them does.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ log = logging.getLogger("keyq.worker")
 COOL_DOWN_S = 5.0
 GROW_COOL_DOWN_S = 1.0
 WEIGHT = 0.3  # of the latest batch in the running size of a queue's messages
+WIDE_BATCHES = 2  # the events widened queues may hold beyond ``prefetch``, in whole batches
 
 
 @dataclass
@@ -51,9 +63,19 @@ class _Seen:
 class PrefetchFit:
     """Which held queues to reopen with another prefetch, and with what."""
 
-    def __init__(self, prefetch_events: int, base_messages: int) -> None:
+    def __init__(
+        self,
+        prefetch_events: int,
+        base_messages: int,
+        batch_events: int,
+        widens: Callable[[str], bool] | None = None,
+    ) -> None:
         self._events = prefetch_events
         self._base = base_messages
+        self._batch = batch_events
+        self._widens = widens  # which queues may be widened; None: all of them
+        # queue -> the events it may hold, when over prefetch, until it is narrowed or let go
+        self._wide: dict[str, int] = {}
         self._seen: dict[str, _Seen] = {}
         self._last_change: dict[str, float] = {}
         self.refits = 0
@@ -82,13 +104,30 @@ class PrefetchFit:
             room = room_of(queue)
             full = room is not None and len(taken) + buffered(queue) >= room
             self._seen[queue] = _Seen(size, latest, full)
+            room_to_spare = len(batch) < self._batch
+            if full and room_to_spare and queue not in self._wide and self._may_widen(queue):
+                self._widen(queue)
+
+    def _may_widen(self, queue: str) -> bool:
+        return self._widens is None or self._widens(queue)
+
+    def _widen(self, queue: str) -> None:
+        """Room for up to a batch of events, as far as the worker's widening budget goes."""
+        spare = WIDE_BATCHES * self._batch - sum(
+            events - self._events for events in self._wide.values()
+        )
+        events = min(self._batch, self._events + spare)
+        if events >= 2 * self._events:  # less would not be worth reopening its consumer
+            self._wide[queue] = events
 
     def want(self, queue: str) -> int | None:
-        """The room for ``prefetch`` events at the size ``queue``'s messages have."""
+        """The room for ``prefetch`` events (more if widened and still full) at the size
+        ``queue``'s messages have."""
         seen = self._seen.get(queue)
         if seen is None:
             return None
-        fitted = math.ceil(self._events / max(seen.size, 1.0))
+        events = self._wide.get(queue, self._events) if seen.full else self._events
+        fitted = math.ceil(events / max(seen.size, 1.0))
         return min(MAX_PREFETCH, max(self._base, fitted))
 
     def due(
@@ -101,6 +140,7 @@ class PrefetchFit:
             if room is None:  # no longer held
                 del self._seen[queue]
                 self._last_change.pop(queue, None)
+                self._wide.pop(queue, None)
                 continue
             want = self.want(queue)
             if want is None:
@@ -112,6 +152,8 @@ class PrefetchFit:
             if grow or shrink:
                 changes[queue] = want
                 self._last_change[queue] = now
+            if shrink and not self._seen[queue].full:
+                self._wide.pop(queue, None)  # its share of the budget is free again
         return changes
 
     def refit(
