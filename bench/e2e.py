@@ -78,12 +78,13 @@ class WorkerProcess:
         log_dir: Path,
         pipeline: str = PIPELINE,
         mode: str = "bucket",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.worker_id = f"bench-{uuid.uuid4().hex[:8]}"
         self.stream = stream
         self.log_path = log_dir / f"{self.worker_id}.log"
         self._log = self.log_path.open("wb")
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
         self.process = subprocess.Popen(
             [
                 sys.executable,
@@ -102,7 +103,7 @@ class WorkerProcess:
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env=env,
+            env=environment,
             cwd=REPO,
         )
 
