@@ -4,15 +4,11 @@ producer's bucket catching up, in test_packed_deliveries and bench/hot_key.py)."
 from __future__ import annotations
 
 from keyq.worker.amqp.deliveries import Delivery
-from keyq.worker.holding.prefetch_fit import (
-    COOL_DOWN_S,
-    GROW_COOL_DOWN_S,
-    WIDE_BATCHES,
-    PrefetchFit,
-)
+from keyq.worker.holding.prefetch_fit import COOL_DOWN_S, GROW_COOL_DOWN_S, PrefetchFit
 
 EVENTS, BASE = 1000, 50  # KEYQ_PREFETCH, and its room in messages of 20 events
 BATCH = 5000  # KEYQ_BATCH_MAX_EVENTS
+BUDGET = 2 * BATCH  # KEYQ_PREFETCH_WIDEN_EVENTS
 
 
 def none_buffered(_queue: str) -> int:
@@ -93,7 +89,7 @@ def test_a_queue_grows_again_after_a_short_cool_down_but_shrinks_after_the_long_
 
 
 def test_a_backed_up_queue_in_a_batch_with_room_to_spare_is_widened_to_a_batch() -> None:
-    fit = PrefetchFit(EVENTS, BASE, BATCH)
+    fit = PrefetchFit(EVENTS, BASE, BATCH, BUDGET)
     rooms = {"hot": BASE, "quiet": BASE}
     fit.observe(batch("hot", BASE, 20) + batch("quiet", 3, 20), rooms.get, none_buffered)
     assert fit.due(rooms.get, lambda _q: 0, now=100.0) == {"hot": BATCH // 20}
@@ -103,7 +99,7 @@ def test_a_backed_up_queue_in_a_batch_with_room_to_spare_is_widened_to_a_batch()
 
 
 def test_a_full_batch_widens_nothing_and_a_widened_queue_stays_so_while_full() -> None:
-    fit = PrefetchFit(EVENTS, BASE, BATCH)
+    fit = PrefetchFit(EVENTS, BASE, BATCH, BUDGET)
     rooms = {f"q{n}": BASE for n in range(5)}
     full_batch = [d for n in range(5) for d in batch(f"q{n}", BASE, 20)]
     fit.observe(full_batch, rooms.get, none_buffered)
@@ -117,14 +113,14 @@ def test_a_full_batch_widens_nothing_and_a_widened_queue_stays_so_while_full() -
 
 
 def test_widening_is_bounded_for_the_whole_worker() -> None:
-    fit = PrefetchFit(EVENTS, BASE, BATCH)
+    fit = PrefetchFit(EVENTS, BASE, BATCH, BUDGET)
     queues = [f"q{n}" for n in range(10)]
     rooms = dict.fromkeys(queues, BASE)
     for queue in queues:  # each backs up in turn, in batches with room to spare
         fit.observe(batch(queue, BASE, 20), rooms.get, none_buffered)
     wanted = fit.due(rooms.get, lambda _q: 0, now=100.0)
     extra = sum(messages * 20 - EVENTS for messages in wanted.values())
-    assert 0 < extra <= WIDE_BATCHES * BATCH
+    assert 0 < extra <= BUDGET
     assert set(wanted) == {"q0", "q1", "q2"}  # they took the budget; the rest keep prefetch
     assert wanted["q0"] == wanted["q1"] == BATCH // 20 > wanted["q2"]
     rooms.update(wanted)  # reopened
@@ -135,7 +131,7 @@ def test_widening_is_bounded_for_the_whole_worker() -> None:
 
 
 def test_a_widened_queue_gives_its_budget_back_when_narrowed_not_before() -> None:
-    fit = PrefetchFit(EVENTS, BASE, BATCH)
+    fit = PrefetchFit(EVENTS, BASE, BATCH, BUDGET)
     queues = ["q0", "q1", "q2", "q3"]
     rooms = dict.fromkeys(queues, BASE)
     for queue in queues[:3]:
@@ -150,7 +146,34 @@ def test_a_widened_queue_gives_its_budget_back_when_narrowed_not_before() -> Non
 
 
 def test_a_queue_the_worker_does_not_widen_keeps_its_prefetch_however_backed_up() -> None:
-    fit = PrefetchFit(EVENTS, BASE, BATCH, widens=lambda queue: queue != "bucket")
+    fit = PrefetchFit(EVENTS, BASE, BATCH, BUDGET, widens=lambda queue: queue != "bucket")
     rooms = {"bucket": BASE, "own": BASE}
     fit.observe(batch("bucket", BASE, 20) + batch("own", BASE, 20), rooms.get, none_buffered)
     assert fit.due(rooms.get, lambda _q: 0, now=100.0) == {"own": BATCH // 20}
+
+
+def test_no_budget_widens_nothing() -> None:
+    fit = PrefetchFit(EVENTS, BASE, BATCH, 0)
+    rooms = {"hot": BASE}
+    fit.observe(batch("hot", BASE, 20), rooms.get, none_buffered)
+    assert fit.due(rooms.get, lambda _q: 0, now=100.0) == {}
+
+
+def test_a_queue_that_caught_up_before_it_was_reopened_wider_gives_the_budget_back() -> None:
+    fit = PrefetchFit(EVENTS, BASE, BATCH, BATCH)  # room for one widened queue
+    rooms = {"a": BASE, "b": BASE}
+    fit.observe(batch("a", BASE, 20), rooms.get, none_buffered)  # full: widening reserved
+    fit.observe(batch("a", 3, 20), rooms.get, none_buffered)  # caught up before any reopening
+    assert fit.due(rooms.get, lambda _q: 0, now=100.0) == {}
+    fit.observe(batch("b", BASE, 20), rooms.get, none_buffered)
+    assert fit.due(rooms.get, lambda _q: 0, now=100.0) == {"b": BATCH // 20}
+
+
+def test_deliveries_put_back_count_once_and_their_queue_is_not_widened() -> None:
+    fit = PrefetchFit(EVENTS, BASE, BATCH, BUDGET)
+    rooms = {"limited": BASE}
+    taken = batch("limited", BASE // 2, 20)  # all over its key's rate: back in the buffer
+    fit.observe(taken, rooms.get, lambda _q: BASE // 2, put_back=taken)
+    assert fit.due(rooms.get, lambda _q: 0, now=100.0) == {}  # half the room, counted once
+    fit.observe(batch("limited", BASE, 20), rooms.get, none_buffered, put_back=taken[:1])
+    assert fit.due(rooms.get, lambda _q: 0, now=200.0) == {}  # full, but held back: not widened

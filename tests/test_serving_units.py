@@ -13,10 +13,13 @@ from typing import Any, cast
 import pytest
 
 from keyq.broker.locks import Lease
+from keyq.broker.naming import Mode
 from keyq.broker.settings import load_settings
+from keyq.broker.streams import StreamConfig
 from keyq.worker.amqp.deliveries import Delivery, DeliveryBuffer
 from keyq.worker.amqp.link import ConsumerLink
 from keyq.worker.amqp.starvation import StarvedQueues
+from keyq.worker.auto_mode import OwnEventCost
 from keyq.worker.batch.outcome import BatchOutcome
 from keyq.worker.batch.processor import BatchProcessor
 from keyq.worker.config import WorkerSettings
@@ -149,3 +152,21 @@ def test_batches_wait_longer_only_under_load() -> None:
     assert batch_wait(settings, 10, 1.0) == 0.0
     assert batch_wait(settings, 60, 0.3) == pytest.approx(0.6)
     assert batch_wait(settings, 60, 5.0) == 2.0
+
+
+@pytest.mark.parametrize("mode", ["auto", "bucket"])
+def test_an_auto_mode_bucket_is_never_widened_its_promoted_keys_own_queues_are(mode: str) -> None:
+    config = StreamConfig(stream="widen", mode=Mode(mode), buckets=4)
+    made, _held, _buffer, _handbacks, _stop = session(
+        own_cost=OwnEventCost(config) if mode == "auto" else None
+    )
+    bucket = config.queue_for("k")
+    own = config.own_queue_for("hot") if mode == "auto" else config.queue_for("other")
+    base = made.settings.amqp_prefetch(made.settings.prefetch)
+    rooms = {bucket: base, own: base}
+    full = [plain_delivery(queue, tag) for queue in (bucket, own) for tag in range(1, base + 1)]
+    made.prefetch.observe(full, rooms.get, lambda _queue: 0)
+    wanted = made.prefetch.due(rooms.get, lambda _queue: 0, now=100.0)
+    widened = made.settings.batch_max_events  # single events: a message each
+    assert wanted[own] == widened, wanted
+    assert (wanted.get(bucket) == widened) is (mode == "bucket"), wanted

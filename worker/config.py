@@ -86,8 +86,15 @@ class WorkerSettings(Settings):
         le=65535,
         description="unacked events per queue (its AMQP prefetch starts at KEYQ_PREFETCH / "
         "KEYQ_PACK_MAX_EVENTS messages, since a message may be a pack of events, and is "
-        "fitted to the size its messages have; a queue backed up beyond it is widened to a "
-        "batch while batches have room to spare)",
+        "fitted to the size its messages have; a queue backed up beyond it may be widened, "
+        "KEYQ_PREFETCH_WIDEN_EVENTS)",
+    )
+    prefetch_widen_events: int = Field(
+        default=10_000,
+        ge=0,
+        description="events that queues backed up beyond KEYQ_PREFETCH may hold beyond it, "
+        "for the whole worker: such a queue is widened to up to a batch while batches have "
+        "room to spare (not an auto-mode bucket); 0 turns widening off",
     )
     max_held_queues: int | None = Field(
         default=None,

@@ -121,6 +121,7 @@ class Session:
             events,
             self.settings.amqp_prefetch(events),
             self.settings.batch_max_events,
+            self.settings.prefetch_widen_events,
             widens=self._widens,
         )
 
@@ -172,7 +173,12 @@ class Session:
         if outcome.interrupted is not None:
             self.stop.wait(ERROR_BACKOFF_S)
         self.held.apply(outcome)
-        self.prefetch.observe(batch, self.held.room_of, self.buffer.ready_messages)
+        self.prefetch.observe(
+            batch,
+            self.held.room_of,
+            self.buffer.ready_messages,
+            put_back=[*outcome.later, *outcome.unsettled],
+        )
         if self.own_cost is not None and committed is not None:
             stats = self.processor.stats
             if stats.batches > committed:  # committed: what its last run applied, and its job

@@ -18,12 +18,13 @@ A queue backed up beyond its room drains at most its room a batch, however idle 
 hot key behind a burst would take ``backlog / prefetch`` batch cycles while its batches ran
 nearly empty. So a queue whose consumer was full after a batch that had room to spare is
 widened to hold up to a whole batch (``KEYQ_BATCH_MAX_EVENTS``), and narrowed back to
-``prefetch`` once it is no longer full. What widening adds over ``prefetch`` is bounded for the
-whole worker (``WIDE_BATCHES`` batches), so its memory stays bounded however many queues back
-up at once. An auto-mode bucket is not widened: a key that backs its bucket up is promoted to
-a queue of its own by the events it gives one batch (``KEYQ_AUTO_PROMOTE_BACKLOG``, at most
-a prefetch), and a wider bucket would promote cheap keys that are merely behind after a
-failover, whose forwarding costs about what applying them does.
+``prefetch`` once it is no longer full. What widened queues may hold beyond ``prefetch`` is
+one budget for the whole worker (``KEYQ_PREFETCH_WIDEN_EVENTS``, counted at the size each
+queue's messages had), so its memory stays bounded however many queues back up at once. An
+auto-mode bucket is not widened: a key that backs its bucket up is promoted to a queue of its
+own by the events it gives one batch (``KEYQ_AUTO_PROMOTE_BACKLOG``, at most a prefetch), and
+a wider bucket would promote cheap keys that are merely behind after a failover, whose
+forwarding costs about what applying them does.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from keyq.worker.amqp.deliveries import Delivery
@@ -42,7 +43,6 @@ log = logging.getLogger("keyq.worker")
 COOL_DOWN_S = 5.0
 GROW_COOL_DOWN_S = 1.0
 WEIGHT = 0.3  # of the latest batch in the running size of a queue's messages
-WIDE_BATCHES = 2  # the events widened queues may hold beyond ``prefetch``, in whole batches
 
 
 @dataclass
@@ -68,13 +68,15 @@ class PrefetchFit:
         prefetch_events: int,
         base_messages: int,
         batch_events: int,
+        widen_events: int = 0,
         widens: Callable[[str], bool] | None = None,
     ) -> None:
         self._events = prefetch_events
         self._base = base_messages
         self._batch = batch_events
+        self._budget = widen_events  # what widened queues may hold beyond prefetch, in all
         self._widens = widens  # which queues may be widened; None: all of them
-        # queue -> the events it may hold, when over prefetch, until it is narrowed or let go
+        # queue -> the events it may hold, beyond prefetch, until it is narrowed or let go
         self._wide: dict[str, int] = {}
         self._seen: dict[str, _Seen] = {}
         self._last_change: dict[str, float] = {}
@@ -85,15 +87,23 @@ class PrefetchFit:
         batch: Sequence[Delivery],
         room_of: Callable[[str], int | None],
         buffered: Callable[[str], int],
+        put_back: Collection[Delivery] = (),
     ) -> None:
         """Note each queue's message size in ``batch``, and whether its consumer was full:
         the batch's messages and those ``buffered`` since (ready ones: what the batch deferred
         is among its messages) fill its room. A batch of a backed-up queue takes only what had
         arrived when it began, often half the room (the rest comes while it runs), so the batch
-        alone seldom shows a consumer held to its room."""
+        alone seldom shows a consumer held to its room. Deliveries the batch ``put_back`` in the
+        buffer (over their key's rate, or unsettled) count once, as buffered, and their queues
+        are not widened: room was not what held them."""
+        back = {id(delivery) for delivery in put_back}
+        held_back = {delivery.queue for delivery in put_back}
+        room_to_spare = len(batch) < self._batch
         messages: dict[str, set[tuple[int, int]]] = {}
         events: dict[str, int] = {}
         for delivery in batch:
+            if id(delivery) in back:
+                continue
             messages.setdefault(delivery.queue, set()).add(delivery.message)
             events[delivery.queue] = events.get(delivery.queue, 0) + 1
         for queue, taken in messages.items():
@@ -104,21 +114,25 @@ class PrefetchFit:
             room = room_of(queue)
             full = room is not None and len(taken) + buffered(queue) >= room
             self._seen[queue] = _Seen(size, latest, full)
-            room_to_spare = len(batch) < self._batch
-            if full and room_to_spare and queue not in self._wide and self._may_widen(queue):
+            if not full and queue in self._wide and not self._reopened_wider(queue, room, size):
+                del self._wide[queue]  # caught up before its consumer was reopened wider
+            elif full and room_to_spare and queue not in held_back and self._may_widen(queue):
                 self._widen(queue)
 
     def _may_widen(self, queue: str) -> bool:
-        return self._widens is None or self._widens(queue)
+        return queue not in self._wide and (self._widens is None or self._widens(queue))
 
     def _widen(self, queue: str) -> None:
         """Room for up to a batch of events, as far as the worker's widening budget goes."""
-        spare = WIDE_BATCHES * self._batch - sum(
-            events - self._events for events in self._wide.values()
-        )
+        spare = self._budget - sum(events - self._events for events in self._wide.values())
         events = min(self._batch, self._events + spare)
         if events >= 2 * self._events:  # less would not be worth reopening its consumer
             self._wide[queue] = events
+
+    def _reopened_wider(self, queue: str, room: int | None, size: float) -> bool:
+        """Whether ``queue``'s consumer has (about) the room it was widened to; read from the
+        room itself, so a reopening that failed leaves nothing to undo."""
+        return room is not None and 2 * room > math.ceil(self._wide[queue] / max(size, 1.0))
 
     def want(self, queue: str) -> int | None:
         """The room for ``prefetch`` events (more if widened and still full) at the size
