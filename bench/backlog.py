@@ -33,8 +33,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import Cleanup, emit, log, machine_info, measure_then_clean, median, positive
-from bench.common import ratio as ratio_of
+from bench.common import (
+    Cleanup,
+    emit,
+    log,
+    machine_info,
+    measure_then_clean,
+    median,
+    positive,
+    ratio,
+)
 from bench.e2e import WorkerProcess
 from keyq import Producer
 from keyq.broker.connections import open_redis
@@ -130,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "events": args.events,
         "rounds": rounds,
         "median_events_per_s": medians,
-        "widened_over_held": ratio_of(medians["widened"], medians["held"]),
+        "widened_over_held": ratio(medians["widened"], medians["held"]),
         "ok": not errors
         and all(r["order_violations"] == 0 and r["applied"] == args.events for r in rounds),
         "errors": errors,

@@ -132,7 +132,7 @@ class PrefetchFit:
     def _reopened_wider(self, queue: str, room: int | None, size: float) -> bool:
         """Whether ``queue``'s consumer has (about) the room it was widened to; read from the
         room itself, so a reopening that failed leaves nothing to undo."""
-        return room is not None and 2 * room > math.ceil(self._wide[queue] / max(size, 1.0))
+        return room is not None and 2 * room > _messages_for(self._wide[queue], size)
 
     def want(self, queue: str) -> int | None:
         """The room for ``prefetch`` events (more if widened and still full) at the size
@@ -141,8 +141,7 @@ class PrefetchFit:
         if seen is None:
             return None
         events = self._wide.get(queue, self._events) if seen.full else self._events
-        fitted = math.ceil(events / max(seen.size, 1.0))
-        return min(MAX_PREFETCH, max(self._base, fitted))
+        return min(MAX_PREFETCH, max(self._base, _messages_for(events, seen.size)))
 
     def due(
         self, room_of: Callable[[str], int | None], deferred: Callable[[str], int], now: float
@@ -188,3 +187,8 @@ class PrefetchFit:
             )
             if reopen(queue, prefetch):
                 self.refits += 1
+
+
+def _messages_for(events: int, size: float) -> int:
+    """The messages that hold ``events`` events at ``size`` events a message."""
+    return math.ceil(events / max(size, 1.0))
