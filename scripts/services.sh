@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Make sure RabbitMQ and Redis are reachable before tests or the demo.
 #
-# Usage: scripts/services.sh [--check]
+# Usage: scripts/services.sh [--check] [--test-tools]
 #
 # Reads KEYQ_AMQP_URL and KEYQ_REDIS_URL. A reachable service is used as is.
 # An unreachable *local* one is started (and, as root with apt-get, installed
@@ -11,10 +11,11 @@
 # the same URLs; `docker compose down -v` stops them. Otherwise it says why per
 # service and exits 1.
 #
-# It also installs promtool (Debian's prometheus package), which the tests use to check
-# deploy/prometheus's alert rules, when it is missing and it can (as root with apt-get);
-# otherwise it says so, and those tests fail in CI (skip elsewhere) naming the package. The
-# same goes for Debian's chromium and chromium-driver, which the console's browser tests drive.
+# --test-tools (make test) also installs what only the tests use, when it is missing and it
+# can (as root with apt-get): promtool (Debian's prometheus package), which checks
+# deploy/prometheus's alert rules, and Debian's chromium and chromium-driver, which the
+# console's browser tests drive; otherwise it says so, and those tests fail in CI (skip
+# elsewhere) naming the package. The demo needs none of them.
 #
 # --check only probes and reports; it never starts or installs anything.
 #
@@ -28,18 +29,21 @@ REDIS_WAIT_S=15
 COMPOSE_WAIT_S=180
 
 MODE=fix
-case "${1:-}" in
-    "") ;;
-    --check) MODE=check ;;
-    -h | --help)
-        sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
-        exit 0
-        ;;
-    *)
-        echo "keyq services: unknown argument '$1' (expected --check)" >&2
-        exit 2
-        ;;
-esac
+TEST_TOOLS=0
+for argument in "$@"; do
+    case "$argument" in
+        --check) MODE=check ;;
+        --test-tools) TEST_TOOLS=1 ;;
+        -h | --help)
+            sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
+            exit 0
+            ;;
+        *)
+            echo "keyq services: unknown argument '$argument' (expected --check or --test-tools)" >&2
+            exit 2
+            ;;
+    esac
+done
 
 say() { echo "keyq services: $*"; }
 
@@ -176,7 +180,7 @@ start_locally() {
             REASON="$binary is not installed and apt-get is unavailable"
             return 1
         fi
-        echo "keyq services: installing $package with apt-get ..." >&2
+        echo "keyq services: installing $package with apt-get: $name is not running and not installed" >&2
         if ! apt_install "$package" || ! command -v "$binary" >/dev/null 2>&1; then
             REASON="apt-get install $package failed"
             return 1
@@ -267,7 +271,7 @@ ensure_tool() {
     elif ! command -v apt-get >/dev/null 2>&1; then
         say "$binary is not installed and apt-get is unavailable ($what)"
     else
-        echo "keyq services: installing $package with apt-get ..." >&2
+        echo "keyq services: installing $package with apt-get: $what" >&2
         # Without recommends (for prometheus: a node exporter, disk and IPMI tools).
         if apt_install "$package" --no-install-recommends &&
             command -v "$binary" >/dev/null 2>&1; then
@@ -278,9 +282,11 @@ ensure_tool() {
     fi
 }
 
-ensure_tool promtool prometheus "the tests check deploy/prometheus's alert rules with it"
-ensure_tool chromium chromium "the console's browser tests drive it headless"
-ensure_tool chromedriver chromium-driver "the console's browser tests drive chromium through it"
+if ((TEST_TOOLS)); then
+    ensure_tool promtool prometheus "the tests check deploy/prometheus's alert rules with promtool"
+    ensure_tool chromium chromium "the console's browser tests drive chromium headless"
+    ensure_tool chromedriver chromium-driver "the console's browser tests drive chromium through chromedriver"
+fi
 
 ensure RabbitMQ amqp "$AMQP_URL" rabbitmq-server rabbitmq-server start_rabbitmq
 ensure Redis redis "$REDIS_URL" redis-server redis-server start_redis

@@ -25,6 +25,8 @@ CLOSED_PORTS = {
     "KEYQ_REDIS_URL": f"redis://:{PASSWORD}@127.0.0.1:1/0",
 }
 RUN_TIMEOUT_S = 60  # a command that connects to a closed port waits for it, and fails the row
+# One process runs the file: the rows are run once, together, for the whole module.
+pytestmark = pytest.mark.xdist_group("cli-errors")
 
 USAGE = 2
 FAILURE = 1

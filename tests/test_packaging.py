@@ -25,7 +25,8 @@ from keyq.worker.batch.state_store import StateStore
 from tests.workers import FAST, REPO, keyq_environment
 
 # It installs from the repository (the build backend comes from the package index).
-pytestmark = [pytest.mark.slow, pytest.mark.services]
+# One process runs the file: its tests share the venvs it builds (module scope).
+pytestmark = [pytest.mark.slow, pytest.mark.services, pytest.mark.xdist_group("packaging")]
 
 USER_PRODUCER = """
 import sys

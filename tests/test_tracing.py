@@ -23,7 +23,8 @@ from keyq.worker.spark.engine import SparkEngine
 from tests.conftest import StreamFixture
 from tests.workers import wait_until
 
-pytestmark = pytest.mark.slow
+# One process runs the file: OpenTelemetry allows one tracer provider a process.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tracing")]
 
 
 @pytest.fixture(scope="module")

@@ -166,3 +166,20 @@ def test_a_worker_waits_for_a_broker_that_is_down_and_for_redis_gone_while_spark
     assert "spark ready in" in worker.log()
     assert "Using Spark's default log4j profile" not in worker.log()
     assert "To adjust logging level" not in worker.log()
+
+
+def test_a_worker_stopped_while_it_starts_exits_cleanly(
+    stream: Any, workers: Any, tmp_path: Any
+) -> None:
+    """A supervisor may stop a worker before it serves (still importing its pipeline, say):
+    that is a clean stop, exit 0, not a death by SIGTERM."""
+    importing = tmp_path / "importing"
+    (tmp_path / "kq_slow_import_pipe.py").write_text(
+        f"import pathlib, time\npathlib.Path({str(importing)!r}).touch()\ntime.sleep(3)\n"
+        "def run(df, ctx):\n    return df\n"
+    )
+    worker = workers(
+        stream.name, pipeline="kq_slow_import_pipe:run", env={"PYTHONPATH": str(tmp_path)}
+    )
+    wait_until(importing.exists, 60, "the pipeline's import")
+    assert worker.terminate(timeout=60) == 0, worker.log()[-3000:]

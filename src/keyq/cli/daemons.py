@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 
@@ -73,6 +73,26 @@ def give_up(log: logging.Logger) -> None:
     os._exit(EXIT_UNCLEAN)
 
 
+class StopSignals:
+    """SIGTERM and SIGINT caught from a daemon's first line: a supervisor may stop a daemon
+    while it still imports Spark or connects, and that is a clean stop, not a death by signal.
+    A signal that came before :meth:`hand_to` is passed on as soon as the handler is there."""
+
+    def __init__(self) -> None:
+        self._early: int | None = None
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._remember)
+
+    def _remember(self, signum: int, _frame: FrameType | None) -> None:
+        self._early = signum
+
+    def hand_to(self, handler: Callable[[int, FrameType | None], None]) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, handler)
+        if self._early is not None:
+            handler(self._early, None)
+
+
 def run_worker_daemon(
     *,
     stream: str,
@@ -87,6 +107,7 @@ def run_worker_daemon(
 ) -> None:
     """Run a Worker until SIGTERM or Ctrl-C, which finish the batch in flight (a second
     signal exits at once). Imports Spark."""
+    signals = StopSignals()
     from keyq.worker.config import WorkerSettings  # noqa: PLC0415 - Spark for workers only
     from keyq.worker.daemon import Worker  # noqa: PLC0415
     from keyq.worker.heap import settle_heap  # noqa: PLC0415
@@ -118,8 +139,7 @@ def run_worker_daemon(
         watchdog.start()
 
     worker_stopping = threading.Event()
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signals.hand_to(on_signal)
     metrics = WorkerMetrics(worker)
     settle_heap()  # what it has imported (pyspark, py4j, pyarrow) stays out of collections
     with serve_metrics(settings, metrics.registry, metrics.health):
@@ -136,6 +156,7 @@ def run_janitor_daemon(
     log_level: str,
 ) -> None:
     """Run a Janitor until SIGTERM or Ctrl-C, which stop it after its current step."""
+    signals = StopSignals()
     settings = load_settings(JanitorSettings, idle_ttl_s=idle_ttl, metrics_port=metrics_port)
     janitor = Janitor(streams, settings=settings, janitor_id=janitor_id)
     configure_logging(log_level, ",".join(streams) or "*", janitor.janitor_id, settings.log_format)
@@ -146,8 +167,7 @@ def run_janitor_daemon(
         log.info("signal %d: stopping after the current step", signum)
         janitor.stop()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signals.hand_to(on_signal)
     janitor_metrics = JanitorMetrics(janitor)
     with serve_metrics(settings, janitor_metrics.registry, janitor_metrics.health):
         janitor.run(once=once)
