@@ -81,7 +81,7 @@ package: install services
 # owns its streams and private servers (tests/conftest.py); a file whose tests share a
 # module-scoped server is kept in one process (xdist_group). PYTEST_ARGS: a subset, e.g.
 # PYTEST_ARGS=tests/test_status.py
-TEST_PROCESSES ?= 4
+TEST_PROCESSES ?= 3
 PYTEST_PARALLEL = -n $(TEST_PROCESSES) --dist loadgroup
 
 test: install test-services lint typecheck package

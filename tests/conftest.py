@@ -8,6 +8,7 @@ removed afterwards; a shared Redis is never flushed.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import socket
@@ -62,6 +63,35 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         uses_services = "services" in getattr(item, "fixturenames", ())
         if not uses_services and item.get_closest_marker("services") is None:
             item.add_marker(pytest.mark.unit)
+
+
+def _run_lock_folder() -> Path:
+    """A folder the processes of one pytest run share (xdist names the run), for its locks."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", f"single-{os.getpid()}")
+    folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"keyq-tests-{run}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def _alone_if_marked(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test marked ``alone`` asserts on timing (how soon something happens), so it runs
+    while no other test of the run does; every other test shares the run's lock. A
+    turnstile lock taken first keeps a waiting ``alone`` test from being starved by the
+    shared holders that keep coming."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        yield  # one process: every test runs alone already
+        return
+    folder = _run_lock_folder()
+    alone = request.node.get_closest_marker("alone") is not None
+    with (folder / "turnstile").open("a") as turnstile, (folder / "run").open("a") as run:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(run, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(run, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True)

@@ -89,11 +89,12 @@ async def idle_lag(seconds: float = 1.0) -> tuple[float, float]:
 
 
 def check_lag(figures: tuple[float, float], idle: tuple[float, float]) -> None:
-    """p99 lag under 10 ms beyond an idle loop's p99 on this machine in the same run. The
-    max is printed, not judged: on a shared machine an idle loop's own max reaches tens of
-    milliseconds when other processes take the cores."""
+    """p99 lag under 10 ms beyond the worst lag of an idle loop on this machine in the same
+    run (its noise: other processes taking the cores delay any thread). A loop that waited
+    on the broker would lag by whole confirm round trips, again and again. The max is
+    printed, not judged."""
     limit = LAG_LIMIT_S * 1000
-    assert figures[1] < limit + idle[1], f"p99 {figures[1]:.1f} ms (idle {idle[1]:.1f} ms)"
+    assert figures[1] < limit + idle[0], f"p99 {figures[1]:.1f} ms (idle max {idle[0]:.1f} ms)"
 
 
 def _landed(url: str, queues: list[str]) -> dict[str, list[Landed]]:
@@ -261,6 +262,7 @@ def test_a_receipt_times_out_while_the_broker_is_away(
 
 
 # ------------------------------------------------------------- the loop's lag
+@pytest.mark.alone
 def test_loop_lag_while_the_window_is_full(stream: StreamFixture) -> None:
     """50 tasks publishing 4,000 events through a window of 20: publishes wait all the
     time, the loop does not."""
@@ -309,6 +311,7 @@ def _wait_memory_alarm(rabbit: PrivateRabbit, active: bool, timeout: float = 15)
         time.sleep(0.2)
 
 
+@pytest.mark.alone
 def test_loop_lag_while_rabbitmq_blocks_publishers(
     stream: StreamFixture, private_rabbit: PrivateRabbit
 ) -> None:
@@ -406,6 +409,7 @@ def test_a_producer_outlives_a_40_second_outage_of_its_node(
                 private_rabbit.stop()
                 outage["stopped"] = time.monotonic()
                 time.sleep(40)
+                outage["starting"] = time.monotonic()  # it may accept before start returns
                 private_rabbit.start()
                 outage["back"] = time.monotonic()
 
@@ -429,7 +433,7 @@ def test_a_producer_outlives_a_40_second_outage_of_its_node(
     # From the stop's start (the node closes its connections first, then takes seconds to
     # stop) to its start; and while it was down for good.
     during = [n for n, at in accepted_at if outage["stopping"] <= at <= outage["back"]]
-    down = [n for n, at in accepted_at if outage["stopped"] <= at <= outage["back"]]
+    down = [n for n, at in accepted_at if outage["stopped"] <= at <= outage["starting"]]
     print(
         f"\nnode down for {lasted:.1f} s: {len(accepted_at)} events accepted, {len(during)} of "
         f"them from its stop to its start, {len(down)} while it was down; unconfirmed "

@@ -157,14 +157,14 @@ def test_refuse_rejects_new_connections_only(client: ClientFactory, proxy: Fault
 def test_delay_adds_latency(client: ClientFactory, proxy: FaultProxy) -> None:
     r = client(socket_timeout=2)
     assert r.ping()
-    proxy.set_delay(0.2)
+    proxy.set_delay(1.0)
     start = time.monotonic()
     assert r.ping()
-    assert time.monotonic() - start >= 0.2
+    assert time.monotonic() - start >= 1.0
     proxy.set_delay(0)
     start = time.monotonic()
     assert r.ping()
-    assert time.monotonic() - start < 0.2
+    assert time.monotonic() - start < 0.5  # a loaded machine's round trip, not the delay
     with pytest.raises(ValueError):
         proxy.set_delay(-1)
 

@@ -49,6 +49,7 @@ def publish_for(
     return n
 
 
+@pytest.mark.alone
 def test_a_paused_key_applies_nothing_until_resumed_while_its_bucket_flows(
     stream: StreamFixture, workers: Any
 ) -> None:
@@ -83,7 +84,9 @@ def _pause_one_key_under_load(stream: StreamFixture, producer: Producer) -> None
     lags.sort()
     median, worst = lags[len(lags) // 2], lags[-1]
     print(f"other keys behind while one was paused: median {median:.2f}s, worst {worst:.2f}s")
-    assert worst < 2.0, lags[-10:]
+    # A bucket stalled behind its paused key would fall behind by the whole 20 s; a few
+    # batches' worth is a loaded machine's Spark (the latency itself is bench.hot_key's).
+    assert worst < 8.0, lags[-10:]
 
     resumed_at = time.monotonic()
     keyq(stream, "resume", "--stream", stream.name, "--key", PAUSED)

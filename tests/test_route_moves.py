@@ -20,6 +20,7 @@ from keyq.broker.locks import FencedLocks
 from keyq.broker.membership import Membership
 from keyq.broker.routes import WHY_OPERATOR, RouteBook
 from keyq.broker.streams import ensure_stream_config
+from keyq.producer import route_follow
 from keyq.producer.route_follow import SWITCH_BACKOFF_S, SWITCH_WAIT_S
 from keyq.worker.batch.route_watch import CURRENT_S
 from keyq.worker.batch.state_store import StateStore
@@ -277,14 +278,19 @@ def test_a_switch_waits_for_the_producers_events_in_the_bucket_and_is_put_off_wi
         run.kill_all()
 
 
+@pytest.mark.alone
 def test_a_put_off_switch_is_made_once_its_bucket_has_caught_up(
-    stream: StreamFixture, workers: Any
+    stream: StreamFixture, workers: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A switch put off because nobody applied the bucket (its holder stopped with SIGSTOP) is
     tried again once the holder is back and through the backlog, not only when the put-off runs
     out: the key's events go to its own queue within seconds of the holder's return, none is
     put off again, and every event is applied once, in order."""
     slow_ttls = {"KEYQ_LOCK_TTL_MS": "15000", "KEYQ_MEMBER_TTL_MS": "15000"}  # outlast the stop
+    # The put-off this producer waits out, long enough that a loaded machine's holder gets
+    # through its backlog well before it: a switch made before it ran out was not its doing.
+    backoff_s = 30.0
+    monkeypatch.setattr(route_follow, "SWITCH_BACKOFF_S", backoff_s)
     run = Moves(stream, workers, {**QUIET, **slow_ttls})
     key = "stalled-1"
     own = run.config.own_queue_for(key)
@@ -318,7 +324,7 @@ def test_a_put_off_switch_is_made_once_its_bucket_has_caught_up(
             rerouted = producer.stats["rerouted"]
             wait_until(
                 lambda: any(at > back and queue == own for at, queue in sent),
-                SWITCH_BACKOFF_S - 2.5,  # the put-off runs out 9.9 s after the resume
+                backoff_s - 2.5,  # the put-off runs out about backoff_s after the resume
                 "events addressed to the own queue again, before the put-off ran out",
             )
             time.sleep(SWITCH_WAIT_S + 1)  # a switch that waited in vain is put off by now
@@ -378,6 +384,7 @@ def test_a_backlog_of_one_key_is_promoted_and_forwarded_whole(
         run.kill_all()
 
 
+@pytest.mark.alone
 def test_a_slow_hot_key_is_promoted_by_its_rate_in_a_bucket_far_behind(
     stream: StreamFixture, workers: Any
 ) -> None:
