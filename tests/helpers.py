@@ -15,6 +15,7 @@ from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
 from keyq.broker.naming import key_queue_name
 from keyq.broker.packs import decode_pack, is_pack
 from keyq.broker.registry import QueueRegistry
+from keyq.broker.settings import Settings, load_settings
 from keyq.broker.streams import ensure_stream_config
 from keyq.broker.topology import keyed_queue_arguments
 from keyq.worker.amqp.deliveries import Delivery
@@ -121,6 +122,12 @@ def open_keyed_queue(
     QueueRegistry(stream.redis, stream.name).register({queue: key})
     ensure_stream_config(stream.redis, stream.name, "key", None, "classic")
     return queue, channel
+
+
+def settings_with(settings: Settings, **changes: object) -> Settings:
+    """``settings`` with some values changed (validated as keyq loads them)."""
+    changed: Settings = load_settings(**{**settings.model_dump(), **changes})
+    return changed
 
 
 def poll_until(

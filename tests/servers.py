@@ -468,6 +468,14 @@ class PrivateRabbit:
         )
         return done.stdout
 
+    def await_memory_alarm(self, active: bool, timeout: float = 15) -> None:
+        """Wait until the node's memory alarm is on (``active``) or off."""
+        _wait_for(
+            lambda: ("memory" in self.ctl("eval", "rabbit_alarm:get_alarms().")) == active,
+            timeout,
+            f"the memory alarm {'on' if active else 'off'}",
+        )
+
     @property
     def os_pid(self) -> int | None:
         """The OS pid of the node's VM (beam.smp), from its pid file, while it runs."""

@@ -30,18 +30,13 @@ from keyq.broker.errors import (
     PublishTimeout,
 )
 from keyq.broker.naming import dead_letter_queue_name
-from keyq.broker.settings import Settings, load_settings
+from keyq.broker.settings import Settings
 from tests.conftest import StreamFixture
 from tests.faults import FaultProxy
-from tests.helpers import Landed, drain
+from tests.helpers import Landed, drain, settings_with
 from tests.servers import PrivateRabbit
 
 LAG_LIMIT_S = 0.010
-
-
-def _with(settings: Settings, **changes: object) -> Settings:
-    changed: Settings = load_settings(**{**settings.model_dump(), **changes})
-    return changed
 
 
 class LoopLag:
@@ -206,7 +201,7 @@ def test_receipts_raise_what_flush_raises_when_the_broker_stays_away(
 ) -> None:
     """The broker gone past reconnect_timeout: a threaded receipt, an awaited one and flush
     all raise ProducerClosed from BrokerUnavailable."""
-    settings = _with(
+    settings = settings_with(
         stream.settings,
         amqp_url=proxy.url_for(stream.settings.amqp_url),
         reconnect_timeout=1.0,
@@ -241,7 +236,7 @@ def test_receipts_raise_what_flush_raises_when_the_broker_stays_away(
 def test_a_receipt_times_out_while_the_broker_is_away(
     stream: StreamFixture, proxy: FaultProxy
 ) -> None:
-    settings = _with(stream.settings, amqp_url=proxy.url_for(stream.settings.amqp_url))
+    settings = settings_with(stream.settings, amqp_url=proxy.url_for(stream.settings.amqp_url))
 
     async def main() -> None:
         producer = await Producer.connect(stream.name, mode="key", settings=settings)
@@ -300,17 +295,6 @@ def test_loop_lag_while_the_window_is_full(stream: StreamFixture) -> None:
     check_lag(figures, idle)
 
 
-def _memory_alarm(rabbit: PrivateRabbit) -> bool:
-    return "memory" in rabbit.ctl("eval", "rabbit_alarm:get_alarms().")
-
-
-def _wait_memory_alarm(rabbit: PrivateRabbit, active: bool, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while _memory_alarm(rabbit) != active:
-        assert time.monotonic() < deadline, f"memory alarm still {'off' if active else 'on'}"
-        time.sleep(0.2)
-
-
 @pytest.mark.alone
 def test_loop_lag_while_rabbitmq_blocks_publishers(
     stream: StreamFixture, private_rabbit: PrivateRabbit
@@ -318,7 +302,7 @@ def test_loop_lag_while_rabbitmq_blocks_publishers(
     """On the tests' own node (the fixture of the threaded producer's flow-control test): a
     memory alarm blocks publishers; publishes await, the loop goes on, and once the alarm
     ends every accepted event lands in order."""
-    settings = _with(stream.settings, amqp_url=private_rabbit.url)
+    settings = settings_with(stream.settings, amqp_url=private_rabbit.url)
     key = "blocked"
     accepted: list[int] = []
 
@@ -329,7 +313,7 @@ def test_loop_lag_while_rabbitmq_blocks_publishers(
             accepted.append(0)
             await asyncio.to_thread(private_rabbit.ctl, "set_vm_memory_high_watermark", "1e-06")
             try:
-                await asyncio.to_thread(_wait_memory_alarm, private_rabbit, True)
+                await asyncio.to_thread(private_rabbit.await_memory_alarm, True)
                 lag = LoopLag().start()
 
                 async def publisher() -> None:
@@ -350,7 +334,7 @@ def test_loop_lag_while_rabbitmq_blocks_publishers(
                 figures = lag.report(f"while RabbitMQ blocks publishers ({count} accepted)")
             finally:
                 await asyncio.to_thread(private_rabbit.ctl, "set_vm_memory_high_watermark", "0.4")
-            await asyncio.to_thread(_wait_memory_alarm, private_rabbit, False)
+            await asyncio.to_thread(private_rabbit.await_memory_alarm, False)
             await asyncio.sleep(0.5)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -377,7 +361,7 @@ def test_a_producer_outlives_a_40_second_outage_of_its_node(
     and started again, under the default reconnect timeout: publishes go on into the window
     until it is full, then wait; nothing accepted is lost, and each key keeps its order."""
     window = 300
-    settings = _with(stream.settings, amqp_url=private_rabbit.url)
+    settings = settings_with(stream.settings, amqp_url=private_rabbit.url)
     assert settings.reconnect_timeout >= 300
     keys = [f"k{i}" for i in range(4)]
     accepted_at: list[tuple[int, float]] = []

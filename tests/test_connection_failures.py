@@ -34,11 +34,11 @@ from keyq.broker.errors import (
     RedisUnavailable,
 )
 from keyq.broker.naming import dead_letter_queue_name, key_queue_name
-from keyq.broker.settings import Settings, load_settings
+from keyq.broker.settings import Settings
 from keyq.producer.lanes import WaitReason
 from tests.conftest import StreamFixture
 from tests.faults import FaultProxy
-from tests.helpers import Landed, drain, events_in
+from tests.helpers import Landed, drain, events_in, settings_with
 from tests.servers import PrivateRabbit
 
 PASSWORD = "s3cret-pw"
@@ -95,10 +95,6 @@ def _describe(errors: list[threading.ExceptHookArgs]) -> str:
         f"{e.thread.name if e.thread else '?'}: {e.exc_type.__name__}: {e.exc_value}"
         for e in errors
     )
-
-
-def _with(settings: Settings, **changes: object) -> Settings:
-    return load_settings(**{**settings.model_dump(), **changes})
 
 
 @pytest.fixture
@@ -330,7 +326,7 @@ def test_broker_gone_longer_than_reconnect_timeout_closes_the_producer(
     stream: StreamFixture, amqp: pika.BlockingConnection, proxy: FaultProxy
 ) -> None:
     key = "gone"
-    settings = _with(stream.settings, reconnect_timeout=2)
+    settings = settings_with(stream.settings, reconnect_timeout=2)
     producer = _through_proxy(stream, proxy, settings=settings, publish_timeout=5)
     closed = False
     try:
@@ -374,7 +370,7 @@ def test_handshakes_reset_while_reconnecting_are_retried_not_fatal(
     "probable authentication error" or fails its own socket check. While reconnecting with
     credentials that worked, both are retried, and nothing accepted is lost."""
     key = "flapping"
-    settings = _with(stream.settings, reconnect_timeout=20)
+    settings = settings_with(stream.settings, reconnect_timeout=20)
     with _through_proxy(stream, proxy, settings=settings, publish_timeout=20) as producer:
         for n in range(10):
             producer.publish(key, {"n": n})
@@ -427,16 +423,6 @@ def test_close_while_reconnecting_stops_cleanly(
 
 
 # --------------------------------------------------------------------- flow control
-def _memory_alarm_active(rabbit: PrivateRabbit) -> bool:
-    return "memory" in rabbit.ctl("eval", "rabbit_alarm:get_alarms().")
-
-
-def _wait_memory_alarm(rabbit: PrivateRabbit, active: bool, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while _memory_alarm_active(rabbit) != active:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"memory alarm still {'off' if active else 'on'}")
-        time.sleep(0.2)
 
 
 def test_broker_flow_control_times_out_publish_then_recovers(
@@ -445,7 +431,7 @@ def test_broker_flow_control_times_out_publish_then_recovers(
     """On the tests' own node: a memory alarm blocks every publisher of the node it is on."""
     key = "blocked"
     accepted: list[int] = []
-    settings = _with(stream.settings, amqp_url=private_rabbit.url)
+    settings = settings_with(stream.settings, amqp_url=private_rabbit.url)
     with Producer(stream.name, mode="key", settings=settings, publish_timeout=2) as p:
         p.publish(key, {"n": 0})
         p.flush(10)  # the connection has published, so the broker will block it
@@ -454,7 +440,7 @@ def test_broker_flow_control_times_out_publish_then_recovers(
         waited = 0.0
         try:
             private_rabbit.ctl("set_vm_memory_high_watermark", "0.000001")
-            _wait_memory_alarm(private_rabbit, True, timeout=15)
+            private_rabbit.await_memory_alarm(True, timeout=15)
             # The first events may still be accepted: the broker blocks a connection when
             # it publishes, and tells the client a moment later. From then on a publish
             # must wait, then give up.
@@ -474,7 +460,7 @@ def test_broker_flow_control_times_out_publish_then_recovers(
         assert 1.8 <= waited <= 6, waited
         text = str(error).lower()
         assert "flow control" in text or "block" in text, text
-        _wait_memory_alarm(private_rabbit, False, timeout=15)
+        private_rabbit.await_memory_alarm(False, timeout=15)
         p.flush(15)
         p.publish(key, {"n": 100})
         accepted.append(100)
@@ -501,7 +487,7 @@ def test_a_confirm_that_comes_after_the_queue_was_retired_sends_the_event_again(
     not count: the event goes out again, to the queue declared anew."""
     from keyq.broker.retirement import Mark, RetirementFence
 
-    settings = _with(
+    settings = settings_with(
         stream.settings,
         amqp_url=proxy.url_for(stream.settings.amqp_url),
         publish_lease_ms=300,
@@ -542,7 +528,7 @@ def test_a_queue_the_broker_keeps_refusing_does_not_hold_up_other_keys(
     still has the whole window."""
     from keyq.producer.window import REFUSING_QUEUE_ROOM
 
-    settings = _with(stream.settings, amqp_url=private_rabbit.url, publish_timeout=2.0)
+    settings = settings_with(stream.settings, amqp_url=private_rabbit.url, publish_timeout=2.0)
     stuck = key_queue_name(stream.name, "stuck")
     other = key_queue_name(stream.name, "other")
     connection = pika.BlockingConnection(pika.URLParameters(private_rabbit.url))
@@ -632,7 +618,7 @@ def test_a_confirm_that_never_comes_makes_the_producer_send_again(
     (a quorum queue that lost its leader). Past ``confirm_timeout`` the producer reconnects
     and sends everything unconfirmed again, instead of waiting with a full window; once the
     queue answers, every event is there, in order, repeats only as copies of earlier ones."""
-    settings = _with(stream.settings, amqp_url=private_rabbit.url, confirm_timeout=1.5)
+    settings = settings_with(stream.settings, amqp_url=private_rabbit.url, confirm_timeout=1.5)
     queue = key_queue_name(stream.name, "stalled")
     connection = pika.BlockingConnection(pika.URLParameters(private_rabbit.url))
     producer = Producer(stream.name, mode="key", settings=settings)
@@ -684,7 +670,7 @@ def test_a_stalled_queue_does_not_hold_up_the_other_keys(
     order, once it answers again."""
     # Packing off: in packs of 20, 1,000 events are some 50 messages, too few to exhaust the
     # queue's credit, and the other keys flow without any of what this test is about.
-    settings = _with(
+    settings = settings_with(
         stream.settings, amqp_url=private_rabbit.url, confirm_timeout=2.0, pack_max_events=1
     )
     stalled = key_queue_name(stream.name, "stalled")
@@ -735,7 +721,7 @@ def test_a_declaration_left_unanswered_does_not_hold_up_other_new_keys(
     queue's declare-ok. A queue whose process is stuck never answers: the declarations asked
     after it on its channel are asked again elsewhere once it is overdue, so every other new
     key's events land meanwhile; the stuck key's land, in order, once it answers."""
-    settings = _with(stream.settings, amqp_url=private_rabbit.url, confirm_timeout=1.5)
+    settings = settings_with(stream.settings, amqp_url=private_rabbit.url, confirm_timeout=1.5)
     stuck = key_queue_name(stream.name, "stuck")
     fresh = [f"fresh-{n}" for n in range(40)]
     connection = pika.BlockingConnection(pika.URLParameters(private_rabbit.url))
