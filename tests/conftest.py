@@ -56,13 +56,28 @@ def _docker_answers() -> bool:
         return False
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(trylast=True)  # after xdist's, which names each test's group
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test that needs no service fixture, and is not marked ``services``, is a unit test:
-    ``make test-fast`` runs only those, with no RabbitMQ, Redis or Spark."""
+    ``make test-fast`` runs only those, with no RabbitMQ, Redis or Spark.
+
+    Under ``--dist loadgroup`` the tests of a group (a file sharing one module-scoped server)
+    must reach one process, or each process starts that server again. xdist groups by a
+    suffix it writes into the node id, which some pytest releases ignore: the run stops then,
+    rather than go several times slower."""
     for item in items:
         uses_services = "services" in getattr(item, "fixturenames", ())
         if not uses_services and item.get_closest_marker("services") is None:
             item.add_marker(pytest.mark.unit)
+    if getattr(config.option, "loadgroup", False):
+        lost = [
+            i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid
+        ]
+        if lost:
+            raise pytest.UsageError(
+                f"pytest-xdist did not group {len(lost)} tests (e.g. {lost[0]}) under pytest "
+                f"{pytest.__version__}: install the pytest that pyproject.toml's dev extra names"
+            )
 
 
 def _run_lock_folder() -> Path:

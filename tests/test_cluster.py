@@ -328,7 +328,9 @@ def test_a_quorum_stream_loses_nothing_when_a_leader_node_and_a_worker_are_kille
         time.sleep(2)
         print(f"restarted {busiest} in {cluster.restart(busiest):.1f}s")
         started[0].kill()
-        started.append(workers(name, env=env, pipeline="tests.pipelines:ledger"))
+        # The replacement joins before the judging: a SIGTERM while it still starts Python
+        # could otherwise come before its handler is installed.
+        started.append(workers(name, env=env, pipeline="tests.pipelines:ledger").wait_ready(120))
 
         publisher.join(180)
         assert not publisher.is_alive(), "publishing did not finish"

@@ -155,12 +155,14 @@ def test_refuse_rejects_new_connections_only(client: ClientFactory, proxy: Fault
 
 
 def test_delay_adds_latency(client: ClientFactory, proxy: FaultProxy) -> None:
-    r = client(socket_timeout=2)
+    # The request and the reply are each held a second: a round trip of two at least, and a
+    # socket timeout well past that, so that a loaded machine's scheduling does not count.
+    r = client(socket_timeout=10)
     assert r.ping()
     proxy.set_delay(1.0)
     start = time.monotonic()
     assert r.ping()
-    assert time.monotonic() - start >= 1.0
+    assert time.monotonic() - start >= 1.95
     proxy.set_delay(0)
     start = time.monotonic()
     assert r.ping()
