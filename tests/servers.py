@@ -29,7 +29,6 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +37,8 @@ from typing import IO
 
 import pika
 import redis
+
+from tests.helpers import poll_until
 
 # The same path on the host and inside a forky root.
 RABBIT_BIN = Path("/usr/lib/rabbitmq/bin")
@@ -88,17 +89,13 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _wait_for(check: object, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            if check():  # type: ignore[operator]
-                return
-        except Exception as exc:  # noqa: BLE001 - retried until the deadline
-            last = exc
-        time.sleep(0.2)
-    raise RuntimeError(f"{what} did not come up in {timeout:.0f}s: {last}")
+def _wait_for(check: Callable[[], object], timeout: float, what: str) -> None:
+    poll_until(
+        check,
+        timeout,
+        0.2,
+        lambda last: RuntimeError(f"{what} did not come up in {timeout:.0f}s: {last}"),
+    )
 
 
 @dataclass(frozen=True)
