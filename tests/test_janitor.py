@@ -583,6 +583,20 @@ def test_a_cut_connection_does_not_fail_the_deletes(
     assert exists(amqp, queues[2])
 
 
+def test_a_checked_delete_of_a_queue_already_gone_is_gone(stream: StreamFixture) -> None:
+    """A quorum queue is looked at before its delete; one deleted meanwhile (by another
+    janitor, or an operator) answers 404 to the look, which is GONE, not a failure."""
+    from keyq.janitor.deleter import Outcome, QueueDeleter
+
+    queue = key_queue_name(stream.name, "gone-before-its-turn")
+    deleter = QueueDeleter(stream.settings, 1, "gone-test")
+    try:
+        deleter.check()
+        assert deleter.delete([queue], checked=True) == {queue: Outcome.GONE}
+    finally:
+        deleter.close()
+
+
 @pytest.mark.parametrize("down_as", ["closed port", "proxy to a dead node"])
 def test_quorum_queues_are_kept_while_a_listed_node_does_not_answer(
     stream: StreamFixture, amqp: pika.BlockingConnection, down_as: str
