@@ -1,48 +1,7 @@
-"""A private 3-node RabbitMQ cluster on loopback, with node faults, for tests.
-
-The nodes run the release under test (:class:`tests.servers.Release`: the installed
-``/usr/lib/rabbitmq/bin/rabbitmq-server``, called directly, or with ``KEYQ_TEST_RABBITMQ=4``
-RabbitMQ 4.3 from the forky root, under chroot, with every deprecated feature denied and an
-epmd of the cluster's own), as this user, in a temporary folder of their own: node names unique
-to the run (``kq<random><n>@localhost``), free AMQP and distribution ports on 127.0.0.1, their
-own ``HOME`` (and so Erlang cookie), mnesia, log, env and config files, so nothing of
-``/etc/rabbitmq`` -- the machine's own node ``rabbit@localhost`` on 5672 -- ever applies.
-Every ``rabbitmqctl`` call names one of these nodes with ``-n``.
-
-    with RabbitCluster() as cluster:           # ~11-17 s to boot, 5-16 s to join
-        connection = pika.BlockingConnection(pika.URLParameters(cluster.urls[0]))
-        ...
-        leader = cluster.leader_of("q")
-        cluster.kill(leader)                     # kill -9 of the queue leader's VM
-        cluster.await_leader("q", not_on=leader) # the survivors elected one (< 1 s)
-        cluster.restart(leader)                  # same name and data: it rejoins (6-8 s)
-
-In a test module, ``rabbit_cluster = cluster_fixture()`` gives one cluster for the module.
-A node is named by its index (0, 1, 2) or its Erlang name (``cluster.nodes[i]``).
-
-Faults:
-
-- ``stop(node)``: a graceful shutdown of the whole Erlang VM (``rabbitmqctl stop``), as a
-  ``systemctl stop`` or a rolling restart does: the node leaves the cluster's view at once
-  (``nodedown``), its quorum queue replicas go away with it and the others elect a leader.
-  ``stop_app`` was not chosen: it leaves the VM (and its distribution link) up, which is
-  not what "the node that leads a queue is stopped" means in production.
-- ``kill(node)``: ``kill -9`` of the node's ``beam.smp`` (its OS pid is the one in its pid
-  file, checked to be this node's VM, under chroot too): a crash, with no shutdown at all.
-- ``restart(node)``: start a stopped or killed node again, with the same name and data; it
-  returns once the node runs again and every other running node lists it as running.
-- ``cut(node)``: reset every client connection that came through the node's
-  :class:`~tests.faults.FaultProxy` (``proxied_urls``); ``proxy(node)`` gives the proxy for
-  its other faults (``pause``, ``set_delay``, ``refuse``...). Direct ``urls`` are not proxied.
-
-Nothing is left behind: close() stops every node (then kill -9 of each node's process group),
-and its epmd on 4.x, and removes the folder; a node (and that epmd) also stops by itself if
-the test process dies without closing (PR_SET_PDEATHSIG). The CLI's own distribution port is
-left to the OS, since the default range (35672-35682) is shared by every rabbitmqctl on the
-machine.
-
-Restarting needs the other nodes running: a node stopped while others ran waits for them at
-boot (mnesia), so stopping every node and restarting one alone would hang for minutes.
+"""A private 3-node RabbitMQ cluster on loopback, of the release under test, with node faults
+(``stop``, ``kill`` -9, ``restart``, ``cut`` of the clients through a node's FaultProxy). Its
+nodes have names, ports, folders and config of their own, so the machine's node never applies,
+and die with the test process; restarting a node needs the others running (mnesia).
 """
 
 from __future__ import annotations
@@ -57,16 +16,14 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import pika
-import pytest
 
 from tests.faults import FaultProxy
 from tests.helpers import poll_until
@@ -93,8 +50,6 @@ _QUEUE_TYPES = {
     "rabbit_quorum_queue": "quorum",
     "rabbit_stream_queue": "stream",
 }
-# Its old name here, which other fixtures of the tests import.
-_die_with_parent = die_with_parent
 
 
 def cluster_available() -> str | None:
@@ -114,7 +69,6 @@ class _Node:
     port: int
     dist_port: int
     env: dict[str, str]
-    management_port: int | None = None
     process: subprocess.Popen[bytes] | None = None
     up: bool = False  # started by us and not stopped or killed since
     pid_file: Path = field(init=False)
@@ -141,28 +95,19 @@ class QueueInfo:
 
 
 class RabbitCluster:
-    """``size`` RabbitMQ nodes clustered on loopback; a context manager (see the module)."""
+    """Three RabbitMQ nodes clustered on loopback; a context manager (see the module)."""
 
-    def __init__(
-        self,
-        folder: Path | None = None,
-        *,
-        size: int = 3,
-        management: bool = False,
-        boot_timeout: float = 180,
-        release: Release | None = None,
-    ) -> None:
-        self.release = release or Release.from_environment()
+    boot_timeout = 180.0
+
+    def __init__(self, folder: Path | None = None) -> None:
+        self.release = Release.from_environment()
         reason = self.release.missing(redis_server=False)
         if reason is not None:
             raise ClusterError(reason)
-        if size < 1:
-            raise ValueError("a cluster needs at least one node")
         # Our own folder inside ``folder`` (or the system temp dir), removed on close.
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
         self.folder = Path(tempfile.mkdtemp(prefix="kq-cluster-", dir=folder)).resolve()
-        self.boot_timeout = boot_timeout
         self.timings: dict[str, float] = {}
         self._closed = False
         self._proxies: list[FaultProxy] = []
@@ -193,23 +138,14 @@ class RabbitCluster:
         self._ctl_env = base_env
         tag = secrets.token_hex(3)
         self._nodes: list[_Node] = []
-        for index in range(size):
+        for index in range(3):
             name = f"kq{tag}{index + 1}@localhost"
             node_folder = self.folder / f"n{index + 1}"
             node_folder.mkdir()
             port, dist_port = free_port(), free_port()
             config = f"listeners.tcp.default = 127.0.0.1:{port}\n" + self.release.rabbit_config()
-            plugins = "[]"
-            management_port = None
-            if management:
-                management_port = free_port()
-                plugins = "[rabbitmq_management]"
-                config += (
-                    f"management.tcp.ip = 127.0.0.1\nmanagement.tcp.port = {management_port}\n"
-                    "collect_statistics_interval = 1000\n"
-                )
             (node_folder / "rabbitmq.conf").write_text(config)
-            (node_folder / "enabled_plugins").write_text(f"{plugins}.\n")
+            (node_folder / "enabled_plugins").write_text("[].\n")
             (node_folder / "rabbitmq-env.conf").write_text("")
             env = {
                 **base_env,
@@ -226,12 +162,8 @@ class RabbitCluster:
                 "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": self.release.erl_args(),
                 "ERL_CRASH_DUMP": str(node_folder / "erl_crash.dump"),
             }
-            self._nodes.append(
-                _Node(index, name, node_folder, port, dist_port, env, management_port)
-            )
+            self._nodes.append(_Node(index, name, node_folder, port, dist_port, env))
         atexit.register(self._kill_all)  # a last resort if close() is never reached
-
-    # -- views -------------------------------------------------------------------------
 
     @property
     def nodes(self) -> list[str]:
@@ -251,18 +183,6 @@ class RabbitCluster:
         """One AMQP URL per node, through that node's FaultProxy (see :meth:`cut`)."""
         return [proxy.url_for(url) for proxy, url in zip(self._proxies, self.urls, strict=True)]
 
-    @property
-    def management_urls(self) -> list[str]:
-        """``http://guest:guest@127.0.0.1:<port>`` per node, with ``management=True``."""
-        return [
-            f"http://guest:guest@127.0.0.1:{node.management_port}"
-            for node in self._nodes
-            if node.management_port is not None
-        ]
-
-    def node(self, node: NodeRef) -> str:
-        return self._node(node).name
-
     def url(self, node: NodeRef) -> str:
         return self.urls[self._node(node).index]
 
@@ -281,13 +201,14 @@ class RabbitCluster:
                 return candidate
         raise KeyError(f"{node!r} is not a node of this cluster ({self.nodes})")
 
-    def _any_up(self, exclude: _Node | None = None) -> _Node:
+    def _via(self, via: NodeRef | None) -> _Node:
+        """``via``, or by default a node that is up."""
+        if via is not None:
+            return self._node(via)
         for node in self._nodes:
-            if node.up and node is not exclude:
+            if node.up:
                 return node
         raise ClusterError("no node of the cluster is running")
-
-    # -- rabbitmqctl ---------------------------------------------------------------------
 
     def ctl(self, node: NodeRef, *args: str, timeout: float = 60) -> str:
         """``rabbitmqctl -n <node> args...``; its stdout, or ClusterError with its output."""
@@ -312,11 +233,9 @@ class RabbitCluster:
 
     def running_nodes(self, via: NodeRef | None = None) -> list[str]:
         """The nodes ``via`` (default: a node that is up) sees running, per cluster_status."""
-        target = self._node(via) if via is not None else self._any_up()
+        target = self._via(via)
         status = json.loads(self.ctl(target.index, "cluster_status", "--formatter", "json"))
         return sorted(str(name) for name in status.get("running_nodes", []))
-
-    # -- lifecycle -----------------------------------------------------------------------
 
     def __enter__(self) -> RabbitCluster:
         try:
@@ -326,12 +245,7 @@ class RabbitCluster:
             raise
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *_: object) -> None:
         self.close()
 
     def start(self) -> RabbitCluster:
@@ -380,8 +294,6 @@ class RabbitCluster:
         atexit.unregister(self._kill_all)
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    # -- faults --------------------------------------------------------------------------
-
     def stop(self, node: NodeRef) -> float:
         """Stop ``node`` gracefully (its whole VM); returns the seconds it took."""
         target = self._node(node)
@@ -427,95 +339,72 @@ class RabbitCluster:
         pid: int | None = None
         with contextlib.suppress(OSError, ValueError):
             pid = int(target.pid_file.read_text().strip())
-        if pid is None or not self._is_vm_of(pid, target):
+        if pid is None or not is_vm_of(pid, target.name):
             answer = self.ctl(target.index, "eval", "os:getpid().")
             pid = int(answer.strip().strip('"'))
-        if not self._is_vm_of(pid, target):
+        if not is_vm_of(pid, target.name):
             raise ClusterError(f"pid {pid} is not the VM of {target.name}")
         return pid
 
-    # -- queues --------------------------------------------------------------------------
-
-    def list_queues(
-        self, *columns: str, vhost: str = "/", via: NodeRef | None = None
-    ) -> list[dict[str, Any]]:
-        """``rabbitmqctl list_queues <columns>`` on ``via`` (default: a node that is up), one
-        dict per queue. JSON, since 4.x's CSV formatter fails on list-valued columns
-        (``members``, ``online``); a list column of a queue that has none is ``[]``."""
-        target = self._node(via) if via is not None else self._any_up()
-        out = self.ctl(
-            target.index, "list_queues", "-q", "-p", vhost, *columns, "--formatter", "json"
-        )
+    def list_queues(self, *columns: str, via: NodeRef | None = None) -> list[dict[str, Any]]:
+        """``rabbitmqctl list_queues <columns>`` of vhost ``/``, one dict per queue. JSON, as
+        4.x's CSV formatter fails on the list columns (``members``, ``online``: ``[]`` if none)."""
+        out = self.ctl(self._via(via).index, "list_queues", "-q", *columns, "--formatter", "json")
         rows = json.loads(out) if out.strip() else []
         for row in rows:
             for column in _LIST_COLUMNS.intersection(row):
                 row[column] = _node_list(row[column])
+            if "type" in row:
+                row["type"] = _QUEUE_TYPES.get(row["type"], row["type"])
         return [dict(row) for row in rows]
 
-    def queue_info(self, queue: str, vhost: str = "/", via: NodeRef | None = None) -> QueueInfo:
-        """What ``via`` (default: a node that is up) now says of ``queue`` (``list_queues``)."""
-        target = self._node(via) if via is not None else self._any_up()
-        for row in self.list_queues(*_QUEUE_COLUMNS, vhost=vhost, via=target.index):
+    def queue_info(self, queue: str, via: NodeRef | None = None) -> QueueInfo:
+        """What ``via`` (default: a node that is up) now says of ``queue``."""
+        target = self._via(via)
+        for row in self.list_queues(*_QUEUE_COLUMNS, via=target.index):
             if row.get("name") != queue:
                 continue
-            kind = _QUEUE_TYPES.get(row["type"], row["type"])
             leader = row["leader"] or None
-            if kind == "classic" and leader is None:
+            if row["type"] == "classic" and leader is None:
                 # 4.x names a running classic queue's node as its leader; 3.10 never does,
                 # and neither lists the node of one whose node is down: ask the metadata.
-                leader = self.home_node(queue, vhost, via=target.index)
-            return QueueInfo(queue, kind, leader, row["members"], row["online"])
-        raise KeyError(f"no queue {queue!r} in vhost {vhost!r}")
+                leader = self.home_node(queue, via=target.index)
+            return QueueInfo(queue, row["type"], leader, row["members"], row["online"])
+        raise KeyError(f"no queue {queue!r}")
 
-    def home_node(self, queue: str, vhost: str = "/", via: NodeRef | None = None) -> str | None:
-        """The node a classic queue lives on, from the cluster's metadata (so also while that
-        node is down), or None if there is no such queue."""
-        target = self._node(via) if via is not None else self._any_up()
+    def home_node(self, queue: str, via: NodeRef | None = None) -> str | None:
+        """The node a classic queue lives on, also while that node is down (None: no queue)."""
         # 4.x keeps the record of a queue whose node is down where lookup finds it; 3.10 only
         # in its durable table (mnesia, which 4.x's Khepri metadata store no longer has).
-        name = f"rabbit_misc:r({_erlang_binary(vhost)}, queue, {_erlang_binary(queue)})"
+        name = f'rabbit_misc:r(<<"/">>, queue, {_erlang_binary(queue)})'
         expression = (
             f"case rabbit_amqqueue:lookup({name}) of {{ok, Q}} -> node(amqqueue:get_pid(Q)); "
             f"_ -> case catch mnesia:dirty_read(rabbit_durable_queue, {name}) of "
             "[D] -> node(amqqueue:get_pid(D)); _ -> none end end."
         )
-        answer = self.ctl(target.index, "eval", expression).strip().strip("'")
+        answer = self.ctl(self._via(via).index, "eval", expression).strip().strip("'")
         return None if answer == "none" else answer
 
-    def leaders(self, prefix: str = "", vhost: str = "/") -> dict[str, str]:
+    def leaders(self, prefix: str = "") -> dict[str, str]:
         """Every quorum queue named ``prefix...`` and its leader now, in one listing."""
         return {
             row["name"]: row["leader"]
-            for row in self.list_queues("name", "type", "leader", vhost=vhost)
-            if row["name"].startswith(prefix)
-            and _QUEUE_TYPES.get(row["type"], row["type"]) == "quorum"
-            and row["leader"]
+            for row in self.list_queues("name", "type", "leader")
+            if row["name"].startswith(prefix) and row["type"] == "quorum" and row["leader"]
         }
 
-    def offline_replicas(self, prefix: str = "", vhost: str = "/") -> dict[str, list[str]]:
-        """Every quorum queue named ``prefix...`` with a member that is not online now, and
-        those members, in one listing (empty when every replica of every such queue runs)."""
-        missing: dict[str, list[str]] = {}
-        for row in self.list_queues("name", "type", "members", "online", vhost=vhost):
-            name, kind = row["name"], row["type"]
-            if not name.startswith(prefix) or _QUEUE_TYPES.get(kind, kind) != "quorum":
-                continue
-            offline = sorted(set(row["members"]) - set(row["online"]))
-            if offline:
-                missing[name] = offline
-        return missing
-
-    def await_replicas(self, prefix: str = "", vhost: str = "/", timeout: float = 120) -> None:
-        """Wait until every replica of every quorum queue named ``prefix...`` is online.
-
-        A replica that could not start when its queue was declared (its node down) starts
-        only when that node next boots, so a queue declared while the node was booting stays a
-        replica short: the error names the queues still short at the deadline."""
+    def await_replicas(self, prefix: str = "", timeout: float = 120) -> None:
+        """Wait until every replica of every quorum queue named ``prefix...`` is online. One
+        that could not start (its node down) waits for that node's next boot: the error names
+        the queues still short."""
         offline: dict[str, list[str]] = {}
 
         def all_online() -> bool:
             offline.clear()
-            offline.update(self.offline_replicas(prefix, vhost))
+            for row in self.list_queues("name", "type", "members", "online"):
+                missing = sorted(set(row["members"]) - set(row["online"]))
+                if row["name"].startswith(prefix) and row["type"] == "quorum" and missing:
+                    offline[row["name"]] = missing
             return not offline
 
         try:
@@ -524,24 +413,21 @@ class RabbitCluster:
             short = ", ".join(f"{queue} on {nodes}" for queue, nodes in sorted(offline.items()))
             raise ClusterError(f"{exc}; {len(offline)} still short: {short[:2000]}") from None
 
-    def leader_of(self, queue: str, vhost: str = "/", via: NodeRef | None = None) -> str:
-        """The node leading quorum queue ``queue``, or the home node of a classic queue, as
-        a running node now sees it. Just after its leader went down a quorum queue still
-        names it until a new leader is elected: see :meth:`await_leader`."""
-        info = self.queue_info(queue, vhost, via)
+    def leader_of(self, queue: str) -> str:
+        """The node leading quorum queue ``queue`` (which names a dead leader until another is
+        elected: see :meth:`await_leader`), or the home node of a classic queue."""
+        info = self.queue_info(queue)
         if info.leader is None:
             raise ClusterError(f"{queue!r} has no leader now: {info}")
         return info.leader
 
-    def await_leader(
-        self, queue: str, *, not_on: NodeRef | None = None, vhost: str = "/", timeout: float = 60
-    ) -> str:
-        """Wait until ``queue``'s leader is a running node (other than ``not_on``); return it."""
-        excluded = self._node(not_on).name if not_on is not None else None
+    def await_leader(self, queue: str, *, not_on: NodeRef, timeout: float = 60) -> str:
+        """Wait until ``queue``'s leader is a running node other than ``not_on``; return it."""
+        excluded = self._node(not_on).name
         found: list[str] = []
 
         def elected() -> bool:
-            info = self.queue_info(queue, vhost)
+            info = self.queue_info(queue)
             found[:] = [str(info.leader)]
             return (
                 info.leader is not None
@@ -553,12 +439,9 @@ class RabbitCluster:
         _wait(elected, timeout, f"a leader of {queue!r} other than {excluded}")
         return found[0]
 
-    # -- internals -----------------------------------------------------------------------
-
     def _spawn(self, node: _Node) -> None:
-        """Start ``node``'s VM; on the spawner thread, which lives until close(): the node
-        gets SIGTERM if that thread ends first, i.e. if the test process dies without closing
-        (tests.servers.die_with_parent)."""
+        """Start ``node``'s VM, on the spawner thread: the node gets SIGTERM if that thread
+        ends first, i.e. if the test process dies without closing (die_with_parent)."""
         node.pid_file.unlink(missing_ok=True)  # a kill -9 leaves it behind
         console = (node.folder / "console.log").open("ab")
         try:
@@ -632,11 +515,6 @@ class RabbitCluster:
         if self._epmd is not None:
             self._epmd.stop()
 
-    @staticmethod
-    def _is_vm_of(pid: int, node: _Node) -> bool:
-        """``pid`` is a live beam.smp started with ``node``'s environment."""
-        return is_vm_of(pid, node.name)
-
     def _parallel(self, jobs: list[Callable[[], object]], *, swallow: bool = False) -> None:
         if not jobs:
             return
@@ -677,27 +555,5 @@ def _kill_group(process: subprocess.Popen[bytes]) -> None:
 
 
 def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
-    poll_until(
-        check,
-        timeout,
-        0.2,
-        lambda last: ClusterError(f"timed out after {timeout:.0f}s waiting for {what}: {last}"),
-    )
-
-
-def cluster_fixture(
-    *, scope: Literal["session", "package", "module", "class"] = "module", **options: Any
-) -> Any:
-    """A pytest fixture giving a started :class:`RabbitCluster` (``options`` go to it), one
-    per ``scope``: ``rabbit_cluster = cluster_fixture(management=True)`` in a test module.
-    Skips when RabbitMQ is not installed."""
-
-    @pytest.fixture(scope=scope)
-    def _fixture() -> Iterator[RabbitCluster]:
-        reason = cluster_available()
-        if reason is not None:
-            pytest.skip(reason)
-        with RabbitCluster(**options) as cluster:
-            yield cluster
-
-    return _fixture
+    message = f"timed out after {timeout:.0f}s waiting for {what}"
+    poll_until(check, timeout, 0.2, lambda last: ClusterError(f"{message}: {last}"))

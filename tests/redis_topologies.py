@@ -1,9 +1,6 @@
-"""Redis Cluster and Redis under Sentinel on loopback, started from the installed
-``redis-server`` on free ports with their own data folders, for tests that kill primaries.
-
-Every server keeps its writes on disk (AOF, fsync always) so a restarted node comes back
-with what it had; the replicas are what a failover promotes. Nothing here touches the
-machine's own Redis. Processes get SIGTERM if the test process dies (PDEATHSIG).
+"""Redis Cluster and Redis under Sentinel on loopback, for tests that kill primaries: the
+installed ``redis-server`` on free ports and folders of their own, writes on disk (AOF, fsync
+always); every process gets SIGTERM if the test process dies (PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -22,9 +19,8 @@ from typing import Any
 import redis
 import redis.cluster
 
-from tests.cluster import _die_with_parent
 from tests.helpers import poll_until
-from tests.servers import free_port
+from tests.servers import die_with_parent, free_port
 
 SERVICE = "kq-primary"
 
@@ -53,12 +49,8 @@ def _free_cluster_port() -> int:
 
 
 def _wait(check: Callable[[], object], timeout: float, what: str) -> None:
-    poll_until(
-        check,
-        timeout,
-        0.1,
-        lambda last: RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}: {last}"),
-    )
+    message = f"timed out after {timeout:.0f}s waiting for {what}"
+    poll_until(check, timeout, 0.1, lambda last: RuntimeError(f"{message}: {last}"))
 
 
 class _Server:
@@ -86,14 +78,12 @@ class _Server:
                 command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl, no locks
+                preexec_fn=die_with_parent,  # noqa: PLW1509 - only prctl, no locks
             )
         _wait(lambda: self.client().ping(), 20, f"redis-server on {self.port}")
 
     def client(self) -> redis.Redis:
-        return redis.Redis(
-            host="127.0.0.1", port=self.port, decode_responses=True, socket_timeout=2
-        )
+        return redis.Redis("127.0.0.1", self.port, decode_responses=True, socket_timeout=2)
 
     def kill(self) -> None:
         """kill -9: a crash, not a shutdown."""
@@ -106,13 +96,6 @@ class _Server:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def log_tail(self, lines: int = 20) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(
-                (self.folder / "server.log").read_text(errors="replace").splitlines()[-lines:]
-            )
-        return ""
-
 
 _DURABLE = ["--appendonly", "yes", "--appendfsync", "always", "--save", ""]
 
@@ -121,21 +104,10 @@ class RedisClusterServers:
     """3 primaries and 3 replicas, cluster-enabled, failover after 2 s of silence."""
 
     def __init__(self, folder: Path, node_timeout_ms: int = 2000) -> None:
+        args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", *_DURABLE]
+        args += ["--cluster-node-timeout", str(node_timeout_ms)]
         self.servers = [
-            _Server(
-                folder / f"node-{index}",
-                port,
-                [
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    str(node_timeout_ms),
-                    *_DURABLE,
-                ],
-            )
-            for index, port in enumerate(_free_cluster_port() for _ in range(6))
+            _Server(folder / f"node-{index}", _free_cluster_port(), args) for index in range(6)
         ]
 
     @property
@@ -147,20 +119,9 @@ class RedisClusterServers:
         try:
             for server in self.servers:
                 server.start()
-            subprocess.run(
-                [
-                    "redis-cli",
-                    "--cluster",
-                    "create",
-                    *(f"127.0.0.1:{server.port}" for server in self.servers),
-                    "--cluster-replicas",
-                    "1",
-                    "--cluster-yes",
-                ],
-                check=True,
-                capture_output=True,
-                timeout=60,
-            )
+            nodes = [f"127.0.0.1:{server.port}" for server in self.servers]
+            create = ["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "1"]
+            subprocess.run([*create, "--cluster-yes"], check=True, capture_output=True, timeout=60)
             self.await_healthy()
             self.await_replicas()
         except BaseException:
@@ -368,10 +329,8 @@ class RedisSentinelServers:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tests.redis_topologies cluster|sentinel -- COMMAND…``: start that topology
-    on loopback, run COMMAND with ``KEYQ_REDIS_URL`` pointing at it, stop it; COMMAND's exit
-    status. For trying any keyq command against a Redis Cluster or Sentinel, e.g.
-    ``python -m tests.redis_topologies cluster -- keyq demo --chaos``."""
+    """``python -m tests.redis_topologies cluster|sentinel -- COMMAND…``: COMMAND run with
+    ``KEYQ_REDIS_URL`` pointing at that topology, e.g. ``cluster -- keyq demo --chaos``."""
     import argparse
     import os
     import sys

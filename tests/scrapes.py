@@ -61,11 +61,3 @@ def scrape_families(port: int) -> dict[str, Family]:
     status, content_type, body = scrape(port)
     assert status == 200 and content_type == CONTENT_TYPE, (status, content_type)
     return parse(body)
-
-
-def sample_names(port: int) -> set[str]:
-    """Every sample name of a scrape (``_bucket``, ``_count``, ``_sum``, ``_total`` as
-    exposed)."""
-    return {
-        sample for family in scrape_families(port).values() for sample, _l, _v in family.samples
-    }

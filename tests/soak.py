@@ -1,42 +1,12 @@
-"""The combined-fault soak: every fault at once, on real processes and connections.
-
-Three producers publish keyed events (one stream per mode: key, bucket and auto) through fault
-proxies to a private RabbitMQ and a private Redis that this soak started and may restart. Worker
-and janitor processes run against the same proxies. On a seeded schedule, workers are killed
-(-9), paused (SIGSTOP past their lock ttl), added and removed (SIGTERM); connections are cut and
-slowed; Redis is killed and restarted once and RabbitMQ stopped and started once; an operator
-promotes a few keys of the auto stream recently published to queues of their own (``keyq key
-promote``). The auto stream's workers promote hot and backlogged keys by themselves (low
-thresholds) and release own queues soon after they go quiet, so the janitor deletes them and
-demotes their keys: keys move between their bucket and their own queue while everything else
-goes on. A few poison events and undecodable payloads are planted. Afterwards an independent
-checker compares, key by key, what each worker fold recorded as applied with what the producers
-had accepted, and reads the dead-letter queues; a run in which the auto stream saw no
-promotion or no demotion fails too (its moves were never tried).
-
-With ``cluster=True`` the broker is a private 3-node RabbitMQ cluster (``tests/cluster.py``)
-and every stream uses quorum queues. Every client connects through the nodes' fault proxies,
-comma-separated in ``KEYQ_AMQP_URL`` (each connection takes the next node). Where the
-single-broker soak restarts RabbitMQ, the cluster soak has node faults instead: the node that
-leads the most of the streams' queues is stopped and restarted, a node is killed (-9) and
-restarted, a node is restarted, and one node's client connections are cut. Node faults run one
-after another, so at most one node is ever down (a 3-node quorum needs two), and the next one
-waits until every replica is back online (up to a minute: a queue declared while a node was
-booting can stay a replica short until that node's next boot). Everything is restored before
-the final check.
-
-Run longer by hand: ``KEYQ_SOAK_SECONDS=600 KEYQ_SOAK_SEED=7 .venv/bin/pytest -m soak -s``, or
-``.venv/bin/python -m tests.soak --seconds 600 --seed 7`` (add ``--cluster`` for the cluster
-soak): it prints the seed, the schedule, every fault as it is applied and the final verdict,
-and exits 0 only if the run was clean and the auto stream's keys were promoted and demoted.
+"""The combined-fault soak: every fault at once on a private RabbitMQ (or 3-node cluster, with
+node faults) and Redis, then every key's applied events checked against what its producer
+accepted, and the dead letters against what was planted (docs/testing.md, The soak).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
-import io
 import itertools
 import json
 import random
@@ -75,31 +45,26 @@ MODES = ("key", "bucket", "auto")
 ROUTINE_FAULTS = ("kill", "pause", "add", "remove", "cut_amqp", "cut_redis", "delay", "promote")
 # The cluster soak's node faults; each kind comes at least once in every run.
 NODE_FAULTS = ("stop_leader", "kill_node", "restart_node", "cut_node")
-# Quorum queues are heavy: each restart of a node recovers every one of them (40-170 s with
-# 2,000), so the cluster soak's keys stop growing here; idle ones still come and go.
-CLUSTER_MAX_KEYS = 300
+CLUSTER_MAX_KEYS = 300  # a node restart recovers every quorum queue (40-170 s for 2,000)
 NODE_FAULT_EVERY_S = 30.0  # a long cluster soak has a node fault about this often
 MAX_WORKERS_PER_STREAM = 3
 BUCKETS = 8
 # Lock and membership ttls of the soak's workers: a pause longer than this makes a zombie.
 WORKER_ENV = {"KEYQ_LOCK_TTL_MS": "2000", "KEYQ_MEMBER_TTL_MS": "2000"}
-# The auto stream's workers: a key at 20 events/s, or with 100 in one batch (after a pause or a
-# restart), is promoted by its bucket's holder; an own queue quiet for 3 s is released, so the
-# janitor (idle ttl 1 s) deletes it and demotes its key within the run, not only at its end.
+# The auto stream's keys are promoted at 20 events/s or 100 in a batch, and an own queue quiet
+# for 3 s is released, so the janitor (idle ttl 1 s) demotes its key within the run.
 AUTO_WORKER_ENV = {
     "KEYQ_AUTO_PROMOTE_RATE": "20",
     "KEYQ_AUTO_PROMOTE_BACKLOG": "100",
     "KEYQ_IDLE_RELEASE_MS": "3000",
 }
-# The operator's promote fault takes 1 to this many keys among those of the auto stream's last
-# RECENT_KEYS events (about 10 s of publishing), each distinct key as likely as another: mostly
-# keys of the skew's long tail, which go quiet soon after and are demoted within the run.
+# The operator promotes 1 to 3 distinct keys of the auto stream's last RECENT_KEYS events
+# (about 10 s): mostly of the skew's long tail, which go quiet and are demoted within the run.
 PROMOTED_AT_MOST = 3
 RECENT_KEYS = 600
 PROMOTE_TIMEOUT_S = 180.0  # for one ``keyq key promote``
 PROMOTE_ATTEMPTS = 3  # a promote that fails (a server down or cut) is run again, after
 PROMOTE_RETRY_S = 5.0
-# Each poison event costs its worker retries (seconds of Spark jobs) before it is isolated: a few.
 POISON_AT = frozenset({200, 1200})
 UNDECODABLE = (b"\xff\xfe\x00 not utf-8", b"{not json", b'{"valid": "json", "but": "no key"}')
 JANITOR_CATCH_UP_S = 90.0  # at most this long after draining for a first janitor delete
@@ -125,11 +90,8 @@ STALL_DESCRIBED_AFTER_S = 60.0
 def fault_schedule(
     seed: int, seconds: float, mean_gap: float = 4.0, *, cluster: bool = False
 ) -> list[Fault]:
-    """The faults of one run; the same seed, length and broker always give the same schedule.
-
-    On a cluster, node faults (:data:`NODE_FAULTS`) take the place of the RabbitMQ restart.
-    One operator promotion comes early in every run (more may come among the routine faults),
-    so its keys can go idle and be demoted before the end."""
+    """The faults of one run, the same for the same seed, length and broker. One operator
+    promotion comes early, so its keys can go idle and be demoted before the end."""
     rng = random.Random(seed)
     faults = [Fault(round(rng.uniform(0.25, 0.45) * seconds, 1), "restart_redis", "", 0.0, 0.0)]
     if cluster:
@@ -143,25 +105,17 @@ def fault_schedule(
     while at < seconds:
         kind = rng.choice(ROUTINE_FAULTS)
         stream = rng.choice(MODES)
+        stream = "auto" if kind == "promote" else stream
         faults.append(
-            Fault(
-                round(at, 1),
-                kind,
-                "auto" if kind == "promote" else stream,
-                round(rng.uniform(1.0, 6.0), 1),
-                rng.random(),
-            )
+            Fault(round(at, 1), kind, stream, round(rng.uniform(1.0, 6.0), 1), rng.random())
         )
         at += rng.expovariate(1.0 / mean_gap)
     return sorted(faults, key=lambda fault: fault.at)
 
 
 def node_fault_schedule(rng: random.Random, seconds: float) -> list[Fault]:
-    """One node fault per :data:`NODE_FAULT_EVERY_S` (every kind at least once, in a shuffled
-    order per round of kinds), spread over the first 80% of the run. A stopped or killed node
-    stays down ``seconds`` (1 to 8, less in a short run) before it is restarted; ``pick``
-    chooses the node (except for stop_leader, which takes the node leading the most queues
-    when it happens)."""
+    """One node fault per :data:`NODE_FAULT_EVERY_S`, every kind at least once, over the first
+    80% of the run; a stopped or killed node stays down ``seconds`` (1 to 8)."""
     count = max(len(NODE_FAULTS), round(seconds / NODE_FAULT_EVERY_S))
     longest_down = min(8.0, max(2.0, seconds / 20))
     kinds: list[str] = []
@@ -174,16 +128,16 @@ def node_fault_schedule(rng: random.Random, seconds: float) -> list[Fault]:
     faults = []
     for index, kind in enumerate(kinds[:count]):
         at = begin + slot * (index + rng.uniform(0.0, 0.5))
-        down = 0.0
-        if kind in ("stop_leader", "kill_node"):
-            down = round(rng.uniform(1.0, longest_down), 1)
+        down = (
+            round(rng.uniform(1.0, longest_down), 1)
+            if kind in ("stop_leader", "kill_node")
+            else 0.0
+        )
         faults.append(Fault(round(at, 1), kind, "", down, rng.random()))
     return faults
 
 
-# A publish that waits longer than this is given up (the event is not accepted) and the
-# publisher goes on with another key.
-PUBLISH_TIMEOUT_S = 5.0
+PUBLISH_TIMEOUT_S = 5.0  # then the event is not accepted, and the publisher goes on
 
 
 class Publisher(threading.Thread):
@@ -195,7 +149,6 @@ class Publisher(threading.Thread):
         producer: Producer,
         seed: int,
         rate: float,
-        poison_at: frozenset[int],
         stop: threading.Event,
         max_keys: int | None = None,
     ) -> None:
@@ -204,11 +157,9 @@ class Publisher(threading.Thread):
         self.producer = producer
         self.rng = random.Random(seed)
         self.rate = rate
-        self.poison_at = poison_at  # which of the events sent are poison
         self.stop_event = stop
         self.keys: list[str] = []
-        # The keys of the last events accepted, newest last (read by the promote fault: a
-        # copy is taken in one C call, under the GIL, while this thread appends).
+        # The keys of the last events accepted, newest last (the promote fault copies it).
         self.recent: deque[str] = deque(maxlen=RECENT_KEYS)
         self.accepted: dict[str, list[int]] = {}
         self.poisoned: set[tuple[str, int]] = set()
@@ -218,10 +169,8 @@ class Publisher(threading.Thread):
     def _next_key(self) -> str:
         room = self.max_keys is None or len(self.keys) < self.max_keys
         if not self.keys or (room and self.rng.random() < 0.05):
-            index = len(self.keys)
-            # Keys of several kinds: plain, Unicode, with spaces and dots.
             name = self.rng.choice(("order-{}", "ключ-{}", "dev ice.{}", "账户/{}"))
-            self.keys.append(name.format(index))
+            self.keys.append(name.format(len(self.keys)))
         weights = [1.0 / (rank + 1) for rank in range(len(self.keys))]
         return self.rng.choices(self.keys, weights)[0]
 
@@ -235,7 +184,7 @@ class Publisher(threading.Thread):
                 n = (numbers[-1] if numbers else 0) + 1
                 while (key, n) in self.poisoned:
                     n += 1
-                poison = sent in self.poison_at
+                poison = sent in POISON_AT
                 event = {"producer": self.producer.producer_id, "n": n, "poison": poison}
                 try:
                     self.producer.publish(key, event, timeout=PUBLISH_TIMEOUT_S)
@@ -278,9 +227,8 @@ def stalled_events(
     queue_of: Callable[[str], str],
     unconfirmed_by_queue: dict[str, int],
 ) -> int:
-    """Unapplied events that are unconfirmed, not lost. A queue's unconfirmed events are the
-    last of its keys (a key's events are confirmed in order), so in each queue the unapplied
-    tails of its keys count as stalled up to that queue's unconfirmed count, and no further."""
+    """Unapplied events that are unconfirmed, not lost: a queue's unconfirmed events are the last
+    of its keys, so its keys' unapplied tails are stalled up to its unconfirmed count only."""
     tails: dict[str, int] = {}
     for verdict in verdicts:
         queue = queue_of(verdict.key)
@@ -307,30 +255,27 @@ class SoakReport:
     dead_letters_unplanted: int = 0
     dead_letter_copies: int = 0
     dead_letter_reasons: dict[str, int] = field(default_factory=dict)
-    # Each dead letter that was not planted (or a poison planted once, found under another
-    # identity): its stream, key, reason and the start of its body, to follow it up.
+    # Each dead letter not planted (or planted, found under another identity), to follow up.
     unplanted_letters: list[dict[str, str]] = field(default_factory=list)
     bad_keys: list[dict[str, Any]] = field(default_factory=list)
     producer_stats: dict[str, dict[str, int]] = field(default_factory=dict)
     drain_seconds: float = 0.0
     janitor_deleted: int = 0
-    # Queues the broker said held messages when the janitor deleted them (none ready, no
-    # consumer): where a confirmed event can vanish, so each is named in the report.
+    # Queues the broker said held messages when the janitor deleted them: where a confirmed
+    # event can vanish.
     janitor_deleted_holding: list[str] = field(default_factory=list)
     janitor_alive: bool = True
     workers_crashed: list[str] = field(default_factory=list)
     faults_applied: dict[str, int] = field(default_factory=dict)
-    # Events still unconfirmed when the final flush gave up (a queue RabbitMQ cannot serve),
-    # per mode, and the unapplied last events of keys of those modes: at most that many of
-    # them can be the unconfirmed ones; any more are counted as lost.
+    # Events unconfirmed when the final flush gave up, per mode (and queue); at most that many
+    # of the keys' unapplied last events are stalled, any more are lost.
     unconfirmed: dict[str, int] = field(default_factory=dict)
     unconfirmed_by_queue: dict[str, dict[str, int]] = field(default_factory=dict)
     stalled: int = 0
-    # Per mode: accepted, applied, lost (before stalled events are set apart), reordered,
-    # applied twice and unexpected, to tell which stream a bad figure comes from.
+    # The figures per mode, to tell which stream a bad one comes from.
     by_mode: dict[str, dict[str, int]] = field(default_factory=dict)
-    # The auto stream's route counts at the end (RouteBook.counts(): promoted:<why>, demoted),
-    # the keys still promoted then, and what each operator promotion did.
+    # The auto stream's route counts at the end (promoted:<why>, demoted), the keys still
+    # promoted then, and what the operator promotions did.
     route_counts: dict[str, int] = field(default_factory=dict)
     promoted_while_faulting: int = 0  # before the last fault was over (from the route log)
     demoted_while_faulting: int = 0
@@ -489,11 +434,8 @@ class SoakRedis:
 
 
 class SoakRedisCluster:
-    """A Redis Cluster of the soak's own (3 primaries, 3 replicas). Its fault kills the
-    primary serving the key-mode stream with -9, waits for a replica to take over, and starts
-    the old primary again (it rejoins as a replica); a cut resets every client connection of
-    every node (``CLIENT KILL TYPE normal``). Clients reach the nodes directly: a cluster
-    client follows the addresses the nodes give, so there is no proxy, and no delay fault."""
+    """A Redis Cluster of the soak's own, whose fault kills the key stream's primary with -9.
+    Cluster clients follow the nodes' own addresses, so there is no proxy and no delay fault."""
 
     def __init__(self, folder: Path, stream: str) -> None:
         self.cluster = RedisClusterServers(folder / "redis-cluster")
@@ -567,10 +509,8 @@ def read_dead_letters(amqp_url: str, stream: str) -> list[tuple[str, str, bytes]
 
 
 class Soak:
-    """One soak run: its servers, proxies, processes, producers and fault schedule.
-
-    ``cluster``: a private 3-node RabbitMQ cluster and quorum queues instead of one broker.
-    ``redis_cluster``: a private Redis Cluster (3 primaries, 3 replicas) instead of one Redis."""
+    """One soak run: its servers, proxies, processes, producers and fault schedule (with
+    ``cluster`` a RabbitMQ cluster, with ``redis_cluster`` a Redis Cluster, of its own)."""
 
     def __init__(
         self,
@@ -600,12 +540,8 @@ class Soak:
             SoakRedisCluster(folder, self.streams["key"]) if redis_cluster else SoakRedis(folder)
         )
         # One broker, or a cluster (created here, started in start()).
-        self.rabbit: PrivateRabbit | None = None
-        self.cluster: RabbitCluster | None = None
-        if cluster:
-            self.cluster = RabbitCluster(folder / "cluster")
-        else:
-            self.rabbit = PrivateRabbit(folder / "rabbitmq")
+        self.cluster = RabbitCluster(folder / "cluster") if cluster else None
+        self.rabbit = None if cluster else PrivateRabbit(folder / "rabbitmq")
         # On a cluster, workers log each consumer they open and close (its queue, epoch and
         # consumer tag): a consumer the broker lists on a stuck queue is then traced to one.
         cluster_env = {"KEYQ_QUEUE_TYPE": "quorum", "KEYQ_WORKER_LOG_LEVEL": "debug"}
@@ -632,7 +568,6 @@ class Soak:
         self.applied: Counter[str] = Counter()
         self.faults_over_ms = 0  # wall clock, ms: when the last fault was over
 
-    # ------------------------------------------------------------------ set-up
     def note(self, line: str) -> None:
         stamp = time.monotonic() - self.started if self.started else 0.0
         entry = f"[{stamp:7.1f}s] {line}"
@@ -646,12 +581,8 @@ class Soak:
         self.redis.start()
         if self.cluster is not None:
             began = time.monotonic()
-            self.cluster.start()
-            print(
-                f"cluster of {len(self.cluster.nodes)} nodes up in "
-                f"{time.monotonic() - began:.1f}s: {', '.join(self.cluster.nodes)}",
-                flush=True,
-            )
+            nodes = ", ".join(self.cluster.start().nodes)
+            print(f"cluster up in {time.monotonic() - began:.1f}s: {nodes}", flush=True)
             # Comma-separated: each connection a client opens takes the next node.
             amqp_url = ",".join(self.cluster.proxied_urls)
             direct_amqp_url = self.cluster.urls[0]
@@ -682,23 +613,15 @@ class Soak:
                 producer_id=f"soak-{mode}",
             )
             self.producers[mode] = producer
+            max_keys = CLUSTER_MAX_KEYS if self.cluster is not None else None
+            seed = self.seed * 10 + index
             self.publishers[mode] = Publisher(
-                producer,
-                self.seed * 10 + index,
-                self.rate,
-                POISON_AT,
-                self.stop_publishing,
-                max_keys=CLUSTER_MAX_KEYS if self.cluster is not None else None,
+                producer, seed, self.rate, self.stop_publishing, max_keys
             )
-        self.janitor = JanitorProcess(
-            self.client_settings,
-            self.log_dir,
-            "--idle-ttl",
-            "1",
-            "--log-level",
-            "DEBUG",  # a line per quorum queue deleted, to follow a lost event to its queue
-            env={"KEYQ_RECONNECT_TIMEOUT": "600"},
-        )
+        # DEBUG: a line per queue deleted, to follow a lost event to its queue.
+        options = ["--idle-ttl", "1", "--log-level", "DEBUG"]
+        env = {"KEYQ_RECONNECT_TIMEOUT": "600"}
+        self.janitor = JanitorProcess(self.client_settings, self.log_dir, *options, env=env)
         for mode in self.streams:
             self.add_worker(mode)
         self.add_worker("key")
@@ -724,18 +647,12 @@ class Soak:
             for index, body in enumerate(UNDECODABLE):
                 queue = config.queue_for(f"planted-{index}")
                 channel.queue_declare(queue, passive=True)
-                channel.basic_publish(
-                    "",
-                    queue,
-                    body,
-                    pika.BasicProperties(delivery_mode=2, message_id=f"planted-{index}"),
-                    mandatory=True,
-                )
+                properties = pika.BasicProperties(delivery_mode=2, message_id=f"planted-{index}")
+                channel.basic_publish("", queue, body, properties, mandatory=True)
         finally:
             connection.close()
         self.report.dead_letters_planted += len(UNDECODABLE)
 
-    # ---------------------------------------------------------------- processes
     def alive(self, mode: str) -> list[WorkerProcess]:
         return [w for w in self.workers[mode] if w.process.poll() is None]
 
@@ -762,7 +679,6 @@ class Soak:
             return None
         return candidates[min(int(fault.pick * len(candidates)), len(candidates) - 1)]
 
-    # ------------------------------------------------------------------- faults
     def amqp_proxies(self) -> list[FaultProxy]:
         """The proxies every AMQP client connection goes through: the broker's, or one per
         cluster node."""
@@ -832,20 +748,16 @@ class Soak:
         self.report.faults_applied = dict(sorted(self.applied.items()))
 
     def promote_recent(self, fault: Fault) -> bool:
-        """An operator promotes 1 to :data:`PROMOTED_AT_MOST` keys of the auto stream among
-        those published last (``keyq key promote``, in the background, run again while a
-        server is down). False when nothing was published yet."""
+        """An operator promotes a few keys of the auto stream among those published last, in the
+        background; False when nothing was published yet."""
         recent = list(dict.fromkeys(reversed(self.publishers["auto"].recent)))
         if not recent:
             return False
         count = min(len(recent), 1 + int(fault.pick * PROMOTED_AT_MOST))
         keys = self.rng.sample(recent, count)
         self.note(f"operator: keyq key promote {' '.join(repr(k) for k in keys)} (auto)")
-        thread = threading.Thread(
-            target=self.run_promote, args=(keys,), name="soak-promote", daemon=True
-        )
-        thread.start()
-        self.promotions.append(thread)
+        self.promotions.append(threading.Thread(target=self.run_promote, args=(keys,), daemon=True))
+        self.promotions[-1].start()
         return True
 
     def run_promote(self, keys: list[str]) -> None:
@@ -857,21 +769,11 @@ class Soak:
             time.sleep(PROMOTE_RETRY_S)
 
     def promote_once(self, keys: list[str], *, last: bool) -> bool:
-        """One ``keyq key promote``: exit 0 promoted (or promoted already), 1 refused (events
-        of a key wait aside in its bucket); False when it failed otherwise (not fatal, noted;
-        counted as failed on the ``last`` attempt)."""
-        stream = self.streams["auto"]
+        """One ``keyq key promote`` (exit 0 promoted, 1 refused); False when it failed
+        otherwise (noted, and counted as failed on the ``last`` attempt)."""
+        command = ["key", "promote", *keys, "--stream", self.streams["auto"], "--json"]
         try:
-            done = run_keyq(
-                self.client_settings,
-                "key",
-                "promote",
-                *keys,
-                "--stream",
-                stream,
-                "--json",
-                timeout=PROMOTE_TIMEOUT_S,
-            )
+            done = run_keyq(self.client_settings, *command, timeout=PROMOTE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - reported by the soak
             self.promoted["failed"] += len(keys) if last else 0
             self.note(f"operator: promote {keys} failed: {exc!r}")
@@ -914,7 +816,6 @@ class Soak:
         thread.start()
         self.restarts.append(thread)
 
-    # -------------------------------------------------------------- node faults
     def cut_node(self, fault: Fault) -> None:
         """Reset one running node's client connections (a cut takes no node down)."""
         assert self.cluster is not None
@@ -994,11 +895,8 @@ class Soak:
             self.node_in_fault = None
 
     def await_replicas(self) -> None:
-        """Before the next node fault, every replica online again. RabbitMQ starts a replica
-        that could not start when its queue was declared (its node down) only when that node
-        next boots, so a queue declared while the node was booting stays a replica short: past
-        the timeout the soak says which queues are short and goes on (while the next node is
-        down, those queues have no quorum and their keys wait)."""
+        """Before the next node fault, every replica online again; past the timeout the soak
+        says which queues are short (see RabbitCluster.await_replicas) and goes on."""
         assert self.cluster is not None
         began = time.monotonic()
         try:
@@ -1078,7 +976,6 @@ class Soak:
             raise AssertionError(f"a server did not restart: {self.restart_errors}")
         self.undo_due(time.monotonic(), everything=True)
 
-    # ------------------------------------------------------------------ the end
     def finish(self, drain_timeout: float) -> SoakReport:
         self.stop_publishing.set()
         for mode, publisher in self.publishers.items():
@@ -1228,78 +1125,51 @@ class Soak:
 
     def describe_bad_queues(self, verdicts: list[KeyVerdict]) -> None:
         """On a cluster, print what the broker holds in each key-mode queue of a key judged
-        bad, before the cluster is torn down: stuck in a queue, or gone."""
-        if self.cluster is None:
-            return
+        bad, and its consumers, before the cluster is torn down."""
+        cluster = self.cluster
         wanted = {
             key_queue_name(v.stream, v.key, incarnations=True): v.key
             for v in verdicts
             if (v.lost or v.unapplied_tail) and v.stream == self.streams.get("key")
         }
-        if not wanted:
+        if cluster is None or not wanted:
             return
-        try:
-            listing = self.cluster.ctl(
-                0 if self.cluster.is_up(0) else 1,
-                "list_queues",
-                "name",
-                "messages_ready",
-                "messages_unacknowledged",
-                "consumers",
-                "online",
-                "members",
-                "--formatter",
-                "csv",
-            )
-        except Exception as exc:  # noqa: BLE001 - a diagnostic must not cost the verdict
+        up = [index for index in range(len(cluster.nodes)) if cluster.is_up(index)]
+        if not up:
+            return
+        columns = ("name", "messages_ready", "messages_unacknowledged", "consumers", "online")
+        found: dict[str, list[dict[str, Any]]] = {}
+        try:  # a diagnostic must not cost the verdict
+            for row in cluster.list_queues(*columns, "members", via=up[0]):
+                found.setdefault(base_queue_name(row["name"]), []).append(row)
+        except Exception as exc:  # noqa: BLE001
             print(f"could not list the bad keys' queues: {exc!r}", flush=True)
             return
-        found: dict[str, list[dict[str, str]]] = {}
-        for row in csv.DictReader(io.StringIO(listing)):
-            found.setdefault(base_queue_name(row["name"]), []).append(row)
         for queue, key in sorted(wanted.items()):
             rows = found.get(queue, "no such queue (any incarnation)")
             print(f"queue of bad key {key!r}: {rows}", flush=True)
-        self.describe_consumers({row["name"] for queue in wanted for row in found.get(queue, [])})
-
-    def describe_consumers(self, queues: set[str]) -> None:
-        """Print the broker's consumers of these queues (their tags name the worker, whose
-        debug log records each consumer it opens), then whether each one's channel is still
-        open: a consumer whose channel is gone is one the broker keeps for a client that
-        left. Both listings are cluster-wide; a channel that does not answer makes the
-        second fail, so the first is printed on its own."""
-        assert self.cluster is not None
-        up = [index for index in range(len(self.cluster.nodes)) if self.cluster.is_up(index)]
-        if not queues or not up:
+        queues = {row["name"] for queue in wanted for row in found.get(queue, [])}
+        if not queues:
             return
 
-        def listing(*args: str) -> list[dict[str, Any]]:
-            assert self.cluster is not None
-            rows = json.loads(self.cluster.ctl(up[0], *args, "--formatter", "json") or "[]")
-            return [dict(row) for row in rows]
+        def listing(command: str, *columns: str) -> list[dict[str, Any]]:
+            out = cluster.ctl(up[0], command, "-q", *columns, "--formatter", "json")
+            return [dict(row) for row in json.loads(out or "[]")]
 
+        # The consumers' tags name the worker, whose debug log records each consumer it opens;
+        # one whose channel no node lists is kept by the broker for a client that left. A
+        # channel that does not answer fails the second listing, so the first prints alone.
         try:
+            columns = ("queue_name", "channel_pid", "consumer_tag", "active")
             consumers = [
-                row
-                for row in listing(
-                    "list_consumers", "-q", "queue_name", "channel_pid", "consumer_tag", "active"
-                )
-                if row.get("queue_name") in queues
+                r for r in listing("list_consumers", *columns) if r.get("queue_name") in queues
             ]
-        except Exception as exc:  # noqa: BLE001 - a diagnostic must not cost the verdict
-            print(f"could not list consumers: {str(exc)[:300]}", flush=True)
-            return
-        for row in consumers:
-            print(f"consumer {row}", flush=True)
-        try:
-            channels = {
-                str(row.get("pid")): row
-                for row in listing(
-                    "list_channels", "-q", "pid", "consumer_count", "messages_unacknowledged"
-                )
-            }
-        except Exception as exc:  # noqa: BLE001 - a diagnostic must not cost the verdict
-            print(f"could not list channels: {str(exc)[:300]}", flush=True)
+            for row in consumers:
+                print(f"consumer {row}", flush=True)
+            columns = ("pid", "consumer_count", "messages_unacknowledged")
+            channels = {str(row.get("pid")): row for row in listing("list_channels", *columns)}
+        except Exception as exc:  # noqa: BLE001
+            print(f"could not list consumers or channels: {str(exc)[:300]}", flush=True)
             return
         for row in consumers:
             channel = channels.get(str(row.get("channel_pid")))
@@ -1390,27 +1260,8 @@ class Soak:
 
 
 @contextlib.contextmanager
-def soak_run(
-    folder: Path,
-    seed: int,
-    seconds: float,
-    rate: float = 60.0,
-    *,
-    cluster: bool = False,
-    redis_cluster: bool = False,
-    janitor_catch_up: float = JANITOR_CATCH_UP_S,
-    progress_every: float | None = None,
-) -> Iterator[Soak]:
-    soak = Soak(
-        folder,
-        seed,
-        seconds,
-        rate,
-        cluster=cluster,
-        redis_cluster=redis_cluster,
-        janitor_catch_up=janitor_catch_up,
-        progress_every=progress_every,
-    )
+def soak_run(folder: Path, seed: int, seconds: float, **options: Any) -> Iterator[Soak]:
+    soak = Soak(folder, seed, seconds, **options)
     try:
         soak.start()
         yield soak
@@ -1419,43 +1270,21 @@ def soak_run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tests.soak [--cluster] [--redis-cluster] [--seconds S] [--seed N]``: one
-    soak, by hand."""
-    parser = argparse.ArgumentParser(
-        prog="python -m tests.soak",
-        description="The combined-fault soak: every fault at once, every event checked. "
-        "Prints the seed, the schedule, each fault as applied and the verdict; exits 0 only "
-        "if the run was clean and the auto stream's keys were promoted and demoted.",
-    )
-    parser.add_argument(
-        "--cluster",
-        action="store_true",
-        help="a private 3-node RabbitMQ cluster and quorum queues, with node faults",
-    )
-    parser.add_argument(
-        "--redis-cluster",
-        action="store_true",
-        help="a private Redis Cluster (3 primaries, 3 replicas); its fault kills the primary "
-        "serving the key stream with -9",
-    )
-    parser.add_argument("--seconds", type=float, default=600.0, help="of faults (default 600)")
+    """One soak by hand: prints the seed, the schedule, each fault and the verdict; exits 0 only
+    if the run was clean and the auto stream's keys were promoted and demoted."""
+    parser = argparse.ArgumentParser(prog="python -m tests.soak", description=main.__doc__)
+    parser.add_argument("--cluster", action="store_true", help="a 3-node RabbitMQ cluster")
+    parser.add_argument("--redis-cluster", action="store_true", help="a Redis Cluster")
+    for flag, default, what in (
+        ("--seconds", 600.0, "of faults"),
+        ("--rate", 60.0, "events/s per producer"),
+        ("--drain-timeout", 300.0, "s to wait for every event"),
+        ("--janitor-catch-up", JANITOR_CATCH_UP_S, "s to wait for a first janitor delete"),
+        ("--progress", 15.0, "s between progress notes (0: none)"),
+    ):
+        parser.add_argument(flag, type=float, default=default, help=f"{what} ({default:g})")
     parser.add_argument("--seed", type=int, default=None, help="replay a run (default: random)")
-    parser.add_argument("--rate", type=float, default=60.0, help="events/s per producer")
-    parser.add_argument(
-        "--drain-timeout", type=float, default=300.0, help="s to wait for every event"
-    )
-    parser.add_argument(
-        "--janitor-catch-up",
-        type=float,
-        default=JANITOR_CATCH_UP_S,
-        help="s to wait after draining for a first janitor delete",
-    )
-    parser.add_argument(
-        "--progress", type=float, default=15.0, help="s between progress notes (0: none)"
-    )
-    parser.add_argument(
-        "--folder", type=Path, default=None, help="for data and logs (default: a new temp dir)"
-    )
+    parser.add_argument("--folder", type=Path, default=None, help="for data and logs")
     args = parser.parse_args(argv)
     missing = private_servers_available() or (
         redis_topologies_available() if args.redis_cluster else None
@@ -1471,7 +1300,7 @@ def main(argv: list[str] | None = None) -> int:
             folder,
             seed,
             args.seconds,
-            args.rate,
+            rate=args.rate,
             cluster=args.cluster,
             redis_cluster=args.redis_cluster,
             janitor_catch_up=args.janitor_catch_up,

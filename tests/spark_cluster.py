@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pyspark
 
-from tests.cluster import _die_with_parent
 from tests.helpers import poll_until
-from tests.servers import free_port
+from tests.servers import die_with_parent, free_port
 
 SPARK_HOME = Path(pyspark.__file__).resolve().parent
+LOOPBACK = ["--host", "127.0.0.1"]
 
 
 def spark_cluster_available() -> str | None:
@@ -65,7 +65,7 @@ class _Daemon:
                 stderr=subprocess.STDOUT,
                 env=_environment(folder),
                 start_new_session=True,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl, no locks
+                preexec_fn=die_with_parent,  # noqa: PLW1509 - only prctl, no locks
             )
 
     def stop(self) -> None:
@@ -81,11 +81,11 @@ class _Daemon:
 
 
 class SparkStandalone:
-    """A master and one worker (``cores`` cores, 1 GB) on 127.0.0.1."""
+    """A master and one worker (1 core, 1 GB) on 127.0.0.1."""
 
-    def __init__(self, folder: Path, cores: int = 1) -> None:
+    def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.cores = cores
+        self.cores = 1
         self.port = free_port()
         self.ui_port = free_port()
         self.url = f"spark://127.0.0.1:{self.port}"
@@ -94,40 +94,16 @@ class SparkStandalone:
     def __enter__(self) -> SparkStandalone:
         spark_class = str(SPARK_HOME / "bin" / "spark-class")
         try:
-            master = _Daemon(
-                self.folder,
-                "master",
-                [
-                    spark_class,
-                    "org.apache.spark.deploy.master.Master",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(self.port),
-                    "--webui-port",
-                    str(self.ui_port),
-                ],
-            )
+            master_class = "org.apache.spark.deploy.master.Master"
+            ports = ["--port", str(self.port), "--webui-port", str(self.ui_port)]
+            master = _Daemon(self.folder, "master", [spark_class, master_class, *LOOPBACK, *ports])
             self._daemons.append(master)
             _wait(lambda: _answers(self.port), 90, "the Spark master", master.log)
+            options = ["--webui-port", str(free_port()), "--cores", str(self.cores)]
+            options += ["--memory", "1g", "--work-dir", str(self.folder / "work"), self.url]
+            worker_class = "org.apache.spark.deploy.worker.Worker"
             worker = _Daemon(
-                self.folder,
-                "worker",
-                [
-                    spark_class,
-                    "org.apache.spark.deploy.worker.Worker",
-                    "--host",
-                    "127.0.0.1",
-                    "--webui-port",
-                    str(free_port()),
-                    "--cores",
-                    str(self.cores),
-                    "--memory",
-                    "1g",
-                    "--work-dir",
-                    str(self.folder / "work"),
-                    self.url,
-                ],
+                self.folder, "worker", [spark_class, worker_class, *LOOPBACK, *options]
             )
             self._daemons.append(worker)
             _wait(lambda: self.alive_workers() >= 1, 90, "a Spark worker registered", worker.log)
@@ -149,33 +125,21 @@ class SparkStandalone:
 
 
 class SparkConnectServer:
-    """A Spark Connect server on 127.0.0.1 (its own Spark: ``master``)."""
+    """A Spark Connect server on 127.0.0.1, with a local Spark of its own."""
 
-    def __init__(self, folder: Path, master: str = "local[1]") -> None:
+    def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.port = free_port()
         self.url = f"sc://127.0.0.1:{self.port}"
-        self._master = master
         self._daemon: _Daemon | None = None
 
     def __enter__(self) -> SparkConnectServer:
         try:
-            self._daemon = _Daemon(
-                self.folder,
-                "connect",
-                [
-                    str(SPARK_HOME / "sbin" / "start-connect-server.sh"),
-                    "--wait",
-                    "--master",
-                    self._master,
-                    "--conf",
-                    "spark.connect.grpc.binding.address=127.0.0.1",
-                    "--conf",
-                    f"spark.connect.grpc.binding.port={self.port}",
-                    "--conf",
-                    "spark.ui.enabled=false",
-                ],
-            )
+            command = [str(SPARK_HOME / "sbin" / "start-connect-server.sh"), "--wait"]
+            command += ["--master", "local[1]", "--conf", "spark.ui.enabled=false"]
+            for conf in ("address=127.0.0.1", f"port={self.port}"):
+                command += ["--conf", f"spark.connect.grpc.binding.{conf}"]
+            self._daemon = _Daemon(self.folder, "connect", command)
             _wait(lambda: _answers(self.port), 150, "the Spark Connect server", self._daemon.log)
         except BaseException:
             self.close()

@@ -1,13 +1,8 @@
-"""deploy/prometheus's alerting rules, checked by Prometheus's own promtool: the rules and the
-scrape configuration load, and every alert has a unit test (keyq-alerts.test.yml) that shows
-it firing, and not firing where it must not. Every alert links a section of docs/alerts.md,
-whose commands are real ``keyq`` commands, and the Grafana dashboard shows every keyq metric
-the alerts use, in valid PromQL.
-
-promtool comes from Debian's ``prometheus`` package, which scripts/services.sh (run by
-``make test``) installs as root with apt-get. In CI a missing promtool fails these tests;
-elsewhere they are skipped, saying how to install it.
-"""
+"""deploy/prometheus's alerting rules, checked by promtool (Debian's ``prometheus``, which
+scripts/services.sh installs; missing, it fails these tests in CI and skips them elsewhere):
+rules and scrape configuration load, every alert has unit tests showing it firing and quiet
+and links its section of docs/alerts.md, whose commands are real ``keyq`` commands; the
+Grafana dashboard shows every keyq metric the alerts use, in valid PromQL."""
 
 from __future__ import annotations
 
@@ -111,29 +106,22 @@ def _dashboard_expressions() -> list[str]:
 # --------------------------------------------------------------------------- promtool
 
 
-def test_promtool_checks_the_rules(promtool: str) -> None:
+def test_promtool_checks_the_rules_the_scrape_config_the_alert_tests_and_the_dashboard(
+    promtool: str, tmp_path: Path
+) -> None:
+    """The dashboard's PromQL is checked as recording rules, its variable replaced by what
+    "All" stands for."""
     checked = _run(promtool, "check", "rules", RULES.name)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert f"SUCCESS: {len(_alerts())} rules found" in checked.stdout, checked.stdout
-
-
-def test_promtool_checks_the_scrape_configuration(promtool: str) -> None:
     checked = _run(promtool, "check", "config", SCRAPE_CONFIG.name)
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    jobs = {job["job_name"] for job in yaml.safe_load(SCRAPE_CONFIG.read_text())["scrape_configs"]}
-    assert jobs == SCRAPE_JOBS
-    assert yaml.safe_load(SCRAPE_CONFIG.read_text())["rule_files"] == [RULES.name]
-
-
-def test_promtool_unit_tests_of_every_alert_pass(promtool: str) -> None:
+    config = yaml.safe_load(SCRAPE_CONFIG.read_text())
+    assert {job["job_name"] for job in config["scrape_configs"]} == SCRAPE_JOBS
+    assert config["rule_files"] == [RULES.name]
     tested = _run(promtool, "test", "rules", RULE_TESTS.name)
     assert tested.returncode == 0, tested.stdout + tested.stderr
     assert "SUCCESS" in tested.stdout, tested.stdout
-
-
-def test_the_dashboard_queries_are_valid_promql(promtool: str, tmp_path: Path) -> None:
-    # promtool checks PromQL in rule files: each query becomes a recording rule, with the
-    # dashboard's variable replaced by what "All" stands for.
     rules = [
         {"record": f"keyq:dashboard_query_{n}", "expr": expr.replace("$stream", ".*")}
         for n, expr in enumerate(_dashboard_expressions())
@@ -147,40 +135,31 @@ def test_the_dashboard_queries_are_valid_promql(promtool: str, tmp_path: Path) -
 # --------------------------------------------------------------------------- the rules
 
 
-def test_every_alert_has_a_unit_test_that_fires_it() -> None:
+def test_every_alert_is_unit_tested_described_and_the_daemons_are_watched() -> None:
     cases = _rule_tests()
     firing = {case["alertname"] for case in cases if case.get("exp_alerts")}
     quiet = {case["alertname"] for case in cases if not case.get("exp_alerts")}
     assert sorted(set(_alerts()) - firing) == [], "alerts no unit test fires"
     assert sorted(set(_alerts()) - quiet) == [], "alerts no unit test shows quiet"
     assert sorted({case["alertname"] for case in cases} - set(_alerts())) == []
-
-
-def test_the_daemons_are_watched_by_up_and_absent() -> None:
+    for name, rule in _alerts().items():
+        assert rule["labels"]["severity"] in {"warning", "critical"}, name
+        assert rule["annotations"]["summary"], name
+        assert rule["annotations"]["description"], name
     expressions = {name: " ".join(rule["expr"].split()) for name, rule in _alerts().items()}
     for job in SCRAPE_JOBS:
         assert any(f'up{{job="{job}"}} == 0' in expr for expr in expressions.values()), job
     absent = [expr for expr in expressions.values() if expr.startswith("absent(")]
     assert "absent(keyq_janitor_passes_total)" in absent
     assert "absent(keyq_worker_queues_held)" in absent
-
-
-def test_dead_letters_growing_is_about_the_increase() -> None:
-    expr = " ".join(_alerts()["KeyqDeadLettersGrowing"]["expr"].split())
-    assert "min_over_time(keyq_stream_dead_letters[15m])" in expr, expr
-
-
-def test_every_alert_has_a_severity_and_a_summary() -> None:
-    for name, rule in _alerts().items():
-        assert rule["labels"]["severity"] in {"warning", "critical"}, name
-        assert rule["annotations"]["summary"], name
-        assert rule["annotations"]["description"], name
+    dead_letters = expressions["KeyqDeadLettersGrowing"]
+    assert "min_over_time(keyq_stream_dead_letters[15m])" in dead_letters, dead_letters
 
 
 # --------------------------------------------------------------------------- runbooks
 
 
-def test_every_alert_links_its_section_of_the_alerts_doc() -> None:
+def test_every_alert_links_its_section_of_the_alerts_doc_and_every_section_is_an_alert() -> None:
     sections = _doc_sections()
     for name, rule in _alerts().items():
         url = rule["annotations"].get("runbook_url", "")
@@ -188,11 +167,7 @@ def test_every_alert_links_its_section_of_the_alerts_doc() -> None:
         anchor = url.removeprefix(RUNBOOK_PREFIX)
         assert anchor in sections, f"{name}: docs/alerts.md has no section #{anchor}"
         assert "```sh" in sections[anchor], f"{name}: its section has no commands to run"
-
-
-def test_every_section_of_the_alerts_doc_is_an_alert() -> None:
-    names = {name.lower() for name in _alerts()}
-    assert sorted(set(_doc_sections()) - names) == []
+    assert sorted(set(sections) - {name.lower() for name in _alerts()}) == []
 
 
 def _keyq_command_lines() -> list[str]:
@@ -217,7 +192,7 @@ def _command_of(words: list[str]) -> tuple[click.Command, list[str]]:
     return command, rest
 
 
-def test_the_alerts_doc_runs_real_keyq_commands() -> None:
+def test_the_alerts_doc_runs_real_commands_names_real_settings_and_links_real_anchors() -> None:
     lines = _keyq_command_lines()
     assert len(lines) >= 20, lines
     for line in lines:
@@ -234,9 +209,6 @@ def test_the_alerts_doc_runs_real_keyq_commands() -> None:
                 assert word in options, f"`{line}`: keyq {command.name} has no {word}"
         if "--stream" in options and command.name != "janitor":
             assert "--stream" in rest, f"`{line}` names no stream"
-
-
-def test_the_alerts_doc_and_rules_name_real_settings() -> None:
     settings = {
         f"KEYQ_{field.upper()}"
         for kind in (Settings, WorkerSettings, JanitorSettings)
@@ -246,25 +218,6 @@ def test_the_alerts_doc_and_rules_name_real_settings() -> None:
     named = set(re.findall(r"\bKEYQ_[A-Z0-9_]+", text))
     assert named, "no setting named"
     assert sorted(named - settings) == []
-
-
-# --------------------------------------------------------------------------- dashboard
-
-
-def test_the_dashboard_shows_every_keyq_metric_the_alerts_use() -> None:
-    used = {name for rule in _alerts().values() for name in METRIC_NAME.findall(rule["expr"])}
-    shown = {name for expr in _dashboard_expressions() for name in METRIC_NAME.findall(expr)}
-    assert "keyq_stream_stranded_keys" in used
-    assert sorted(used - shown) == []
-
-
-def test_the_dashboard_shows_the_scrape_jobs() -> None:
-    expressions = " ".join(_dashboard_expressions())
-    for job in SCRAPE_JOBS:
-        assert job in expressions, job
-
-
-def test_the_alerts_doc_links_sections_that_exist() -> None:
     docs = ALERTS_DOC.parent
     links = re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", ALERTS_DOC.read_text())
     assert links
@@ -272,3 +225,16 @@ def test_the_alerts_doc_links_sections_that_exist() -> None:
         text = (docs / target).read_text() if target else ALERTS_DOC.read_text()
         anchors = {_slug(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
         assert anchor in anchors, f"docs/alerts.md links {target}#{anchor}, which does not exist"
+
+
+# --------------------------------------------------------------------------- dashboard
+
+
+def test_the_dashboard_shows_every_keyq_metric_the_alerts_use_and_the_scrape_jobs() -> None:
+    used = {name for rule in _alerts().values() for name in METRIC_NAME.findall(rule["expr"])}
+    shown = {name for expr in _dashboard_expressions() for name in METRIC_NAME.findall(expr)}
+    assert "keyq_stream_stranded_keys" in used
+    assert sorted(used - shown) == []
+    expressions = " ".join(_dashboard_expressions())
+    for job in SCRAPE_JOBS:
+        assert job in expressions, job

@@ -1,10 +1,6 @@
-"""The bad-input sweep, end to end through a real worker in both modes.
-
-Keys of every kind are processed each on its own; payloads no pipeline can read are
-dead-lettered with their reason while the key's other events go on in order; a vhost the user
-may not enter is refused in one clear line. Each case also checks a bystander key, so nothing
-else is disturbed.
-"""
+"""The bad-input sweep through a real worker in every mode: odd keys each on its own, payloads
+no pipeline can read dead-lettered with their reason while the key goes on in order (and a
+bystander key undisturbed), a vhost the user may not enter refused in one clear line."""
 
 from __future__ import annotations
 
@@ -23,9 +19,6 @@ from keyq import Producer
 from keyq.broker.envelope import (
     HEADER_DEAD_QUEUE,
     HEADER_DEAD_REASON,
-    HEADER_KEY,
-    HEADER_PRODUCER,
-    HEADER_SEQ,
 )
 from keyq.broker.errors import AuthenticationFailed, InvalidEvent, KeyqError
 from keyq.broker.naming import dead_letter_queue_name
@@ -38,7 +31,7 @@ from keyq.worker.spark.engine import SparkEngine
 from tests.conftest import StreamFixture
 from tests.helpers import drain, queue_depth
 from tests.servers import PrivateRabbit
-from tests.test_worker_poison import fast_settings, text
+from tests.test_worker_poison import fast_settings, publish_raw, text
 from tests.workers import run_keyq
 
 pytestmark = pytest.mark.slow
@@ -125,26 +118,6 @@ def test_keys_of_every_kind_are_processed_each_on_its_own(
             key: config.own_queue_for(key) for key in keys
         }
         assert worker.stats()["forwarded"] == 3 * len(keys)
-
-
-def publish_raw(
-    channel: Any, queue: str, body: bytes, seq: int, *, key: str | None, message_id: str
-) -> None:
-    headers: dict[str, Any] = {HEADER_PRODUCER: "raw", HEADER_SEQ: seq}
-    if key is not None:
-        headers[HEADER_KEY] = key
-    channel.basic_publish(
-        "",
-        queue,
-        body,
-        pika.BasicProperties(
-            headers=headers,
-            delivery_mode=pika.DeliveryMode.Persistent,
-            content_type="application/json",
-            message_id=message_id,
-        ),
-        mandatory=True,
-    )
 
 
 def test_bad_payloads_are_dead_lettered_with_reasons_and_the_key_goes_on(

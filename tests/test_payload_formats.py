@@ -17,7 +17,9 @@ from keyq.broker.envelope import HEADER_DEAD_REASON
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.worker.batch.state_store import StateStore
 from tests.conftest import StreamFixture
+from tests.helpers import drain, queue_depth
 from tests.pipelines import DEPOSIT_SCHEMA
+from tests.test_worker_poison import text
 from tests.workers import wait_until
 
 pytestmark = pytest.mark.slow
@@ -58,15 +60,11 @@ def test_avro_events_fold_into_state_and_a_body_the_decoder_rejects_is_dead_lett
         "every good deposit applied in order",
     )
     assert store.get("acct-1") == {"balance": 100 * sum(range(1, 13)), "seen": list(range(1, 13))}
-    channel = amqp.channel()
     dlq = dead_letter_queue_name(stream.name)
-    wait_until(
-        lambda: channel.queue_declare(dlq, passive=True).method.message_count == 1, 30, "the DLQ"
-    )
-    method, properties, body = channel.basic_get(dlq, auto_ack=True)
-    assert method is not None and body == b"\x02" and properties.content_type == AVRO
-    reason = properties.headers[HEADER_DEAD_REASON]
-    reason = reason.decode() if isinstance(reason, bytes) else reason
+    wait_until(lambda: queue_depth(amqp, dlq) == 1, 30, "the DLQ")
+    [letter] = drain(amqp.channel(), dlq)
+    assert letter.body == b"\x02" and letter.content_type == AVRO
+    reason = text(letter.headers[HEADER_DEAD_REASON])
     assert "the decoder rejected the payload" in reason, reason
     assert "EOFError" in reason or "Error" in reason, reason
 

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -51,7 +52,7 @@ WEIRD = 'we"ird\\q name'
 # ---- the text format -------------------------------------------------------------------
 
 
-def test_a_line_is_a_name_labels_and_a_value() -> None:
+def test_a_line_is_a_name_unescaped_labels_and_a_value() -> None:
     sample = parse_line('rabbitmq_queue_messages{vhost="/",queue="keyq.o.k.1"} 42')
     assert sample is not None
     assert sample.name == "rabbitmq_queue_messages"
@@ -66,15 +67,9 @@ def test_a_line_is_a_name_labels_and_a_value() -> None:
     assert parse_line("m{} 7") == parse_line("m 7")
     assert parse_line("# TYPE m gauge") is None and parse_line("") is None
     assert parse_line("  ") is None and parse_line("# HELP m text {with} 1") is None
-
-
-def test_label_values_are_unescaped() -> None:
     sample = parse_line(r'm{queue="we\"ird\\q\nname",x="a}b c 5"} 0')
     assert sample is not None
     assert sample.labels == {"queue": 'we"ird\\q\nname', "x": "a}b c 5"}
-
-
-def test_special_values() -> None:
     values = [parse_line(f"m {text}") for text in ("NaN", "+Inf", "-Inf", "1e-3", ".5", "7.")]
     found = [sample.value for sample in values if sample is not None]
     assert math.isnan(found[0]) and found[1:] == [math.inf, -math.inf, 0.001, 0.5, 7.0]
@@ -105,7 +100,7 @@ def test_what_is_not_a_sample_is_refused(line: str) -> None:
     assert isinstance(raised.value, KeyqError)
 
 
-def test_an_unreadable_line_is_skipped_and_counted_never_taken() -> None:
+def test_an_unreadable_line_is_skipped_and_counted_never_taken_nor_one_not_asked_for() -> None:
     found = parse_exposition(QUEUES_310)
     lines = QUEUES_310.splitlines()
     # The five lines of the queue whose name 3.10 did not escape, and only those.
@@ -115,9 +110,6 @@ def test_an_unreadable_line_is_skipped_and_counted_never_taken() -> None:
     [identity] = found.named("rabbitmq_identity_info")
     assert identity.labels["rabbitmq_node"].startswith("keyq")
     assert parse_exposition(QUEUES_43).skipped == []
-
-
-def test_only_the_metrics_asked_for_are_parsed() -> None:
     wanted = {"rabbitmq_detailed_queue_consumers"}
     found = parse_exposition(QUEUES_310, only=wanted)
     assert {sample.name for sample in found.samples} == wanted
@@ -127,7 +119,7 @@ def test_only_the_metrics_asked_for_are_parsed() -> None:
 # ---- what keyq takes from them -----------------------------------------------------------
 
 
-def test_queue_figures_from_rabbitmq_310_and_43() -> None:
+def test_queue_figures_from_rabbitmq_310_and_43_and_a_queue_reported_twice_or_half() -> None:
     old = queue_figures_in([parse_exposition(QUEUES_310)], "/")
     assert old == {"keyq.t.k.a": (2, 1), "keyq.t.k.b": (2, 0)}
     new = queue_figures_in([parse_exposition(QUEUES_43)], "/")
@@ -135,9 +127,6 @@ def test_queue_figures_from_rabbitmq_310_and_43() -> None:
     assert queue_figures_in([parse_exposition(QUEUES_43)], "other") == {}
     assert queue_names_in([parse_exposition(QUEUES_310)], "/") == {"keyq.t.k.a", "keyq.t.k.b"}
     assert queue_names_in([parse_exposition(QUEUES_43)], "/") == {"keyq.t.k.a", "keyq.t.k.b", WEIRD}
-
-
-def test_a_queue_reported_twice_or_half_is_left_to_its_caller() -> None:
     # A queue whose name is a forged line (3.10 writes names as they are) reports a second
     # depth for another queue: neither is believed.
     forged = (
@@ -171,46 +160,36 @@ def test_each_nodes_file_descriptors() -> None:
 # ---- over HTTP: a stand-in endpoint --------------------------------------------------------
 
 
-class _Endpoint:
+@pytest.fixture
+def endpoint() -> Iterator[SimpleNamespace]:
     """An HTTP server on loopback answering every GET with ``body`` (and ``status``); it
     records the paths and Authorization headers it was sent."""
+    served = SimpleNamespace(body=QUEUES_43, status=200, requests=[])
 
-    def __init__(self) -> None:
-        self.body = QUEUES_43
-        self.status = 200
-        self.requests: list[tuple[str, str | None]] = []
-        endpoint = self
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            served.requests.append((self.path, self.headers.get("Authorization")))
+            data = served.body.encode()
+            self.send_response(served.status)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                endpoint.requests.append((self.path, self.headers.get("Authorization")))
-                data = endpoint.body.encode()
-                self.send_response(endpoint.status)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+        def log_message(self, *_args: Any) -> None:
+            pass
 
-            def log_message(self, *_args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def endpoint() -> Iterator[_Endpoint]:
-    served = _Endpoint()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    served.url = f"http://127.0.0.1:{server.server_address[1]}"
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     yield served
-    served.close()
+    server.shutdown()
+    server.server_close()
 
 
-def test_queue_figures_ask_only_what_they_need(endpoint: _Endpoint) -> None:
+def test_queue_figures_ask_only_what_they_need_and_refuse_what_is_not_rabbitmqs_metrics(
+    endpoint: SimpleNamespace,
+) -> None:
     figures = queue_figures(endpoint.url, "/", 5, prefix="keyq.t.")
     assert figures == {"keyq.t.k.a": (2, 1), "keyq.t.k.b": (2, 0)}
     [(path, auth)] = endpoint.requests
@@ -220,9 +199,16 @@ def test_queue_figures_ask_only_what_they_need(endpoint: _Endpoint) -> None:
     )
     assert auth is None  # no credentials in the URL: none sent
     assert queue_names(endpoint.url, "/", 5, prefix="keyq.") == {"keyq.t.k.a", "keyq.t.k.b"}
+    endpoint.body = "<html><body>RabbitMQ Management</body></html>"
+    with pytest.raises(Unavailable, match="not RabbitMQ's metrics"):
+        queue_figures(endpoint.url, "/", 5)
+    endpoint.status = 404
+    with pytest.raises(Unavailable, match="HTTP 404") as raised:
+        queue_figures(endpoint.url, "/", 5)
+    assert raised.value.status == 404
 
 
-def test_credentials_go_in_the_header_and_never_in_a_message(endpoint: _Endpoint) -> None:
+def test_credentials_go_in_the_header_and_never_in_a_message(endpoint: SimpleNamespace) -> None:
     secret_url = endpoint.url.replace("http://", "http://keyq:s3cret-pw@")
     endpoint.body = NODE_43
     assert node_fds(secret_url, 5) == [NodeFds("kqprom@localhost", 42, 20000)]
@@ -237,18 +223,8 @@ def test_credentials_go_in_the_header_and_never_in_a_message(endpoint: _Endpoint
     assert "s3cret-pw" not in str(refused.value) and "keyq:***@" in str(refused.value)
 
 
-def test_an_answer_that_is_not_rabbitmqs_metrics_is_refused(endpoint: _Endpoint) -> None:
-    endpoint.body = "<html><body>RabbitMQ Management</body></html>"
-    with pytest.raises(Unavailable, match="not RabbitMQ's metrics"):
-        queue_figures(endpoint.url, "/", 5)
-    endpoint.status = 404
-    with pytest.raises(Unavailable, match="HTTP 404") as raised:
-        queue_figures(endpoint.url, "/", 5)
-    assert raised.value.status == 404
-
-
 def test_a_node_that_does_not_answer_is_left_out_until_none_does(
-    endpoint: _Endpoint, caplog: pytest.LogCaptureFixture
+    endpoint: SimpleNamespace, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="keyq.broker")
     closed = f"http://keyq:s3cret-pw@127.0.0.1:{free_port()}"
@@ -261,7 +237,7 @@ def test_a_node_that_does_not_answer_is_left_out_until_none_does(
     assert "s3cret-pw" not in str(raised.value) + caplog.text
 
 
-def test_fd_figures_come_from_prometheus_first(endpoint: _Endpoint) -> None:
+def test_fd_figures_come_from_prometheus_first(endpoint: SimpleNamespace) -> None:
     endpoint.body = NODE_43
     closed = f"http://127.0.0.1:{free_port()}"
     usage = read_fd_usage(load_settings(prometheus_url=endpoint.url, management_url=closed))

@@ -1,9 +1,6 @@
-"""keyq on Redis Cluster and under Sentinel, with the primary holding a stream killed -9.
-
-The clusters run on loopback (tests/redis_topologies.py). Every key's state is checked
-against what was published: the audit pipeline counts each applied event and records any
-seq that came out of order or twice. The WAIT test shows the loss that waiting for replicas
-prevents: a primary killed after a commit its replicas never saw.
+"""keyq on Redis Cluster and under Sentinel (tests/redis_topologies.py), with the primary
+holding a stream killed -9: the audit pipeline's state of every key is checked against what
+was published (none lost, out of order or twice).
 """
 
 from __future__ import annotations
@@ -15,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pika
 import pytest
 import redis
 import redis.cluster
@@ -31,6 +29,7 @@ from keyq.worker.config import WorkerSettings
 from keyq.worker.daemon import Worker
 from keyq.worker.spark.engine import SparkEngine
 from tests.conftest import TEST_STREAM_PREFIX, StreamFixture
+from tests.helpers import queue_depth
 from tests.redis_topologies import (
     RedisClusterServers,
     RedisSentinelServers,
@@ -132,23 +131,23 @@ def _publish_paced(producers: dict[str, Producer], seconds: float) -> threading.
     return thread
 
 
-def _check_every_key(streams: dict[str, StreamFixture], timeout: float = 180) -> None:
+def _applied(stores: list[StateStore]) -> int:
+    try:
+        return sum(
+            (store.get(key) or {"applied": 0})["applied"] for store in stores for key in KEYS
+        )
+    except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException):
+        return 0
+
+
+def _check_every_key(streams: dict[str, StreamFixture]) -> None:
     """Wait for every event to be applied, then: none lost, none twice, none reordered."""
     stores = {mode: StateStore(s.redis, s.name) for mode, s in streams.items()}
-
-    def applied() -> int:
-        try:
-            return sum(
-                (store.get(key) or {"applied": 0})["applied"]
-                for store in stores.values()
-                for key in KEYS
-            )
-        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException):
-            return 0
-
     wanted = len(stores) * len(KEYS) * PER_KEY
     try:
-        wait_until(lambda: applied() >= wanted, timeout, "every event applied", every=0.5)
+        wait_until(
+            lambda: _applied(list(stores.values())) >= wanted, 180, "every event applied", 0.5
+        )
     finally:
         for mode, store in stores.items():
             for key in KEYS:
@@ -183,15 +182,8 @@ def _run_with_a_primary_killed(
         }
         publisher = _publish_paced(producers, seconds=12)
         stores = [StateStore(s.redis, s.name) for s in streams.values()]
-        wait_until(
-            lambda: (
-                sum((st.get(k) or {"applied": 0})["applied"] for st in stores for k in KEYS)
-                >= len(stores) * len(KEYS) * PER_KEY // 3
-            ),
-            90,
-            "a third of the events applied",
-            every=0.2,
-        )
+        third = len(stores) * len(KEYS) * PER_KEY // 3
+        wait_until(lambda: _applied(stores) >= third, 90, "a third of the events applied", 0.2)
         took = kill_primary(list(streams.values()))
         publisher.join(180)
         assert not publisher.is_alive(), "publishing did not finish"
@@ -245,20 +237,6 @@ def test_both_modes_keep_every_event_when_the_sentinel_primary_is_killed(
     print(f"sentinel failover took {took:.1f}s")
 
 
-def _worker_settings(url: str, **overrides: Any) -> WorkerSettings:
-    return load_settings(
-        WorkerSettings,
-        redis_url=url,
-        lock_ttl_ms=2000,
-        member_ttl_ms=2000,
-        tick_ms=200,
-        scan_interval_ms=500,
-        batch_max_ms=200,
-        redis_replica_timeout_ms=500,
-        **overrides,
-    )
-
-
 @pytest.mark.slow
 @needs_servers
 @pytest.mark.parametrize("min_replicas", [0, None], ids=["WAIT off", "WAIT by default"])
@@ -267,11 +245,8 @@ def test_a_primary_killed_before_its_replicas_have_a_commit(
     redis_sentinel: RedisSentinelServers,
     spark_engine: SparkEngine,
 ) -> None:
-    """The replicas are cut off (frozen, their links closed), the worker commits a key's 40
-    events, the primary is killed -9 and a replica that never saw the commit is promoted.
-    Without WAIT the events were acked: the state went back and they are gone. With WAIT
-    (the default, as the primary had replicas when the worker started) they were never
-    acked, so they are applied again on the new primary."""
+    """A commit its replicas never saw, then the primary killed -9: without WAIT the events
+    were acked and are gone; with WAIT (the default) they are applied again on the new one."""
     settings = load_settings(redis_url=redis_sentinel.url)
     stream = _stream_on(settings)
     key = "acct"
@@ -281,7 +256,17 @@ def test_a_primary_killed_before_its_replicas_have_a_commit(
         stream.name,
         "tests.pipelines:audit",
         mode="key",
-        settings=_worker_settings(redis_sentinel.url, redis_min_replicas=min_replicas),
+        settings=load_settings(
+            WorkerSettings,
+            redis_url=redis_sentinel.url,
+            lock_ttl_ms=2000,
+            member_ttl_ms=2000,
+            tick_ms=200,
+            scan_interval_ms=500,
+            batch_max_ms=200,
+            redis_replica_timeout_ms=500,
+            redis_min_replicas=min_replicas,
+        ),
         engine=spark_engine,
     )
     serving = threading.Thread(target=worker.run, name="worker")
@@ -315,7 +300,8 @@ def test_a_primary_killed_before_its_replicas_have_a_commit(
         worker.stop()
         serving.join(60)
     try:
-        assert _depth(stream, queue) == 0  # every event acked before the worker stopped
+        with pika.BlockingConnection(pika.URLParameters(stream.settings.amqp_url)) as amqp:
+            assert queue_depth(amqp, queue) == 0  # every event acked before the worker stopped
         if min_replicas == 0:
             # The failure WAIT prevents: acked, then lost with the primary.
             assert state is None, state
@@ -332,14 +318,3 @@ def _state_of(stream: StreamFixture, key: str) -> Any:
         except redis.exceptions.RedisError:
             time.sleep(0.2)
     raise AssertionError("Redis did not answer after the failover")
-
-
-def _depth(stream: StreamFixture, queue: str) -> int:
-    """Messages ready in ``queue`` (after the worker stopped: what it did not ack)."""
-    import pika
-
-    connection = pika.BlockingConnection(pika.URLParameters(stream.settings.amqp_url))
-    try:
-        return int(connection.channel().queue_declare(queue, passive=True).method.message_count)
-    finally:
-        connection.close()

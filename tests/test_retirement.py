@@ -18,7 +18,9 @@ from tests.conftest import StreamFixture
 from tests.helpers import drain, queue_depth
 
 
-def test_lease_refused_while_marked_and_touches_when_granted(stream: StreamFixture) -> None:
+def test_lease_refused_while_marked_until_the_mark_expires_and_touches_when_granted(
+    stream: StreamFixture,
+) -> None:
     fence = RetirementFence(stream.redis, stream.name)
     registry = QueueRegistry(stream.redis, stream.name)
     registry.register({"q1": "a", "q2": "b"})
@@ -33,6 +35,10 @@ def test_lease_refused_while_marked_and_touches_when_granted(stream: StreamFixtu
     assert after["q1"] == before["q1"]  # a refused lease does not look like activity
     assert after["q2"] > before["q2"]
     assert "q3" not in after  # leases never register a queue
+    fence.mark(["q"], "janitor", ttl_ms=100)  # a mark expires if its deleter dies
+    assert fence.lease(["q"]) == {"q": None}
+    time.sleep(0.2)
+    assert fence.lease(["q"]) == {"q": 0}
 
 
 def test_a_lease_on_a_queue_quiet_for_a_while_announces_it_as_woken(
@@ -64,14 +70,6 @@ def test_a_lease_on_a_queue_quiet_for_a_while_announces_it_as_woken(
         pubsub.close()
 
 
-def test_mark_expires_if_the_deleter_dies(stream: StreamFixture) -> None:
-    fence = RetirementFence(stream.redis, stream.name)
-    fence.mark(["q"], "janitor", ttl_ms=100)
-    assert fence.lease(["q"]) == {"q": None}
-    time.sleep(0.2)
-    assert fence.lease(["q"]) == {"q": 0}
-
-
 def test_a_deleter_keeps_only_the_marks_that_still_stand_and_renews_them(
     stream: StreamFixture,
 ) -> None:
@@ -94,35 +92,24 @@ def test_a_queue_whose_key_has_events_aside_is_never_marked_for_retirement(
 ) -> None:
     """Only the holder of a key's own queue drains what waits aside for the key: the queue
     is refused in the script that marks (no window between the check and the mark), and a
-    queue whose key had events set aside during the grace is refused before its delete."""
+    queue whose key had events set aside during the grace is refused before its delete. A
+    key-mode queue registered without its key (adopted by a janitor after a crash, registered
+    again by a worker after a Redis failover) is recorded as the key's when its events go
+    aside, so it is refused too."""
     fence = RetirementFence(stream.redis, stream.name)
-    QueueRegistry(stream.redis, stream.name).register({"q-a": "a", "q-b": "b", "q-c": "c"})
+    registry = QueueRegistry(stream.redis, stream.name)
+    registry.register({"q-a": "a", "q-b": "b", "q-c": "c"})
     stream.redis.hset(stream.keys.aside, "a", '["side-a"]')
     marks = fence.mark(["q-a", "q-b", "q-c", "unkeyed"], "janitor", ttl_ms=5000)
-    assert marks == {
-        "q-a": Mark.ASIDE,
-        "q-b": Mark.MARKED,
-        "q-c": Mark.MARKED,
-        "unkeyed": Mark.MARKED,
-    }
+    assert marks == {"q-a": Mark.ASIDE} | dict.fromkeys(["q-b", "q-c", "unkeyed"], Mark.MARKED)
     assert fence.marked(["q-a", "q-b", "q-c"]) == ["q-b", "q-c"]
     stream.redis.hset(stream.keys.aside, "b", '["side-b"]')  # set aside during the grace
-    assert fence.still_marked(["q-b", "q-c"], "janitor", 5000) == {
-        "q-b": Mark.ASIDE,
-        "q-c": Mark.MARKED,
-    }
+    marks = fence.still_marked(["q-b", "q-c"], "janitor", 5000)
+    assert marks == {"q-b": Mark.ASIDE, "q-c": Mark.MARKED}
 
-
-def test_a_key_queue_registered_without_its_key_is_kept_once_its_events_go_aside(
-    stream: StreamFixture,
-) -> None:
-    """A key-mode queue can be registered without its key (adopted by a janitor after a
-    crash, registered again by a worker after a Redis failover): setting the key's events
-    aside records it as the key's, so the janitor still refuses it."""
-    fence = RetirementFence(stream.redis, stream.name)
     locks = FencedLocks(stream.redis, stream.name)
     own, bucket = key_queue_name(stream.name, "d"), bucket_queue_name(stream.name, 3)
-    QueueRegistry(stream.redis, stream.name).register({own: None, bucket: None}, announce=False)
+    registry.register({own: None, bucket: None}, announce=False)
     control = KeyControl(stream.redis, stream.name)
     for queue, key in ((own, "d"), (bucket, "e")):
         lease = locks.acquire(queue, "worker", 5000)

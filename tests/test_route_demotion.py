@@ -29,13 +29,8 @@ from tests.helpers import queue_depth
 
 def janitor_settings() -> JanitorSettings:
     """Every registered queue is idle at once; a short lease and grace keep passes quick."""
-    return load_settings(
-        JanitorSettings,
-        idle_ttl_s=0,
-        publish_lease_ms=200,
-        retire_grace_ms=500,
-        janitor_interval_s=0.2,
-    )
+    fast = {"idle_ttl_s": 0, "publish_lease_ms": 200, "retire_grace_ms": 500}
+    return load_settings(JanitorSettings, **fast, janitor_interval_s=0.2)
 
 
 def auto_stream(stream: StreamFixture, queue_type: str = "classic") -> StreamConfig:
@@ -87,9 +82,9 @@ def promote(
 
 @pytest.fixture
 def fence_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[Any]]]:
-    """What the janitor marks, and what each queue's key's route is when its mark is lifted:
-    spied on the real fence, which still does all the work."""
-    calls: dict[str, list[Any]] = {"marked": [], "unmarked": []}
+    """What the janitor marks, and hooks called as it lifts marks: spied on the real fence,
+    which still does all the work."""
+    calls: dict[str, list[Any]] = {"marked": [], "on_unmark": []}
     mark, unmark = RetirementFence.mark, RetirementFence.unmark
 
     def spy_mark(
@@ -99,8 +94,7 @@ def fence_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[Any]
         return mark(fence, queues, owner, ttl_ms)
 
     def spy_unmark(fence: RetirementFence, queues: Sequence[str]) -> None:
-        calls["unmarked"].append(list(queues))
-        for hook in calls.get("on_unmark", []):
+        for hook in calls["on_unmark"]:
             hook(queues)
         unmark(fence, queues)
 
@@ -160,98 +154,58 @@ def test_an_idle_own_queue_is_deleted_and_its_key_demoted_before_the_mark_goes(
     assert incarnation == ("1" if queue_type == "quorum" else None)
 
 
-def test_an_own_queue_with_events_is_kept_and_its_key_stays_promoted(
-    stream: StreamFixture, amqp: pika.BlockingConnection
+def test_own_queues_with_events_aside_or_an_open_move_are_kept_and_a_lost_one_comes_back(
+    stream: StreamFixture, amqp: pika.BlockingConnection, fence_calls: dict[str, list[Any]]
 ) -> None:
-    own, bucket = promote(stream, amqp, "busy")
+    """An own queue with events is kept and its key stays promoted. Only the own queue's
+    holder drains a promoted key's aside list: the janitor reads past that queue (it is not
+    the key's bucket that is kept). Until the bucket's holder closes a move, the own queue's
+    holder holds the key's events: the queue is not marked, let alone deleted. A promoted
+    key whose events wait aside, with its own queue gone, gets that queue declared again
+    (and registered with its key) by the watchdog, not its bucket."""
+    busy, busy_bucket = promote(stream, amqp, "busy")
     channel = amqp.channel()
     channel.confirm_delivery()
-    channel.basic_publish("", own, b"{}", pika.BasicProperties(delivery_mode=2))
+    channel.basic_publish("", busy, b"{}", pika.BasicProperties(delivery_mode=2))
     channel.close()
-
-    janitor = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-busy")
-    janitor.run(once=True)
-
-    stats = janitor.stats
-    assert stats["deleted"] == 0 and stats["demoted"] == 0, stats
-    assert stats["skipped_not_empty"] == 1 and stats["revived"] == 1, stats
-    assert queue_depth(amqp, own) == 1 and queue_depth(amqp, bucket) == 0
-    route = RouteBook(stream.redis, stream.name).route("busy")
-    assert route is not None and route.queue == own and not route.open
-    assert "demoted" not in RouteBook(stream.redis, stream.name).counts()
-
-
-def test_an_own_queue_whose_key_has_events_aside_is_kept_and_not_even_marked(
-    stream: StreamFixture, amqp: pika.BlockingConnection, fence_calls: dict[str, list[Any]]
-) -> None:
-    """Only the own queue's holder drains a promoted key's aside list: the janitor reads
-    past that queue (it is not the key's bucket that is kept)."""
-    own, bucket = promote(stream, amqp, "paused")
+    paused, paused_bucket = promote(stream, amqp, "paused")
+    moving, moving_bucket = promote(stream, amqp, "moving", close=False)
+    lost, lost_bucket = promote(stream, amqp, "lost")
     locks = FencedLocks(stream.redis, stream.name)
-    lease = locks.acquire(own, "own-holder", 10_000)
-    assert lease is not None
-    aside = aside_queue_name(stream.name, "paused", "t1")
-    assert KeyControl(stream.redis, stream.name).set_aside_tail("paused", lease, aside) == [aside]
-    assert locks.release([lease]) == 1
+    control = KeyControl(stream.redis, stream.name)
+    for key, own in (("paused", paused), ("lost", lost)):
+        lease = locks.acquire(own, "own-holder", 10_000)
+        assert lease is not None
+        aside = aside_queue_name(stream.name, key, "t1")
+        assert control.set_aside_tail(key, lease, aside) == [aside]
+        assert locks.release([lease]) == 1
+    registry = QueueRegistry(stream.redis, stream.name)
+    amqp.channel().queue_delete(lost)
+    assert registry.forget_if_unchanged({lost: registry.queues()[lost]}) == 1
+    before = registry.queues()
+    assert lost not in before
 
-    janitor = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-aside")
+    janitor = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-kept")
     janitor.run(once=True)
 
     stats = janitor.stats
-    assert stats["deleted"] == 0 and stats["demoted"] == 0, stats
-    assert stats["skipped_aside"] == 0 and stats["errors"] == 0, stats
-    assert own not in fence_calls["marked"] and bucket not in fence_calls["marked"]
-    assert queue_depth(amqp, own) == 0
-    route = RouteBook(stream.redis, stream.name).route("paused")
-    assert route is not None and route.queue == own
-
-
-def test_an_own_queue_whose_move_is_open_is_kept(
-    stream: StreamFixture, amqp: pika.BlockingConnection, fence_calls: dict[str, list[Any]]
-) -> None:
-    """Until the bucket's holder closes the move, the own queue's holder holds the key's
-    events: the queue is not marked, let alone deleted, and the key stays promoted."""
-    own, bucket = promote(stream, amqp, "moving", close=False)
-
-    janitor = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-moving")
-    janitor.run(once=True)
-
-    stats = janitor.stats
-    assert stats["deleted"] == 0 and stats["demoted"] == 0, stats
-    assert stats["skipped_moving"] == 1, stats
-    assert fence_calls["marked"] == []
-    assert queue_depth(amqp, own) == 0 and queue_depth(amqp, bucket) == 0
+    expected = {"deleted": 0, "demoted": 0, "skipped_not_empty": 1, "revived": 1}
+    expected |= {"skipped_aside": 0, "errors": 0, "skipped_moving": 1, "watchdog_repairs": 1}
+    assert {name: stats[name] for name in expected} == expected, stats
+    buckets = {busy_bucket, paused_bucket, moving_bucket, lost_bucket}
+    assert not {paused, moving, *buckets} & set(fence_calls["marked"])
+    assert queue_depth(amqp, busy) == 1
+    assert {queue_depth(amqp, queue) for queue in (paused, moving, lost, *buckets)} == {0}
     book = RouteBook(stream.redis, stream.name)
+    route = book.route("busy")
+    assert route is not None and route.queue == busy and not route.open
+    route = book.route("paused")
+    assert route is not None and route.queue == paused
     route = book.route("moving")
     assert route is not None and route.open
-    assert book.open_moves() == {"moving": bucket}
-
-
-def test_the_watchdog_gives_a_promoted_key_with_events_aside_its_own_queue_back(
-    stream: StreamFixture, amqp: pika.BlockingConnection
-) -> None:
-    """A promoted key whose events wait aside, with its own queue gone: the queue declared
-    again (and registered with its key) is its own, not its bucket."""
-    own, bucket = promote(stream, amqp, "lost")
-    locks = FencedLocks(stream.redis, stream.name)
-    lease = locks.acquire(own, "own-holder", 10_000)
-    assert lease is not None
-    aside = aside_queue_name(stream.name, "lost", "t1")
-    assert KeyControl(stream.redis, stream.name).set_aside_tail("lost", lease, aside) == [aside]
-    assert locks.release([lease]) == 1
-    registry = QueueRegistry(stream.redis, stream.name)
-    amqp.channel().queue_delete(own)
-    assert registry.forget_if_unchanged({own: registry.queues()[own]}) == 1
-    before = registry.queues()
-    assert set(before) == {bucket}
-
-    janitor = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-watch")
-    janitor.run(once=True)
-
-    assert janitor.stats["watchdog_repairs"] == 1, janitor.stats
-    assert janitor.stats["deleted"] == 0, janitor.stats
-    assert queue_depth(amqp, own) == 0
-    assert own in registry.queues()
-    assert registry.original_keys([own]) == {own: "lost"}
-    assert registry.queues()[bucket] == before[bucket]  # the bucket was not woken
-    assert RouteBook(stream.redis, stream.name).route("lost") is not None
+    assert book.route("lost") is not None
+    assert "demoted" not in book.counts()
+    assert book.open_moves() == {"moving": moving_bucket}
+    assert lost in registry.queues()
+    assert registry.original_keys([lost]) == {lost: "lost"}
+    assert registry.queues()[lost_bucket] == before[lost_bucket]  # the bucket was not woken

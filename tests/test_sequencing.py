@@ -92,6 +92,9 @@ def test_events_without_identity_are_applied_as_they_come() -> None:
 
 def test_a_gap_open_past_the_timeout_is_given_up_reported_and_remembered() -> None:
     waited = [event(seq, since=10.0) for seq in (4, 5, 8)]
+    plan = plan_batch(waited[:2], {"k": KeyMarks(seqs={"p": 2})}, now=69.0, gap_timeout_s=60.0)
+    assert plan.apply == [] and plan.skipped_gaps == []  # younger than the timeout: waits
+    assert [(g.first, g.last, g.since) for g in plan.open_gaps] == [(3, 3, 10.0)]
     plan = plan_batch(waited, {"k": KeyMarks(seqs={"p": 2})}, now=70.5, gap_timeout_s=60.0)
     # 3 is given up: 4, 5 apply; 6..7 is a second gap, as old as the events behind it.
     assert seqs_of(waited, plan.apply) == [4, 5, 8]
@@ -107,13 +110,6 @@ def test_a_gap_open_past_the_timeout_is_given_up_reported_and_remembered() -> No
     assert seqs_of(late, plan.late) == [3, 7]
     assert seqs_of(late, plan.duplicates) == [4]
     assert seqs_of(late, plan.apply) == [9]
-
-
-def test_a_gap_younger_than_the_timeout_keeps_waiting() -> None:
-    waited = [event(seq, since=10.0) for seq in (4, 5)]
-    plan = plan_batch(waited, {"k": KeyMarks(seqs={"p": 2})}, now=69.0, gap_timeout_s=60.0)
-    assert plan.apply == [] and plan.skipped_gaps == []
-    assert [(g.first, g.last, g.since) for g in plan.open_gaps] == [(3, 3, 10.0)]
 
 
 def test_gap_memory_is_bounded_and_forgotten_with_its_producer() -> None:

@@ -1,20 +1,13 @@
-"""A broker that accepts TCP connections but never completes the AMQP handshake.
-
-RabbitMQ out of file descriptors does exactly that, for as long as it lasts. Every part of
-keyq must take it as the broker being unavailable, in one line that names the broker (never
-its password) and the seconds the handshake had, with no traceback: the worker and the
-janitor daemon wait and retry, one-shot commands exit 1, the producer's constructor raises
-``BrokerUnavailable`` in bounded time, and the demo's chaos thread reports the step that
-failed and goes on. The listener is ``tests.silent_broker.SilentListener``; where the broker
-must answer again, a paused ``FaultProxy`` in front of the real one is the silent broker.
-"""
+"""A broker that accepts TCP but never completes the AMQP handshake (RabbitMQ out of file
+descriptors) is unavailable, said in one line naming the broker (not its password) and the
+handshake's seconds, no traceback: daemons wait and retry, one-shot commands exit 1, the
+producer raises ``BrokerUnavailable`` in bounded time, the demo's chaos goes on. A paused
+``FaultProxy`` is the silent broker where it must answer again."""
 
 from __future__ import annotations
 
 import re
-import signal
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -41,7 +34,7 @@ from keyq.demo.runner import Demo, DemoOptions
 from tests.faults import FaultProxy
 from tests.helpers import drain
 from tests.silent_broker import SilentListener
-from tests.workers import REPO, WorkerProcess, keyq_environment, run_keyq, wait_until
+from tests.workers import JanitorProcess, run_keyq, wait_until
 
 PASSWORD = "never-shown-pw"
 CONNECT_TIMEOUT = 0.5  # s; the handshake gets twice that (pika's stack timeout)
@@ -85,36 +78,31 @@ def assert_one_line_failure(done: subprocess.CompletedProcess[str]) -> None:
 
 # --------------------------------------------------------------------------- the worker
 def test_a_worker_waits_for_a_broker_that_never_answers_and_logs_each_attempt(
-    stream: Any, silent: SilentListener, tmp_path: Path
+    stream: Any, silent: SilentListener, workers: Any
 ) -> None:
-    worker = WorkerProcess(stream.settings, stream.name, tmp_path, env=silent_env(silent))
-    try:
-        # Each attempt takes the handshake's 1 s, then the backoff (0.5, 1, 2… s).
-        wait_until(
-            lambda: len(HANDSHAKE.findall(worker.log())) >= 3 or worker.process.poll() is not None,
-            30,
-            "three attempts",
-        )
-        assert worker.process.poll() is None, worker.log()[-3000:]
-        log = worker.log()
-        warnings = [line for line in log.splitlines() if HANDSHAKE.search(line)]
-        assert len(warnings) >= 3
-        # One line per attempt, each a warning that it waits and retries.
-        assert all(
-            " WARNING keyq.worker " in line and "waiting for the services, retrying in" in line
-            for line in warnings
-        ), warnings
-        assert len(warnings) in (silent.accepted, silent.accepted - 1), (warnings, silent.accepted)
-        assert "Traceback" not in log
-        assert PASSWORD not in log
-        assert worker.terminate(30) == 0
-    finally:
-        worker.close()
+    worker = workers(stream.name, env=silent_env(silent))
+    # Each attempt takes the handshake's 1 s, then the backoff (0.5, 1, 2… s).
+    wait_until(
+        lambda: len(HANDSHAKE.findall(worker.log())) >= 3 or worker.process.poll() is not None,
+        30,
+        "three attempts",
+    )
+    assert worker.process.poll() is None, worker.log()[-3000:]
+    warnings = [line for line in worker.log().splitlines() if HANDSHAKE.search(line)]
+    assert len(warnings) >= 3
+    # One line per attempt, each a warning that it waits and retries.
+    assert all(
+        " WARNING keyq.worker " in line and "waiting for the services, retrying in" in line
+        for line in warnings
+    ), warnings
+    assert len(warnings) in (silent.accepted, silent.accepted - 1), (warnings, silent.accepted)
+    assert PASSWORD not in worker.log()
+    assert worker.terminate(30) == 0
     assert "Traceback" not in worker.log()
 
 
 @pytest.mark.broker_versions
-def test_a_worker_goes_on_once_a_silent_broker_answers(stream: Any, tmp_path: Path) -> None:
+def test_a_worker_goes_on_once_a_silent_broker_answers(stream: Any, workers: Any) -> None:
     """The same broker, silent (a paused proxy in front of it: TCP is accepted, nothing is
     said), then answering: the worker gets past its services check."""
     broker = urlsplit(stream.settings.amqp_url)
@@ -124,117 +112,68 @@ def test_a_worker_goes_on_once_a_silent_broker_answers(stream: Any, tmp_path: Pa
             "KEYQ_AMQP_URL": proxy.url_for(stream.settings.amqp_url),
             "KEYQ_CONNECT_TIMEOUT": str(CONNECT_TIMEOUT),
         }
-        worker = WorkerProcess(stream.settings, stream.name, tmp_path, env=env)
-        try:
-            wait_until(
-                lambda: (
-                    len(HANDSHAKE.findall(worker.log())) >= 2 or worker.process.poll() is not None
-                ),
-                30,
-                "two attempts on the silent broker",
-            )
-            assert worker.process.poll() is None, worker.log()[-3000:]
-            proxy.resume()
-            # The line on how Redis persists comes right after the services check passed.
-            wait_until(
-                lambda: "Redis " in worker.log() or worker.process.poll() is not None,
-                30,
-                "the services check to pass",
-            )
-            assert worker.process.poll() is None, worker.log()[-3000:]
-            assert worker.terminate(60) == 0
-        finally:
-            worker.close()
+        worker = workers(stream.name, env=env)
+        wait_until(
+            lambda: len(HANDSHAKE.findall(worker.log())) >= 2 or worker.process.poll() is not None,
+            30,
+            "two attempts on the silent broker",
+        )
+        assert worker.process.poll() is None, worker.log()[-3000:]
+        proxy.resume()
+        # The line on how Redis persists comes right after the services check passed.
+        wait_until(
+            lambda: "Redis " in worker.log() or worker.process.poll() is not None,
+            30,
+            "the services check to pass",
+        )
+        assert worker.process.poll() is None, worker.log()[-3000:]
+        assert worker.terminate(60) == 0
     assert "Traceback" not in worker.log()
 
 
 # --------------------------------------------------------------------------- the janitor
-def test_one_janitor_pass_on_a_broker_that_never_answers_fails_in_one_line(
-    settings: Settings, silent: SilentListener
-) -> None:
-    done = run_keyq(
-        settings, "janitor", "--once", "--log-level", "WARNING", env=silent_env(silent), timeout=60
-    )
-    assert_one_line_failure(done)
-
-
 def test_the_janitor_daemon_retries_a_broker_that_never_answers(
-    settings: Settings, silent: SilentListener
+    settings: Settings, silent: SilentListener, tmp_path: Path
 ) -> None:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "keyq", "janitor", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=keyq_environment(settings, silent_env(silent)),
-        cwd=REPO,
-    )
+    janitor = JanitorProcess(settings, tmp_path, "--log-level", "WARNING", env=silent_env(silent))
     try:
         # A pass fails after the handshake's 1 s, then waits 1 s, 2 s…: three passes in 6 s.
-        wait_until(lambda: silent.accepted >= 3 or process.poll() is not None, 30, "3 passes")
-        assert process.poll() is None
-        process.send_signal(signal.SIGTERM)
-        _out, err = process.communicate(timeout=60)
+        wait_until(
+            lambda: silent.accepted >= 3 or janitor.process.poll() is not None, 30, "3 passes"
+        )
+        assert janitor.process.poll() is None
+        assert janitor.terminate(60) == 0, janitor.log()[-3000:]
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate(timeout=10)
-    assert process.returncode == 0, err[-3000:]
-    retries = [line for line in err.splitlines() if "janitor pass failed, retrying in" in line]
-    assert len(retries) >= 2, err[-3000:]
+        janitor.close()
+    log = janitor.log()
+    retries = [line for line in log.splitlines() if "janitor pass failed, retrying in" in line]
+    assert len(retries) >= 2, log[-3000:]
     assert all(HANDSHAKE.search(line) for line in retries), retries
-    assert "Traceback" not in err
-    assert PASSWORD not in err
+    assert "Traceback" not in log
+    assert PASSWORD not in log
 
 
 # --------------------------------------------------------------------------- one-shot commands
-def test_status_of_a_broker_that_never_answers_fails_in_one_line(
+def test_one_shot_commands_on_a_broker_that_never_answers_fail_in_one_line(
     stream: Any, silent: SilentListener
 ) -> None:
-    ensure_stream_config(stream.redis, stream.name, "key")  # status then asks the broker
-    for extra in ([], ["--json"]):
-        done = run_keyq(
-            stream.settings, "status", "--stream", stream.name, *extra, env=silent_env(silent)
-        )
+    """One janitor pass, status (text and JSON: asked of the broker once the stream is
+    configured, one attempt each), publish (in bounded time) and the demo."""
+    ensure_stream_config(stream.redis, stream.name, "key")
+    for command in [
+        ("janitor", "--once", "--log-level", "WARNING"),
+        ("status", "--stream", stream.name),
+        ("status", "--stream", stream.name, "--json"),
+        ("publish", "--stream", stream.name, "--key", "k", "--event", "{}"),
+        ("demo", "--orders", "5", "--events", "20", "--wait-for-services", "0"),
+    ]:
+        started, attempts = time.monotonic(), silent.accepted
+        done = run_keyq(stream.settings, *command, env=silent_env(silent), timeout=60)
         assert_one_line_failure(done)
-    assert silent.accepted == 2
-
-
-def test_publish_to_a_broker_that_never_answers_fails_in_one_line(
-    stream: Any, silent: SilentListener
-) -> None:
-    started = time.monotonic()
-    done = run_keyq(
-        stream.settings,
-        "publish",
-        "--stream",
-        stream.name,
-        "--key",
-        "k",
-        "--event",
-        "{}",
-        env=silent_env(silent),
-    )
-    assert time.monotonic() - started < 20
-    assert_one_line_failure(done)
-
-
-def test_the_demo_ends_in_one_line_when_the_broker_never_answers(
-    settings: Settings, silent: SilentListener
-) -> None:
-    done = run_keyq(
-        settings,
-        "demo",
-        "--orders",
-        "5",
-        "--events",
-        "20",
-        "--wait-for-services",
-        "0",
-        env=silent_env(silent),
-        timeout=60,
-    )
-    assert_one_line_failure(done)
+        if command[0] == "status":
+            assert silent.accepted == attempts + 1
+        if command[0] == "publish":
+            assert time.monotonic() - started < 20
 
 
 # --------------------------------------------------------------------------- the producer
@@ -257,7 +196,9 @@ def test_the_producer_constructor_raises_broker_unavailable_in_bounded_time(
 
 
 @pytest.mark.broker_versions
-def test_a_producer_whose_broker_goes_silent_reconnects_once_it_answers(stream: Any) -> None:
+def test_a_producer_whose_broker_goes_silent_reconnects_once_it_answers(
+    stream: Any, amqp: pika.BlockingConnection
+) -> None:
     """Connected, then the broker says nothing more (a paused proxy: new connections are
     accepted and get no answer either): reconnect attempts fail on the handshake, and once the
     broker answers again, every event is confirmed, in order."""
@@ -284,11 +225,7 @@ def test_a_producer_whose_broker_goes_silent_reconnects_once_it_answers(stream: 
             proxy.resume()
             producer.flush(30)
             assert producer.stats["resent"] >= 5
-    connection = pika.BlockingConnection(pika.URLParameters(stream.settings.amqp_url))
-    try:
-        landed = drain(connection.channel(), key_queue_name(stream.name, "k"))
-    finally:
-        connection.close()
+    landed = drain(amqp.channel(), key_queue_name(stream.name, "k"))
     # Re-sent events may land twice (a confirm lost with the connection); each n in order.
     firsts: list[int] = []
     for message in landed:

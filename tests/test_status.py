@@ -1,5 +1,6 @@
 """``keyq status``: every figure it shows is checked against what really is in RabbitMQ and
-Redis, in-process and from the shell (table, JSON, ``--watch``, errors)."""
+Redis, in-process and from the shell (table, JSON, ``--watch``, errors). A real worker's
+host and pid in it: tests/test_metrics.py, which runs one anyway."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import copy
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +27,7 @@ from keyq.broker.naming import dead_letter_queue_name, key_queue_name
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.settings import Settings, load_settings
 from keyq.cli.status import TABLE_LIMIT, render_table
-from keyq.ops.status import StatusReader, add_rates, collect_status
+from keyq.ops.status import StatusReader, collect_status
 from tests.helpers import queue_depth
 from tests.servers import free_port
 from tests.workers import REPO, keyq_environment, wait_until
@@ -98,46 +98,29 @@ def check_against_world(
     status: dict[str, Any], world: World, amqp: pika.BlockingConnection
 ) -> None:
     """Every figure of ``status`` equals the real state."""
-    assert status["stream"] == world.stream
-    assert status["mode"] == "key"
-    assert status["buckets"] is None
+    assert (status["stream"], status["mode"], status["buckets"]) == (world.stream, "key", None)
     rows = {row["name"]: row for row in status["queues"]}
     assert set(rows) == {*world.queues.values(), world.ghost, world.dlq}
     for key, queue in world.queues.items():
         row = rows[queue]
-        real = queue_depth(amqp, queue)
-        assert real == PUBLISHED[key]
-        assert row["depth"] == real
-        assert row["key"] == key
-        assert row["consumers"] == 0
-        assert row["missing"] is False
-        assert row["dead_letter"] is False
+        assert queue_depth(amqp, queue) == PUBLISHED[key] == row["depth"]
+        flags = [row[f] for f in ("key", "consumers", "missing", "dead_letter")]
+        assert flags == [key, 0, False, False]
         assert 0 <= row["idle_ms"] < 600_000
-    assert rows[world.owned.queue]["owner"] == OWNER
-    assert rows[world.owned.queue]["token"] == world.owned.token
-    assert rows[world.owned.queue]["owner_alive"] is True
-    assert rows[world.orphaned.queue]["owner"] == GONE
-    assert rows[world.orphaned.queue]["owner_alive"] is False
+    owned, orphaned = rows[world.owned.queue], rows[world.orphaned.queue]
+    owner = (owned["owner"], owned["token"], owned["owner_alive"])
+    assert owner == (OWNER, world.owned.token, True)
+    assert (orphaned["owner"], orphaned["owner_alive"]) == (GONE, False)
     for name in (world.queues["sensor-c"], world.ghost, world.dlq):
-        assert rows[name]["owner"] is None
-        assert rows[name]["token"] is None
-
-    ghost = rows[world.ghost]
+        assert rows[name]["owner"] is None and rows[name]["token"] is None
+    ghost, dlq = rows[world.ghost], rows[world.dlq]
     assert queue_depth(amqp, world.ghost) is None
-    assert ghost["missing"] is True
-    assert ghost["depth"] is None
-    assert ghost["key"] == "ghost"
-
-    dlq = rows[world.dlq]
+    assert (ghost["missing"], ghost["depth"], ghost["key"]) == (True, None, "ghost")
     assert queue_depth(amqp, world.dlq) == 0
-    assert dlq["dead_letter"] is True
-    assert dlq["depth"] == 0
+    assert (dlq["dead_letter"], dlq["depth"]) == (True, 0)
     assert status["queues"][-1]["name"] == world.dlq
-
-    keyed = [row for row in status["queues"] if not row["dead_letter"]]
-    depths = [row["depth"] for row in keyed]
-    assert depths == [3, 2, 1, None]  # deepest first, missing last
-
+    # Deepest first, missing last.
+    assert [row["depth"] for row in status["queues"] if not row["dead_letter"]] == [3, 2, 1, None]
     assert status["totals"] == {
         "queues": 4,
         "lag": sum(PUBLISHED.values()),
@@ -148,50 +131,35 @@ def check_against_world(
         "workers": 1,
         "events_per_s": status["totals"]["events_per_s"],
     }
-
     [worker] = status["workers"]
-    assert worker["worker"] == OWNER
-    assert worker["held"] == 1
-    assert worker["events"] == 42
-    assert worker["batches"] == 7
-    assert worker["dead_lettered"] == 1
-    assert worker["pid"] == os.getpid()
+    figures = ("worker", "held", "events", "batches", "dead_lettered", "pid")
+    assert {name: worker[name] for name in figures} == {
+        "worker": OWNER,
+        "held": 1,
+        "events": 42,
+        "batches": 7,
+        "dead_lettered": 1,
+        "pid": os.getpid(),
+    }
     assert 0 <= worker["heartbeat_age_ms"] < MEMBER_TTL_MS
 
 
-def test_collect_status_matches_the_real_state(world: World, amqp: Any) -> None:
+def test_collect_status_matches_the_real_state_and_the_table_shows_the_deepest_queues(
+    world: World, amqp: Any
+) -> None:
+    """Rates are in tests/test_status_rows.py and the ``--watch`` test below."""
     status = collect_status(status_settings(), world.stream)
     check_against_world(status, world, amqp)
     assert status["workers"][0]["events_per_s"] is None
     assert status["totals"]["events_per_s"] is None
     orjson.dumps(status)  # JSON-ready as it is
 
-
-def test_rates_come_from_the_growth_of_the_events_counter(world: World) -> None:
-    before = collect_status(status_settings(), world.stream)
-    later = copy.deepcopy(before)
-    later["at_ms"] += 2000
-    later["workers"][0]["events"] += 100
-    add_rates(later, before)
-    assert later["workers"][0]["events_per_s"] == 50.0
-    assert later["totals"]["events_per_s"] == 50.0
-    restarted = copy.deepcopy(later)
-    restarted["at_ms"] += 1000
-    restarted["workers"][0]["events"] = 5  # counter went back: no rate
-    restarted["workers"][0]["events_per_s"] = None
-    add_rates(restarted, later)
-    assert restarted["workers"][0]["events_per_s"] is None
-
-
-def test_the_table_shows_queues_owners_and_at_most_the_deepest_queues(world: World) -> None:
-    status = collect_status(status_settings(), world.stream)
     text = render_table(status)
     for queue in (*world.queues.values(), world.ghost, world.dlq):
         assert queue in text
     assert OWNER in text
     assert f"{GONE} (not alive)" in text
     assert "more queues" not in text
-
     crowded = copy.deepcopy(status)
     extra = [
         {**status["queues"][0], "name": f"keyq.{world.stream}.k.extra-{n:03d}", "depth": n}
@@ -223,17 +191,12 @@ def keyq_status(settings: Settings, *args: str) -> subprocess.CompletedProcess[s
     )
 
 
-def test_json_from_the_shell_matches_the_real_state(
+def test_json_and_table_from_the_shell_match_the_real_state(
     world: World, settings: Settings, amqp: Any
 ) -> None:
     done = keyq_status(settings, "--stream", world.stream, "--json")
     assert done.returncode == 0, done.stderr
     check_against_world(orjson.loads(done.stdout), world, amqp)
-
-
-def test_table_from_the_shell_names_the_queues_and_the_owner(
-    world: World, settings: Settings
-) -> None:
     done = keyq_status(settings, "--stream", world.stream)
     assert done.returncode == 0, done.stderr
     for queue in (*world.queues.values(), world.ghost, world.dlq):
@@ -242,7 +205,7 @@ def test_table_from_the_shell_names_the_queues_and_the_owner(
     assert "lag 6" in done.stdout
 
 
-def test_a_stream_nothing_produced_to_is_a_one_line_failure(
+def test_a_stream_nothing_produced_to_fails_and_a_bad_name_is_a_usage_error_in_one_line(
     stream: Any, settings: Settings
 ) -> None:
     done = keyq_status(settings, "--stream", stream.name)
@@ -251,9 +214,6 @@ def test_a_stream_nothing_produced_to_is_a_one_line_failure(
         f"keyq: stream {stream.name!r} has no producer yet (no config recorded in Redis)"
     )
     assert done.stdout == ""
-
-
-def test_a_bad_stream_name_is_a_usage_error(settings: Settings) -> None:
     done = keyq_status(settings, "--stream", "no spaces")
     assert done.returncode == EXIT_USAGE
     assert done.stderr.startswith("keyq: Invalid value for '--stream': invalid stream name")
@@ -270,17 +230,9 @@ def test_watch_json_prints_one_object_per_refresh_until_ctrl_c(
 ) -> None:
     out_path = tmp_path / "out.jsonl"
     with out_path.open("wb") as out:
+        command = [sys.executable, "-c", RUN_STATUS_CTRL_C + RUN_STATUS, "--stream", world.stream]
         process = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                RUN_STATUS_CTRL_C + RUN_STATUS,
-                "--stream",
-                world.stream,
-                "--json",
-                "--watch",
-                "0.5",
-            ],
+            [*command, "--json", "--watch", "0.5"],
             stdout=out,
             stderr=subprocess.PIPE,
             env=status_env(settings),
@@ -325,26 +277,6 @@ def test_bucket_mode_shows_buckets_without_keys(stream: Any, amqp: Any) -> None:
         assert row["depth"] == queue_depth(amqp, row["name"])
     assert status["totals"]["lag"] == len(receipts)
     assert "mode bucket (4 buckets)" in render_table(status)
-
-
-def test_a_running_worker_shows_its_real_host_and_pid(
-    stream: Any, settings: Settings, workers: Any
-) -> None:
-    """What the worker itself writes on every heartbeat, not what a test planted."""
-    with Producer(stream.name, mode="key") as producer:
-        producer.publish("sensor-a", {"n": 1})
-        producer.flush()
-    worker = workers(stream.name).wait_ready()
-    done = keyq_status(settings, "--stream", stream.name, "--json")
-    assert done.returncode == 0, done.stderr
-    [row] = orjson.loads(done.stdout)["workers"]
-    assert row["worker"] == worker.worker_id
-    assert row["host"] == socket.gethostname()
-    assert row["pid"] == worker.pid
-    assert row["ready"] is True
-    table = keyq_status(settings, "--stream", stream.name)
-    assert f"{socket.gethostname()}:{worker.pid}" in table.stdout
-    assert "-:-" not in table.stdout
 
 
 @pytest.mark.broker_versions

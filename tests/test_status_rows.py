@@ -11,24 +11,25 @@ from keyq.broker.worker_report import GapReport, WorkerReport
 from keyq.cli.status import render_table
 from keyq.ops.status import add_rates, deepest_first, queue_row, worker_row
 
-ROW_KEYS = [
-    "worker",
-    "heartbeat_age_ms",
-    "held",
-    "events",
-    "batches",
-    "dead_lettered",
-    "waiting",
-    "gaps_open",
-    "gaps_skipped",
-    "late",
-    "gaps",
-    "events_per_s",
-    "host",
-    "pid",
-    "ready",
-    "started_ms",
-]
+FULL_ROW = {
+    "worker": "w",
+    "heartbeat_age_ms": 2_000,
+    "held": 2,
+    "events": 42,
+    "batches": 7,
+    "dead_lettered": 1,
+    "waiting": 3,
+    "gaps_open": 1,
+    "gaps_skipped": 2,
+    "late": 1,
+    "gaps": [{"key": "k", "producer": "p", "first": 3, "last": 5, "waited_s": 1.5}],
+    "events_per_s": None,
+    "host": "h",
+    "pid": 99,
+    "ready": True,
+    "started_ms": 123,
+}
+ROW_KEYS = list(FULL_ROW)
 COUNTS = ["events", "batches", "dead_lettered", "waiting", "gaps_open", "gaps_skipped", "late"]
 
 
@@ -56,29 +57,12 @@ def test_a_worker_row_shows_its_report() -> None:
         pid=99,
     )
     row = row_of(report.to_json(), held=2)
-    assert list(row) == ROW_KEYS
-    assert row == {
-        "worker": "w",
-        "heartbeat_age_ms": 2_000,
-        "held": 2,
-        "events": 42,
-        "batches": 7,
-        "dead_lettered": 1,
-        "waiting": 3,
-        "gaps_open": 1,
-        "gaps_skipped": 2,
-        "late": 1,
-        "gaps": [{"key": "k", "producer": "p", "first": 3, "last": 5, "waited_s": 1.5}],
-        "events_per_s": None,
-        "host": "h",
-        "pid": 99,
-        "ready": True,
-        "started_ms": 123,
-    }
+    assert list(row) == list(FULL_ROW)  # in this order
+    assert row == FULL_ROW
     assert orjson.loads(orjson.dumps(row)) == row
 
 
-def test_without_a_report_the_counts_are_none() -> None:
+def test_without_a_report_the_counts_are_none_and_the_age_is_never_negative() -> None:
     for raw in (None, "", "{", "[1]", '"text"', "42"):
         row = row_of(raw, held=1)
         assert list(row) == ROW_KEYS
@@ -86,6 +70,8 @@ def test_without_a_report_the_counts_are_none() -> None:
         assert row["held"] == 1 and row["heartbeat_age_ms"] == 2_000
         assert row["gaps"] == [] and row["ready"] is False
         assert row["host"] is None and row["pid"] is None and row["started_ms"] is None
+    row = worker_row("w", 20_000, now=7_000, ttl_ms=5_000, report=None, held=0)
+    assert row["heartbeat_age_ms"] == 0  # a heartbeat from the future is no negative age
 
 
 def test_an_older_worker_s_heartbeat_shows_the_defaults_it_did_not_write() -> None:
@@ -93,11 +79,6 @@ def test_an_older_worker_s_heartbeat_shows_the_defaults_it_did_not_write() -> No
     row = row_of(raw)
     assert row["events"] == 5 and row["batches"] == 0 and row["late"] == 0
     assert (row["host"], row["pid"], row["ready"]) == ("h", 1, False)
-
-
-def test_a_heartbeat_from_the_future_is_not_a_negative_age() -> None:
-    row = worker_row("w", 20_000, now=7_000, ttl_ms=5_000, report=None, held=0)
-    assert row["heartbeat_age_ms"] == 0
 
 
 def test_queue_rows_sort_deepest_first_and_missing_last() -> None:

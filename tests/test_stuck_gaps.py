@@ -1,12 +1,6 @@
-"""A message the broker counts as delivered to a worker that never got it: the worker gets it
-back by reopening its consumer, and never acks it by accident.
-
-RabbitMQ 3.10's quorum queues were seen keeping messages checked out to a live consumer
-across leader changes without sending them (the cluster soak). The fault proxy reproduces
-what the worker then sees, on the real broker: it cuts one ``basic.deliver`` out of the
-broker's stream, so RabbitMQ counts that message as delivered and unacked on the worker's
-channel, and the worker never receives it. Real RabbitMQ, Redis and Spark; the worker runs in
-the test process."""
+"""A message the broker counts as delivered but never sent (RabbitMQ 3.10's quorum queues did
+so across leader changes): the worker gets it back by reopening its consumer, and never acks
+it by accident. The fault proxy cuts that ``basic.deliver`` out; the worker runs in process."""
 
 from __future__ import annotations
 
@@ -26,7 +20,9 @@ from keyq.worker.spark.engine import SparkEngine
 from tests.conftest import StreamFixture
 from tests.faults import FaultProxy
 from tests.helpers import drain, queue_depth
-from tests.test_worker_sequencing import RawPublisher, run, serving, wait_for
+from tests.test_worker_poison import text
+from tests.test_worker_sequencing import RawPublisher, run, serving
+from tests.workers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -42,17 +38,15 @@ def test_a_delivery_that_never_arrives_comes_back_when_the_consumer_is_reopened(
     spark_engine: SparkEngine,
     settings: Settings,
 ) -> None:
-    """Seq 3 of a running producer is counted as delivered but never reaches the worker: 4..6
-    wait behind the gap. No gap timeout would help (the broker never sends it again on that
-    consumer); reopening the consumer does, and 1..6 are applied in order, long before the
-    60-s gap timeout."""
+    """Seq 3 of a running producer never reaches the worker; the broker would never send it
+    again on that consumer: reopening it does, and 1..6 apply in order long before 60 s."""
     raw = RawPublisher(stream, amqp, "never-sent", running=True)
     raw.publish(*range(1, 7))
     with FaultProxy("127.0.0.1", pika.URLParameters(settings.amqp_url).port) as proxy:
         proxy.drop_deliveries(seq_marker(3))
         with serving(stream, spark_engine, amqp_url=proxy.url_for(settings.amqp_url)) as worker:
             started = time.monotonic()
-            wait_for(lambda: worker.stats()["events"] >= 6, started + 45, worker)
+            wait_until(lambda: worker.stats()["events"] >= 6, 45, "all 6 applied")
             took = time.monotonic() - started
             stats = worker.stats()
         assert proxy.deliveries_dropped == 1
@@ -94,12 +88,12 @@ def test_a_queue_that_keeps_receiving_is_reopened_for_its_gap_too(
             busy.start()
             started = time.monotonic()
             try:
-                wait_for(lambda: _last(state, raw.key, "ext") == 6, started + 45, worker)
+                wait_until(lambda: _last(state, raw.key, "ext") == 6, 45, "ext's 6 applied")
                 took = time.monotonic() - started
             finally:
                 stop.set()
                 busy.join(10)
-            wait_for(lambda: _last(state, raw.key, "other") == sent[0], started + 60, worker)
+            wait_until(lambda: _last(state, raw.key, "other") == sent[0], 60, "all of other's")
             stats = worker.stats()
         assert proxy.deliveries_dropped == 1
     assert sent[0] >= took / 0.25 * 0.5, sent  # it kept receiving while the gap waited
@@ -124,11 +118,8 @@ def test_a_gap_given_up_never_acks_the_message_that_did_not_arrive(
     spark_engine: SparkEngine,
     settings: Settings,
 ) -> None:
-    """With seq 3 kept from the reopened consumers too (a reopening comes before a gap
-    timeout this short), the gap behind it is given up and 4..6 are applied and acked. A
-    multiple ack up to 6 would also settle 3, which the broker counts as delivered: gone for
-    good, never applied, never dead-lettered. It must stay unacked, come back when the
-    consumer closes, and be dead-lettered as late."""
+    """Seq 3 kept from the reopened consumers too: its gap is given up and 4..6 acked, but
+    never by a multiple ack settling 3 (lost for good): 3 comes back, dead-lettered as late."""
     raw = RawPublisher(stream, amqp, "given-up")
     raw.publish(*range(1, 7))
     with FaultProxy("127.0.0.1", pika.URLParameters(settings.amqp_url).port) as proxy:
@@ -153,7 +144,6 @@ def test_a_gap_given_up_never_acks_the_message_that_did_not_arrive(
     assert worker.stats()["late"] == 1
     [letter] = drain(amqp.channel(), dead_letter_queue_name(stream.name))
     assert letter.seq == 3
-    reason = letter.headers[HEADER_DEAD_REASON]
-    reason = reason.decode() if isinstance(reason, bytes) else reason
+    reason = text(letter.headers[HEADER_DEAD_REASON])
     assert reason.startswith("late: seq 3 of producer ext"), reason
     assert queue_depth(amqp, raw.queue) == 0

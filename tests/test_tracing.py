@@ -39,15 +39,16 @@ def exporter() -> Iterator[InMemorySpanExporter]:
 
 
 def test_a_published_events_trace_is_linked_from_the_batch_that_applied_it(
-    stream: StreamFixture, spark_engine: SparkEngine, exporter: InMemorySpanExporter
+    stream: StreamFixture,
+    producer: Producer,
+    spark_engine: SparkEngine,
+    exporter: InMemorySpanExporter,
 ) -> None:
-    tracer = trace.get_tracer("test-app")
-    with Producer(stream.name, mode="key", settings=stream.settings) as producer:
-        with tracer.start_as_current_span("POST /orders") as request:
-            producer.publish("traced-key", {"n": 1, "producer": "p"})
-            request_trace = request.get_span_context().trace_id
-        producer.publish("traced-key", {"n": 2, "producer": "p"})  # outside any span
-        producer.flush(timeout=20)
+    with trace.get_tracer("test-app").start_as_current_span("POST /orders") as request:
+        producer.publish("traced-key", {"n": 1, "producer": "p"})
+        request_trace = request.get_span_context().trace_id
+    producer.publish("traced-key", {"n": 2, "producer": "p"})  # outside any span
+    producer.flush(timeout=20)
 
     settings = load_settings(WorkerSettings, batch_max_ms=200)
     worker = Worker(

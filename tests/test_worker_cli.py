@@ -3,6 +3,7 @@ key-mode worker hands back a queue that went idle, so the janitor can reclaim it
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 from urllib.parse import urlsplit
@@ -23,43 +24,32 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
 
-def keyq_worker(settings: Settings, *args: str, env: dict[str, str] | None = None) -> Any:
-    return run_keyq(settings, "worker", *args, env=env)
-
-
-def test_a_pipeline_that_cannot_be_imported_is_a_usage_error(settings: Settings) -> None:
-    done = keyq_worker(settings, "--stream", "s", "--pipeline", "no_such_module:run")
+@pytest.mark.parametrize(
+    ("stream_name", "pipeline", "extra", "says"),
+    [
+        ("s", "no_such_module:run", (), "No module named 'no_such_module'"),
+        ("s", "keyq.demo.orders:EVENT_TYPES", (), "is not a function"),
+        ("s", "keyq.demo.orders:pipeline", ("--sink", "ftp://x"), "parquet:"),
+        ("no spaces", "keyq.demo.orders:pipeline", (), "(?i)stream"),
+    ],
+    ids=["pipeline-not-importable", "pipeline-not-a-function", "unknown-sink", "bad-stream"],
+)
+def test_a_bad_pipeline_sink_or_stream_is_a_usage_error(
+    settings: Settings, stream_name: str, pipeline: str, extra: tuple[str, ...], says: str
+) -> None:
+    done = run_keyq(settings, "worker", "--stream", stream_name, "--pipeline", pipeline, *extra)
     assert done.returncode == EXIT_USAGE
-    assert "No module named 'no_such_module'" in done.stderr
+    assert re.search(says, done.stderr), done.stderr
     assert "Traceback" not in done.stderr
-
-
-def test_a_pipeline_that_is_not_a_function_is_a_usage_error(settings: Settings) -> None:
-    done = keyq_worker(settings, "--stream", "s", "--pipeline", "keyq.demo.orders:EVENT_TYPES")
-    assert done.returncode == EXIT_USAGE
-    assert "is not a function" in done.stderr
-
-
-def test_an_unknown_sink_is_a_usage_error(settings: Settings) -> None:
-    done = keyq_worker(
-        settings, "--stream", "s", "--pipeline", "keyq.demo.orders:pipeline", "--sink", "ftp://x"
-    )
-    assert done.returncode == EXIT_USAGE
-    assert "parquet:" in done.stderr
-
-
-def test_a_bad_stream_name_is_a_usage_error(settings: Settings) -> None:
-    done = keyq_worker(settings, "--stream", "no spaces", "--pipeline", "keyq.demo.orders:pipeline")
-    assert done.returncode == EXIT_USAGE
-    assert "stream" in done.stderr.lower()
 
 
 def test_wrong_credentials_fail_fast_without_showing_the_password(settings: Settings) -> None:
     secret = "s3cret-Pa55"
     url = settings.amqp_url.replace("guest:guest@", f"guest:{secret}@")
     assert secret in url
-    done = keyq_worker(
+    done = run_keyq(
         settings,
+        "worker",
         "--stream",
         "s",
         "--pipeline",
@@ -74,15 +64,14 @@ def test_wrong_credentials_fail_fast_without_showing_the_password(settings: Sett
 
 @pytest.mark.slow
 def test_a_key_mode_worker_hands_back_an_idle_queue(
-    stream: Any, spark_engine: Any, amqp: Any
+    stream: Any, producer: Producer, spark_engine: Any, amqp: Any
 ) -> None:
     settings = load_settings(
         WorkerSettings, idle_release_ms=1500, tick_ms=100, scan_interval_ms=200
     )
-    with Producer(stream.name, mode="key") as producer:
-        for n in range(1, 6):
-            producer.publish("sensor-1", {"n": n, "producer": "p"})
-        producer.flush()
+    for n in range(1, 6):
+        producer.publish("sensor-1", {"n": n, "producer": "p"})
+    producer.flush()
     queue = key_queue_name(stream.name, "sensor-1")
     assigned: list[str] = []
     revoked: list[str] = []
@@ -118,16 +107,15 @@ def test_a_key_mode_worker_hands_back_an_idle_queue(
 
 @pytest.mark.slow
 def test_a_worker_waits_for_a_broker_that_is_down_and_for_redis_gone_while_spark_starts(
-    stream: Any, workers: Any
+    stream: Any, producer: Producer, workers: Any
 ) -> None:
     """A daemon started beside a broker that is still starting (or restarting) waits for it
     instead of exiting. Then Redis, which answered the start-up check, goes away while Spark
     starts (the cluster soak cut it then): the worker waits for it too, then serves."""
     from tests.faults import FaultProxy
 
-    with Producer(stream.name, mode="key", settings=stream.settings) as producer:
-        producer.publish("waited", {"n": 1, "producer": "p"})
-        producer.flush(30)
+    producer.publish("waited", {"n": 1, "producer": "p"})
+    producer.flush(30)
     broker = urlsplit(stream.settings.amqp_url)
     redis_at = urlsplit(stream.settings.redis_url)
     with (

@@ -18,36 +18,20 @@ from tests.workers import held_by, wait_until
 pytestmark = [pytest.mark.slow, pytest.mark.broker_versions]
 
 
-class Publisher(threading.Thread):
-    """Publishes n events per key, in rounds, at a steady pace, in the background."""
-
-    def __init__(self, stream: str, mode: str, keys: list[str], per_key: int, pace_s: float):
-        super().__init__(daemon=True)
-        self.stream, self.mode, self.keys, self.per_key, self.pace_s = (
-            stream,
-            mode,
-            keys,
-            per_key,
-            pace_s,
-        )
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        try:
-            buckets = None if self.mode == "key" else 8
-            with Producer(self.stream, mode=self.mode, buckets=buckets) as producer:
-                for n in range(1, self.per_key + 1):
-                    for key in self.keys:
-                        producer.publish(key, {"n": n, "producer": "p"})
-                    if n % 20 == 0:
-                        producer.flush()
-                        time.sleep(self.pace_s)
-                producer.flush()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            self.error = exc
-        finally:
-            self.done.set()
+def publish_paced(stream: str, mode: str, keys: list[str], per_key: int, errors: list[Any]) -> None:
+    """Publishes ``per_key`` events a key, in rounds, 20 every 0.15 s; a failure goes to
+    ``errors``, for the test."""
+    try:
+        with Producer(stream, mode=mode, buckets=None if mode == "key" else 8) as producer:
+            for n in range(1, per_key + 1):
+                for key in keys:
+                    producer.publish(key, {"n": n, "producer": "p"})
+                if n % 20 == 0:
+                    producer.flush()
+                    time.sleep(0.15)
+            producer.flush()
+    except BaseException as exc:  # noqa: BLE001 - handed to the test
+        errors.append(exc)
 
 
 def check_exactly_once(store: StateStore, keys: list[str], per_key: int) -> None:
@@ -92,7 +76,10 @@ def test_kill_add_and_remove_workers_mid_run(mode: str, stream: Any, workers: An
     second = workers(stream.name, **options)
     first.wait_ready()
     second.wait_ready()
-    publisher = Publisher(stream.name, mode, keys, per_key, pace_s=0.15)
+    errors: list[Any] = []
+    publisher = threading.Thread(
+        target=publish_paced, args=(stream.name, mode, keys, per_key, errors), daemon=True
+    )
     publisher.start()
 
     def progress() -> int:
@@ -105,7 +92,7 @@ def test_kill_add_and_remove_workers_mid_run(mode: str, stream: Any, workers: An
     assert second.terminate() == 0  # scale down: a clean hand-over
     assert "stopped" in second.log()
     publisher.join(120)
-    assert publisher.error is None, publisher.error
+    assert not errors, errors
     wait_applied(store, keys, per_key, timeout=90)
     check_exactly_once(store, keys, per_key)
     if mode == "auto":  # the keys were moved to queues of their own through the kills

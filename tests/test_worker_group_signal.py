@@ -1,17 +1,14 @@
-"""SIGTERM to the worker's whole process group, as ``kill -- -PGID`` or a supervisor that
-signals the group sends it, or to every process under it, as systemd's default
-``KillMode=control-group`` does: Spark's JVM (and its Python workers) must not act on it, so
-the worker can finish the batch in flight and stop cleanly; and they must still die with the
-worker when it is killed outright, since no stop signal reaches them any more.
-
-Real processes throughout: a ``keyq worker`` in a session of its own, its Spark, RabbitMQ and
-Redis. The process tree is read from /proc (the kernel here has no ``task/*/children``).
+"""SIGTERM to the worker's process group (``kill -- -PGID``, a supervisor) or to every process
+under it (systemd's ``KillMode=control-group``): Spark's JVM and Python workers must not act
+on it, so the worker finishes the batch in flight and stops cleanly; yet they die with the
+worker killed outright. Real processes; the tree is read from /proc (no ``task/*/children``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -31,6 +28,7 @@ pytestmark = pytest.mark.slow
 SPARK_ERRORS = ("Py4J", "Traceback", "cannot start Spark", "batch interrupted")
 KEYS = [f"device-{i}" for i in range(4)]
 PER_KEY = 60
+SPARK_SUBMIT = re.compile("spark-submit|SparkSubmit")
 
 
 @dataclass(frozen=True)
@@ -75,16 +73,6 @@ def descendants(root: int) -> list[Proc]:
     return found
 
 
-def spark_jvm(worker: WorkerProcess) -> Proc | None:
-    """The worker's child that pyspark launched: ``spark-submit`` until it execs the JVM."""
-    for proc in descendants(worker.pid):
-        if proc.ppid == worker.pid and (
-            "spark-submit" in proc.cmdline or "SparkSubmit" in proc.cmdline
-        ):
-            return proc
-    return None
-
-
 # Spark's Python daemon: keyq's for a local master (keyq.worker.spark.daemon, which runs
 # Spark's own), Spark's (pyspark.daemon) otherwise.
 PYTHON_DAEMONS = ("keyq.worker.spark.daemon", "pyspark.daemon")
@@ -98,15 +86,6 @@ def assert_clean_log(worker: WorkerProcess) -> None:
     log = worker.log()
     for sign in SPARK_ERRORS:
         assert sign not in log, f"{sign!r} in the worker's log:\n{log[-4000:]}"
-
-
-def signal_every_process(worker: WorkerProcess, signum: int) -> None:
-    """As systemd's default ``KillMode=control-group`` does: the worker and every process
-    below it, whatever their group or session."""
-    for proc in [*descendants(worker.pid), _read(worker.pid)]:
-        if proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signum)
 
 
 @pytest.mark.parametrize("reach", ["process-group", "every-process"])
@@ -139,8 +118,10 @@ def test_sigterm_mid_batch_finishes_the_batch_and_loses_nothing(
     assert any(python_daemon(proc) for proc in spark), spark
     if reach == "process-group":
         worker.signal_group(signal.SIGTERM)
-    else:
-        signal_every_process(worker, signal.SIGTERM)
+    else:  # the worker and every process below it, whatever their group or session
+        for pid in [p.pid for p in descendants(worker.pid)] + [worker.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
     stopping = time.monotonic()
     assert worker.wait(60) == 0, worker.log()[-4000:]
     stopped_in = time.monotonic() - stopping
@@ -180,9 +161,11 @@ def test_group_sigterm_while_spark_starts_exits_cleanly(
     )
 
     def starting() -> Proc | None:
+        """The worker's child pyspark launched: ``spark-submit`` until it execs the JVM."""
         if worker.process.poll() is not None:
             raise AssertionError(f"worker exited early:\n{worker.log()[-3000:]}")
-        return spark_jvm(worker)
+        children = [p for p in descendants(worker.pid) if p.ppid == worker.pid]
+        return next((p for p in children if SPARK_SUBMIT.search(p.cmdline)), None)
 
     jvm: Proc = wait_until(starting, 60, "Spark's JVM to start", every=0.05)
     time.sleep(1.0)  # well into the JVM's start-up, before the session exists

@@ -40,7 +40,7 @@ def test_every_reported_number_is_a_family_or_deliberately_not() -> None:
     assert set(UNEXPORTED) <= set(fields), "UNEXPORTED names a field the report does not have"
 
 
-def test_each_family_reads_one_field_and_no_two_read_the_same() -> None:
+def test_each_family_reads_one_field_no_two_read_the_same_and_counters_are_totals() -> None:
     fields = numeric_fields()
     read_by = {
         figure.name: [f for f in fields if figure.name in readers_of(f)] for figure in FIGURES
@@ -50,9 +50,6 @@ def test_each_family_reads_one_field_and_no_two_read_the_same() -> None:
     assert read_by["keyq_worker_events_processed_total"] == ["events"]
     assert read_by["keyq_worker_releases_total"] == ["released"]
     assert read_by["keyq_worker_start_time_seconds"] == ["started_ms"]
-
-
-def test_counters_are_totals_and_names_are_unique() -> None:
     names = [figure.name for figure in FIGURES]
     assert len(set(names)) == len(names)
     assert all(figure.name.endswith("_total") for figure in COUNTERS)

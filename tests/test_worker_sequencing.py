@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -16,7 +16,7 @@ import pika
 import pytest
 
 from keyq import Producer
-from keyq.broker.envelope import HEADER_DEAD_REASON, HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
+from keyq.broker.envelope import HEADER_DEAD_REASON
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.producer_presence import ProducerPresence
 from keyq.worker.batch.state_store import StateStore
@@ -25,7 +25,8 @@ from keyq.worker.holding.abandoned_gaps import CHECK_EVERY_S, QUIET_S
 from keyq.worker.spark.engine import SparkEngine
 from tests.conftest import StreamFixture
 from tests.helpers import drain, open_keyed_queue, queue_depth
-from tests.test_worker_poison import fast_settings
+from tests.test_worker_poison import fast_settings, publish_raw, run, text
+from tests.workers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -53,34 +54,8 @@ class RawPublisher:
 
     def publish(self, *seqs: int) -> None:
         for seq in seqs:
-            self.channel.basic_publish(
-                "",
-                self.queue,
-                orjson.dumps({"n": seq, "producer": self.producer}),
-                pika.BasicProperties(
-                    headers={
-                        HEADER_KEY: self.key,
-                        HEADER_PRODUCER: self.producer,
-                        HEADER_SEQ: seq,
-                    },
-                    delivery_mode=pika.DeliveryMode.Persistent,
-                    content_type="application/json",
-                ),
-                mandatory=True,
-            )
-
-
-def run(stream: StreamFixture, engine: SparkEngine, **overrides: Any) -> Worker:
-    worker = Worker(
-        stream.name,
-        "tests.pipelines:audit",
-        mode="key",
-        settings=fast_settings(**overrides),
-        engine=engine,
-    )
-    worker.run(until_idle=3)
-    print(f"stats {worker.stats()}")
-    return worker
+            body = orjson.dumps({"n": seq, "producer": self.producer})
+            publish_raw(self.channel, self.queue, body, seq, key=self.key, producer=self.producer)
 
 
 @contextlib.contextmanager
@@ -102,28 +77,34 @@ def serving(stream: StreamFixture, engine: SparkEngine, **overrides: Any) -> Ite
         thread.join(60)
 
 
-def wait_for(done: Callable[[], bool], deadline: float, worker: Worker) -> None:
-    while not done():
-        assert time.monotonic() < deadline, worker.stats()
-        time.sleep(0.1)
-
-
 def test_events_delivered_out_of_order_are_applied_in_seq_order(
     stream: StreamFixture, amqp: pika.BlockingConnection, spark_engine: SparkEngine
 ) -> None:
     """6..12 reach the queue before 1..5, and the prefetch (3) is smaller than what must
     wait: the consumer is reopened wider until 1..5 arrive. In delivery order, 1..5 would be
-    skipped as already seen."""
+    skipped as already seen. Beside it, seqs start at 1 again in a second producer instance
+    given the same producer_id: not skipped as already applied either."""
     raw = RawPublisher(stream, amqp, "out-of-order")
     raw.publish(*range(6, 13), *range(1, 6))
+    ids = []
+    for instance in range(2):
+        with Producer(
+            stream.name, mode="key", settings=stream.settings, producer_id="billing"
+        ) as producer:
+            ids.append(producer.producer_id)
+            for n in range(1, 4):
+                producer.publish("acct", {"n": n, "producer": f"instance-{instance}"})
+    assert all(found.startswith("billing.") for found in ids) and ids[0] != ids[1]
 
     worker = run(stream, spark_engine, prefetch=3)
 
     state = StateStore(stream.redis, stream.name)
     assert state.get(raw.key) == {"applied": 12, "last": {"ext": 12}, "violations": []}
     assert state.get_marks(raw.key).seqs == {"ext": 12}
+    restarted = state.get("acct")
+    assert restarted is not None and restarted["applied"] == 6, restarted
     stats = worker.stats()
-    assert stats["events"] == 12 and stats["skipped"] == 0
+    assert stats["events"] == 12 + 6 and stats["skipped"] == 0
     assert stats["gaps_skipped"] == 0 and stats["waiting"] == 0
     assert queue_depth(amqp, raw.queue) == 0
 
@@ -148,8 +129,7 @@ def test_a_gap_past_its_timeout_is_reported_and_a_late_event_dead_lettered(
     assert state.get(raw.key)["applied"] == 3  # type: ignore[index]
     [letter] = drain(amqp.channel(), dead_letter_queue_name(stream.name))
     assert letter.seq == 2
-    reason = letter.headers[HEADER_DEAD_REASON]
-    reason = reason.decode() if isinstance(reason, bytes) else reason
+    reason = text(letter.headers[HEADER_DEAD_REASON])
     assert reason.startswith("late: seq 2 of producer ext"), reason
 
 
@@ -161,8 +141,7 @@ def test_a_gap_filled_before_its_timeout_leaves_nothing_behind(
     raw = RawPublisher(stream, amqp, "late-filler", running=True)
     raw.publish(2, 3)
     with serving(stream, spark_engine) as worker:
-        deadline = time.monotonic() + 60
-        wait_for(lambda: worker.stats()["waiting"] >= 2, deadline, worker)
+        wait_until(lambda: worker.stats()["waiting"] >= 2, 60, "2 events waiting")
         report = worker.stats()
         assert report["gaps_open"] == 1
         [gap] = report["gaps"]
@@ -175,7 +154,7 @@ def test_a_gap_filled_before_its_timeout_leaves_nothing_behind(
         assert StateStore(stream.redis, stream.name).get(raw.key) is None
 
         raw.publish(1)
-        wait_for(lambda: worker.stats()["events"] >= 3, deadline, worker)
+        wait_until(lambda: worker.stats()["events"] >= 3, 60, "3 events applied")
     state = StateStore(stream.redis, stream.name).get(raw.key)
     assert state == {"applied": 3, "last": {"ext": 3}, "violations": []}
     assert worker.stats()["gaps_open"] == 0
@@ -192,31 +171,12 @@ def test_a_gone_producers_gap_is_given_up_once_its_queue_is_drained(
     raw.publish(2, 3)
     state = StateStore(stream.redis, stream.name)
     with serving(stream, spark_engine) as worker:
-        wait_for(lambda: worker.stats()["waiting"] >= 2, time.monotonic() + 60, worker)
+        wait_until(lambda: worker.stats()["waiting"] >= 2, 60, "2 events waiting")
         parked_at = time.monotonic()
-        wait_for(lambda: worker.stats()["events"] >= 2, parked_at + 20, worker)
+        wait_until(lambda: worker.stats()["events"] >= 2, 20, "the gap given up")
         waited = time.monotonic() - parked_at
     assert waited + 0.5 >= QUIET_S, waited  # not before the queue had been quiet a while
     assert state.get(raw.key) == {"applied": 2, "last": {"ext": 3}, "violations": [["ext", 0, 2]]}
     assert state.get_marks(raw.key).gaps == {"ext": [[1, 1]]}
     assert worker.stats()["gaps_skipped"] == 1
     assert queue_depth(amqp, raw.queue) == 0
-
-
-def test_a_restarted_producer_reusing_its_name_is_not_taken_for_a_duplicate(
-    stream: StreamFixture, spark_engine: SparkEngine
-) -> None:
-    """Sequence numbers start at 1 in every producer instance; a second instance given the
-    same producer_id must not have its events skipped as already applied."""
-    ids = []
-    for instance in range(2):
-        with Producer(
-            stream.name, mode="key", settings=stream.settings, producer_id="billing"
-        ) as producer:
-            ids.append(producer.producer_id)
-            for n in range(1, 4):
-                producer.publish("acct", {"n": n, "producer": f"instance-{instance}"})
-    assert all(found.startswith("billing.") for found in ids) and ids[0] != ids[1]
-    run(stream, spark_engine)
-    state = StateStore(stream.redis, stream.name).get("acct")
-    assert state is not None and state["applied"] == 6, state
