@@ -7,7 +7,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from typing import Any
 
 from keyq import Producer
@@ -54,10 +53,14 @@ def test_a_broker_that_is_down_is_waited_for(settings: Settings) -> None:
         env=keyq_environment(settings, down),
         cwd=REPO,
     )
-    time.sleep(6)
-    assert process.poll() is None  # still running, retrying
+    # Stopped once it has said it retries (a fixed sleep raced its start on a loaded machine).
+    assert process.stderr is not None
+    seen = [process.stderr.readline()]
+    while "retrying" not in seen[-1] and seen[-1]:
+        seen.append(process.stderr.readline())
+    assert process.poll() is None, "".join(seen)  # still running, retrying
     process.send_signal(signal.SIGTERM)
-    _out, err = process.communicate(timeout=60)
-    assert process.returncode == 0
-    assert "retrying" in err
+    _out, rest = process.communicate(timeout=60)
+    err = "".join(seen) + rest
+    assert process.returncode == 0, err
     assert "hidden-pw" not in err
