@@ -85,11 +85,13 @@ def set_aside_with_no_worker(
     return control, queue
 
 
-def test_the_janitor_keeps_a_key_queue_while_the_key_has_events_aside(
+def test_a_key_queue_with_events_aside_is_kept_and_declared_again_once_stranded(
     stream: StreamFixture, workers: Any, producer: Producer, amqp: Any
 ) -> None:
-    """The stranding found in the field: the janitor deleted the key's drained, idle, unheld
-    queue while its events waited aside, and no worker ever claimed them again."""
+    """The janitor keeps the key's drained, idle, unheld queue while its events wait aside (the
+    stranding found in the field). A key already stranded, as an older janitor left it (its
+    queue deleted and forgotten), gets its queue back within one look, and a worker drains
+    what waited aside, in order, once."""
     control, queue = set_aside_with_no_worker(stream, workers, producer, amqp)
     store = StateStore(stream.redis, stream.name)
     tender = janitor(stream)
@@ -101,35 +103,19 @@ def test_the_janitor_keeps_a_key_queue_while_the_key_has_events_aside(
     assert tender.stats["deleted"] == 0, tender.stats
     assert tender.stats["watchdog_repairs"] == 0, tender.stats  # nothing needed repair
 
-    worker = workers(stream.name, pipeline="tests.pipelines:audit", mode="key")
-    worker.wait_ready()
-    wait_until(lambda: applied(store, KEY) >= EVENTS, 90, "the aside events applied")
-    assert in_order_once(store, KEY), store.get(KEY)
-    wait_until(lambda: not control.status(KEY).aside, 30, "the aside queues drained")
-
-
-def test_the_watchdog_declares_again_the_queue_of_a_key_stranded_with_events_aside(
-    stream: StreamFixture, workers: Any, producer: Producer, amqp: Any
-) -> None:
-    """A key already stranded (as an older janitor left it: its queue deleted and forgotten)
-    gets its queue back within one look, and a worker drains what waited aside."""
-    control, queue = set_aside_with_no_worker(stream, workers, producer, amqp)
-    store = StateStore(stream.redis, stream.name)
-    wait_until(lambda: stream.redis.get(stream.keys.lock(queue)) is None, 30, "lock expiry")
     amqp.channel().queue_delete(queue)
     stream.redis.zrem(stream.keys.registry, queue)
     stream.redis.hdel(stream.keys.queue_keys, queue)
     worker = workers(stream.name, pipeline="tests.pipelines:audit", mode="key")
     worker.wait_ready()
-
-    tender = janitor(stream, idle_ttl_s=3600.0)
-    tender.run(once=True)
-    assert tender.stats["watchdog_repairs"] == 1, tender.stats
+    watchdog = janitor(stream, idle_ttl_s=3600.0)
+    watchdog.run(once=True)
+    assert watchdog.stats["watchdog_repairs"] == 1, watchdog.stats
     assert queue_depth(amqp, queue) is not None
     wait_until(lambda: applied(store, KEY) >= EVENTS, 90, "the aside events applied")
     assert in_order_once(store, KEY), store.get(KEY)
     wait_until(lambda: not control.status(KEY).aside, 30, "the aside queues drained")
-    tender.run(once=True)
+    watchdog.run(once=True)
     assert StrandedRecord(stream.redis, stream.name).all() == {}
 
 
