@@ -1,14 +1,6 @@
-"""Loopback TCP fault-injection proxy for tests.
-
-Tests put a :class:`FaultProxy` between a client and RabbitMQ or Redis to
-simulate stalls, latency, dropped connections and an unreachable server
-without touching the shared servers themselves.
-
-All socket work happens on one selector thread; the public methods hand
-their work to that thread and wait for it, so when ``pause()`` or ``cut()``
-returns the fault is already in effect and no socket is ever used by two
-threads at once.
-"""
+"""Loopback TCP fault-injection proxy: stalls, latency, cut or refused connections between a
+client and RabbitMQ or Redis, without touching the shared servers. All socket work is on one
+selector thread; public methods wait for it, so a fault is in effect when they return."""
 
 from __future__ import annotations
 
@@ -33,8 +25,7 @@ __all__ = ["FaultProxy"]
 _log = logging.getLogger(__name__)
 
 _CHUNK = 65536
-# Stop reading from a side once this much is held for the other side, so a
-# paused or slow proxy applies back-pressure instead of growing without bound.
+# Stop reading a side once this much is held for the other: back-pressure, not growth.
 _HIGH_WATER = 1 << 20
 _CALL_TIMEOUT = 5.0
 _SCHEMES = frozenset({"amqp", "amqps", "redis", "rediss"})
@@ -42,8 +33,7 @@ _RST = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends RST
 
 
 def _loopback_addresses(host: str, port: int) -> list[tuple[int, tuple[str, int]]]:
-    """Resolve ``host``; refuse anything that is not loopback so tests can
-    never send traffic off this machine."""
+    """Resolve ``host``, refusing anything not loopback: tests never send traffic away."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
@@ -74,8 +64,7 @@ def _close(sock: socket.socket, *, reset: bool) -> None:
 
 @dataclass(eq=False)
 class _Flow:
-    """One direction of a proxied connection: bytes read from ``src`` and
-    held (with their due time) until they may be written to ``dst``."""
+    """One direction: bytes read from ``src``, held with their due time until sent to ``dst``."""
 
     src: socket.socket
     dst: socket.socket
@@ -91,10 +80,8 @@ _BASIC_DELIVER = (60, 60)
 
 
 class _DeliveryDropper:
-    """Cuts whole ``basic.deliver`` messages (method, header and body frames) out of a
-    server-to-client AMQP byte stream when their body contains a marker: the broker counts
-    such a message as delivered on its channel, and the client never sees it. Everything
-    else passes through unchanged, frame boundaries intact."""
+    """Cuts whole ``basic.deliver`` messages whose body holds a marker out of the broker's AMQP
+    stream (delivered for the broker, never seen by the client); the rest passes unchanged."""
 
     def __init__(self, markers: list[bytes]) -> None:
         self.markers = markers  # shared with the proxy: each is used once
@@ -149,8 +136,7 @@ class _Pipe:
 
 
 class FaultProxy:
-    """TCP proxy on a loopback port that forwards to a loopback upstream and
-    can pause, delay, cut or refuse connections on demand."""
+    """A loopback TCP proxy that can pause, delay, cut or refuse connections on demand."""
 
     def __init__(
         self, upstream_host: str, upstream_port: int, *, listen_host: str = "127.0.0.1"
@@ -183,8 +169,7 @@ class FaultProxy:
         self._drop_markers: list[bytes] = []
         self._droppers: list[_DeliveryDropper] = []
 
-        # Guards the command queue, the running/stopped flags and the pipe
-        # count seen by other threads.
+        # Guards the command queue, the running/stopped flags and the pipe count.
         self._lock = threading.Condition()
         self._commands: deque[tuple[Callable[[], None], Future[None]]] = deque()
         self._thread: threading.Thread | None = None
@@ -236,8 +221,7 @@ class FaultProxy:
     # -- faults ------------------------------------------------------------
 
     def pause(self) -> None:
-        """Stop forwarding both ways; connections stay open and bytes are held
-        (in the proxy or kernel buffers) until :meth:`resume`."""
+        """Stop forwarding both ways; connections stay open, bytes held until :meth:`resume`."""
         self._call(lambda: setattr(self, "_paused", True))
 
     def resume(self) -> None:
@@ -245,13 +229,11 @@ class FaultProxy:
         self._call(lambda: setattr(self, "_paused", False))
 
     def cut(self) -> None:
-        """Reset every current connection on both sides (like a crashed peer
-        or a dropped network path); new connections are still accepted."""
+        """Reset every current connection both sides; new connections are still accepted."""
         self._call(self._abort_all)
 
     def refuse(self, on: bool = True) -> None:
-        """While on, accept and immediately reset new connections, as a
-        server that is down would; existing connections are unaffected."""
+        """While on, reset new connections at once, as a server that is down; others stay."""
         self._call(lambda: setattr(self, "_refusing", on))
 
     def drop_handshakes(self, on: bool = True) -> None:
@@ -260,9 +242,8 @@ class FaultProxy:
         self._call(lambda: setattr(self, "_dropping_handshakes", on))
 
     def drop_deliveries(self, *markers: bytes) -> None:
-        """On connections opened from now on, cut out of the broker's stream the first
-        ``basic.deliver`` whose body contains each marker: RabbitMQ then counts that message
-        as delivered to (and unacked by) the consumer, which never gets it."""
+        """On connections opened from now on, cut out the first ``basic.deliver`` whose body
+        holds each marker: RabbitMQ counts it delivered and unacked; the consumer never gets it."""
         self._call(lambda: self._drop_markers.extend(markers))
 
     @property
@@ -271,8 +252,7 @@ class FaultProxy:
             return sum(dropper.dropped for dropper in self._droppers)
 
     def set_delay(self, seconds: float) -> None:
-        """Hold every chunk read from either side ``seconds`` before
-        forwarding it (latency per chunk, order preserved)."""
+        """Hold every chunk read from either side ``seconds`` before forwarding it, in order."""
         if seconds < 0:
             raise ValueError("delay must be >= 0")
         self._call(lambda: setattr(self, "_delay", float(seconds)))
@@ -286,14 +266,12 @@ class FaultProxy:
             return len(self._pipes)
 
     def wait_connections(self, count: int, timeout: float = 2.0) -> bool:
-        """Wait until exactly ``count`` connections are open, because accepts
-        and closes happen asynchronously on the proxy thread."""
+        """Wait until exactly ``count`` connections are open (accepts and closes are async)."""
         with self._lock:
             return self._lock.wait_for(lambda: len(self._pipes) == count, timeout)
 
     def url_for(self, url: str) -> str:
-        """Return ``url`` pointed at this proxy, keeping credentials, path,
-        query and fragment exactly as written."""
+        """``url`` pointed at this proxy, everything but host and port exactly as written."""
         parts = urlsplit(url)
         if parts.scheme.lower() not in _SCHEMES:
             raise ValueError(f"unsupported URL scheme {parts.scheme!r}")
@@ -307,8 +285,7 @@ class FaultProxy:
     # -- cross-thread plumbing ---------------------------------------------
 
     def _call(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the proxy thread and wait, or inline if it is not
-        running, so callers observe the change as soon as this returns."""
+        """Run ``fn`` on the proxy thread and wait (inline if it is not running)."""
         done: Future[None] = Future()
         with self._lock:
             if not self._loop_running:
@@ -356,8 +333,7 @@ class FaultProxy:
         except Exception:  # noqa: BLE001 - a bug must not kill the test run silently
             _log.exception("FaultProxy on port %d failed; closing it", self.port)
         finally:
-            # Under the lock: from here on _call() runs work inline, and it
-            # must not touch sockets while this thread is closing them.
+            # Under the lock: _call() runs inline from here, not while sockets close.
             with self._lock:
                 self._loop_running = False
                 self._stopping = True
@@ -458,8 +434,7 @@ class FaultProxy:
         self._flush(pipe, flow)
 
     def _flush(self, pipe: _Pipe, flow: _Flow) -> None:
-        """Write every due chunk of ``flow`` that the kernel accepts, then
-        forward EOF once nothing is left."""
+        """Write the due chunks of ``flow`` the kernel takes; forward EOF once none is left."""
         if self._paused or not pipe.connected or pipe.closed:
             return
         now = time.monotonic()
@@ -487,8 +462,7 @@ class FaultProxy:
                 self._close_pipe(pipe, reset=False)
 
     def _update(self) -> float | None:
-        """Move due data, set each socket's selector interest, and return how
-        long select may sleep before a delayed chunk falls due."""
+        """Move due data, set selector interests; return how long select may sleep."""
         now = time.monotonic()
         next_due: float | None = None
         for pipe in list(self._pipes):

@@ -1,10 +1,5 @@
-"""The asyncio producer (``keyq.aio``) and per-event receipts, on the real broker.
-
-The event loop must never wait on the producer: a ticker task wakes every millisecond and
-records how late it is, while the window is full and while RabbitMQ blocks publishers (a
-memory alarm on the tests' own node). Receipts resolve one event at a time; errors are the
-threaded producer's. A 40 s outage of the tests' own node loses nothing.
-"""
+"""The asyncio producer (``keyq.aio``) and per-event receipts, on the real broker: the loop
+never waits on the producer (a 1 ms ticker measures its lag), and an outage loses nothing."""
 
 from __future__ import annotations
 
@@ -31,7 +26,7 @@ from keyq.broker.errors import (
 )
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.settings import Settings
-from tests.conftest import StreamFixture
+from tests.conftest import StreamFixture, delete_queues
 from tests.faults import FaultProxy
 from tests.helpers import Landed, drain, settings_with
 from tests.servers import PrivateRabbit
@@ -62,21 +57,16 @@ class LoopLag:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
 
-    def figures(self) -> tuple[float, float, int]:
-        """Max and p99 lateness in ms, and the number of ticks."""
-        ordered = sorted(self.late)
-        p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
-        return ordered[-1] * 1000, p99 * 1000, len(ordered)
-
     def report(self, what: str) -> tuple[float, float]:
-        worst, p99, ticks = self.figures()
-        print(f"\nloop lag {what}: max {worst:.2f} ms, p99 {p99:.2f} ms over {ticks} ticks")
+        """Max and p99 lateness in ms, printed with the number of ticks."""
+        ordered = sorted(late * 1000 for late in self.late)
+        worst, p99 = ordered[-1], ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+        print(f"\nloop lag {what}: max {worst:.2f} ms, p99 {p99:.2f} ms over {len(ordered)} ticks")
         return worst, p99
 
 
 async def idle_lag(seconds: float = 1.0) -> tuple[float, float]:
-    """The same ticker on a loop doing nothing else: the machine's own noise (a loaded
-    machine delays any thread), measured in the same run as the figure it is set against."""
+    """The ticker on an idle loop: this machine's own noise, measured in the same run."""
     lag = LoopLag().start()
     await asyncio.sleep(seconds)
     await lag.stop()
@@ -84,10 +74,8 @@ async def idle_lag(seconds: float = 1.0) -> tuple[float, float]:
 
 
 def check_lag(figures: tuple[float, float], idle: tuple[float, float]) -> None:
-    """p99 lag under 10 ms beyond the worst lag of an idle loop on this machine in the same
-    run (its noise: other processes taking the cores delay any thread). A loop that waited
-    on the broker would lag by whole confirm round trips, again and again. The max is
-    printed, not judged."""
+    """p99 lag under 10 ms beyond an idle loop's worst: a loop waiting on the broker would lag
+    by whole confirm round trips. The max is printed, not judged."""
     limit = LAG_LIMIT_S * 1000
     assert figures[1] < limit + idle[0], f"p99 {figures[1]:.1f} ms (idle max {idle[0]:.1f} ms)"
 
@@ -97,17 +85,6 @@ def _landed(url: str, queues: list[str]) -> dict[str, list[Landed]]:
     try:
         channel = connection.channel()
         return {queue: drain(channel, queue) for queue in queues}
-    finally:
-        connection.close()
-
-
-def _delete_queues(url: str, queues: list[str]) -> None:
-    connection = pika.BlockingConnection(pika.URLParameters(url))
-    try:
-        for queue in queues:
-            channel = connection.channel()
-            with contextlib.suppress(pika.exceptions.ChannelClosedByBroker):
-                channel.queue_delete(queue)
     finally:
         connection.close()
 
@@ -124,11 +101,22 @@ def _numbers(landed: list[Landed]) -> list[int]:
 
 
 # ------------------------------------------------------------------ the basics
-def test_publish_receipts_flush_and_close(stream: StreamFixture) -> None:
+def test_publish_receipts_flush_close_and_bad_input(stream: StreamFixture) -> None:
     keys = ["a", "b", "c"]
 
     async def main() -> tuple[list[Receipt], str]:
-        async with Producer(stream.name, mode="key", settings=stream.settings) as producer:
+        producer = Producer(stream.name, mode="key", settings=stream.settings)
+        with pytest.raises(ProducerClosed):
+            await producer.publish("k", {"n": 1})  # not started
+        async with producer:
+            started = time.monotonic()
+            with pytest.raises(InvalidKey):
+                await producer.publish("", {"n": 1})
+            with pytest.raises(InvalidEvent):
+                await producer.publish("k", {"n": {1, 2}})
+            with pytest.raises(InvalidHeaders):
+                await producer.publish("k", {"n": 1}, headers={"x-keyq-seq": 5})
+            assert time.monotonic() - started < 0.5, "bad input was not refused at once"
             first = await producer.publish("a", {"n": 0})
             await first  # one event, without flushing the rest
             assert first.published and first.seq == 1
@@ -138,7 +126,12 @@ def test_publish_receipts_flush_and_close(stream: StreamFixture) -> None:
             await receipts[-1].wait(10)
             await producer.flush(10)
             assert producer.unconfirmed == 0
-            return receipts, producer.producer_id
+            receipts.append(await producer.publish(keys[300 % 3], {"n": 300}))  # close flushes it
+        assert receipts[-1].published, "close did not flush the last event"
+        await producer.close()  # twice is fine
+        with pytest.raises(ProducerClosed):
+            await producer.publish("k", {"n": 2})
+        return receipts, producer.producer_id
 
     receipts, producer_id = asyncio.run(main())
     assert all(receipt.published for receipt in receipts)
@@ -147,35 +140,10 @@ def test_publish_receipts_flush_and_close(stream: StreamFixture) -> None:
     landed = _landed(stream.settings.amqp_url, queues)
     for key in keys:
         queue = next(r.queue for r in receipts if r.key == key)
-        expected = [n for n in range(300) if keys[n % 3] == key]
+        expected = [n for n in range(301) if keys[n % 3] == key]
         assert [int(m.json()["n"]) for m in landed[queue]] == expected
         assert [m.seq for m in landed[queue]] == list(range(1, len(expected) + 1))
         assert {m.producer for m in landed[queue]} == {producer_id}
-
-
-def test_bad_input_raises_at_once_and_a_closed_producer_refuses(stream: StreamFixture) -> None:
-    async def main() -> None:
-        producer = Producer(stream.name, mode="key", settings=stream.settings)
-        with pytest.raises(ProducerClosed):
-            await producer.publish("k", {"n": 1})  # not started
-        await producer.start()
-        started = time.monotonic()
-        with pytest.raises(InvalidKey):
-            await producer.publish("", {"n": 1})
-        with pytest.raises(InvalidEvent):
-            await producer.publish("k", {"n": {1, 2}})
-        with pytest.raises(InvalidHeaders):
-            await producer.publish("k", {"n": 1}, headers={"x-keyq-seq": 5})
-        assert time.monotonic() - started < 0.5
-        receipt = await producer.publish("k", {"n": 1})
-        await producer.close()
-        assert receipt.published
-        await producer.close()  # twice is fine
-        with pytest.raises(ProducerClosed):
-            await producer.publish("k", {"n": 2})
-        stream.track(receipt.queue)
-
-    asyncio.run(main())
 
 
 def test_threaded_receipt_waits_for_its_own_event(producer: ThreadedProducer) -> None:
@@ -199,8 +167,7 @@ def proxy(settings: Settings) -> Iterator[FaultProxy]:
 def test_receipts_raise_what_flush_raises_when_the_broker_stays_away(
     stream: StreamFixture, proxy: FaultProxy
 ) -> None:
-    """The broker gone past reconnect_timeout: a threaded receipt, an awaited one and flush
-    all raise ProducerClosed from BrokerUnavailable."""
+    """Past reconnect_timeout, receipts (awaited or not) and flush raise what the producer did."""
     settings = settings_with(
         stream.settings,
         amqp_url=proxy.url_for(stream.settings.amqp_url),
@@ -259,8 +226,7 @@ def test_a_receipt_times_out_while_the_broker_is_away(
 # ------------------------------------------------------------- the loop's lag
 @pytest.mark.alone
 def test_loop_lag_while_the_window_is_full(stream: StreamFixture) -> None:
-    """50 tasks publishing 4,000 events through a window of 20: publishes wait all the
-    time, the loop does not."""
+    """50 tasks publishing through a window of 20: publishes wait all the time, the loop not."""
     total, tasks = 4000, 50
 
     async def main() -> tuple[tuple[float, float], tuple[float, float]]:
@@ -299,8 +265,7 @@ def test_loop_lag_while_the_window_is_full(stream: StreamFixture) -> None:
 def test_loop_lag_while_rabbitmq_blocks_publishers(
     stream: StreamFixture, private_rabbit: PrivateRabbit
 ) -> None:
-    """On the tests' own node (the fixture of the threaded producer's flow-control test): a
-    memory alarm blocks publishers; publishes await, the loop goes on, and once the alarm
+    """A memory alarm on the tests' own node: publishes await, the loop goes on, and once it
     ends every accepted event lands in order."""
     settings = settings_with(stream.settings, amqp_url=private_rabbit.url)
     key = "blocked"
@@ -347,7 +312,7 @@ def test_loop_lag_while_rabbitmq_blocks_publishers(
     try:
         landed = _landed(private_rabbit.url, [queue])[queue]
     finally:
-        _delete_queues(private_rabbit.url, [queue, dead_letter_queue_name(stream.name)])
+        delete_queues(settings, [queue, dead_letter_queue_name(stream.name)])
     assert _numbers(landed) == accepted
     check_lag(figures, idle)
 
@@ -357,9 +322,8 @@ def test_loop_lag_while_rabbitmq_blocks_publishers(
 def test_a_producer_outlives_a_40_second_outage_of_its_node(
     stream: StreamFixture, private_rabbit: PrivateRabbit
 ) -> None:
-    """The tests' own node stopped for 40 s (longer than the old 30 s reconnect timeout)
-    and started again, under the default reconnect timeout: publishes go on into the window
-    until it is full, then wait; nothing accepted is lost, and each key keeps its order."""
+    """The tests' own node down 40 s under the default reconnect timeout: publishes fill the
+    window, then wait; nothing accepted is lost, each key keeps its order."""
     window = 300
     settings = settings_with(stream.settings, amqp_url=private_rabbit.url)
     assert settings.reconnect_timeout >= 300
@@ -414,8 +378,7 @@ def test_a_producer_outlives_a_40_second_outage_of_its_node(
 
     stats = asyncio.run(main())
     lasted = outage["back"] - outage["stopped"]
-    # From the stop's start (the node closes its connections first, then takes seconds to
-    # stop) to its start; and while it was down for good.
+    # From the stop's start (connections close first) to its start; and while it was down.
     during = [n for n, at in accepted_at if outage["stopping"] <= at <= outage["back"]]
     down = [n for n, at in accepted_at if outage["stopped"] <= at <= outage["starting"]]
     print(
@@ -431,7 +394,7 @@ def test_a_producer_outlives_a_40_second_outage_of_its_node(
     try:
         landed = _landed(private_rabbit.url, queues)
     finally:
-        _delete_queues(private_rabbit.url, [*queues, dead_letter_queue_name(stream.name)])
+        delete_queues(settings, [*queues, dead_letter_queue_name(stream.name)])
     expected: dict[str, list[int]] = defaultdict(list)
     for n, _at in accepted_at:
         expected[f"keyq.{stream.name}.k.{keys[n % len(keys)]}"].append(n)

@@ -1,7 +1,5 @@
-"""Packs, several events of one queue in one message (``keyq.broker.packs``), as units: their
-layout read back exactly, every malformed body refused with ``MalformedPack``; how a worker
-unpacks one as it arrives; and the ack ledger counting a pack's events, so that its message
-is acked once all of them are settled, and only once."""
+"""Packs (``keyq.broker.packs``) as units: the layout read back exactly, malformed bodies
+refused, a worker unpacking one on arrival, and the ack ledger acking it once, when all settle."""
 
 from __future__ import annotations
 
@@ -71,10 +69,7 @@ def test_a_pack_reads_back_every_event_exactly() -> None:
     assert headers["raw"] == b"\x00\xffbytes" and isinstance(headers["raw"], bytes)
     assert headers["flag"] is True and headers["off"] is False and headers["nothing"] is None
     assert headers[HEADER_SEQ] == 7 and type(headers[HEADER_SEQ]) is int
-
-
-def test_the_content_type_names_a_pack() -> None:
-    assert is_pack(PACK_CONTENT_TYPE)
+    assert is_pack(PACK_CONTENT_TYPE), "the content type names a pack"
     assert not is_pack("application/json") and not is_pack(None)
 
 
@@ -106,16 +101,12 @@ def meta(value: Any) -> bytes:
         (MAGIC + meta({"headers": {"a": {"bytes": "!!"}}}), "bad header value"),
         (MAGIC + meta({"headers": {"a": {"bytes": "AA==", "x": 1}}}), "bad header value"),
         (MAGIC + meta({"headers": {"a": {"other": "AA=="}}}), "bad header value"),
+        (MAGIC + record() + meta({"message_id": 1}), "event 2 of the pack"),
     ],
 )
 def test_a_malformed_pack_is_refused_with_why(body: bytes, words: str) -> None:
     with pytest.raises(MalformedPack, match=words):
         decode_pack(body)
-
-
-def test_a_bad_second_event_names_its_place() -> None:
-    with pytest.raises(MalformedPack, match="event 2 of the pack"):
-        decode_pack(MAGIC + record() + meta({"message_id": 1}))
 
 
 # ---- unpacked on arrival -----------------------------------------------------------------
@@ -144,15 +135,13 @@ def test_a_pack_arrives_as_one_delivery_per_event_in_order() -> None:
         assert delivery.content_type is None and delivery.malformed is None
 
 
-def test_a_message_that_is_not_a_pack_is_one_delivery_as_before() -> None:
+def test_a_message_not_a_pack_or_a_malformed_pack_is_one_delivery() -> None:
     method, properties, body = arrival(3, b'{"n": 1}', "application/json", **{HEADER_KEY: "k"})
     [delivery] = unpack("q", 1, method, properties, body)
     assert (delivery.part, delivery.parts, delivery.malformed) == (0, 1, None)
     assert delivery.headers == {HEADER_KEY: "k"} and delivery.body == b'{"n": 1}'
     assert delivery.message_id == "msg-3" and delivery.content_type == "application/json"
-
-
-def test_a_malformed_pack_is_one_delivery_of_the_whole_message() -> None:
+    # A malformed pack is one delivery of the whole message, too.
     body = MAGIC + record()[:-2]
     method, properties, _ = arrival(5, body, PACK_CONTENT_TYPE, **{HEADER_PACK: 1})
     [delivery] = unpack("q", 1, method, properties, body)
@@ -207,13 +196,16 @@ def test_a_pack_is_acked_only_once_every_event_is_settled() -> None:
     assert len(ledger) == 0
 
 
-def test_an_event_settled_twice_counts_once() -> None:
+def test_an_event_settled_twice_or_out_of_range_counts_once_or_not_at_all() -> None:
     ledger = AckLedger()
     ledger.delivered(1, 2)
     assert ledger.settle([(1, 0), (1, 0)]) == (0, [])
     assert ledger.settle([(1, 0)]) == (0, [])  # again: part 1 still unsettled
     assert ledger.settle([(1, 1)]) == (1, [])
     assert ledger.settle([(1, 0), (1, 1)]) == (0, [])  # acked already: never twice
+    ledger.delivered(2, 2)
+    assert ledger.settle([(2, 5), (9, 0)]) == (0, []), "a part out of range or a tag unknown"
+    assert ledger.settle([(2, 0), (2, 1)]) == (2, [])
 
 
 def test_a_multiple_ack_runs_across_packs_and_stops_at_one_with_an_event_waiting() -> None:
@@ -229,13 +221,6 @@ def test_a_multiple_ack_runs_across_packs_and_stops_at_one_with_an_event_waiting
     ledger.delivered(5, 2)
     ledger.delivered(6)
     assert ledger.settle([(6, 0), (5, 1), (5, 0)]) == (6, [])
-
-
-def test_a_part_out_of_range_or_a_tag_never_delivered_is_ignored() -> None:
-    ledger = AckLedger()
-    ledger.delivered(1, 2)
-    assert ledger.settle([(1, 5), (9, 0)]) == (0, [])
-    assert ledger.settle([(1, 0), (1, 1)]) == (1, [])
 
 
 @pytest.mark.parametrize(
@@ -256,8 +241,7 @@ def test_a_part_out_of_range_or_a_tag_never_delivered_is_ignored() -> None:
     ],
 )
 def test_a_pack_whose_count_header_disagrees_with_its_body_is_malformed(declared: Any) -> None:
-    """A body that lost or gained events on the way (a foreign producer's bug, a truncation
-    that happens to end on a record) is not read as the events it happens to hold."""
+    """A body that lost or gained events on the way is not read as the events it holds."""
     body = encode_pack([record(b"{}", **{**HEADERS, HEADER_SEQ: n}) for n in range(3)])
     with pytest.raises(MalformedPack, match="header says"):
         decode_pack(body, declared)

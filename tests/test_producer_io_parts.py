@@ -1,7 +1,6 @@
-"""Unit tests of the producer link's I/O-thread parts together on a fake loop, connection and
-channels: sends and confirms, recoveries, leases, stalled queues on their own channels, the
-overdue watch and the probes of unreachable queues. No service; the real broker's side is in
-tests/test_producer_order.py, tests/test_connection_failures.py and tests/test_cluster.py."""
+"""Unit tests of the producer link's I/O-thread parts on a fake loop, connection and channels:
+sends, confirms, recoveries, leases, stalled queues, the overdue watch and probes. The broker's
+side: tests/test_producer_order.py, tests/test_connection_failures.py, tests/test_cluster.py."""
 
 from __future__ import annotations
 
@@ -253,28 +252,25 @@ def test_a_confirm_from_a_retired_incarnation_sends_the_event_again(harness: Har
     assert link.window.unsettled == 0 and harness.new_queues == [{"q~1": "key-q"}]
 
 
-def test_a_confirm_after_a_gap_in_the_leases_sends_the_event_again(harness: Harness) -> None:
-    # The lease ran out before the next was asked (a stalled Redis thread, say): a deleter may
-    # have marked and deleted the queue in the gap, so a confirm proves nothing.
+@pytest.mark.parametrize("gap", [True, False])
+def test_a_confirm_counts_only_under_leases_renewed_without_a_gap(
+    harness: Harness, gap: bool
+) -> None:
+    # A lease that ran out before the next (a stalled Redis thread, say): a deleter may have
+    # deleted the queue in the gap, so a confirm proves nothing and the event goes again.
     link = harness.link
     event = harness.publish("q")
     harness.grant("q")
-    lane = link.lanes["q"]
-    lane.lease_until = time.monotonic() - 0.01  # ran out with the event in flight
-    harness.grant("q")  # asked after it ran out: leased again, same incarnation
+    if gap:
+        link.lanes["q"].lease_until = time.monotonic() - 0.01  # ran out with the event in flight
+    harness.grant("q")  # same incarnation; after the gap, or while the first still held
     link.connector.on_confirm(ack(1))
-    assert link.ledger.late_confirms == 1 and harness.new_queues == []
-    assert link.ledger.by_number[event.number].tag == 2 and link.window.unsettled == 1
-
-
-def test_a_confirm_under_leases_renewed_without_a_gap_counts(harness: Harness) -> None:
-    link = harness.link
-    harness.publish("q")
-    harness.grant("q")
-    harness.grant("q")  # renewed while the first still held
-    link.connector.on_confirm(ack(1))
-    assert link.ledger.late_confirms == 0 and link.window.unsettled == 0
-    assert harness.new_queues == [{"q": "key-q"}]
+    assert link.ledger.late_confirms == int(gap)
+    if gap:
+        assert harness.new_queues == [] and link.window.unsettled == 1, "counted after a gap"
+        assert link.ledger.by_number[event.number].tag == 2, "not sent again"
+    else:
+        assert link.window.unsettled == 0 and harness.new_queues == [{"q": "key-q"}]
 
 
 def test_a_lease_is_renewed_ahead_while_events_are_in_flight(harness: Harness) -> None:
@@ -291,17 +287,24 @@ def test_a_lease_is_renewed_ahead_while_events_are_in_flight(harness: Harness) -
 
 
 # ------------------------------------------------------------------- stalled queues
-def test_a_stalled_queue_sends_one_event_at_a_time_on_its_own_channel(harness: Harness) -> None:
-    link, connection = harness.link, harness.connection
-    link.window.mark_stalled({"quiet"})
-    link.stalled.open_all()  # as on a new connection
-    first, second = harness.publish("quiet"), harness.publish("quiet")
+def stalled_own_channel(harness: Harness, events: int) -> tuple[FakeChannel, list[Outgoing]]:
+    """Queue "quiet" stalled, ``events`` published to it, its own channel open in confirm mode."""
+    harness.link.window.mark_stalled({"quiet"})
+    harness.link.stalled.open_all()  # as on a new connection
+    sent = [harness.publish("quiet") for _ in range(events)]
     harness.grant("quiet")
-    [own] = connection.open_channels()
+    [own] = harness.connection.open_channels()
     assert own.confirm_ok is not None and own.confirm is not None
     own.confirm_ok(None)  # confirm mode on: the first goes, declared there too
+    return own, sent
+
+
+def test_a_stalled_queue_sends_one_event_at_a_time_on_its_own_channel(harness: Harness) -> None:
+    link = harness.link
+    own, (first, second) = stalled_own_channel(harness, 2)
     assert own.declared == ["quiet"] and own.published == ["quiet"] and first.tag == 1
     assert list(link.lanes["quiet"].waiting) == [second]
+    assert own.confirm is not None
     own.confirm(ack(1))  # heard again: its channel closes, the rest goes on the main one
     assert "quiet" not in link.window.stalled and not own.is_open
     assert not link.stalled.own
@@ -310,14 +313,8 @@ def test_a_stalled_queue_sends_one_event_at_a_time_on_its_own_channel(harness: H
 
 
 def test_a_stalled_channel_overdue_is_reset_and_its_event_waits_again(harness: Harness) -> None:
-    link, connection = harness.link, harness.connection
-    link.window.mark_stalled({"quiet"})
-    link.stalled.open_all()
-    sent = harness.publish("quiet")
-    harness.grant("quiet")
-    [own] = connection.open_channels()
-    assert own.confirm_ok is not None
-    own.confirm_ok(None)
+    link = harness.link
+    own, [sent] = stalled_own_channel(harness, 1)
     link.stalled.reset_overdue(sent.sent_at + 14.9)
     assert own.is_open
     link.stalled.reset_overdue(sent.sent_at + 15.0)

@@ -1,11 +1,5 @@
-"""The producers' Prometheus metrics (``metrics=``), on the real broker.
-
-Each figure is read from a registry of the test's own after a scenario that must move it: N
-events confirmed (published and the latency histogram at N), a queue deleted under the
-producer (returned and re-sent), a connection cut while confirms are held back (reconnects,
-re-sends, the window in use, and a latency that counts from ``publish``, not from the
-re-send), the asyncio producer, and a producer that was not asked for metrics registering none.
-"""
+"""The producers' Prometheus metrics (``metrics=``), on the real broker: each figure read from
+a registry of the test's own after a scenario that must move it."""
 
 from __future__ import annotations
 
@@ -153,27 +147,9 @@ def test_a_cut_connection_counts_a_reconnect_resends_and_the_window_in_use(
     assert within("10.0") == total
 
 
-def test_the_asyncio_producer_reports_the_same_families(stream: StreamFixture) -> None:
-    registry = CollectorRegistry()
-    events = 200
-
-    async def main() -> None:
-        async with AsyncProducer(
-            stream.name, mode="key", settings=stream.settings, metrics=registry
-        ) as producer:
-            for n in range(events):
-                await producer.publish(f"k{n % 5}", {"n": n})
-            await producer.flush(20)
-            assert sample(registry, "keyq_producer_window_size", stream.name) > 0
-
-    asyncio.run(main())
-    assert published(registry, stream.name) == events
-    assert confirm_count(registry, stream.name) == events
-
-
 def test_producers_sharing_a_registry_share_its_families(stream: StreamFixture) -> None:
-    """Two producers of a stream in one registry add up (a second registration of the families
-    would raise); ``metrics=True`` records into the default registry."""
+    """Producers in one registry (threaded or asyncio) add up; ``metrics=True`` records into
+    the default one."""
     registry = CollectorRegistry()
     options: dict[str, Any] = {"mode": "key", "settings": stream.settings, "confirm_window": 30}
     with (
@@ -187,6 +163,17 @@ def test_producers_sharing_a_registry_share_its_families(stream: StreamFixture) 
         second.flush(10)
         assert sample(registry, "keyq_producer_window_size", stream.name) == 60
     assert published(registry, stream.name) == 3
+
+    async def main() -> None:
+        async with AsyncProducer(stream.name, metrics=registry, **options) as producer:
+            for n in range(200):
+                await producer.publish(f"k{n % 5}", {"n": n})
+            await producer.flush(20)
+            assert sample(registry, "keyq_producer_window_size", stream.name) == 30, "asyncio"
+
+    asyncio.run(main())
+    assert published(registry, stream.name) == 203, "the asyncio producer's events"
+    assert confirm_count(registry, stream.name) == 203
     with Producer(stream.name, metrics=True, **options) as default:
         before = published(REGISTRY, stream.name)
         default.publish("c", {"n": 4})

@@ -93,18 +93,6 @@ def test_a_lone_event_goes_at_once_and_later_ones_gather_until_its_confirm() -> 
     assert harness.link.window.unsettled == 0 and harness.link.lanes["q"].quiet
 
 
-def test_a_full_pack_goes_without_waiting_for_a_confirm() -> None:
-    harness = packing(pack_max_events=3)
-    event(harness, "q")
-    run(harness)
-    for _ in range(7):
-        event(harness, "q")
-    run(harness)
-    assert sent_events(harness) == [[1], [2, 3, 4], [5, 6, 7]]  # the 8th gathers
-    harness.link.connector.on_confirm(ack(3, multiple=True))
-    assert sent_events(harness)[-1] == [8]
-
-
 def test_a_pack_is_bounded_in_bytes() -> None:
     harness = packing(pack_max_events=100, pack_max_bytes=1024)
     for _ in range(12):
@@ -169,19 +157,13 @@ def test_with_a_linger_a_lone_event_waits_for_company() -> None:
     assert sent_events(harness) == [[1, 2]]
 
 
-def test_packing_off_sends_every_event_alone() -> None:
-    harness = make_harness(pack_max_events=1)
-    for _ in range(3):
-        event(harness, "q")
-    run(harness)
-    assert sent_events(harness) == [[1], [2], [3]]
-
-
-@pytest.mark.parametrize("max_events", [2, 7])
+@pytest.mark.parametrize("max_events", [1, 2, 7])
 def test_packs_keep_every_events_order_and_fields(max_events: int) -> None:
     harness = packing(pack_max_events=max_events)
     made = [event(harness, "q") for _ in range(20)]
     run(harness)
+    if max_events == 1:
+        assert sent_events(harness) == [[n] for n in range(1, 21)], "packing off: all alone"
     while harness.link.window.unsettled:
         harness.link.connector.on_confirm(ack(len(harness.channel.sent), multiple=True))
     seqs = [seq for message in sent_events(harness) for seq in message]
@@ -195,7 +177,7 @@ def test_packs_keep_every_events_order_and_fields(max_events: int) -> None:
     assert bodies == [m.body for m in made]
 
 
-def test_a_filled_pack_goes_and_the_events_after_it_go_on_gathering() -> None:
+def test_a_full_pack_goes_at_once_and_the_events_after_it_go_on_gathering() -> None:
     harness = packing(pack_max_events=3)
     event(harness, "q")
     run(harness)
@@ -207,9 +189,13 @@ def test_a_filled_pack_goes_and_the_events_after_it_go_on_gathering() -> None:
     run(harness)
     assert sent_events(harness) == [[1], [2, 3, 4]]
     harness.link.connector.on_confirm(ack(1))
-    assert sent_events(harness) == [[1], [2, 3, 4]]  # a message of the queue is in flight
-    harness.link.connector.on_confirm(ack(2))
-    assert sent_events(harness) == [[1], [2, 3, 4], [5]]
+    assert sent_events(harness) == [[1], [2, 3, 4]], "went while a message was in flight"
+    for _ in range(3):
+        event(harness, "q")
+    run(harness)
+    assert sent_events(harness) == [[1], [2, 3, 4], [5, 6, 7]], "a full pack did not go at once"
+    harness.link.connector.on_confirm(ack(3, multiple=True))
+    assert sent_events(harness)[-1] == [8]
 
 
 def test_an_earlier_linger_does_not_cut_a_later_one_short() -> None:

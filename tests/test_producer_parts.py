@@ -30,41 +30,33 @@ def event(number: int, queue: str = "q", *, sent_at: float = 0.0) -> Outgoing:
 
 
 # ------------------------------------------------------------------------------ lanes
-def test_a_lane_waits_while_any_reason_holds_it() -> None:
+def test_a_lane_waits_while_any_reason_or_a_declaration_holds_it() -> None:
     lane = QueueLane(key="k")
     assert not lane.waits
     lane.wait(WaitReason.UNLEASED)
     lane.wait(WaitReason.UNREACHABLE)
-    assert lane.waits
+    assert lane.waits and lane.unreachable
     assert lane.waits_for(WaitReason.UNLEASED) and not lane.waits_for(WaitReason.RECOVERING)
     lane.release(WaitReason.UNLEASED)
-    assert lane.waits  # still unreachable
-    lane.release(WaitReason.UNREACHABLE)
-    lane.release(WaitReason.UNREACHABLE)  # twice is harmless
-    assert not lane.waits and lane.reasons == set()
-
-
-def test_a_reachable_lane_is_declared_and_waits_no_more_for_its_node() -> None:
-    lane = QueueLane(key="k")
-    lane.wait(WaitReason.UNREACHABLE)
-    assert lane.reasons == {WaitReason.UNREACHABLE} and lane.unreachable
+    assert lane.waits, "released while still unreachable"
+    lane.release(WaitReason.UNLEASED)  # twice is harmless
+    assert lane.reasons == {WaitReason.UNREACHABLE}
     lane.reachable()
-    assert not lane.reasons and not lane.unreachable and lane.declared
-
-
-def test_a_new_lane_of_an_unreachable_queue_waits_from_the_start() -> None:
-    lanes = Lanes()
-    lanes.unreachable["q"] = "q~1"
-    assert lanes.of(event(1, "q")).unreachable
-    assert not lanes.of(event(2, "r")).unreachable
-
-
-def test_declaring_names_the_queue_while_it_holds_the_lane() -> None:
-    lane = QueueLane(key="k")
+    assert not lane.reasons and not lane.unreachable and lane.declared, "reachable: declared"
     lane.start_declaring("q~1")
-    assert lane.declaring == "q~1" and lane.waits and not lane.quiet
+    assert lane.declaring == "q~1" and lane.waits and not lane.quiet, "declaring holds it"
     lane.stop_declaring()
     assert lane.declaring is None and not lane.waits and lane.quiet
+
+
+def test_lanes_of_an_unreachable_queue_wait_and_quiet_lanes_are_forgotten() -> None:
+    lanes = Lanes()
+    lanes.unreachable["q"] = "q~1"
+    assert lanes.of(event(1, "q")).unreachable, "a new lane of an unreachable queue waits"
+    assert not lanes.of(event(2, "r")).unreachable
+    lanes.update(a=QueueLane(key="a"), b=QueueLane(key="b", inflight=1))
+    lanes.forget_quiet()
+    assert list(lanes) == ["b"]
 
 
 @pytest.mark.parametrize(
@@ -91,21 +83,16 @@ def test_a_lane_is_quiet_with_nothing_in_flight_or_on_its_way(
 
 
 def test_waiting_events_are_released_only_when_nothing_holds_them_back() -> None:
-    lane = QueueLane(key="k")
-    lane.waiting.extend([event(1), event(2)])
-    lane.wait(WaitReason.UNLEASED)
-    assert not lane.take_released() and len(lane.waiting) == 2
-    lane.release(WaitReason.UNLEASED)
-    assert [m.number for m in lane.take_released()] == [1, 2]
-    assert not lane.waiting
-
-
-def test_events_taken_back_go_in_front_of_the_waiting_ones_in_order() -> None:
     lane = QueueLane(key="k", inflight=2)
     lane.waiting.extend([event(5), event(7)])
     lane.take_back([event(6), event(3)])
-    assert [m.number for m in lane.waiting] == [3, 5, 6, 7]
+    assert [m.number for m in lane.waiting] == [3, 5, 6, 7], "taken back go first, in order"
     assert lane.inflight == 0
+    lane.wait(WaitReason.UNLEASED)
+    assert not lane.take_released() and len(lane.waiting) == 4
+    lane.release(WaitReason.UNLEASED)
+    assert [m.number for m in lane.take_released()] == [3, 5, 6, 7]
+    assert not lane.waiting
 
 
 def test_a_recovery_resends_returned_events_in_order_then_the_waiting() -> None:
@@ -131,22 +118,11 @@ def test_waiting_counts_by_reason() -> None:
     assert waiting_counts(lanes, WaitReason.UNLEASED) == (2, 1)
     assert waiting_counts(lanes, WaitReason.RECOVERING) == (2, 1)  # returned ones count
     assert waiting_counts(lanes, WaitReason.UNREACHABLE) == (0, 0)
-
-
-def test_waiting_counts_count_the_events_of_a_returned_pack() -> None:
     pack = event(5)
     pack.events = [event(5), event(6), event(7)]
-    recovering = QueueLane(key="b", waiting=deque([event(8)]), returned=[pack])
-    recovering.wait(WaitReason.RECOVERING)
-    assert waiting_counts([recovering], WaitReason.RECOVERING) == (4, 1)
+    recovering.returned = [pack]
+    assert waiting_counts([recovering], WaitReason.RECOVERING) == (4, 1), "a pack's events"
     assert events_in([pack, event(9)]) == 4
-
-
-def test_forget_quiet_keeps_lanes_with_something_on_its_way() -> None:
-    lanes = Lanes()
-    lanes.update(a=QueueLane(key="a"), b=QueueLane(key="b", inflight=1))
-    lanes.forget_quiet()
-    assert list(lanes) == ["b"]
 
 
 # ----------------------------------------------------------------------------- window
@@ -166,20 +142,23 @@ def test_submitting_counts_the_event_and_wakes_the_io_thread_once() -> None:
     window.draining()
     assert submit(window, event(4, "a"))
     assert not window.drain_again()  # already scheduled
+    idle = ConfirmWindow(10)
+    assert idle.drain_again(), "no drain scheduled: wakes"
+    assert not idle.drain_again()
 
 
-def test_drain_again_wakes_when_no_drain_is_scheduled() -> None:
-    window = ConfirmWindow(10)
-    assert window.drain_again()
-    assert not window.drain_again()
-
-
-def test_a_full_window_times_out_saying_so() -> None:
+def test_a_full_window_or_blocked_publishers_time_out_saying_so() -> None:
     window = ConfirmWindow(2)
     submit(window, event(1))
     submit(window, event(2))
     with pytest.raises(PublishTimeout, match=r"2 events await confirmation \(window 2\)"):
         submit(window, event(3))
+    blocked = ConfirmWindow(10)
+    blocked.set_blocked(True)
+    with pytest.raises(PublishTimeout, match="blocking publishers"):
+        submit(blocked, event(1))
+    blocked.set_blocked(False)
+    submit(blocked, event(1))
 
 
 def test_settling_makes_room_for_a_waiting_publisher() -> None:
@@ -198,15 +177,6 @@ def test_settling_makes_room_for_a_waiting_publisher() -> None:
     assert window.settle(["a"]) == set()
     waiter.join(5)
     assert done.is_set() and window.unsettled_by_queue() == {"b": 1}
-
-
-def test_blocked_publishers_time_out_saying_so() -> None:
-    window = ConfirmWindow(10)
-    window.set_blocked(True)
-    with pytest.raises(PublishTimeout, match="blocking publishers"):
-        submit(window, event(1))
-    window.set_blocked(False)
-    submit(window, event(1))
 
 
 @pytest.mark.parametrize(
@@ -279,9 +249,7 @@ def test_a_stall_is_reported_after_twice_the_timeout_then_once_per_timeout() -> 
     clock.settled(1031.0)
     assert clock.due(1045.0, unsettled=5) is None  # quiet for 14 s only
     assert clock.due(1051.0, unsettled=5) == 20.0
-
-
-def test_with_nothing_owed_the_stall_starts_with_the_next_event() -> None:
+    # With nothing owed, the stall starts with the next event.
     clock = StallClock(10.0, now=0.0)
     assert clock.due(500.0, unsettled=0) is None
     assert clock.due(515.0, unsettled=1) is None
