@@ -1,8 +1,5 @@
-"""Unit tests of a batch's pure logic: how a run's deliveries are sorted (applied, skipped,
-late, dead-lettered, waiting), what a failure is taken for, how a failing batch is split,
-and which ``BatchOutcome`` each way of ending a batch gives. No services: the store, link
-and registry are in-memory stand-ins that only record calls, and no event reaches Spark.
-The broker's and Spark's side is what the integration tests prove."""
+"""A batch's pure logic: how a run's deliveries are sorted, what a failure is taken for, how a
+failing batch is split, and each ``BatchOutcome``; stand-ins record calls; no Spark."""
 
 from __future__ import annotations
 
@@ -140,9 +137,7 @@ def test_a_run_is_sorted_by_what_becomes_of_each_delivery() -> None:
     assert [(g.key, g.first, g.last) for g in run.plan.open_gaps] == [("k", 2, 2)]
 
 
-def test_a_late_event_is_dead_lettered_in_delivery_order_and_the_rest_applied_in_seq_order() -> (
-    None
-):
+def test_a_gap_given_up_then_a_late_event_of_it_dead_lettered_in_delivery_order() -> None:
     deliveries = [
         delivery(1, seq=5),  # waits for 4, which comes next
         delivery(2, seq=3),  # inside the given-up gap 2..3: late
@@ -161,9 +156,7 @@ def test_a_late_event_is_dead_lettered_in_delivery_order_and_the_rest_applied_in
     assert run.deferred == []
     assert tags(run.settling) == [1, 2, 3, 4]
     assert run.plan.late == [1]
-
-
-def test_a_gap_waited_out_is_given_up_and_what_waited_for_it_applied() -> None:
+    # How a gap comes to be given up: waited out, and what waited for it applied.
     waited = delivery(1, seq=3)
     waited.deferred_since = 900.0
     run = plan([waited], {"k": marks_at(1)}, now=1000.0, gap_timeout_s=60.0)
@@ -241,11 +234,10 @@ def test_a_pipeline_failure_is_told_apart_from_spark_being_gone() -> None:
     assert type(plain) is PipelineError
     assert str(plain) == describe_failure(ValueError("bad"))
 
-
-def test_spark_unavailable_reads_the_exception_name_too() -> None:
     class Py4JNetworkError(Exception):
         pass
 
+    # Spark being gone is read from the exception's name too.
     assert spark_unavailable(Py4JNetworkError("lost"))
     assert spark_unavailable(RuntimeError("SparkContext was shut down"))
     assert not spark_unavailable(ValueError("Connection to the database: fine"))
@@ -340,11 +332,7 @@ def test_named_event_uses_the_queues_declared_key() -> None:
 # --------------------------------------------------------------------------- outcomes
 
 
-class Journal:
-    """What the stand-ins were asked to do, in order."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, Any]] = []
+Journal = list[tuple[str, Any]]  # what the stand-ins were asked to do, in order
 
 
 class StoreStandIn:
@@ -365,7 +353,7 @@ class StoreStandIn:
     def commit(
         self, leases: Sequence[Lease], marks: Any, states: Any, record: Any, **_fenced: Any
     ) -> frozenset[str]:
-        self.journal.calls.append(("commit", sorted(lease.queue for lease in leases)))
+        self.journal.append(("commit", sorted(lease.queue for lease in leases)))
         return self.lost
 
     def pending_sink_records(self) -> dict[str, str]:
@@ -377,14 +365,14 @@ class LinkStandIn:
         self.journal = journal
 
     def dead_letter(self, letters: Sequence[DeadLetter]) -> list[Any]:
-        self.journal.calls.append(("dead_letter", tags([letter.delivery for letter in letters])))
+        self.journal.append(("dead_letter", tags([letter.delivery for letter in letters])))
         return []
 
     def set_aside(self, queue: str, key: str, deliveries: Sequence[Delivery]) -> None:
-        self.journal.calls.append(("set_aside", tags(deliveries)))
+        self.journal.append(("set_aside", tags(deliveries)))
 
     def ack(self, acks: Sequence[tuple[str, int, Sequence[tuple[int, int]]]]) -> int:
-        self.journal.calls.append(("ack", [(q, e, list(t)) for q, e, t in acks]))
+        self.journal.append(("ack", [(q, e, list(t)) for q, e, t in acks]))
         return len(acks)
 
 
@@ -414,7 +402,7 @@ def processor(
     lost: frozenset[str] = frozenset(),
     held: Collection[str] = ("a", "b"),
 ) -> tuple[BatchProcessor, Journal, StoreStandIn]:
-    journal = Journal()
+    journal: Journal = []
     store = StoreStandIn(journal, marks or {}, lost)
     holdings = Holdings()
     for queue in held:
@@ -445,7 +433,7 @@ def test_a_settled_batch_hands_back_only_what_waits() -> None:
     made, journal, _ = processor(marks={"k": marks_at(1)})
     outcome = made.process(batch)
     assert outcome == BatchOutcome(unsettled=[], deferred=[waits], lost=[])
-    assert journal.calls == [
+    assert journal == [
         ("dead_letter", [3]),  # before the commit
         ("commit", ["a", "b"]),
         ("ack", [("a", 1, [(2, 0)]), ("b", 1, [(3, 0)])]),  # (tag, part): one event each
@@ -468,7 +456,7 @@ def test_a_packs_events_settle_one_by_one_and_a_malformed_pack_is_dead_lettered_
     made, journal, _ = processor(marks={"k": marks_at(2)})
     outcome = made.process([*pack, malformed])
     assert outcome == BatchOutcome(unsettled=[], deferred=[pack[2]], lost=[])
-    assert journal.calls == [
+    assert journal == [
         ("dead_letter", [6]),
         ("commit", ["a"]),
         ("ack", [("a", 1, [(5, 0), (5, 1), (6, 0)])]),  # (5, 2) waits: tag 5 stays unacked
@@ -476,14 +464,6 @@ def test_a_packs_events_settle_one_by_one_and_a_malformed_pack_is_dead_lettered_
     letter = decode(malformed)
     assert isinstance(letter, Undecodable)
     assert letter.reason == "malformed pack: it ends too soon"
-
-
-def test_a_batch_that_all_waits_commits_nothing() -> None:
-    waits = delivery(1, seq=3, queue="a")
-    made, journal, _ = processor(marks={"k": marks_at(1)})
-    assert made.process([waits]) == BatchOutcome(unsettled=[], deferred=[waits], lost=[])
-    assert journal.calls == []
-    assert made.stats.batches == 0
 
 
 def test_a_refused_commit_stops_the_lost_queues_and_hands_back_the_rest() -> None:
@@ -495,15 +475,20 @@ def test_a_refused_commit_stops_the_lost_queues_and_hands_back_the_rest() -> Non
     made, journal, _ = processor(lost=frozenset({"a"}))
     outcome = made.process(batch)
     assert outcome == BatchOutcome(unsettled=batch[1:], deferred=[], lost=[LEASES["a"]])
-    assert [name for name, _ in journal.calls] == ["dead_letter", "commit"]  # never acked
+    assert [name for name, _ in journal] == ["dead_letter", "commit"]  # never acked
     assert made.stats.commits_refused == 1
 
 
-def test_deliveries_of_a_consumer_that_is_gone_are_all_handed_back() -> None:
+def test_a_batch_that_settles_nothing_commits_nothing() -> None:
+    waits = delivery(1, seq=3, queue="a")
+    made, journal, _ = processor(marks={"k": marks_at(1)})
+    assert made.process([waits]) == BatchOutcome(unsettled=[], deferred=[waits], lost=[])
+    assert (journal, made.stats.batches) == ([], 0), "a batch that all waits"
+    # With queue b no longer held, the batch is handed back whole, uncommitted.
     batch = [delivery(1, queue="a"), delivery(2, key="b", queue="b")]
     made, journal, _ = processor(held=("a",))
     assert made.process(batch) == BatchOutcome(unsettled=batch, deferred=[], lost=[])
-    assert journal.calls == []
+    assert journal == []
 
 
 @pytest.mark.parametrize(
@@ -523,14 +508,14 @@ def test_a_service_failing_mid_batch_interrupts_it(
     caplog.set_level(logging.WARNING, logger="keyq.worker")
     outcome = made.process(batch)
     assert outcome == BatchOutcome(unsettled=batch, deferred=[], lost=[], interrupted=str(failure))
-    assert journal.calls == []
+    assert journal == []
     assert [(r.name, r.getMessage()) for r in caplog.records] == [
         ("keyq.worker", f"batch interrupted, will retry: {failure}")
     ]
 
 
 def test_unsettled_is_what_the_last_batch_did_not_settle() -> None:
-    batch = [delivery(1, seq=3, queue="a"), delivery(2, seq=1, queue="a")]
+    batch = [delivery(1, seq=3, queue="a"), delivery(2, seq=1, queue="a")]  # no letters
     made, _, _ = processor(marks={"k": marks_at(1)})
     made.process(batch)
     assert made.unsettled(batch) == batch[:1]

@@ -1,5 +1,5 @@
-"""Pipelined consumers (``keyq.worker.amqp.consume_rounds``) on the real broker: the channels they
-open behave as pika's own, so the pika internals they rely on are pinned here."""
+"""Pipelined consumers (``keyq.worker.amqp.consume_rounds``) on the real broker: their channels
+behave as pika's own, which pins the pika internals they rely on."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from keyq.worker.amqp.acks import buffer_ack, flush_acks
 from keyq.worker.amqp.channel_close import close_keeping_consumers
 from keyq.worker.amqp.consume_rounds import ConsumeRequest, open_consumers
 from tests.conftest import StreamFixture
+from tests.helpers import queue_depth
 
 
 @pytest.fixture
@@ -40,6 +41,18 @@ def queues(amqp: pika.BlockingConnection, stream: StreamFixture, count: int) -> 
     return names
 
 
+Received = dict[str, list[tuple[int, bytes]]]
+
+
+def receiver(received: Received, queue: str) -> Any:
+    """A consumer callback noting (delivery tag, body) of each delivery from ``queue``."""
+
+    def on_message(_channel: Any, method: Any, _properties: Any, body: bytes) -> None:
+        received[queue].append((method.delivery_tag, body))
+
+    return on_message
+
+
 def pump(connection: pika.BlockingConnection, until: Any, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not until():
@@ -54,15 +67,8 @@ def test_pipelined_consumers_deliver_ack_refuse_and_close_like_pikas_own(
     rival = amqp.channel()
     rival.basic_consume(names[0], lambda *_args: None, exclusive=True)
     missing = key_queue_name(stream.name, "pipelined-never-declared")
-    received: dict[str, list[tuple[int, bytes]]] = {name: [] for name in names}
-
-    def receiver(queue: str) -> Any:
-        def on_message(_channel: Any, method: Any, _properties: Any, body: bytes) -> None:
-            received[queue].append((method.delivery_tag, body))
-
-        return on_message
-
-    requests = [ConsumeRequest(name, 2, receiver(name)) for name in [*names, missing]]
+    received: Received = {name: [] for name in [*names, missing]}
+    requests = [ConsumeRequest(name, 2, receiver(received, name)) for name in [*names, missing]]
     replies = open_consumers(connection, requests)
 
     # The refusals close only their own channels, and say why.
@@ -89,7 +95,7 @@ def test_pipelined_consumers_deliver_ack_refuse_and_close_like_pikas_own(
     assert channel is not None
     channel.basic_ack(received[first][1][0], multiple=True)
     pump(connection, lambda: len(received[first]) == 3)
-    assert amqp.channel().queue_declare(first, passive=True).method.message_count == 0
+    assert queue_depth(amqp, first) == 0
 
     # Closed keeping its consumers, a channel hands its unacked messages back, in order.
     second = names[2]
@@ -118,15 +124,10 @@ def test_acks_buffered_on_many_channels_all_reach_the_broker_with_one_flush(
     connection: pika.BlockingConnection, amqp: pika.BlockingConnection, stream: StreamFixture
 ) -> None:
     names = queues(amqp, stream, 30)
-    received: dict[str, list[int]] = {name: [] for name in names}
-
-    def receiver(queue: str) -> Any:
-        def on_message(_channel: Any, method: Any, _properties: Any, _body: bytes) -> None:
-            received[queue].append(method.delivery_tag)
-
-        return on_message
-
-    replies = open_consumers(connection, [ConsumeRequest(n, 2, receiver(n)) for n in names])
+    received: Received = {name: [] for name in names}
+    replies = open_consumers(
+        connection, [ConsumeRequest(n, 2, receiver(received, n)) for n in names]
+    )
     channels = [reply.channel for reply in replies]
     pump(connection, lambda: all(len(tags) == 2 for tags in received.values()))
     # Tag 1 with multiple on half of them, both tags one by one on the others: nothing is
@@ -134,25 +135,22 @@ def test_acks_buffered_on_many_channels_all_reach_the_broker_with_one_flush(
     for index, (name, channel) in enumerate(zip(names, channels, strict=True)):
         assert channel is not None
         if index % 2:
-            buffer_ack(channel, received[name][0], multiple=True)
+            buffer_ack(channel, received[name][0][0], multiple=True)
         else:
-            for tag in received[name]:
+            for tag, _body in received[name]:
                 buffer_ack(channel, tag, multiple=False)
     flush_acks(connection)
     # Each consumer's third message follows only once its acks made room in its prefetch.
     pump(connection, lambda: all(len(tags) >= 3 for tags in received.values()))
-    check = amqp.channel()
     for name in names:
-        declared = check.queue_declare(name, passive=True).method
-        assert declared.message_count == 0, name
+        assert queue_depth(amqp, name) == 0, name
         assert len(received[name]) == 3, name  # the third came once the acks made room
     for channel in channels:
         assert channel is not None
         close_keeping_consumers(channel)
     # What was not acked went back: odd queues acked 1 of 3, even ones 2 of 3.
     for index, name in enumerate(names):
-        left = check.queue_declare(name, passive=True).method.message_count
-        assert left == (2 if index % 2 else 1), (name, left)
+        assert queue_depth(amqp, name) == (2 if index % 2 else 1), name
 
 
 def test_a_round_beyond_the_connections_channels_fails_and_leaves_no_channel_open(

@@ -64,32 +64,58 @@ def assert_served_within_a_cycle(
         assert not starved, f"take {index}: {sorted(starved)} not served within {takes} takes"
 
 
+class Recorder:
+    """Takes batches and notes, before each, which queues were ready and the cycle then."""
+
+    def __init__(self, buffer: DeliveryBuffer, batch: int) -> None:
+        self.buffer = buffer
+        self.batch = batch
+        self.added: Counter[str] = Counter()
+        self.taken: Counter[str] = Counter()
+        self.batches: list[list[Delivery]] = []
+        self.ready_before: list[set[str]] = []
+        self.cycles: list[int] = []
+
+    def add(self, queue: str, count: int, published_ms: int | None = None) -> None:
+        headers = {} if published_ms is None else {HEADER_PUBLISHED_AT: published_ms}
+        for _ in range(count):
+            self.added[queue] += 1
+            self.buffer.add(delivery(queue, self.added[queue], headers=dict(headers)))
+
+    def take(self) -> None:
+        self.ready_before.append({q for q in self.added if self.taken[q] < self.added[q]})
+        self.cycles.append(cycle(len(self.added), self.batch))
+        ready = len(self.buffer)
+        batch = take(self.buffer, self.batch)
+        assert len(batch) == min(self.batch, ready), "a take fills its batch from what is ready"
+        self.taken.update(item.queue for item in batch)
+        self.batches.append(batch)
+
+    def take_all_and_check(self) -> None:
+        """Take until the buffer is empty: each queue was served within a cycle, and its
+        deliveries arrived in order across takes, none lost, none twice."""
+        while len(self.buffer):
+            self.take()
+        # The buffer ends empty, so a window cut short by the end still holds every turn.
+        assert_served_within_a_cycle(self.ready_before, self.batches, self.cycles)
+        expected = {queue: list(range(1, n + 1)) for queue, n in self.added.items()}
+        assert served_by_queue(self.batches) == expected
+
+
 @pytest.mark.parametrize(("queue_count", "batch"), [(16, 5), (16, 16), (17, 4), (4, 10), (3, 7)])
 def test_saturated_queues_are_all_served_within_one_cycle(queue_count: int, batch: int) -> None:
-    queues = names(queue_count)
-    depth = 4 * batch  # many more ready deliveries than one batch holds, in every queue
-    buffer = filled(queues, depth)
-    left = dict.fromkeys(queues, depth)
-    batches: list[list[Delivery]] = []
-    ready_before: list[set[str]] = []
-    while len(buffer):
-        ready_before.append({queue for queue, count in left.items() if count})
-        taken = take(buffer, batch)
-        assert len(taken) == min(batch, sum(left.values()))
-        for item in taken:
-            left[item.queue] -= 1
-        batches.append(taken)
-
-    assert_served_within_a_cycle(ready_before, batches, [cycle(queue_count, batch)] * len(batches))
-    # Nothing lost, nothing twice, and each queue's deliveries in arrival order across takes.
-    assert served_by_queue(batches) == {queue: list(range(1, depth + 1)) for queue in queues}
+    recorder = Recorder(DeliveryBuffer(), batch)
+    for _ in range(4 * batch):  # many more ready deliveries than one batch holds, in every queue
+        for queue in names(queue_count):
+            recorder.add(queue, 1)
+    recorder.take_all_and_check()
 
 
 def test_queues_that_fit_share_each_batch_evenly() -> None:
     queues = names(4)
     buffer = filled(queues, 40)
     for _ in range(5):
-        counts = Counter(item.queue for item in take(buffer, 10))
+        counts = taken_counts(buffer, 10)
         assert set(counts) == set(queues)
         assert max(counts.values()) - min(counts.values()) <= 1
 
@@ -121,33 +147,6 @@ def test_a_put_back_batch_keeps_each_queues_order() -> None:
     assert served_by_queue(batches) == {queue: list(range(1, 11)) for queue in queues}
 
 
-class Recorder:
-    """Takes batches and notes, before each, which queues were ready and the cycle then."""
-
-    def __init__(self, buffer: DeliveryBuffer, batch: int) -> None:
-        self.buffer = buffer
-        self.batch = batch
-        self.added: Counter[str] = Counter()
-        self.taken: Counter[str] = Counter()
-        self.batches: list[list[Delivery]] = []
-        self.ready_before: list[set[str]] = []
-        self.cycles: list[int] = []
-
-    def add(self, queue: str, count: int, published_ms: int | None = None) -> None:
-        headers = {} if published_ms is None else {HEADER_PUBLISHED_AT: published_ms}
-        for _ in range(count):
-            self.added[queue] += 1
-            self.buffer.add(delivery(queue, self.added[queue], headers=dict(headers)))
-
-    def take(self) -> None:
-        self.ready_before.append({q for q in self.added if self.taken[q] < self.added[q]})
-        self.cycles.append(cycle(len(self.added), self.batch))
-        batch = take(self.buffer, self.batch)
-        assert 0 < len(batch) <= self.batch
-        self.taken.update(item.queue for item in batch)
-        self.batches.append(batch)
-
-
 # One step: add ``count`` deliveries to queue ``index`` that claim to have been published at
 # a time (or say nothing: their arrival counts), or (count 0) take a batch. The claimed times
 # are any, as producers' clocks may be: none may starve a queue or reorder one.
@@ -173,42 +172,28 @@ def test_any_interleaving_of_adds_and_takes_is_fair_and_loses_nothing(
             recorder.add(f"q{index:02d}", count, published_ms)
         elif len(recorder.buffer):
             recorder.take()
-    while len(recorder.buffer):
-        recorder.take()
+    recorder.take_all_and_check()
 
-    # The buffer ends empty, so a window cut short by the end still holds every queue's turn.
-    assert_served_within_a_cycle(recorder.ready_before, recorder.batches, recorder.cycles)
-    expected = {queue: list(range(1, n + 1)) for queue, n in recorder.added.items()}
-    assert served_by_queue(recorder.batches) == expected
+
+def taken_counts(buffer: DeliveryBuffer, max_events: int) -> Counter[str]:
+    return Counter(item.queue for item in take(buffer, max_events))
 
 
 def test_a_capped_queue_gives_a_shared_batch_at_most_its_cap_and_alone_all() -> None:
     """Auto mode caps a promoted key's own queue in batches it shares with other queues."""
     buffer = DeliveryBuffer(shared_cap=lambda queue, others: 100 if queue == "hot" else None)
-    for tag in range(1, 1001):
-        buffer.add(delivery("hot", tag))
-    for tag in range(1, 31):
-        buffer.add(delivery("bucket", tag))
-    shared = Counter(d.queue for d in take(buffer, 5000))
-    assert shared == {"hot": 100, "bucket": 30}
-    alone = Counter(d.queue for d in take(buffer, 5000))
-    assert alone == {"hot": 900}  # nothing else waits: no cap
-
-
-def test_a_capped_queue_is_told_how_many_the_other_queues_have() -> None:
-    """Until its events' cost is known, a promoted key may match the others in a busy stream."""
-
-    def cap(queue: str, others: int) -> int | None:
-        return max(100, others) if queue == "hot" else None
-
-    buffer = DeliveryBuffer(shared_cap=cap)
-    for tag in range(1, 3001):
-        buffer.add(delivery("hot", tag))
+    buffer.add_all([delivery("hot", tag) for tag in range(1, 1001)])
+    buffer.add_all([delivery("bucket", tag) for tag in range(1, 31)])
+    assert taken_counts(buffer, 5000) == {"hot": 100, "bucket": 30}, "shared: capped"
+    assert taken_counts(buffer, 5000) == {"hot": 900}, "nothing else waits: no cap"
+    # The cap is told how many the other queues have: a promoted key may match them.
+    buffer = DeliveryBuffer(
+        shared_cap=lambda queue, others: max(100, others) if queue == "hot" else None
+    )
+    buffer.add_all([delivery("hot", tag) for tag in range(1, 3001)])
     for queue in ("b1", "b2"):
-        for tag in range(1, 401):
-            buffer.add(delivery(queue, tag))
-    shared = Counter(d.queue for d in take(buffer, 5000))
-    assert shared == {"hot": 800, "b1": 400, "b2": 400}
+        buffer.add_all([delivery(queue, tag) for tag in range(1, 401)])
+    assert taken_counts(buffer, 5000) == {"hot": 800, "b1": 400, "b2": 400}
 
 
 def stamped(queue: str, tags: range, published_ms: int) -> list[Delivery]:
@@ -223,7 +208,7 @@ def test_a_queue_left_behind_gets_the_oldest_half_of_a_batch() -> None:
     buffer.add_all(stamped("behind", range(1, 1001), now_ms - 5_000))
     for queue in names(60):
         buffer.add_all(stamped(queue, range(1, 201), now_ms))
-    counts = Counter(item.queue for item in take(buffer, 5000))
+    counts = taken_counts(buffer, 5000)
     assert counts["behind"] == 1000
     assert set(counts) == {"behind", *names(60)}  # the even half still reaches every queue
     assert sum(counts.values()) == 5000
@@ -236,27 +221,22 @@ def test_the_oldest_half_follows_publish_times_across_queues() -> None:
         buffer.add_all(stamped("a", range(tag, tag + 1), base + 10 * tag))
         buffer.add_all(stamped("b", range(tag, tag + 1), base + 10 * tag + 5))
     buffer.add_all(stamped("c", range(1, 101), base + 10_000))  # newer than all of a and b
-    counts = Counter(item.queue for item in take(buffer, 60))
     # Even half: 10 each. Oldest half: a and b alternate (their next events interleave).
-    assert counts == {"a": 25, "b": 25, "c": 10}
+    assert taken_counts(buffer, 60) == {"a": 25, "b": 25, "c": 10}
 
 
-def test_without_publish_times_the_oldest_half_goes_by_arrival() -> None:
+def test_without_publish_times_the_oldest_half_goes_by_arrival_and_keeps_to_caps() -> None:
     buffer = DeliveryBuffer()
     for tag in range(1, 51):
         buffer.add(delivery("early", tag, received_at=100.0 + tag / 1000))
     for tag in range(1, 51):
         buffer.add(delivery("late", tag, received_at=200.0 + tag / 1000))
-    counts = Counter(item.queue for item in take(buffer, 40))
-    assert counts == {"early": 30, "late": 10}
-
-
-def test_the_oldest_half_keeps_to_a_capped_queues_cap() -> None:
+    assert taken_counts(buffer, 40) == {"early": 30, "late": 10}
+    # The oldest half keeps to a capped queue's cap.
     buffer = DeliveryBuffer(shared_cap=lambda queue, others: 100 if queue == "hot" else None)
     buffer.add_all(stamped("hot", range(1, 1001), 1_700_000_000_000))
     buffer.add_all(stamped("bucket", range(1, 3001), 1_700_000_009_000))
-    counts = Counter(item.queue for item in take(buffer, 5000))
-    assert counts == {"hot": 100, "bucket": 3000}
+    assert taken_counts(buffer, 5000) == {"hot": 100, "bucket": 3000}
 
 
 def test_redriven_letters_and_clocks_ahead_count_from_their_arrival() -> None:
@@ -275,6 +255,5 @@ def test_redriven_letters_and_clocks_ahead_count_from_their_arrival() -> None:
     ahead = {HEADER_PUBLISHED_AT: now_ms + 3_600_000}  # arrived 10 s ago
     for tag in range(1, 101):
         buffer.add(delivery("ahead", tag, headers=dict(ahead), received_at=arrived - 10))
-    counts = Counter(item.queue for item in take(buffer, 60))
     # Even half: 10 each. Oldest half: "ahead" (10 s), then "live" (5 s); "redriven" is newest.
-    assert counts == {"ahead": 40, "live": 10, "redriven": 10}
+    assert taken_counts(buffer, 60) == {"ahead": 40, "live": 10, "redriven": 10}

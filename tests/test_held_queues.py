@@ -1,8 +1,5 @@
-"""HeldQueues and HandBacks as units: the order every ending of a holding follows, who
-releases a lock, and which queues are asked back; the starvation watch as an observer of
-hand-backs, and the aside queues drained under a held queue's lease. The broker, Redis and
-the consumer link are stand-ins that record what was asked of them; what those services do
-is proven by the worker tests against the real ones."""
+"""HeldQueues, HandBacks, the starvation watch and aside drains as units: the order each ending
+of a holding follows. Services are stand-ins that record calls; worker tests use the real ones."""
 
 from __future__ import annotations
 
@@ -11,6 +8,8 @@ import threading
 import time
 from collections.abc import Sequence
 from typing import Any, cast
+
+import pytest
 
 from keyq.broker.errors import BrokerUnavailable
 from keyq.broker.key_control import KeyControl
@@ -221,19 +220,20 @@ def test_losing_a_lock_fences_then_closes_then_drops_and_never_releases() -> Non
     assert parts.locks.calls == []  # not ours any more: never released by us
     assert held.lost == 1
     assert parts.reports[-1] == ("revoked", ["q-a"], "lock lost")
-
-
-def test_a_lost_lease_of_an_older_holding_leaves_the_newer_one_alone() -> None:
-    held, _journal, _parts = make()
+    # A lost lease of an older holding leaves the newer one alone.
     held.claim([lease("q-a", token=2)], budget_s=1.0)
     held.lose(lease("q-a", token=1), "commit refused")
-    assert "q-a" in held and held.lost == 0
+    assert "q-a" in held and held.lost == 1
 
 
 def test_consumers_the_broker_took_away_are_queued_and_ended_when_settled() -> None:
     held, journal, parts = make()
     held.claim([lease(f"q-{n}") for n in range(3)], budget_s=1.0)
     journal.entries.clear()
+    stale = held.get("q-0")
+    assert stale is not None
+    parts.gone.put(ConsumerGone("q-0", stale.epoch + 100, "channel closed"))
+    assert held.settle_gone() == 0 and "q-0" in held, "a stale loss is ignored"
     for item in held.all():  # what the I/O thread does: queue it, nothing more
         parts.gone.put(ConsumerGone(item.queue, item.epoch, "connection lost"))
     assert len(held) == 3 and journal.entries == []
@@ -249,18 +249,15 @@ def test_consumers_the_broker_took_away_are_queued_and_ended_when_settled() -> N
     assert held.settle_gone() == 0
 
 
-def test_a_stale_consumer_loss_is_ignored() -> None:
-    held, _journal, parts = make()
-    held.claim([lease("q-a")], budget_s=1.0)
-    item = held.get("q-a")
-    assert item is not None
-    parts.gone.put(ConsumerGone("q-a", item.epoch + 100, "channel closed"))
-    assert held.settle_gone() == 0 and "q-a" in held
-
-
 def test_an_aside_queue_is_drained_under_its_held_queues_lease_and_ends_with_it() -> None:
     held, journal, parts = make()
     held.claim([lease("q-a", token=5)], budget_s=1.0)
+    parts.drains._attach(held, "q-aside", "q-a")
+    (attached,) = parts.drains._attached.all()
+    parts.gone.put(ConsumerGone("q-aside", attached.epoch, "channel closed by the broker"))
+    assert held.settle_gone() == 0, "an aside consumer taken away leaves the holding"
+    assert "q-a" in held and parts.drains.draining() == set()
+
     assert parts.drains._attach(held, "q-aside", "q-a") is ConsumeOutcome.CONSUMING
     (attached,) = parts.drains._attached.all()
     assert held.lease_for("q-aside", attached.epoch) == lease("q-a", token=5)
@@ -273,16 +270,6 @@ def test_an_aside_queue_is_drained_under_its_held_queues_lease_and_ends_with_it(
     ]
     assert held.lease_for("q-aside", attached.epoch) is None
     assert parts.drains.draining() == set()
-
-
-def test_an_aside_consumer_the_broker_took_away_is_forgotten_and_the_holding_kept() -> None:
-    held, _journal, parts = make()
-    held.claim([lease("q-a")], budget_s=1.0)
-    parts.drains._attach(held, "q-aside", "q-a")
-    (attached,) = parts.drains._attached.all()
-    parts.gone.put(ConsumerGone("q-aside", attached.epoch, "channel closed by the broker"))
-    assert held.settle_gone() == 0
-    assert "q-a" in held and parts.drains.draining() == set()
 
 
 def test_handing_back_closes_all_in_one_call_before_dropping_and_releases_all_in_one_call() -> None:
@@ -332,16 +319,6 @@ def test_a_quorum_queue_handed_back_starved_is_looked_into_before_its_lock_goes(
     assert parts.starved.starved_moves == 1
 
 
-def test_a_classic_queue_handed_back_starved_is_not_looked_into() -> None:
-    held, journal, parts = make()
-    parts.link.ready = {"q-starved-one": 3}
-    for _round in (1, 2):
-        held.claim([lease("q-starved-one")], budget_s=1.0)
-        held.hand_back({"q-starved-one": "idle"}, busy=lambda _queue: False)
-    assert not [entry for entry in journal.entries if entry[0] in ("look", "move")]
-    assert parts.starved.starved_moves == 0
-
-
 def _starved_hand_backs(held: HeldQueues, queue: str, reasons: list[str]) -> None:
     for reason in reasons:
         held.claim([lease(queue)], budget_s=1.0)
@@ -362,46 +339,40 @@ def test_a_holding_that_received_something_between_two_starved_ones_moves_nothin
     assert len(parts.link.moves) == 1
 
 
-def test_only_idle_hand_backs_are_looked_into() -> None:
-    held, journal, _parts = make_quorum({"q": 3})
-    _starved_hand_backs(held, "q", ["rebalance", "rebalance"])
-    assert not [entry for entry in journal.entries if entry[0] in ("look", "move")]
-
-
-def test_a_look_that_fails_still_releases_the_locks_and_moves_nothing() -> None:
-    held, journal, parts = make_quorum({"q": 3})
-    parts.link.looks_fail = True
-    _starved_hand_backs(held, "q", ["starved", "starved"])
-    assert parts.locks.calls == [["q"], ["q"]]
-    assert parts.link.moves == [] and parts.starved.starved_moves == 0
-    assert [entry[0] for entry in journal.entries].count("look") == 2
-
-
-def test_with_one_broker_url_a_starved_queue_is_reported_but_the_link_stays() -> None:
-    held, _journal, parts = make_quorum({"q": 3})
-    parts.link.single_node = True
-    _starved_hand_backs(held, "q", ["starved", "starved"])
-    assert parts.link.moves == [] and parts.starved.starved_moves == 0
+@pytest.mark.parametrize(
+    ("queue_type", "link_state", "reasons", "looks"),
+    [
+        ("classic", None, ["starved", "starved"], 0),  # a classic queue is never looked into
+        ("quorum", None, ["rebalance", "rebalance"], 0),  # only idle hand-backs are
+        ("quorum", "looks_fail", ["starved", "starved"], 2),  # a failed look moves nothing
+        ("quorum", "single_node", ["starved", "starved"], 2),  # one broker URL: the link stays
+    ],
+)
+def test_starved_hand_backs_that_move_nothing_still_release_the_locks(
+    queue_type: str, link_state: str | None, reasons: list[str], looks: int
+) -> None:
+    held, journal, parts = make(queue_type=queue_type)
+    parts.link.ready = {"q": 3}
+    if link_state is not None:
+        setattr(parts.link, link_state, True)
+    _starved_hand_backs(held, "q", reasons)
+    assert parts.locks.calls == [["q"]] * len(reasons), "every lock released"
+    assert parts.link.moves == [] and parts.starved.starved_moves == 0, "nothing moved"
+    assert [entry[0] for entry in journal.entries].count("look") == looks, "looks"
 
 
 def test_bucket_mode_a_quiet_quorum_queue_with_ready_messages_and_none_unacked_moves() -> None:
     held, journal, parts = make_quorum({"q-starved": 7, "q-busy": 7})
     parts.link.unacked = {"q-busy": 5}  # a full prefetch: ready messages wait for room
     held.claim([lease("q-starved"), lease("q-busy")], budget_s=1.0)
+    for _ in range(3):  # quiet for less than the idle time: not looked into
+        parts.starved.watch_quiet(held.all(), 60.0)
+    assert not [entry for entry in journal.entries if entry[0] == "look"]
     parts.starved.watch_quiet(held.all(), 0.0)  # quiet for at least 0 s: looked into
     assert parts.link.moves == []
     parts.starved.watch_quiet(held.all(), 0.0)  # the second look, an idle time (0 s) later
     assert len(parts.link.moves) == 1 and "q-starved" in parts.link.moves[0]
     assert ("look", "q-busy") in journal.entries and parts.starved.starved_moves == 1
-
-
-def test_bucket_mode_a_queue_quiet_for_less_than_the_idle_time_is_not_looked_into() -> None:
-    held, journal, parts = make_quorum({"q": 7})
-    held.claim([lease("q")], budget_s=1.0)
-    for _ in range(3):
-        parts.starved.watch_quiet(held.all(), 60.0)
-    assert not [entry for entry in journal.entries if entry[0] == "look"]
-    assert parts.link.moves == []
 
 
 def test_reopening_keeps_the_lock_and_the_waits_and_remembers_a_wider_prefetch() -> None:
@@ -420,33 +391,24 @@ def test_reopening_keeps_the_lock_and_the_waits_and_remembers_a_wider_prefetch()
     assert held.room_of("q-missing") is None and not held.reopen("q-missing")
 
 
-def test_a_reopen_the_broker_refuses_ends_the_holding_and_releases_its_lock() -> None:
-    held, _journal, parts = make()
-    held.claim([lease("q-a")], budget_s=1.0)
-    parts.link.outcomes["q-a"] = ConsumeOutcome.FAILED
-    assert not held.reopen("q-a")
-    assert "q-a" not in held and held.lost == 1
-    assert parts.locks.calls == [["q-a"]]
-
-
-def test_a_reopen_while_the_link_is_down_ends_the_holding_instead_of_raising() -> None:
-    held, _journal, parts = make()
-    held.claim([lease("q-a")], budget_s=1.0)
-    parts.link.looks_fail = True  # the connection was lost; nothing consumes
-    assert not held.reopen("q-a", 40)
-    assert "q-a" not in held and held.lost == 1
-    assert parts.locks.calls == [["q-a"]]
-
-
-def test_a_consumer_the_broker_took_away_is_ended_not_reopened() -> None:
+@pytest.mark.parametrize("refusal", ["the broker refuses", "the link is down", "consumer gone"])
+def test_a_reopen_that_fails_ends_the_holding_and_releases_its_lock(refusal: str) -> None:
     held, journal, parts = make()
     held.claim([lease("q-a")], budget_s=1.0)
     item = held.get("q-a")
     assert item is not None
-    parts.gone.put(ConsumerGone("q-a", item.epoch, "connection lost"))
+    if refusal == "the broker refuses":
+        parts.link.outcomes["q-a"] = ConsumeOutcome.FAILED
+    elif refusal == "the link is down":
+        parts.link.looks_fail = True  # the connection was lost: consume raises
+    else:  # the broker took the consumer away: ended, not reopened
+        parts.gone.put(ConsumerGone("q-a", item.epoch, "connection lost"))
     journal.entries.clear()
     assert not held.reopen("q-a", 40)
-    assert "q-a" not in held and not [e for e in journal.entries if e[0] == "consume"]
+    assert "q-a" not in held and held.lost == 1
+    assert parts.locks.calls == [["q-a"]]
+    consumed = [entry for entry in journal.entries if entry[0] == "consume"]
+    assert bool(consumed) is (refusal != "consumer gone"), consumed
 
 
 def test_a_batch_outcome_defers_stops_lost_queues_and_puts_back_the_rest() -> None:
@@ -511,7 +473,7 @@ def test_hand_back_all_closes_every_consumer_and_settles_the_losses_too() -> Non
     assert parts.reports[-1] == ("revoked", ["q-a"], "shutdown")
 
 
-def test_handbacks_ask_the_least_busy_surplus_once_and_cool_down_what_went_back() -> None:
+def test_handbacks_ask_the_least_busy_surplus_once_idle_ones_and_cool_down_what_went_back() -> None:
     buffer = DeliveryBuffer()
     for tag in range(3):
         buffer.add(plain_delivery("q-deep", tag))
@@ -527,12 +489,8 @@ def test_handbacks_ask_the_least_busy_surplus_once_and_cool_down_what_went_back(
     assert handbacks.cooling("q-empty", now)
     assert not handbacks.cooling("q-empty", now + RELEASE_COOLDOWN_S + 0.1)
     assert not handbacks.cooling("q-other", now)
-
-
-def test_handbacks_ask_idle_queues_with_nothing_buffered() -> None:
-    buffer = DeliveryBuffer()
+    # Idle queues are asked back only with nothing buffered.
     buffer.add(plain_delivery("q-busy", 1))
-    handbacks = HandBacks(buffer)
     long_ago = time.monotonic() - 60
     held = [
         Held(queue=queue, lease=lease(queue), epoch=1, since=long_ago)

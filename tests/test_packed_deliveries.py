@@ -1,10 +1,6 @@
-"""Packs reaching a real worker: a message holding several events of one queue
-(``keyq.broker.packs``) is unpacked into its events, each applied exactly once and in its
-key's order, and the message is acked once every event is settled. A poison event in a pack is
-dead-lettered alone; a malformed pack is dead-lettered whole; a worker killed while holding
-packs leaves them to another; the AMQP prefetch counts packs, not events. Packs are built
-here by hand, with the headers the SDK's producer gives each event, against the real RabbitMQ,
-Redis and Spark."""
+"""Packs (``keyq.broker.packs``, several events of one queue in a message) reaching a real
+worker: unpacked, each event applied once in its key's order, the message acked once all are
+settled. Packs are built by hand with the headers the SDK gives each event."""
 
 from __future__ import annotations
 
@@ -39,7 +35,7 @@ from keyq.worker.daemon import Worker
 from keyq.worker.spark.engine import SparkEngine
 from tests.conftest import StreamFixture
 from tests.helpers import drain, open_keyed_queue, queue_depth
-from tests.test_worker_poison import fast_settings
+from tests.test_worker_poison import fast_settings, text
 from tests.workers import wait_until
 
 pytestmark = pytest.mark.slow
@@ -47,15 +43,9 @@ pytestmark = pytest.mark.slow
 CONTENT_JSON = "application/json"
 
 
-def text(value: Any) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-
-
 class PackPublisher:
-    """One producer's events of one key, published as packs or alone, to the key's queue
-    declared and registered as the SDK's producer does. Each event's headers are those the
-    producer gives a message of its own; its body is ``{"n": seq, "producer": "pk"}``, what
-    the audit fold checks the order of."""
+    """One producer's events of one key, as packs or alone, to the key's queue; each body is
+    ``{"n": seq, "producer": "pk"}``, what the audit fold checks the order of."""
 
     def __init__(self, stream: StreamFixture, amqp: pika.BlockingConnection, key: str) -> None:
         self.stream = stream.name
@@ -144,87 +134,65 @@ def audit_of(applied: int, last: int, violations: list[list[Any]] | None = None)
     return {"applied": applied, "last": {"pk": last}, "violations": violations or []}
 
 
-def test_packs_and_singles_of_a_key_are_applied_once_in_order(
+def test_packs_are_applied_once_in_order_a_poison_event_dead_lettered_alone_a_bad_pack_whole(
     stream: StreamFixture, amqp: pika.BlockingConnection, spark_engine: SparkEngine
 ) -> None:
-    """30 events: packs of 5 to 10 with singles between, one pack ahead of its turn."""
-    sender = PackPublisher(stream, amqp, "mixed")
-    sender.pack(range(1, 6))
-    sender.single(6)
-    sender.pack(range(17, 24))  # ahead of 7..16: its events wait for them
-    sender.pack(range(7, 17))
-    sender.single(24)
-    sender.pack(range(25, 31))
-    assert queue_depth(amqp, sender.queue) == 6
-
-    worker = run_worker(stream, spark_engine)
-
-    store = StateStore(stream.redis, stream.name)
-    assert store.get(sender.key) == audit_of(30, 30)
-    assert store.get_marks(sender.key).seqs == {sender.producer_id: 30}
-    stats = worker.stats()
-    assert (stats["events"], stats["skipped"], stats["dead_lettered"]) == (30, 0, 0), stats
-    # Stopped, the worker closed its consumer: anything it had not acked would be back.
-    assert queue_depth(amqp, sender.queue) == 0
-    assert drain(amqp.channel(), dead_letter_queue_name(stream.name)) == []
-
-
-def test_a_poison_event_in_a_pack_is_dead_lettered_alone(
-    stream: StreamFixture, amqp: pika.BlockingConnection, spark_engine: SparkEngine
-) -> None:
-    """A pack of 7 whose 4th event makes the pipeline fail: the 4th alone goes to the
-    dead-letter queue, as a message of its own; the rest of the pack, and the key's later
-    events, are applied once, in order."""
-    sender = PackPublisher(stream, amqp, "poisoned")
-    sender.pack(range(1, 8), poison=4)
-    sender.pack(range(8, 11))
+    """One run over three keys: packs of 5 to 10 with singles between (one pack ahead of its
+    turn); a pack whose 4th event fails the pipeline; a pack cut short."""
+    mixed = PackPublisher(stream, amqp, "mixed")
+    mixed.pack(range(1, 6))
+    mixed.single(6)
+    mixed.pack(range(17, 24))  # ahead of 7..16: its events wait for them
+    mixed.pack(range(7, 17))
+    mixed.single(24)
+    mixed.pack(range(25, 31))
+    assert queue_depth(amqp, mixed.queue) == 6
+    poisoned = PackPublisher(stream, amqp, "poisoned")
+    poisoned.pack(range(1, 8), poison=4)
+    poisoned.pack(range(8, 11))
+    malformed = PackPublisher(stream, amqp, "malformed")
+    malformed.pack(range(1, 4))
+    _id, headers, body = malformed.event(99)
+    broken = MAGIC + encode_record("x", CONTENT_JSON, headers, body)[:-3]  # cut short
+    malformed.raw_pack(broken, 1)
+    malformed.pack(range(4, 7))
 
     worker = run_worker(stream, spark_engine, max_attempts=2, retry_backoff_ms=50)
 
     store = StateStore(stream.redis, stream.name)
-    assert store.get(sender.key) == audit_of(9, 10, [["pk", 3, 5]])
-    assert store.get_marks(sender.key).seqs == {sender.producer_id: 10}
-    [(letter, body)] = letters(amqp, stream)  # one message of one event, not a pack
+    assert store.get(mixed.key) == audit_of(30, 30), "packs and singles applied once, in order"
+    assert store.get_marks(mixed.key).seqs == {mixed.producer_id: 30}
+    assert store.get(poisoned.key) == audit_of(9, 10, [["pk", 3, 5]]), "all but the poison"
+    assert store.get_marks(poisoned.key).seqs == {poisoned.producer_id: 10}
+    assert store.get(malformed.key) == audit_of(6, 6), "the key goes on past a bad pack"
+    stats = worker.stats()
+    assert (stats["events"], stats["skipped"], stats["dead_lettered"]) == (45, 0, 2), stats
+    # Stopped, the worker closed its consumers: anything it had not acked would be back.
+    for sender in (mixed, poisoned, malformed):
+        assert queue_depth(amqp, sender.queue) == 0, f"{sender.key}'s packs acked"
+
+    found = letters(amqp, stream)
+    dead = {text(letter.headers[HEADER_DEAD_QUEUE]): (letter, body) for letter, body in found}
+    assert len(found) == 2 and set(dead) == {poisoned.queue, malformed.queue}, "a letter each"
+    letter, body = dead[poisoned.queue]  # one message of one event, not a pack
     assert letter.content_type == CONTENT_JSON
     assert orjson.loads(body) == {"n": 4, "producer": "pk", "poison": True}
     headers = letter.headers
-    assert text(headers[HEADER_KEY]) == sender.key and headers[HEADER_SEQ] == 4
-    assert text(headers[HEADER_PRODUCER]) == sender.producer_id
-    assert letter.message_id is not None and letter.message_id.startswith(sender.producer_id)
+    assert text(headers[HEADER_KEY]) == poisoned.key and headers[HEADER_SEQ] == 4
+    assert text(headers[HEADER_PRODUCER]) == poisoned.producer_id
+    assert letter.message_id is not None and letter.message_id.startswith(poisoned.producer_id)
     assert text(headers["trace"]) == "t-4"
     assert HEADER_PACK not in headers
     reason = text(headers[HEADER_DEAD_REASON])
     assert "poison event 4" in reason, reason
     assert headers[HEADER_ATTEMPTS] == 2
-    assert text(headers[HEADER_DEAD_QUEUE]) == sender.queue
-    stats = worker.stats()
-    assert (stats["events"], stats["dead_lettered"]) == (9, 1), stats
-    assert queue_depth(amqp, sender.queue) == 0  # the pack was acked
-
-
-def test_a_malformed_pack_is_dead_lettered_whole_and_the_key_goes_on(
-    stream: StreamFixture, amqp: pika.BlockingConnection, spark_engine: SparkEngine
-) -> None:
-    sender = PackPublisher(stream, amqp, "malformed")
-    sender.pack(range(1, 4))
-    _id, headers, body = sender.event(99)
-    broken = MAGIC + encode_record("x", CONTENT_JSON, headers, body)[:-3]  # cut short
-    sender.raw_pack(broken, 1)
-    sender.pack(range(4, 7))
-
-    worker = run_worker(stream, spark_engine)
-
-    store = StateStore(stream.redis, stream.name)
-    assert store.get(sender.key) == audit_of(6, 6)
-    [(letter, body)] = letters(amqp, stream)
-    assert body == broken  # nothing of it is lost
+    letter, body = dead[malformed.queue]
+    assert body == broken, "nothing of a malformed pack is lost"
     assert letter.content_type == PACK_CONTENT_TYPE
     assert letter.headers[HEADER_PACK] == 1
     reason = text(letter.headers[HEADER_DEAD_REASON])
     assert reason.startswith("malformed pack: ") and "runs past the end" in reason, reason
-    assert letter.headers[HEADER_ATTEMPTS] == 1  # never retried
-    assert worker.stats()["dead_lettered"] == 1
-    assert queue_depth(amqp, sender.queue) == 0
+    assert letter.headers[HEADER_ATTEMPTS] == 1, "a malformed pack is never retried"
 
 
 def test_a_worker_killed_while_holding_packs_leaves_them_to_another(
@@ -233,8 +201,8 @@ def test_a_worker_killed_while_holding_packs_leaves_them_to_another(
     workers: Any,
     tmp_path: Path,
 ) -> None:
-    """kill -9 mid-batch: its unacked packs go back whole, events it had committed among
-    them are skipped on redelivery, and the next worker applies the rest once, in order."""
+    """kill -9 mid-batch: unacked packs go back whole, their committed events are skipped on
+    redelivery, and the next worker applies the rest once, in order."""
     keys, per_key = [f"k{index}" for index in range(4)], 60
     senders = [PackPublisher(stream, amqp, key) for key in keys]
     for sender in senders:
@@ -284,8 +252,8 @@ def test_the_prefetch_counts_events_so_a_consumer_holds_prefetch_over_pack_size_
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """prefetch 40 events, packs of up to 20: the consumer's AMQP prefetch is 2 messages, so
-    while the worker sits in a batch, the broker still has all but two packs ready."""
+    """prefetch 40 events, packs of 20: an AMQP prefetch of 2 messages, so all but two packs
+    stay ready while the worker sits in a batch."""
     sender = PackPublisher(stream, amqp, "wide")
     for first in range(1, 201, 20):
         sender.pack(range(first, first + 20))
@@ -293,13 +261,6 @@ def test_the_prefetch_counts_events_so_a_consumer_holds_prefetch_over_pack_size_
     marker = tmp_path / "batch"
     monkeypatch.setenv("KEYQ_TEST_BATCH_MARKER", str(marker))
     monkeypatch.setenv("KEYQ_TEST_BATCH_PAUSE", "2")
-    worker = Worker(
-        stream.name,
-        "tests.pipelines:audit_slow",
-        mode="key",
-        settings=fast_settings(prefetch=40, pack_max_events=20),
-        engine=spark_engine,
-    )
     seen: list[int | None] = []
 
     def watch() -> None:
@@ -309,7 +270,7 @@ def test_the_prefetch_counts_events_so_a_consumer_holds_prefetch_over_pack_size_
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    worker.run(until_idle=3)
+    run_worker(stream, spark_engine, "tests.pipelines:audit_slow", prefetch=40, pack_max_events=20)
     watcher.join(10)
     assert seen == [8], seen  # two packs out, unacked: 40 events
     store = StateStore(stream.redis, stream.name)
@@ -323,9 +284,8 @@ def test_a_small_prefetch_drains_packs_that_arrive_out_of_order(
     spark_engine: SparkEngine,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """An AMQP prefetch of 2 messages, and the first two packs both wait for the third: the
-    consumer is reopened wider (its whole prefetch parked, counted in messages), and every
-    event is applied once, in order."""
+    """An AMQP prefetch of 2 messages, both waiting for the third pack: the consumer is reopened
+    wider (its whole prefetch parked, counted in messages)."""
     sender = PackPublisher(stream, amqp, "reordered")
     order = [(21, 41), (41, 61), (1, 21), (61, 81), (81, 101)]
     for start, stop in order:
@@ -350,11 +310,8 @@ def test_a_queue_whose_packs_give_way_to_single_events_gets_room_for_them_within
     spark_engine: SparkEngine,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """prefetch 100 events, packs of up to 20: the consumer starts with room for 5 messages.
-    Packs come first, then single events (a hot key's packs forwarded away, its bucket-mates'
-    events left): the consumer is widened to 100 messages within a second or two of its first
-    reopening, not one shrink cool-down (5 s) later, and every event is applied once, in
-    order."""
+    """prefetch 100 events, packs of 20 (room for 5 messages), then single events: widened to
+    100 messages within seconds of its first reopening, not a shrink cool-down (5 s) later."""
     sender = PackPublisher(stream, amqp, "narrowing")
     for first in range(1, 201, 20):
         sender.pack(range(first, first + 20))
@@ -388,10 +345,8 @@ def test_a_lone_backed_up_queue_is_widened_to_drain_a_batch_at_a_time(
     spark_engine: SparkEngine,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """prefetch 100 events, batches of up to 2,000: 3,000 events wait in one queue. Held to its
-    prefetch, the queue would take at least 30 batches, each nearly empty; its consumer is
-    widened to a batch's worth once it shows full, and every event is applied once, in
-    order."""
+    """prefetch 100 events, batches of 2,000, 3,000 events in one queue: widened to a batch's
+    worth once it shows full, rather than 30 nearly empty batches."""
     sender = PackPublisher(stream, amqp, "backlog")
     for first in range(1, 3001, 20):
         sender.pack(range(first, first + 20))

@@ -23,18 +23,14 @@ def batch(queue: str, messages: int, per_message: int) -> list[Delivery]:
     ]
 
 
-def test_a_queue_of_single_events_that_took_its_whole_room_gets_room_for_its_events() -> None:
-    fit = PrefetchFit(EVENTS, BASE, EVENTS)
-    rooms = {"q": BASE}
-    fit.observe(batch("q", BASE, 1), rooms.get, none_buffered)
-    assert fit.due(rooms.get, lambda _q: 0, now=100.0) == {"q": EVENTS}
-
-
-def test_full_packs_or_room_to_spare_change_nothing() -> None:
+def test_full_packs_room_to_spare_or_no_budget_change_nothing() -> None:
     fit = PrefetchFit(EVENTS, BASE, EVENTS)
     rooms = {"packed": BASE, "quiet": BASE}
     fit.observe(batch("packed", BASE, 20) + batch("quiet", 3, 1), rooms.get, none_buffered)
     assert fit.due(rooms.get, lambda _q: 0, now=100.0) == {}
+    no_budget = PrefetchFit(EVENTS, BASE, BATCH, 0)  # a backed-up queue, no budget to widen
+    no_budget.observe(batch("packed", BASE, 20), rooms.get, none_buffered)
+    assert no_budget.due(rooms.get, lambda _q: 0, now=100.0) == {}
 
 
 def test_a_widened_queue_whose_packs_grew_again_is_narrowed_unless_a_gap_waits() -> None:
@@ -50,6 +46,7 @@ def test_a_queue_is_refitted_at_most_once_per_cool_down_and_forgotten_once_let_g
     fit = PrefetchFit(EVENTS, BASE, EVENTS)
     rooms: dict[str, int] = {"q": BASE}
     fit.observe(batch("q", BASE, 1), rooms.get, none_buffered)
+    # Single events that took the whole room: room for the events.
     assert fit.due(rooms.get, lambda _q: 0, now=100.0) == {"q": EVENTS}
     fit.observe(batch("q", BASE, 1), rooms.get, none_buffered)  # not reopened yet
     assert fit.due(rooms.get, lambda _q: 0, now=100.0 + GROW_COOL_DOWN_S / 2) == {}
@@ -150,13 +147,6 @@ def test_a_queue_the_worker_does_not_widen_keeps_its_prefetch_however_backed_up(
     rooms = {"bucket": BASE, "own": BASE}
     fit.observe(batch("bucket", BASE, 20) + batch("own", BASE, 20), rooms.get, none_buffered)
     assert fit.due(rooms.get, lambda _q: 0, now=100.0) == {"own": BATCH // 20}
-
-
-def test_no_budget_widens_nothing() -> None:
-    fit = PrefetchFit(EVENTS, BASE, BATCH, 0)
-    rooms = {"hot": BASE}
-    fit.observe(batch("hot", BASE, 20), rooms.get, none_buffered)
-    assert fit.due(rooms.get, lambda _q: 0, now=100.0) == {}
 
 
 def test_a_queue_that_caught_up_before_it_was_reopened_wider_gives_the_budget_back() -> None:

@@ -1,7 +1,5 @@
-"""The serving session as a unit: that a batch's outcome goes to the held queues in one call
-(what they do with it is ``tests/test_held_queues.py``'s), the waits after a batch, and how
-hand-backs and callbacks run. The processor and the held queues are stand-ins that record
-what they were asked; the worker tests prove the same against RabbitMQ, Redis and Spark."""
+"""The serving session as a unit: a batch's outcome goes to the held queues in one call, the
+waits after a batch, hand-backs and callbacks; the processor and held queues are stand-ins."""
 
 from __future__ import annotations
 
@@ -29,7 +27,7 @@ from keyq.worker.holding.claims import ClaimLoop
 from keyq.worker.holding.handbacks import HandBacks
 from keyq.worker.holding.held_queues import HeldQueues
 from keyq.worker.holding.stuck_gaps import StuckGaps
-from keyq.worker.serving import Session, batch_wait
+from keyq.worker.serving import BATCH_WAIT_MAX_S, Session, batch_wait
 from tests.helpers import plain_delivery
 
 
@@ -147,11 +145,18 @@ def test_callbacks_run_on_the_batch_thread_and_a_failing_one_does_not_stop_the_l
     assert "assigned callback failed" in caplog.text
 
 
-def test_batches_wait_longer_only_under_load() -> None:
+def test_batches_start_at_once_when_lightly_loaded_and_wait_to_fill_under_load() -> None:
     settings = load_settings(WorkerSettings, batch_max_events=100, batch_max_ms=0)
     assert batch_wait(settings, 10, 1.0) == 0.0
     assert batch_wait(settings, 60, 0.3) == pytest.approx(0.6)
     assert batch_wait(settings, 60, 5.0) == 2.0
+    settings = load_settings(WorkerSettings, batch_max_events=5000)
+    assert batch_wait(settings, 150, 0.2) == 0.0
+    assert batch_wait(settings, 3000, 0.3) == pytest.approx(0.6)
+    assert batch_wait(settings, 5000, 5.0) == BATCH_WAIT_MAX_S
+    lingering = load_settings(WorkerSettings, batch_max_events=5000, batch_max_ms=250)
+    assert batch_wait(lingering, 150, 0.2) == pytest.approx(0.25), "KEYQ_BATCH_MAX_MS lingers"
+    assert batch_wait(lingering, 4000, 0.05) == pytest.approx(0.25)
 
 
 @pytest.mark.parametrize("mode", ["auto", "bucket"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -20,24 +20,17 @@ from keyq.broker.locks import FencedLocks
 from keyq.broker.naming import bucket_queue_name, key_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.registry import QueueRegistry
-from keyq.broker.settings import load_settings
 from keyq.worker.amqp.link import RESERVED_CHANNELS
 from keyq.worker.batch.state_store import StateStore
-from keyq.worker.config import WorkerSettings
 from keyq.worker.daemon import Worker
 from keyq.worker.holding.handbacks import RELEASE_COOLDOWN_S
 from keyq.worker.spark.engine import SparkEngine
 from tests.conftest import StreamFixture
 from tests.helpers import drain
+from tests.test_worker_poison import fast_settings
 from tests.workers import held_by, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-def bucket_producer(stream: StreamFixture, buckets: int) -> Producer:
-    return Producer(
-        stream.name, mode="bucket", buckets=buckets, settings=stream.settings, publish_timeout=20
-    )
 
 
 def publish_rounds(producer: Producer, keys: list[str], numbers: range) -> None:
@@ -71,9 +64,23 @@ def shares(client: Any, stream: str) -> dict[str, int]:
 
 
 @pytest.fixture
-def closing() -> Iterator[list[Producer]]:
+def bucket_producer(stream: StreamFixture) -> Iterator[Callable[[int], Producer]]:
+    """Bucket-mode producers on the test's stream, closed at the end."""
     made: list[Producer] = []
-    yield made
+
+    def make(buckets: int) -> Producer:
+        made.append(
+            Producer(
+                stream.name,
+                mode="bucket",
+                buckets=buckets,
+                settings=stream.settings,
+                publish_timeout=20,
+            )
+        )
+        return made[-1]
+
+    yield make
     for producer in made:
         with suppress(KeyqError):
             producer.close(timeout=5)
@@ -83,12 +90,11 @@ def closing() -> Iterator[list[Producer]]:
 
 
 def test_a_third_worker_gets_its_fair_share_quickly(
-    stream: StreamFixture, workers: Any, closing: list[Producer]
+    stream: StreamFixture, workers: Any, bucket_producer: Callable[[int], Producer]
 ) -> None:
     buckets = 12
     keys = [f"acct-{i:03d}" for i in range(200)]
-    producer = bucket_producer(stream, buckets)
-    closing.append(producer)
+    producer = bucket_producer(buckets)
     publish_rounds(producer, keys, range(1, 4))
     registry = QueueRegistry(stream.redis, stream.name)
     assert registry.count() == buckets
@@ -143,7 +149,7 @@ def test_a_third_worker_gets_its_fair_share_quickly(
 def test_sigterm_finishes_the_batch_and_hands_everything_back(
     stream: StreamFixture,
     workers: Any,
-    closing: list[Producer],
+    bucket_producer: Callable[[int], Producer],
     amqp: pika.BlockingConnection,
     tmp_path: Path,
 ) -> None:
@@ -151,8 +157,7 @@ def test_sigterm_finishes_the_batch_and_hands_everything_back(
     shutdown_timeout = 15.0
     keys = [f"user-{i:02d}" for i in range(40)]
     per_key = 10
-    producer = bucket_producer(stream, buckets)
-    closing.append(producer)
+    producer = bucket_producer(buckets)
     marker = tmp_path / "batch-marker"
     worker = workers(
         stream.name,
@@ -209,8 +214,7 @@ def test_sigterm_finishes_the_batch_and_hands_everything_back(
     assert sum(applied.values()) > 0, "the batch in flight was not committed"
 
     def left() -> int:
-        """Events back in their queues and not applied yet (a pack goes back whole until
-        every event in it is committed: those already applied a worker skips by seq)."""
+        """Events back in their queues, not applied yet (a pack goes back whole)."""
         channel = amqp.channel()
         try:
             return sum(
@@ -236,13 +240,12 @@ def test_sigterm_finishes_the_batch_and_hands_everything_back(
 def test_in_process_callbacks_see_assignments_and_revocations(
     stream: StreamFixture,
     workers: Any,
-    closing: list[Producer],
+    bucket_producer: Callable[[int], Producer],
     spark_engine: SparkEngine,
 ) -> None:
     buckets = 4
     keys = [f"dev-{i:02d}" for i in range(40)]
-    producer = bucket_producer(stream, buckets)
-    closing.append(producer)
+    producer = bucket_producer(buckets)
     publish_rounds(producer, keys, range(1, 3))
     queues = {bucket_queue_name(stream.name, b) for b in range(buckets)}
     assert set(QueueRegistry(stream.redis, stream.name).queues()) == queues
@@ -261,20 +264,12 @@ def test_in_process_callbacks_see_assignments_and_revocations(
         with lock:
             return [q for k, names, _ in calls if k == kind for q in names]
 
-    settings = load_settings(
-        WorkerSettings,
-        lock_ttl_ms=2000,
-        member_ttl_ms=2000,
-        tick_ms=200,
-        scan_interval_ms=500,
-        batch_max_ms=200,
-    )
     worker = Worker(
         stream.name,
         "tests.pipelines:audit",
         mode="bucket",
         buckets=buckets,
-        settings=settings,
+        settings=fast_settings(),
         engine=spark_engine,
         on_assigned=record("assigned"),
         on_revoked=record("revoked"),
@@ -333,11 +328,8 @@ def test_in_process_callbacks_see_assignments_and_revocations(
 def test_a_burst_of_claims_never_outlasts_the_locks_already_held(
     stream: StreamFixture, producer: Producer, workers: Any
 ) -> None:
-    """A worker that finds hundreds of queues at once (a backlog at start, a dead peer's
-    queues) claims them over several ticks and renews its locks in between: none expires
-    while it claims. Lock ttl here 1 s (a claim round gets a quarter of it); claiming 800
-    queues takes seconds. A shorter ttl also fails when a 2-core machine's JVM holds the CPU
-    for half a second, which is not what this test is about."""
+    """800 queues found at once are claimed over several ticks, the locks renewed between:
+    none expires. Lock ttl 1 s (shorter fails on a JVM holding a 2-core machine's CPU)."""
     keys = [f"burst-{n}" for n in range(800)]
     for key in keys:
         producer.publish(key, {"n": 1})
@@ -352,9 +344,8 @@ def test_a_burst_of_claims_never_outlasts_the_locks_already_held(
 def test_a_worker_holds_no_more_queues_than_its_connection_has_channels_for(
     stream: StreamFixture, producer: Producer, workers: Any
 ) -> None:
-    """With no ``KEYQ_MAX_HELD_QUEUES``, a worker holds as many queues as the broker lets its
-    connection open channels (here a connection asks for 24, keyq keeps 8): it never claims
-    a queue it cannot consume, and reaches every key by letting drained queues go."""
+    """With no ``KEYQ_MAX_HELD_QUEUES``, as many queues as its connection has channels (24,
+    keyq keeps 8): none claimed it cannot consume; every key reached as drained ones go."""
     capacity = 24 - RESERVED_CHANNELS
     keys = [f"narrow-{n}" for n in range(3 * capacity)]
     for n in range(1, 4):
@@ -386,12 +377,9 @@ def test_a_worker_holds_no_more_queues_than_its_connection_has_channels_for(
 def test_quiet_queues_published_to_again_are_claimed_at_once_without_a_scan(
     stream: StreamFixture, producer: Producer, workers: Any
 ) -> None:
-    """Keys that went quiet (their queues let go, their activity old) and then get events
-    are claimed at once: the producer's lease notes each queue as woken and announces it, and
-    the worker claims it between ticks, so no worker has to scan or probe thousands of idle
-    queues, or wait for its next tick. Scans here come every 10 minutes and ticks every 3 s;
-    each time, the keys are claimed within 0.75 s of their events (twice in a row: ticks
-    alone would do that about 6 % of the time)."""
+    """Quiet keys published to again are claimed within 0.75 s, between ticks (3 s) and with
+    no scan (10 min): the producer's lease announces each woken queue. Twice in a row: ticks
+    alone would do that about 6 % of the time."""
     slow = {
         "KEYQ_SCAN_INTERVAL_MS": "600000",
         "KEYQ_IDLE_RELEASE_MS": "1000",
@@ -416,8 +404,7 @@ def test_quiet_queues_published_to_again_are_claimed_at_once_without_a_scan(
         wait_until(lambda: all(locks.holder(q) is None for q in queues), 30, "queues let go")
         quiet_since = int(time.time() * 1000) - 60_000  # as if quiet for a minute
         stream.redis.zadd(stream.keys.registry, dict.fromkeys(queues, quiet_since))
-        # The producer's lease has run out, and so has the worker's cool-down on queues it
-        # handed back (it would otherwise leave them to a peer for a while).
+        # The producer's lease has run out, and the worker's cool-down on handed-back queues.
         time.sleep(max(stream.settings.publish_lease_ms / 1000, RELEASE_COOLDOWN_S) + 0.5)
         published = time.monotonic()
         for key in keys:
