@@ -1,11 +1,12 @@
-"""Helpers for the operator commands' tests: a stream with a recorded config, dead letters
-published the way a worker publishes them, reading a queue back, running ``keyq`` in-process."""
+"""Helpers for the operator commands' tests: a recorded stream config, dead letters published as a
+worker publishes them, reading a queue back, running ``keyq`` in-process."""
 
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -25,51 +26,19 @@ from keyq.cli.root import cli
 from keyq.worker.amqp.dead_letters import DeadLetter, dead_letter_properties
 from keyq.worker.amqp.deliveries import Delivery
 from tests.conftest import StreamFixture
+from tests.support import KEYQ_WITH_SEAMS
+from tests.workers import REPO, keyq_environment
 
 _tags = itertools.count(1)
 
 
-@dataclass(frozen=True)
-class Letter:
-    """What a test put in the dead-letter queue (to compare with what comes back)."""
-
-    key: str | None
-    producer: str | None
-    seq: int | None
-    body: bytes
-
-    @property
-    def letter_id(self) -> str:
-        return f"{self.producer}:{self.seq}"
+def keyq_delivery(queue: str, key: str, producer: str, seq: int, body: bytes) -> Delivery:
+    headers = {HEADER_KEY: key, HEADER_PRODUCER: producer, HEADER_SEQ: seq}
+    return Delivery(queue, 1, next(_tags), False, headers, CONTENT_JSON, f"{producer}-{seq}", body)
 
 
-def keyq_delivery(
-    queue: str, key: str, producer: str, seq: int, body: bytes, extra: dict[str, Any] | None = None
-) -> Delivery:
-    headers = {HEADER_KEY: key, HEADER_PRODUCER: producer, HEADER_SEQ: seq, **(extra or {})}
-    return Delivery(
-        queue=queue,
-        channel_epoch=1,
-        delivery_tag=next(_tags),
-        redelivered=False,
-        headers=headers,
-        content_type=CONTENT_JSON,
-        message_id=f"{producer}-{seq}",
-        body=body,
-    )
-
-
-def foreign_delivery(queue: str, body: bytes, headers: dict[str, Any] | None = None) -> Delivery:
-    return Delivery(
-        queue=queue,
-        channel_epoch=1,
-        delivery_tag=next(_tags),
-        redelivered=False,
-        headers=dict(headers or {}),
-        content_type="text/plain",
-        message_id=None,
-        body=body,
-    )
+def foreign_delivery(queue: str, body: bytes, headers: dict[str, Any]) -> Delivery:
+    return Delivery(queue, 1, next(_tags), False, dict(headers), "text/plain", None, body)
 
 
 def record_stream(
@@ -145,17 +114,6 @@ def ids_in(connection: pika.BlockingConnection, queue: str) -> list[str]:
     return found
 
 
-def depth(connection: pika.BlockingConnection, queue: str) -> int | None:
-    channel = connection.channel()
-    try:
-        return int(channel.queue_declare(queue, passive=True).method.message_count)
-    except pika.exceptions.ChannelClosedByBroker:
-        return None
-    finally:
-        if channel.is_open:
-            channel.close()
-
-
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -163,6 +121,25 @@ def _text(value: object) -> str:
 def keyq(*args: str) -> Result:
     """``keyq ARGS`` in this process; stdout and stderr apart."""
     return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def keyq_json(*args: str) -> dict[str, Any]:
+    """``keyq ARGS --json``, checked to succeed; its output parsed."""
+    result = keyq(*args, "--json")
+    assert result.exit_code == 0, result.stderr
+    return dict(orjson.loads(result.stdout))
+
+
+def with_seams(stream: StreamFixture, seams: list[str], *command: str) -> subprocess.Popen[str]:
+    """``keyq COMMAND`` started in a process of its own, with the test seams given."""
+    return subprocess.Popen(
+        [sys.executable, str(KEYQ_WITH_SEAMS), *seams, "--", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=keyq_environment(stream.settings),
+        cwd=REPO,
+    )
 
 
 def one_line_error(result: Result, code: int) -> str:
@@ -181,6 +158,7 @@ def redrive_queues(stream: StreamFixture) -> list[str]:
 
 
 def with_operator_queues(stream: StreamFixture) -> Iterator[StreamFixture]:
-    """For a fixture: the test's stream, its redrive and aside queues deleted with it."""
+    """For a fixture: the test's stream, its redrive and aside queues deleted with it (as
+    ``StreamFixture.cleanup`` itself now does)."""
     yield stream
     stream.track(*redrive_queues(stream))

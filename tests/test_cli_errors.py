@@ -1,9 +1,7 @@
 """Every ``keyq`` error is one line ``keyq: ...`` on stderr, with the exit code scripts rely on.
 
-Each row runs the installed ``keyq`` script with RabbitMQ and Redis pointed at a closed port:
-bad input must exit 2 there (so it was refused before any connection was tried, not reported
-as an unreachable service), valid input exits 1 naming the service it could not reach, and no
-row ever prints a traceback or the password of the URLs.
+Each row runs the installed ``keyq`` with RabbitMQ and Redis on a closed port: bad input exits 2
+(refused before connecting), valid input exits 1 naming the service; never a traceback or password.
 """
 
 from __future__ import annotations
@@ -51,6 +49,10 @@ def row(code: int, *args: str, says: str = "") -> Row:
 
 
 STREAM = ("--stream", "s")
+EVENT = ("publish", *STREAM, "--key", "a", "--event")  # then the event
+PIPELINE = ("worker", *STREAM, "--pipeline")  # then the pipeline
+DEMO_WORKER = (*PIPELINE, "keyq.demo.orders:pipeline")
+DEMO_EXTERNAL = ("demo", "--external-workers", "--wait-for-services", "0")
 
 ROWS: dict[str, Row] = {
     # click's own usage errors, at every level
@@ -62,32 +64,19 @@ ROWS: dict[str, Row] = {
     "unknown option of settings": row(USAGE, "settings", "--bogus", says="--bogus"),
     "missing --stream of dlq list": row(USAGE, "dlq", "list", says="--stream"),
     "missing --event": row(USAGE, "publish", *STREAM, "--key", "a", says="--event"),
-    "bad int": row(USAGE, "publish", *STREAM, "--key", "a", "--event", "{}", "--buckets", "x"),
-    "bad choice": row(USAGE, "publish", *STREAM, "--key", "a", "--event", "{}", "--mode", "q"),
+    "bad int": row(USAGE, *EVENT, "{}", "--buckets", "x"),
+    "bad choice": row(USAGE, *EVENT, "{}", "--mode", "q"),
     "bad log level": row(USAGE, "janitor", "--log-level", "loud", says="--log-level"),
     # publish
-    "event not an object": row(
-        USAGE, "publish", *STREAM, "--key", "a", "--event", "[1,2]", says="JSON object"
-    ),
-    "event int past 64 bits": row(
-        USAGE,
-        "publish",
-        *STREAM,
-        "--key",
-        "a",
-        "--event",
-        '{"a": 18446744073709551616}',
-        says="64-bit",
-    ),
-    "event NaN": row(USAGE, "publish", *STREAM, "--key", "a", "--event", '{"a": NaN}', says="NaN"),
-    "event not JSON": row(USAGE, "publish", *STREAM, "--key", "a", "--event", '{"a":', says="JSON"),
+    "event not an object": row(USAGE, *EVENT, "[1,2]", says="JSON object"),
+    "event int past 64 bits": row(USAGE, *EVENT, '{"a": 18446744073709551616}', says="64-bit"),
+    "event NaN": row(USAGE, *EVENT, '{"a": NaN}', says="NaN"),
+    "event not JSON": row(USAGE, *EVENT, '{"a":', says="JSON"),
     "empty key": row(USAGE, "publish", *STREAM, "--key", "", "--event", "{}", says="empty"),
     "bad stream name": row(
         USAGE, "publish", "--stream", "no such", "--key", "a", "--event", "{}", says="stream name"
     ),
-    "buckets in key mode": row(
-        USAGE, "publish", *STREAM, "--key", "a", "--event", "{}", "--mode", "key", "--buckets", "4"
-    ),
+    "buckets in key mode": row(USAGE, *EVENT, "{}", "--mode", "key", "--buckets", "4"),
     # produce
     "negative rate": row(USAGE, "produce", *STREAM, "--rate", "-1", says="--rate"),
     "rate nan": row(USAGE, "produce", *STREAM, "--rate", "nan", says="--rate"),
@@ -126,18 +115,10 @@ ROWS: dict[str, Row] = {
     "status bad stream name": row(USAGE, "status", "--stream", "a b", says="stream name"),
     "status zero watch": row(USAGE, "status", *STREAM, "--watch", "0", says="--watch"),
     # worker (the pipeline rows below are the worker's too)
-    "worker negative until-idle": row(
-        USAGE, "worker", *STREAM, "--pipeline", "keyq.demo.orders:pipeline", "--until-idle", "-1"
-    ),
-    "worker zero buckets": row(
-        USAGE, "worker", *STREAM, "--pipeline", "keyq.demo.orders:pipeline", "--buckets", "0"
-    ),
-    "worker bad sink": row(
-        USAGE, "worker", *STREAM, "--pipeline", "keyq.demo.orders:pipeline", "--sink", "ftp:x"
-    ),
-    "worker bad id": row(
-        USAGE, "worker", *STREAM, "--pipeline", "keyq.demo.orders:pipeline", "--worker-id", "a|b"
-    ),
+    "worker negative until-idle": row(USAGE, *DEMO_WORKER, "--until-idle", "-1"),
+    "worker zero buckets": row(USAGE, *DEMO_WORKER, "--buckets", "0"),
+    "worker bad sink": row(USAGE, *DEMO_WORKER, "--sink", "ftp:x"),
+    "worker bad id": row(USAGE, *DEMO_WORKER, "--worker-id", "a|b"),
     # janitor
     "janitor negative idle ttl": row(USAGE, "janitor", "--once", "--idle-ttl", "-1"),
     "janitor bad stream name": row(USAGE, "janitor", "--once", "--stream", "a b"),
@@ -150,35 +131,22 @@ ROWS: dict[str, Row] = {
     "demo zero timeout": row(USAGE, "demo", "--timeout", "0", says="--timeout"),
     # pipelines that cannot be imported
     "pipeline with a syntax error": row(
-        USAGE, "worker", *STREAM, "--pipeline", "kq_syntax_pipe:run", says="kq_syntax_pipe.py:3"
+        USAGE, *PIPELINE, "kq_syntax_pipe:run", says="kq_syntax_pipe.py:3"
     ),
     "pipeline raising at import": row(
-        USAGE, "worker", *STREAM, "--pipeline", "kq_raising_pipe:run", says="kq_raising_pipe.py:2"
+        USAGE, *PIPELINE, "kq_raising_pipe:run", says="kq_raising_pipe.py:2"
     ),
-    "pipeline not callable": row(
-        USAGE, "worker", *STREAM, "--pipeline", "kq_constant_pipe:run", says="not a function"
-    ),
-    "pipeline attribute missing": row(
-        USAGE, "worker", *STREAM, "--pipeline", "kq_constant_pipe:nope", says="'nope'"
-    ),
-    "pipeline module missing": row(
-        USAGE, "worker", *STREAM, "--pipeline", "kq_no_such_pipe:run", says="kq_no_such_pipe"
-    ),
+    "pipeline not callable": row(USAGE, *PIPELINE, "kq_constant_pipe:run", says="not a function"),
+    "pipeline attribute missing": row(USAGE, *PIPELINE, "kq_constant_pipe:nope", says="'nope'"),
+    "pipeline module missing": row(USAGE, *PIPELINE, "kq_no_such_pipe:run", says="kq_no_such_pipe"),
     "pipeline dependency missing": row(
-        USAGE,
-        "worker",
-        *STREAM,
-        "--pipeline",
-        "kq_missing_dep_pipe:run",
-        says="kq_missing_dep_pipe.py:1",
+        USAGE, *PIPELINE, "kq_missing_dep_pipe:run", says="kq_missing_dep_pipe.py:1"
     ),
     "pipeline spec without function": row(
-        USAGE, "worker", *STREAM, "--pipeline", "kq_constant_pipe:", says="module:function"
+        USAGE, *PIPELINE, "kq_constant_pipe:", says="module:function"
     ),
     # valid input, services unreachable
-    "publish, Redis down": row(
-        FAILURE, "publish", *STREAM, "--key", "a", "--event", "{}", says="Redis"
-    ),
+    "publish, Redis down": row(FAILURE, *EVENT, "{}", says="Redis"),
     "produce, Redis down": row(FAILURE, "produce", *STREAM, "--events", "1", says="Redis"),
     "state, Redis down": row(FAILURE, "state", *STREAM, "--key", "a", says="Redis"),
     "inspect, Redis down": row(FAILURE, "inspect", *STREAM, "--key", "a", says="Redis"),
@@ -187,16 +155,7 @@ ROWS: dict[str, Row] = {
     "dlq list, Redis down": row(FAILURE, "dlq", "list", *STREAM, says="Redis"),
     "status, Redis down": row(FAILURE, "status", *STREAM, says="Redis"),
     "demo, RabbitMQ down": row(
-        FAILURE,
-        "demo",
-        "--external-workers",
-        "--wait-for-services",
-        "0",
-        "--orders",
-        "2",
-        "--events",
-        "4",
-        says="RabbitMQ",
+        FAILURE, *DEMO_EXTERNAL, "--orders", "2", "--events", "4", says="RabbitMQ"
     ),
 }
 
@@ -228,7 +187,6 @@ def _run(args: tuple[str, ...], cwd: Path) -> Outcome:
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Outcome]]:
-    """Every row run once, a few at a time, from a folder holding the broken pipelines."""
     folder = tmp_path_factory.mktemp("pipelines")
     for name, text in PIPELINES.items():
         (folder / f"{name}.py").write_text(text)

@@ -1,5 +1,4 @@
-"""The pure parts of the dead-letter commands: letter ids, previews, selection, redriven copies,
-and packs dead-lettered whole read as their events."""
+"""The pure parts of the dead-letter commands: ids, previews, selection, redriven copies, packs."""
 
 from __future__ import annotations
 
@@ -28,11 +27,24 @@ from keyq.broker.envelope import (
     HEADER_SEQ,
 )
 from keyq.broker.errors import InvalidInput
-from keyq.broker.packs import HEADER_PACK, PACK_CONTENT_TYPE, encode_pack, encode_record
+from keyq.broker.packs import (
+    HEADER_PACK,
+    PACK_CONTENT_TYPE,
+    decode_pack,
+    encode_pack,
+    encode_record,
+)
 from keyq.cli.dead_letter_rows import render_detail, render_rows
 from keyq.ops.dead_letter_listing import letter_detail, letter_row
 from keyq.ops.dead_letter_selection import LetterNotFound, by_ids, of_key, whole_packs
 from keyq.ops.redrive import redriven_properties
+from keyq.worker.amqp.dead_letters import packed
+from tests.helpers import plain_delivery
+
+
+def _redriven(seq: int) -> dict[str, object]:
+    """The headers of event ``seq``'s redriven copy (of key a, producer p)."""
+    return {HEADER_KEY: "a", HEADER_PRODUCER: "p", HEADER_SEQ: seq, HEADER_REDRIVE_ID: f"p:{seq}"}
 
 
 def _letter(
@@ -46,12 +58,10 @@ def _letter(
     return DeadLetterMessage(position, position + 1, body, headers, "application/json", "m")
 
 
-def test_a_keyq_letters_id_is_its_producer_and_seq() -> None:
+def test_letter_ids_previews_and_rows() -> None:
     letter = _letter(0, "k", 7)
     assert letter.letter_id == "p:7" and not letter.foreign and letter.key == "k"
-
-
-def test_a_foreign_letters_id_is_stable_and_ignores_the_brokers_delivery_count() -> None:
+    # a foreign letter's id is stable and ignores the broker's delivery count
     headers = {"b": b"\x00\xff", "a": 1}
     first = content_id(b"body", headers)
     assert first == content_id(b"body", {"a": 1, "b": b"\x00\xff", "x-delivery-count": 4})
@@ -59,13 +69,14 @@ def test_a_foreign_letters_id_is_stable_and_ignores_the_brokers_delivery_count()
     assert first != content_id(b"body!", headers)
     assert first != content_id(b"body", {"a": 2, "b": b"\x00\xff"})
     assert _letter(0, None, None).foreign and _letter(0, "k", None).foreign
-
-
-def test_preview_is_printable_and_cut() -> None:
+    # previews are printable and cut; rows one line each
     assert preview(b"ab\x00\ncd") == "ab..cd"
     assert preview(b"\xff\xfeok") == "..ok"
     assert preview(b"x" * 61) == "x" * 60 + "…"
     assert letter_row(_letter(0, None, None))["key"] is None
+    text = render_rows([letter_row(_letter(0, "a", 1)), letter_row(_letter(1, None, None))])
+    lines = text.splitlines()
+    assert len(lines) == 3 and "boom again" in lines[1] and "(foreign)" in lines[2]
 
 
 def test_selection_by_key_and_by_id() -> None:
@@ -87,20 +98,9 @@ def test_a_redriven_copy_loses_the_dead_letter_headers_and_gains_its_redrive_id(
     letter.headers[HEADER_DEAD_AT] = 5  # type: ignore[index]
     letter.headers["x-delivery-count"] = 2  # type: ignore[index]
     properties = redriven_properties(letter)
-    assert properties.headers == {
-        HEADER_KEY: "a",
-        HEADER_PRODUCER: "p",
-        HEADER_SEQ: 3,
-        HEADER_REDRIVE_ID: "p:3",
-    }
+    assert properties.headers == _redriven(3)
     assert properties.delivery_mode == 2 and properties.content_type == "application/json"
     assert redriven_properties(letter, "b").headers[HEADER_KEY] == "b"
-
-
-def test_rows_are_one_line_each() -> None:
-    text = render_rows([letter_row(_letter(0, "a", 1)), letter_row(_letter(1, None, None))])
-    lines = text.splitlines()
-    assert len(lines) == 3 and "boom again" in lines[1] and "(foreign)" in lines[2]
 
 
 def _pack_letters(
@@ -123,7 +123,7 @@ def _pack_letters(
     return letters_of(4, 9, encode_pack(records), properties)
 
 
-def test_a_pack_is_read_as_its_events_each_a_letter_with_the_packs_reason() -> None:
+def test_a_pack_is_read_as_its_events_with_its_reason_unless_malformed() -> None:
     death = {"reason": "rejected", "queue": "keyq.s.k.a", "time": datetime.datetime(2024, 1, 2)}
     events = _pack_letters([3, 4, 5], message_headers={"x-death": [death]})
     assert [letter.letter_id for letter in events] == ["p:3", "p:4", "p:5"]
@@ -145,17 +145,10 @@ def test_a_pack_is_read_as_its_events_each_a_letter_with_the_packs_reason() -> N
     assert detail["pack"]["headers"][HEADER_PACK] == 3 and detail["payload"] == '{"n":4}'
     assert "event 2 of 3 of message pack:p:1" in render_detail(detail | {"copies": 1})
     # a redriven copy is the event alone: its own headers and its redrive id
-    assert redriven_properties(events[1]).headers == {
-        HEADER_KEY: "a",
-        HEADER_PRODUCER: "p",
-        HEADER_SEQ: 4,
-        HEADER_REDRIVE_ID: "p:4",
-    }
+    assert redriven_properties(events[1]).headers == _redriven(4)
     keyq_reason = _pack_letters([1], message_headers={HEADER_DEAD_REASON: "malformed"})
     assert keyq_reason[0].reason == "malformed"
-
-
-def test_a_malformed_pack_is_one_foreign_letter() -> None:
+    # a malformed pack is one foreign letter
     properties = pika.BasicProperties(
         content_type=PACK_CONTENT_TYPE, headers={HEADER_PACK: 2, HEADER_KEY: "a"}
     )
@@ -185,22 +178,16 @@ def test_a_selection_takes_a_pack_whole_or_is_refused() -> None:
 def test_a_promoted_keys_forwarded_events_go_as_packs_that_unpack_to_them() -> None:
     """Forwarded copies are packed (at most ``most`` events, about ``most_bytes``), each
     event keeping its headers, message id, content type and body, with the key."""
-    from keyq.broker.packs import decode_pack
-    from keyq.worker.amqp.dead_letters import packed
-    from tests.helpers import plain_delivery
-
-    deliveries = []
-    for n in range(1, 46):
-        delivery = plain_delivery("keyq.s.b.00001", n)
-        deliveries.append(
-            replace(
-                delivery,
-                body=f'{{"n": {n}}}'.encode(),
-                headers={"x-keyq-producer": "p", "x-keyq-seq": n},
-                message_id=f"m{n}",
-                content_type="application/json",
-            )
+    deliveries = [
+        replace(
+            plain_delivery("keyq.s.b.00001", n),
+            body=f'{{"n": {n}}}'.encode(),
+            headers={"x-keyq-producer": "p", "x-keyq-seq": n},
+            message_id=f"m{n}",
+            content_type="application/json",
         )
+        for n in range(1, 46)
+    ]
     messages = packed(deliveries, "k1", 20, 1_000_000)
     assert [properties.headers["x-keyq-pack"] for _, properties in messages[:2]] == [20, 20]
     events = [event for body, _ in messages[:3] for event in decode_pack(body)]

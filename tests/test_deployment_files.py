@@ -1,7 +1,5 @@
-"""docker-compose.yml and the Dockerfile are checked by reading them: no Docker engine runs the
-tests, so they must be right by construction. Every command a service runs must be a real
-``keyq`` command with real options, every ``KEYQ_*`` variable a real setting, and the workers
-must scale and stop cleanly."""
+"""docker-compose.yml and the Dockerfile, checked by reading them (no Docker engine runs tests):
+real ``keyq`` commands and options, real ``KEYQ_*`` settings, workers that scale and stop."""
 
 from __future__ import annotations
 
@@ -40,15 +38,9 @@ SETTINGS_OF_SERVICE: dict[str, type[Settings]] = {
     "console": ConsoleSettings,
 }
 # The folders mapped into the one import package, `keyq` (pyproject's package-dir).
+_SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
 PACKAGE_DIRS = tuple(
-    sorted(
-        {
-            folder.split("/")[0]
-            for folder in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"][
-                "setuptools"
-            ]["package-dir"].values()
-        }
-    )
+    sorted({folder.split("/")[0] for folder in _SETUPTOOLS["package-dir"].values()})
 )
 
 
@@ -63,9 +55,7 @@ def _compose() -> dict[str, Any]:
 
 
 def _services() -> dict[str, Any]:
-    services = _compose()["services"]
-    assert isinstance(services, dict)
-    return services
+    return dict(_compose()["services"])
 
 
 def _service(name: str) -> dict[str, Any]:
@@ -90,13 +80,8 @@ def _environment(name: str) -> dict[str, str]:
 
 
 def _keyq_variables() -> list[str]:
-    names = {
-        variable
-        for service in _services()
-        for variable in _environment(service)
-        if variable.startswith("KEYQ_")
-    }
-    return sorted(names)
+    variables = {variable for service in _services() for variable in _environment(service)}
+    return sorted(variable for variable in variables if variable.startswith("KEYQ_"))
 
 
 def _setting_variables() -> set[str]:
@@ -126,13 +111,14 @@ def _options(command: click.Command) -> set[str]:
     }
 
 
-def test_every_service_is_there() -> None:
+def test_every_service_and_command_is_there() -> None:
     assert {*INFRASTRUCTURE, *KEYQ_SERVICES} <= set(_services())
+    missing = set(REQUIRED_COMMANDS) - set(cli.commands)
+    assert not missing, f"keyq has no {sorted(missing)}; it has {sorted(cli.commands)}"
 
 
 def test_one_service_builds_the_one_image_every_keyq_service_runs() -> None:
-    """Compose builds an image per service with a `build:`: one builds it, the others run
-    it by name, and never try to pull a name that exists nowhere but here."""
+    """One service builds the image; the others run it by name and never try to pull it."""
     builders = [name for name in KEYQ_SERVICES if _service(name).get("build")]
     assert builders == ["worker"], f"{builders} build images; one service should"
     build = _service("worker")["build"]
@@ -148,27 +134,10 @@ def test_one_service_builds_the_one_image_every_keyq_service_runs() -> None:
             assert _service(name).get("pull_policy") == "never", f"{name} would pull"
 
 
-@pytest.mark.parametrize("command", REQUIRED_COMMANDS)
-def test_keyq_has_the_command(command: str) -> None:
-    assert command in cli.commands, (
-        f"`keyq {command}` does not exist; keyq has {sorted(cli.commands)}"
-    )
-
-
 @pytest.mark.parametrize("name", KEYQ_SERVICES)
-def test_service_runs_a_keyq_command(name: str) -> None:
-    command = _command(name)[0]
-    assert command in cli.commands, (
-        f"service {name} runs `keyq {command}`, which does not exist; "
-        f"keyq has {sorted(cli.commands)}"
-    )
-
-
-@pytest.mark.parametrize("name", KEYQ_SERVICES)
-def test_service_command_line_parses(name: str) -> None:
+def test_a_keyq_service_runs_a_real_command_with_real_settings(name: str) -> None:
     command, *args = _command(name)
-    if command not in cli.commands:
-        pytest.skip(f"`keyq {command}` does not exist yet (test_service_runs_a_keyq_command)")
+    assert command in cli.commands, f"service {name} runs `keyq {command}`, which does not exist"
     subcommand = cli.commands[command]
     known = _options(subcommand)
     used = {arg.partition("=")[0] for arg in args if arg.startswith("--")}
@@ -178,16 +147,23 @@ def test_service_command_line_parses(name: str) -> None:
         subcommand.make_context(command, list(args))
     except click.ClickException as exc:
         pytest.fail(f"service {name}: `keyq {' '.join(_command(name))}`: {exc.format_message()}")
-
-
-@pytest.mark.parametrize("name", KEYQ_SERVICES)
-def test_pipelines_named_in_commands_exist(name: str) -> None:
-    args = _command(name)
-    for index, arg in enumerate(args):
+    for index, arg in enumerate(args):  # a pipeline it names exists
         if arg == "--pipeline" or arg.startswith("--pipeline="):
             spec = arg.partition("=")[2] or args[index + 1]
             module, _, function = spec.partition(":")
             assert callable(getattr(importlib.import_module(module), function, None)), spec
+    values: dict[str, Any] = {
+        variable.removeprefix("KEYQ_").lower(): value
+        for variable, value in _environment(name).items()
+        if variable.startswith("KEYQ_")
+    }
+    SETTINGS_OF_SERVICE[name](**values)
+    depends_on = _service(name).get("depends_on")
+    assert isinstance(depends_on, dict), f"{name}: depends_on needs conditions"
+    for dependency in INFRASTRUCTURE:
+        assert depends_on.get(dependency, {}).get("condition") == "service_healthy", (
+            f"{name} must wait for {dependency} to be healthy"
+        )
 
 
 @pytest.mark.parametrize("variable", _keyq_variables())
@@ -198,31 +174,19 @@ def test_compose_variables_are_keyq_settings(variable: str) -> None:
     )
 
 
-@pytest.mark.parametrize("name", KEYQ_SERVICES)
-def test_compose_settings_are_valid(name: str) -> None:
-    values: dict[str, Any] = {
-        variable.removeprefix("KEYQ_").lower(): value
-        for variable, value in _environment(name).items()
-        if variable.startswith("KEYQ_")
-    }
-    SETTINGS_OF_SERVICE[name](**values)
-
-
-def test_workers_scale() -> None:
-    """`docker compose up --scale worker=N` needs replicas that do not collide."""
+def test_workers_scale_share_their_sink_and_stop_cleanly() -> None:
+    """`docker compose up --scale worker=N` needs replicas that do not collide; Docker must not
+    SIGKILL a worker still finishing its batch after SIGTERM."""
     worker = _service("worker")
     assert "container_name" not in worker, "a fixed container name stops --scale"
-    assert not worker.get("ports"), "a fixed host port stops --scale"
-    assert int(worker.get("deploy", {}).get("replicas", 1)) >= 2
-
-
-def test_metrics_ports_are_not_published() -> None:
+    replicas = int(worker.get("deploy", {}).get("replicas", 1))
+    assert replicas >= 2
+    assert int(_environment("worker").get("KEYQ_METRICS_PORT_SPAN", "1")) > replicas, (
+        "under host networking the replicas share ports: give them a span"
+    )
     for name in ("worker", "janitor"):
         assert _environment(name).get("KEYQ_METRICS_PORT"), f"{name} has no metrics port"
         assert not _service(name).get("ports"), f"{name} publishes a port on the host"
-
-
-def test_worker_sink_is_on_a_shared_volume() -> None:
     args = _command("worker")
     sink = args[args.index("--sink") + 1]
     kind, _, folder = sink.partition(":")
@@ -233,29 +197,24 @@ def test_worker_sink_is_on_a_shared_volume() -> None:
     assert any(folder == t or folder.startswith(t.rstrip("/") + "/") for t in shared), (
         f"the worker's sink {folder} is not on a named volume its replicas share"
     )
+    configured = _environment("worker").get("KEYQ_SHUTDOWN_TIMEOUT")
+    default = WorkerSettings.model_fields["shutdown_timeout"].default
+    timeout = float(configured) if configured else float(default)
+    grace = worker.get("stop_grace_period")
+    assert grace is not None, "without stop_grace_period Docker kills workers after 10 s"
+    assert _seconds(grace) > timeout, f"stop_grace_period {grace} <= shutdown timeout {timeout}"
 
 
-@pytest.mark.parametrize("name", KEYQ_SERVICES)
-def test_keyq_services_wait_for_healthy_services(name: str) -> None:
-    depends_on = _service(name).get("depends_on")
-    assert isinstance(depends_on, dict), f"{name}: depends_on needs conditions"
-    for dependency in INFRASTRUCTURE:
-        assert depends_on.get(dependency, {}).get("condition") == "service_healthy", (
-            f"{name} must wait for {dependency} to be healthy"
-        )
-
-
-def test_services_have_healthchecks() -> None:
+def test_services_restart_and_are_healthy_once_they_accept_connections() -> None:
+    """`rabbitmq-diagnostics ping` passes while AMQP still refuses connections: services
+    that waited for it started too early and failed (the start-up race)."""
+    for name in (*INFRASTRUCTURE, "worker", "janitor"):
+        assert _service(name).get("restart") in ("unless-stopped", "always", "on-failure"), name
     rabbit = _service("rabbitmq")["healthcheck"]["test"]
     redis = _service("redis")["healthcheck"]["test"]
     assert rabbit[0] in ("CMD", "CMD-SHELL") and "rabbitmq-diagnostics" in " ".join(rabbit)
     assert redis[0] in ("CMD", "CMD-SHELL") and "redis-cli ping" in " ".join(redis)
-
-
-def test_rabbitmq_is_healthy_only_once_it_accepts_connections() -> None:
-    """`rabbitmq-diagnostics ping` passes while AMQP still refuses connections: services
-    that waited for it started too early and failed (the start-up race)."""
-    words = " ".join(_service("rabbitmq")["healthcheck"]["test"][1:]).split()
+    words = " ".join(rabbit[1:]).split()
     checks = [word for word in words if word.startswith(("check_", "ping", "status"))]
     assert checks, f"no diagnostics check in {words}"
     assert "ping" not in checks, "ping passes before RabbitMQ accepts AMQP connections"
@@ -273,15 +232,9 @@ def test_the_demo_waits_for_its_services_and_runs_once() -> None:
     assert isinstance(default.default, float) and default.default >= 30
 
 
-def test_replicas_sharing_a_network_each_find_a_metrics_port() -> None:
-    worker = _environment("worker")
-    replicas = int(_service("worker").get("deploy", {}).get("replicas", 1))
-    assert int(worker.get("KEYQ_METRICS_PORT_SPAN", "1")) > replicas, (
-        "under host networking the replicas share ports: give them a span"
-    )
-
-
-def test_infrastructure_images_and_ports() -> None:
+def test_infrastructure_images_ports_and_open_files() -> None:
+    """RabbitMQ may keep 65,536 files open by default, as key mode needs; KEYQ_RABBITMQ_NOFILE
+    lowers it for an engine with a lower ceiling."""
     rabbit, redis = _service("rabbitmq"), _service("redis")
     found = re.fullmatch(r"rabbitmq:(\d+)(?:\.\d+){0,2}-management(?:-alpine)?", rabbit["image"])
     assert found, f"{rabbit['image']} is not an official RabbitMQ image with the management UI"
@@ -289,12 +242,7 @@ def test_infrastructure_images_and_ports() -> None:
     assert re.fullmatch(r"redis:(\d+)(?:\.\d+){0,2}(?:-\w+)?", redis["image"])
     assert int(redis["image"].split(":")[1].split(".")[0]) >= 7
     assert {"5672:5672", "15672:15672"} <= {str(port) for port in rabbit["ports"]}
-
-
-def test_rabbitmq_may_keep_a_file_open_per_key_mode_queue() -> None:
-    """65,536 files by default, as key mode needs; an engine with a lower ceiling is given
-    its own through KEYQ_RABBITMQ_NOFILE instead of failing to start RabbitMQ."""
-    nofile = _service("rabbitmq")["ulimits"]["nofile"]
+    nofile = rabbit["ulimits"]["nofile"]
     for bound in ("soft", "hard"):
         value = str(nofile[bound])
         found = re.fullmatch(r"\$\{KEYQ_RABBITMQ_NOFILE:-(\d+)\}", value)
@@ -302,26 +250,9 @@ def test_rabbitmq_may_keep_a_file_open_per_key_mode_queue() -> None:
         assert int(found.group(1)) >= 65536
 
 
-def test_worker_stops_after_its_shutdown_timeout() -> None:
-    """Docker must not SIGKILL a worker that is still finishing its batch after SIGTERM."""
-    worker = _service("worker")
-    configured = _environment("worker").get("KEYQ_SHUTDOWN_TIMEOUT")
-    default = WorkerSettings.model_fields["shutdown_timeout"].default
-    timeout = float(configured) if configured else float(default)
-    grace = worker.get("stop_grace_period")
-    assert grace is not None, "without stop_grace_period Docker kills workers after 10 s"
-    assert _seconds(grace) > timeout, f"stop_grace_period {grace} <= shutdown timeout {timeout}"
-
-
-def test_services_restart() -> None:
-    for name in (*INFRASTRUCTURE, "worker", "janitor"):
-        assert _service(name).get("restart") in ("unless-stopped", "always", "on-failure")
-
-
 def test_the_host_network_variant_leaves_the_default_ports_alone() -> None:
-    """deploy/host-network.yml runs beside a RabbitMQ and Redis on the default ports: its
-    services exist in the base file, its settings are real, and nothing it binds is 5672,
-    15672 or 6379."""
+    """deploy/host-network.yml runs beside a RabbitMQ and Redis on the default ports: real
+    services and settings, and nothing it binds is 5672, 15672 or 6379."""
 
     class ComposeLoader(yaml.SafeLoader):
         """Compose's `!reset` (drop what the base file set) reads as None here."""
@@ -394,14 +325,11 @@ def _final_base() -> str:
     return shlex.split(froms[-1])[0].removeprefix("docker.io/library/")
 
 
-def test_dockerfile_uses_python_3_11_or_newer() -> None:
+def test_dockerfile_uses_python_3_11_or_newer_and_java_17() -> None:
     base = _final_base()
     found = re.fullmatch(r"python:(\d+)\.(\d+)(?:\.\d+)?-slim(?:-(\w+))?", base)
     assert found, f"base image {base} is not an official python:X.Y-slim image"
     assert (int(found.group(1)), int(found.group(2))) >= (3, 11)
-
-
-def test_dockerfile_installs_java_17() -> None:
     runs = " ".join(_arguments("RUN"))
     assert re.search(r"apt-get install\b[^;&]*\bopenjdk-17-(jre|jdk)-headless\b", runs)
     # Debian 13 (trixie), which unpinned python:*-slim tags follow, has no openjdk-17.
@@ -410,8 +338,7 @@ def test_dockerfile_installs_java_17() -> None:
 
 
 def _build_context() -> set[str]:
-    """What `.dockerignore` lets into the build: it leaves everything out (``*``), then lets
-    names back in (``!name``)."""
+    """What `.dockerignore` lets into the build: everything out (``*``), names back in (``!``)."""
     lines = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()]
     rules = [line for line in lines if line and not line.startswith("#")]
     assert rules[0] == "*", ".dockerignore should leave everything out first"
@@ -428,25 +355,16 @@ def test_dockerfile_installs_keyq() -> None:
     assert any(re.search(r"pip install\b.*\s\.(;|\s|$)", run) for run in _arguments("RUN"))
 
 
-def test_dockerfile_needs_no_frontend_from_a_registry() -> None:
-    """`# syntax=` makes BuildKit pull a frontend image first: no build without a registry."""
+def test_dockerfile_runs_keyq_unprivileged_and_needs_no_registry_frontend() -> None:
+    # `# syntax=` makes BuildKit pull a frontend image first: no build without a registry.
     first = DOCKERFILE.read_text().lstrip().splitlines()[0]
     assert not re.match(r"#\s*syntax\s*=", first, re.IGNORECASE), first
-
-
-def test_dockerfile_runs_keyq_as_a_user_without_privileges() -> None:
     users = _arguments("USER")
     assert users, "the image runs as root"
     assert users[-1].split(":")[0] not in ("root", "0"), f"the image runs as {users[-1]}"
-
-
-def test_dockerfile_entrypoint_is_keyq() -> None:
     entrypoint = _arguments("ENTRYPOINT")
     # The exec form (JSON): a shell form would not pass SIGTERM on to keyq.
     assert entrypoint and json.loads(entrypoint[-1]) == ["keyq"]
     command = _arguments("CMD")
     assert command and json.loads(command[-1]) == ["--help"]
-
-
-def test_dockerfile_points_spark_at_the_image_python() -> None:
     assert _env().get("PYSPARK_PYTHON", "").startswith("/usr/local/bin/python")

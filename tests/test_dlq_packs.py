@@ -1,13 +1,9 @@
-"""``keyq dlq`` on a pack that RabbitMQ dead-lettered whole, on a real RabbitMQ and Redis (and a
-real worker for the redrive): the key's queue is made by the SDK's producer, a pack is put in it
-as the producer builds one, and a consumer rejects it (``requeue=False``), so the broker moves
-it to the stream's dead-letter queue with its ``x-death`` header. Each event of the pack is
-listed as a letter of its own; a drop or redrive takes the pack whole or is refused."""
+"""``keyq dlq`` on packs RabbitMQ dead-lettered whole (rejected, with ``x-death``): each event is a
+letter of its own; a drop or redrive takes the pack whole or is refused."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -29,35 +25,28 @@ from keyq.broker.packs import HEADER_PACK, MAGIC, PACK_CONTENT_TYPE, encode_pack
 from keyq.broker.topology import dead_letter_queue_arguments
 from keyq.worker.batch.state_store import StateStore
 from tests.conftest import StreamFixture
-from tests.operator_helpers import depth, keyq, one_line_error, peek_all, with_operator_queues
+from tests.helpers import queue_depth
+from tests.operator_helpers import keyq, keyq_json, one_line_error, peek_all
 from tests.workers import wait_until
 
 KEY = "acct-1"
 CONTENT_JSON = "application/json"
 
 
-@pytest.fixture
-def ops_stream(stream: StreamFixture) -> Iterator[StreamFixture]:
-    yield from with_operator_queues(stream)
-
-
 class DeadPack:
-    """A stream whose key ``KEY`` has a queue declared by the SDK's producer (its first event,
-    seq 1, is published through it), and a way to put packs of the same producer's events
-    in that queue and have the broker dead-letter them."""
+    """Key ``KEY``'s queue, declared by the SDK's producer (which publishes seq 1), and packs
+    of that producer's events put in it and dead-lettered by the broker."""
 
-    def __init__(self, stream: StreamFixture, amqp: pika.BlockingConnection) -> None:
+    def __init__(
+        self, stream: StreamFixture, amqp: pika.BlockingConnection, producer: Producer
+    ) -> None:
         self.stream = stream.name
         self.amqp = amqp
         self.queue = key_queue_name(stream.name, KEY)
         self.dlq = dead_letter_queue_name(stream.name)
-        producer = Producer(stream.name, mode="key", settings=stream.settings, publish_timeout=10)
-        try:
-            producer.publish(KEY, {"n": 1, "producer": "pk"})
-            producer.flush(timeout=30)
-            self.producer_id = producer.producer_id
-        finally:
-            producer.close(timeout=10)
+        producer.publish(KEY, {"n": 1, "producer": "pk"})
+        producer.flush(timeout=30)
+        self.producer_id = producer.producer_id
         self.channel = amqp.channel()
         # the producer declares it too (on connecting); the broker drops what it cannot route
         self.channel.queue_declare(self.dlq, durable=True, arguments=dead_letter_queue_arguments())
@@ -102,24 +91,24 @@ class DeadPack:
 
     def reject_all(self) -> None:
         """Take every message of the key's queue and reject it: the broker dead-letters it."""
-        waiting = depth(self.amqp, self.queue) or 0
-        in_dlq = depth(self.amqp, self.dlq) or 0
+        waiting = queue_depth(self.amqp, self.queue) or 0
+        in_dlq = queue_depth(self.amqp, self.dlq) or 0
         channel = self.amqp.channel()
         for _ in range(waiting):
             method, _properties, _body = channel.basic_get(self.queue, auto_ack=False)
             assert method is not None
             channel.basic_reject(method.delivery_tag, requeue=False)
         channel.close()
-        wait_until(lambda: depth(self.amqp, self.dlq) == in_dlq + waiting, 10, "dead-lettered")
+        wait_until(
+            lambda: queue_depth(self.amqp, self.dlq) == in_dlq + waiting, 10, "dead-lettered"
+        )
         # RabbitMQ dead-lettered them, past keyq's code: the index learns of them by a walk.
         reindexed = keyq("dlq", "reindex", "--stream", self.stream)
         assert reindexed.exit_code == 0, reindexed.stderr
 
 
-def _listing(stream: str, *args: str) -> dict[str, Any]:
-    result = keyq("dlq", "list", "--stream", stream, "--json", *args)
-    assert result.exit_code == 0, result.stderr
-    return dict(orjson.loads(result.stdout))
+def _listing(stream: str) -> dict[str, Any]:
+    return keyq_json("dlq", "list", "--stream", stream)
 
 
 def _ids(stream: str) -> list[str]:
@@ -132,13 +121,13 @@ def _messages(amqp: pika.BlockingConnection, queue: str) -> list[tuple[Any, ...]
 
 
 def test_a_pack_dead_lettered_whole_is_listed_and_shown_as_its_events(
-    ops_stream: StreamFixture, amqp: pika.BlockingConnection
+    stream: StreamFixture, amqp: pika.BlockingConnection, producer: Producer
 ) -> None:
-    dead = DeadPack(ops_stream, amqp)
+    dead = DeadPack(stream, amqp, producer)
     pack_id = dead.pack([2, 3, 4])
     dead.reject_all()  # the single event 1, then the pack
     p = dead.producer_id
-    listing = _listing(ops_stream.name)
+    listing = _listing(stream.name)
     assert listing["ready"] == 2
     rows = listing["letters"]
     assert [row["id"] for row in rows] == [f"{p}:1", f"{p}:2", f"{p}:3", f"{p}:4"]
@@ -152,14 +141,12 @@ def test_a_pack_dead_lettered_whole_is_listed_and_shown_as_its_events(
         assert row["reason"] == "rejected" and row["dead_queue"] == dead.queue
         assert row["dead_at_ms"] is not None and row["published_at_ms"] is not None
     assert [row["position"] for row in rows] == [0, 1, 2, 3]
-    text = keyq("dlq", "list", "--stream", ops_stream.name)
+    text = keyq("dlq", "list", "--stream", stream.name)
     assert text.exit_code == 0, text.stderr
     assert "2 messages; the index lists 4 letters" in text.stdout
     assert f"2 pack 2/3\t{p}:3\t{KEY}" in text.stdout
 
-    shown = keyq("dlq", "show", "--stream", ops_stream.name, "--id", f"{p}:3", "--json")
-    assert shown.exit_code == 0, shown.stderr
-    detail = orjson.loads(shown.stdout)
+    detail = keyq_json("dlq", "show", "--stream", stream.name, "--id", f"{p}:3")
     assert orjson.loads(detail["payload"]) == {"n": 3, "producer": "pk"}
     assert detail["headers"]["trace"] == "t-3" and HEADER_PACK not in detail["headers"]
     assert detail["pack"]["message_id"] == pack_id and detail["pack"]["events"] == 3
@@ -170,16 +157,16 @@ def test_a_pack_dead_lettered_whole_is_listed_and_shown_as_its_events(
 
 
 def test_a_partial_drop_is_refused_and_a_whole_one_removes_the_pack(
-    ops_stream: StreamFixture, amqp: pika.BlockingConnection
+    stream: StreamFixture, amqp: pika.BlockingConnection, producer: Producer
 ) -> None:
-    dead = DeadPack(ops_stream, amqp)
+    dead = DeadPack(stream, amqp, producer)
     pack_id = dead.pack([2, 3, 4])
     dead.pack([5, 6])
     dead.reject_all()
     p = dead.producer_id
-    before = _ids(ops_stream.name)
+    before = _ids(stream.name)
     assert before == [f"{p}:{seq}" for seq in range(1, 7)]
-    name = ops_stream.name
+    name = stream.name
     refused = keyq("dlq", "drop", "--stream", name, "--id", f"{p}:3", "--id", f"{p}:1", "--yes")
     assert one_line_error(refused, 2) == (
         f"keyq: pack {pack_id} in {dead.dlq} holds 3 letters and is removed only whole, "
@@ -191,43 +178,40 @@ def test_a_partial_drop_is_refused_and_a_whole_one_removes_the_pack(
     # a redrive of part of it is refused alike, before anything is put back
     partial = keyq("dlq", "redrive", "--stream", name, "--id", f"{p}:4", "--key", KEY)
     assert f"but {p}:2, {p}:3 of it are not selected" in one_line_error(partial, 2)
-    assert ops_stream.redis.hlen(ops_stream.keys.redrives) == 0
+    assert stream.redis.hlen(stream.keys.redrives) == 0
     assert _ids(name) == before
 
     ids = ("--id", f"{p}:2", "--id", f"{p}:3", "--id", f"{p}:4")
-    dropped = keyq("dlq", "drop", "--stream", name, *ids, "--yes", "--json")
-    assert dropped.exit_code == 0, dropped.stderr
-    assert orjson.loads(dropped.stdout)["dropped"] == 3
+    assert keyq_json("dlq", "drop", "--stream", name, *ids, "--yes")["dropped"] == 3
     assert _messages(amqp, dead.dlq) == [(None, 1), (2, None)]
     assert _ids(name) == [f"{p}:1", f"{p}:5", f"{p}:6"]
     by_key = keyq("dlq", "drop", "--stream", name, "--key", KEY, "--yes")
     assert by_key.exit_code == 0, by_key.stderr
-    assert depth(amqp, dead.dlq) == 0
+    assert queue_depth(amqp, dead.dlq) == 0
 
 
 def test_a_malformed_pack_stays_one_foreign_letter(
-    ops_stream: StreamFixture, amqp: pika.BlockingConnection
+    stream: StreamFixture, amqp: pika.BlockingConnection, producer: Producer
 ) -> None:
-    dead = DeadPack(ops_stream, amqp)
+    dead = DeadPack(stream, amqp, producer)
     broken = MAGIC + dead.event(2)[:-3]  # cut short
     dead.publish_pack(broken, 1)
     dead.reject_all()
-    [single, letter] = _listing(ops_stream.name)["letters"]
+    [single, letter] = _listing(stream.name)["letters"]
     assert single["id"] == f"{dead.producer_id}:1"
     assert letter["foreign"] and letter["id"].startswith("sha256:") and letter["pack"] is None
     assert letter["content_type"] == PACK_CONTENT_TYPE and letter["bytes"] == len(broken)
     assert letter["reason"] == "rejected"
-    dropped = keyq("dlq", "drop", "--stream", ops_stream.name, "--id", letter["id"], "--yes")
+    dropped = keyq("dlq", "drop", "--stream", stream.name, "--id", letter["id"], "--yes")
     assert dropped.exit_code == 0, dropped.stderr
     assert _messages(amqp, dead.dlq) == [(None, 1)]
 
 
 @pytest.mark.slow
 def test_redriving_a_whole_pack_applies_each_event_once_in_order(
-    ops_stream: StreamFixture, amqp: pika.BlockingConnection, workers: Any
+    stream: StreamFixture, amqp: pika.BlockingConnection, workers: Any, producer: Producer
 ) -> None:
-    stream = ops_stream
-    dead = DeadPack(stream, amqp)
+    dead = DeadPack(stream, amqp, producer)
     dead.pack([2, 3, 4])
     dead.pack([5, 6, 7, 8])
     dead.reject_all()  # nothing applied: event 1 and both packs are dead letters
@@ -236,39 +220,38 @@ def test_redriving_a_whole_pack_applies_each_event_once_in_order(
     store = StateStore(stream.redis, stream.name)
     assert store.get(KEY) is None
 
-    result = keyq("dlq", "redrive", "--stream", stream.name, "--key", KEY, "--json")
-    assert result.exit_code == 0, result.stderr
-    done = orjson.loads(result.stdout)
+    done = keyq_json("dlq", "redrive", "--stream", stream.name, "--key", KEY)
     p = dead.producer_id
     assert done["letters"] == 8 and done["ids"] == [f"{p}:{seq}" for seq in range(1, 9)]
-    assert depth(amqp, dead.dlq) == 0
+    assert queue_depth(amqp, dead.dlq) == 0
     wait_until(
         lambda: (store.get(KEY) or {}).get("seen") == {"pk": list(range(1, 9))},
         60,
         "every event applied once, in order",
     )
-    wait_until(lambda: depth(amqp, done["queue"]) in (0, None), 30, "the redrive queue drained")
+    wait_until(
+        lambda: queue_depth(amqp, done["queue"]) in (0, None), 30, "the redrive queue drained"
+    )
     marks = store.get_marks(KEY)
     assert sorted(marks.redriven) == sorted(done["ids"]), marks
     assert store.get(KEY) == {"seen": {"pk": list(range(1, 9))}}  # nothing applied twice
-    assert depth(amqp, dead.dlq) == 0
+    assert queue_depth(amqp, dead.dlq) == 0
     assert worker.terminate() == 0, worker.log()[-3000:]
 
 
 def test_each_event_of_a_redriven_pack_is_a_message_of_its_own(
-    ops_stream: StreamFixture, amqp: pika.BlockingConnection
+    stream: StreamFixture, amqp: pika.BlockingConnection, producer: Producer
 ) -> None:
     """No worker: the redrive queue is looked at as it is."""
-    dead = DeadPack(ops_stream, amqp)
+    dead = DeadPack(stream, amqp, producer)
     dead.pack([2, 3])
     dead.reject_all()
-    result = keyq("dlq", "redrive", "--stream", ops_stream.name, "--key", KEY, "--json")
-    assert result.exit_code == 0, result.stderr
-    copies = peek_all(amqp, orjson.loads(result.stdout)["queue"])
+    done = keyq_json("dlq", "redrive", "--stream", stream.name, "--key", KEY)
+    copies = peek_all(amqp, done["queue"])
     p = dead.producer_id
     assert [h[HEADER_REDRIVE_ID] for h, _b in copies] == [f"{p}:1", f"{p}:2", f"{p}:3"]
     assert [orjson.loads(b)["n"] for _h, b in copies] == [1, 2, 3]
     for headers, _body in copies[1:]:
         assert HEADER_PACK not in headers and "x-death" not in headers
         assert headers["trace"] in ("t-2", "t-3") and headers[HEADER_KEY] == KEY
-    assert depth(amqp, dead.dlq) == 0
+    assert queue_depth(amqp, dead.dlq) == 0

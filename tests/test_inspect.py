@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import orjson
 import pika
-import pytest
 
 from keyq.broker.clock import now_ms
 from keyq.broker.envelope import (
@@ -25,21 +23,16 @@ from keyq.broker.streams import StreamConfig
 from keyq.broker.topology import keyed_queue_arguments
 from keyq.broker.worker_report import GapReport, WorkerReport
 from tests.conftest import StreamFixture
+from tests.helpers import queue_depth
 from tests.operator_helpers import (
     dead_letter,
-    depth,
     ids_in,
     keyq,
+    keyq_json,
     letters_for,
     one_line_error,
     record_stream,
-    with_operator_queues,
 )
-
-
-@pytest.fixture
-def ops_stream(stream: StreamFixture) -> Iterator[StreamFixture]:
-    yield from with_operator_queues(stream)
 
 
 def _publish(
@@ -58,16 +51,24 @@ def _publish(
 
 
 def _inspect(stream: str, key: str) -> dict[str, object]:
-    result = keyq("inspect", "--stream", stream, "--key", key, "--json")
-    assert result.exit_code == 0, result.stderr
-    return dict(orjson.loads(result.stdout))
+    return keyq_json("inspect", "--stream", stream, "--key", key)
 
 
-def test_inspect_shows_everything_about_a_key(
-    ops_stream: StreamFixture, amqp: pika.BlockingConnection
+def test_inspect_shows_everything_about_a_key_and_refuses_bad_input(
+    stream: StreamFixture, amqp: pika.BlockingConnection
 ) -> None:
-    stream = ops_stream
     record_stream(stream)
+    # a key never seen, and bad input
+    found = _inspect(stream.name, "nobody")
+    assert found["known"] is False
+    assert found["queue"]["exists"] is False and found["dead_letters"] == []  # type: ignore[index]
+    assert found["state"] is None and found["parked"] is None and found["aside"] == []
+    text = keyq("inspect", "--stream", stream.name, "--key", "nobody")
+    assert text.exit_code == 0 and "the key has no state" in text.stdout
+    one_line_error(keyq("inspect", "--stream", "t-never-used", "--key", "a"), 2)
+    one_line_error(keyq("inspect", "--stream", stream.name, "--key", ""), 2)
+    one_line_error(keyq("inspect", "--stream", stream.name), 2)
+
     queue = f"keyq.{stream.name}.k.a"
     aside = f"keyq.{stream.name}.a.test-aside"
     stream.track(aside)
@@ -96,12 +97,8 @@ def test_inspect_shows_everything_about_a_key(
     }  # fmt: skip
     assert found["holder"] is None
     assert found["paused_since_ms"] is not None
-    assert found["parked"] == {
-        "at_ms": found["parked"]["at_ms"],  # type: ignore[index]
-        "reason": "poison: boom",
-        "producer": "p1",
-        "seq": 2,
-    }
+    parked = dict(found["parked"])  # type: ignore[call-overload]
+    assert parked.pop("at_ms") and parked == {"reason": "poison: boom", "producer": "p1", "seq": 2}
     assert found["rate_limit"] == 10.0 and found["poison_policy"] == "skip"
     assert found["aside"] == [{"queue": aside, "depth": 1}]
     assert found["state"] == {"total": 7} and found["marks"] == {"p1": 1}
@@ -122,30 +119,14 @@ def test_inspect_shows_everything_about_a_key(
     info = report.to_dict() | {"host": "box", "pid": 123}
     stream.redis.hset(stream.keys.member_info, "w1", orjson.dumps(info).decode())
     found = _inspect(stream.name, "a")
-    assert found["holder"] == {
-        "worker": "w1",
-        "token": 42,
-        "alive": True,
-        "host": "box",
-        "pid": 123,
-    }
+    holder = {"worker": "w1", "token": 42, "alive": True}
+    assert found["holder"] == holder | {"host": "box", "pid": 123}
     assert found["gaps"] == [{"key": "a", "producer": "p1", "first": 3, "last": 3, "waited_s": 1.5}]
     assert found["oldest_waiting"]["age_ms"] is None  # type: ignore[index]
     text = keyq("inspect", "--stream", stream.name, "--key", "a")
     assert text.exit_code == 0
     for part in ("held by       w1 token 42 at box:123", "poison: boom", "rate limit 10/s", aside):
         assert part in text.stdout
-
-
-def test_inspect_a_key_never_seen(ops_stream: StreamFixture) -> None:
-    stream = ops_stream
-    record_stream(stream)
-    found = _inspect(stream.name, "nobody")
-    assert found["known"] is False
-    assert found["queue"]["exists"] is False and found["dead_letters"] == []  # type: ignore[index]
-    assert found["state"] is None and found["parked"] is None and found["aside"] == []
-    text = keyq("inspect", "--stream", stream.name, "--key", "nobody")
-    assert text.exit_code == 0 and "the key has no state" in text.stdout
 
 
 def _bucket_of_a(
@@ -163,9 +144,8 @@ def _bucket_of_a(
 
 
 def test_inspect_in_bucket_mode_finds_the_keys_first_event(
-    ops_stream: StreamFixture, amqp: pika.BlockingConnection
+    stream: StreamFixture, amqp: pika.BlockingConnection
 ) -> None:
-    stream = ops_stream
     _config, queue, other, channel = _bucket_of_a(stream, amqp)
     _publish(channel, queue, other, [1, 2], now_ms())
     _publish(channel, queue, "a", [1], now_ms() - 3000)
@@ -173,22 +153,13 @@ def test_inspect_in_bucket_mode_finds_the_keys_first_event(
     found = _inspect(stream.name, "a")
     assert found["oldest_waiting"]["looked_at"] == 3  # type: ignore[index]
     assert found["oldest_waiting"]["age_ms"] >= 3000  # type: ignore[index]
-    assert depth(amqp, queue) == 3
-
-
-def test_inspect_bad_input(ops_stream: StreamFixture) -> None:
-    record_stream(ops_stream)
-    one_line_error(keyq("inspect", "--stream", "t-never-used", "--key", "a"), 2)
-    one_line_error(keyq("inspect", "--stream", ops_stream.name, "--key", ""), 2)
-    one_line_error(keyq("inspect", "--stream", ops_stream.name), 2)
+    assert queue_depth(amqp, queue) == 3
 
 
 def test_inspect_in_bucket_mode_finds_the_keys_first_event_inside_a_pack(
-    ops_stream: StreamFixture, amqp: pika.BlockingConnection
+    stream: StreamFixture, amqp: pika.BlockingConnection
 ) -> None:
-    """A bucket queue's pack carries several keys' events and no key of its own: the key's
-    first event is found among its records, with that event's own publish time."""
-    stream = ops_stream
+    """A bucket queue's pack holds several keys' events: the key's first is found among them."""
     config, queue, other, channel = _bucket_of_a(stream, amqp)
     _publish(channel, queue, other, [1], now_ms())
     records = [
@@ -220,4 +191,4 @@ def test_inspect_in_bucket_mode_finds_the_keys_first_event_inside_a_pack(
     missing = _inspect(stream.name, absent)  # same queue, no event in it: every record read
     assert missing["oldest_waiting"]["age_ms"] is None  # type: ignore[index]
     assert missing["oldest_waiting"]["looked_at"] == 2  # type: ignore[index]
-    assert depth(amqp, queue) == 2  # looked at, handed back
+    assert queue_depth(amqp, queue) == 2  # looked at, handed back

@@ -3,7 +3,6 @@ for the queues a resume wakes)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -14,18 +13,13 @@ from keyq.broker.key_control import KeyControl, ParkedKey
 from keyq.broker.stream_policy import StreamPolicies, StreamPolicy
 from keyq.ops.context import keys_in_file, read_keys
 from tests.conftest import StreamFixture
-from tests.operator_helpers import depth, keyq, one_line_error, record_stream, with_operator_queues
-
-
-@pytest.fixture
-def ops_stream(stream: StreamFixture) -> Iterator[StreamFixture]:
-    yield from with_operator_queues(stream)
+from tests.helpers import queue_depth
+from tests.operator_helpers import keyq, one_line_error, record_stream
 
 
 def test_pause_and_resume_keys_from_options_and_a_file(
-    ops_stream: StreamFixture, amqp: pika.BlockingConnection, tmp_path: Path
+    stream: StreamFixture, amqp: pika.BlockingConnection, tmp_path: Path
 ) -> None:
-    stream = ops_stream
     record_stream(stream)
     control = KeyControl(stream.redis, stream.name)
     listed = tmp_path / "keys.txt"
@@ -42,26 +36,13 @@ def test_pause_and_resume_keys_from_options_and_a_file(
     assert done["resumed"] == ["a"] and done["woken"] == [f"keyq.{stream.name}.k.a"]
     assert set(control.paused()) == {"b", "c:1"}
     own = f"keyq.{stream.name}.k.a"
-    assert depth(amqp, own) == 0
+    assert queue_depth(amqp, own) == 0
     assert stream.redis.zscore(stream.keys.registry, own) is not None
     assert stream.redis.hget(stream.keys.queue_keys, own) == "a"
     assert stream.redis.zscore(stream.keys.woken, own) is not None
 
 
-def test_pause_and_resume_the_whole_stream(ops_stream: StreamFixture) -> None:
-    stream = ops_stream
-    record_stream(stream)
-    policies = StreamPolicies(stream.redis, stream.name)
-    assert keyq("pause", "--stream", stream.name, "--all").exit_code == 0
-    assert policies.load().paused
-    shown = orjson.loads(keyq("stream", "show", "--stream", stream.name, "--json").stdout)
-    assert shown["paused"] is True
-    assert keyq("resume", "--stream", stream.name, "--all").exit_code == 0
-    assert not policies.load().paused
-
-
-def test_stream_set_and_show(ops_stream: StreamFixture) -> None:
-    stream = ops_stream
+def test_stream_set_and_show(stream: StreamFixture) -> None:
     record_stream(stream, mode="bucket")
     control = KeyControl(stream.redis, stream.name)
     control.pause(["a", "b"])
@@ -74,18 +55,9 @@ def test_stream_set_and_show(ops_stream: StreamFixture) -> None:
     policies = StreamPolicies(stream.redis, stream.name)
     assert policies.load() == StreamPolicy(poison_policy="park", rate_limit=2.5)
     shown = orjson.loads(keyq("stream", "show", "--stream", stream.name, "--json").stdout)
-    assert shown == {
-        "stream": stream.name,
-        "mode": "bucket",
-        "buckets": 4,
-        "queue_type": "classic",
-        "poison_policy": "park",
-        "rate_limit": 2.5,
-        "dedupe_window_s": 86_400,
-        "paused": False,
-        "paused_keys": 2,
-        "parked_keys": 1,
-    }
+    config = {"stream": stream.name, "mode": "bucket", "buckets": 4, "queue_type": "classic"}
+    policy = {"poison_policy": "park", "rate_limit": 2.5, "dedupe_window_s": 86_400}
+    assert shown == config | policy | {"paused": False, "paused_keys": 2, "parked_keys": 1}
     assert keyq("stream", "set", "--stream", stream.name, "--rate-limit", "none").exit_code == 0
     assert policies.load().rate_limit is None
     set_window = keyq("stream", "set", "--stream", stream.name, "--dedupe-window", "3600")
@@ -98,29 +70,9 @@ def test_stream_set_and_show(ops_stream: StreamFixture) -> None:
     assert "rate limit none" in text.stdout and "parked keys 1" in text.stdout
 
 
-def test_status_shows_the_policy_and_the_stopped_keys(ops_stream: StreamFixture) -> None:
-    stream = ops_stream
-    record_stream(stream)
-    KeyControl(stream.redis, stream.name).pause(["a"])
-    assert keyq("stream", "set", "--stream", stream.name, "--rate-limit", "3").exit_code == 0
-    assert keyq("pause", "--stream", stream.name, "--all").exit_code == 0
-    status = orjson.loads(keyq("status", "--stream", stream.name, "--json").stdout)
-    assert status["policy"] == {
-        "poison_policy": "skip",
-        "rate_limit": 3.0,
-        "paused": True,
-        "paused_keys": 1,
-        "parked_keys": 0,
-    }
-    text = keyq("status", "--stream", stream.name).stdout
-    assert "poison policy skip   rate limit 3/s per key   paused keys 1   parked keys 0" in text
-    assert "STREAM PAUSED" in text
-
-
-def test_bad_input_is_one_line_exit_2_and_changes_nothing(
-    ops_stream: StreamFixture, tmp_path: Path
+def test_bad_input_changes_nothing_then_the_whole_stream_pauses_and_status_shows_it(
+    stream: StreamFixture, tmp_path: Path
 ) -> None:
-    stream = ops_stream
     record_stream(stream)
     name = stream.name
     bad_file = tmp_path / "keys.txt"
@@ -152,19 +104,36 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(
     assert missing == "keyq: stream t-never-used does not exist"
     assert not stream.redis.exists(stream.keys.paused_keys, stream.keys.policy)
     assert not stream.redis.exists("keyq:{t-never-used}:config", "keyq:{t-never-used}:policy")
+    # the whole stream paused, and the policy in the status
+    policies = StreamPolicies(stream.redis, stream.name)
+    KeyControl(stream.redis, stream.name).pause(["a"])
+    assert keyq("stream", "set", "--stream", stream.name, "--rate-limit", "3").exit_code == 0
+    assert keyq("pause", "--stream", stream.name, "--all").exit_code == 0
+    assert policies.load().paused, "pause --all did not pause the stream"
+    shown = orjson.loads(keyq("stream", "show", "--stream", stream.name, "--json").stdout)
+    assert shown["paused"] is True, "stream show does not say paused"
+    status = orjson.loads(keyq("status", "--stream", stream.name, "--json").stdout)
+    stopped = {"paused": True, "paused_keys": 1, "parked_keys": 0}
+    assert status["policy"] == {"poison_policy": "skip", "rate_limit": 3.0} | stopped
+    text = keyq("status", "--stream", stream.name).stdout
+    assert "poison policy skip   rate limit 3/s per key   paused keys 1   parked keys 0" in text
+    assert "STREAM PAUSED" in text
+    assert keyq("resume", "--stream", stream.name, "--all").exit_code == 0
+    assert not policies.load().paused, "resume --all left the stream paused"
 
 
-def test_read_keys_keeps_order_and_drops_repeats(tmp_path: Path) -> None:
+def test_read_keys_keeps_order_drops_repeats_and_keeps_each_keys_spaces(tmp_path: Path) -> None:
     listed = tmp_path / "keys"
     listed.write_text("b\r\na\n\n  \nb\n")
     assert read_keys(("c", "a"), str(listed)) == ["c", "a", "b"]
     assert read_keys(("k",), None) == ["k"]
+    listed.write_text(" padded \nplain\r\n\n   \nlast")
+    assert keys_in_file(str(listed)) == [" padded ", "plain", "last"]
 
 
 def test_rabbitmq_down_is_exit_1_and_changes_nothing(
-    ops_stream: StreamFixture, monkeypatch: pytest.MonkeyPatch
+    stream: StreamFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    stream = ops_stream
     record_stream(stream)
     control = KeyControl(stream.redis, stream.name)
     control.pause(["a"])
@@ -181,9 +150,3 @@ def test_rabbitmq_down_is_exit_1_and_changes_nothing(
         assert "cannot reach RabbitMQ" in one_line_error(keyq(*args), 1)
     assert set(control.paused()) == {"a"} and set(control.parked()) == {"a"}
     assert not stream.redis.exists(stream.keys.redrive_lock, stream.keys.redrives)
-
-
-def test_a_keys_file_keeps_each_keys_own_spaces(tmp_path: Path) -> None:
-    keys_file = tmp_path / "keys"
-    keys_file.write_text(" padded \nplain\r\n\n   \nlast")
-    assert keys_in_file(str(keys_file)) == [" padded ", "plain", "last"]

@@ -1,13 +1,6 @@
-"""keyq as a user installs it: ``pip install`` into a fresh venv outside the repository puts
-exactly one top-level import package, ``keyq``, into site-packages, and a user's own
-``producer.py`` and ``worker.py`` (names keyq's internals once took) work beside it.
-
-That venv borrows the development venv's third-party packages through a ``.pth`` line, never
-its keyq: only the fresh install is importable there. A second venv is a plain ``pip install``
-with no extras, its dependencies from the package index: no Spark, pyarrow or pandas in it,
-yet it publishes, runs the operator commands and the janitor, and the commands that need
-Spark say in one line what to install.
-"""
+"""keyq as a user installs it: a fresh venv gets one top-level package, ``keyq``, and a user's own
+``producer.py`` and ``worker.py`` work beside it. A plain install without extras has no Spark, yet
+publishes and runs the light commands; those needing Spark say in one line what to install."""
 
 from __future__ import annotations
 
@@ -27,6 +20,7 @@ from tests.workers import FAST, REPO, keyq_environment
 # It installs from the repository (the build backend comes from the package index).
 # One process runs the file: its tests share the venvs it builds (module scope).
 pytestmark = [pytest.mark.slow, pytest.mark.services, pytest.mark.xdist_group("packaging")]
+PIP = (sys.executable, "-m", "pip", "--python")
 
 USER_PRODUCER = """
 import sys
@@ -54,36 +48,15 @@ def pipeline(df, ctx):
 
 @pytest.fixture(scope="module")
 def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A venv with keyq installed from the repository as a user would (not editable)."""
+    """A venv with keyq installed from the repository as a user would (not editable), borrowing
+    the development venv's third-party packages through a ``.pth`` line, never its keyq."""
     venv = tmp_path_factory.mktemp("fresh") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    site = Path(
-        subprocess.run(
-            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    )
-    # Third-party packages only: a path from a .pth is searched, but its own .pth files
-    # (the development venv's editable keyq) are not read.
+    [site] = venv.glob("lib/python*/site-packages")
+    # A path from a .pth is searched, but its own .pth files (the editable keyq) are not read.
     (site / "zz_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "--python",
-            str(python),
-            "install",
-            "-q",
-            "--no-deps",
-            str(REPO),
-        ],
-        check=True,
-        timeout=300,
-    )
+    install = [*PIP, str(venv / "bin" / "python"), "install", "-q", "--no-deps", str(REPO)]
+    subprocess.run(install, check=True, timeout=300)
     return venv
 
 
@@ -98,7 +71,9 @@ def installed_top_level(venv: Path) -> set[str]:
     return names
 
 
-def test_install_puts_one_import_package_into_site_packages(fresh_venv: Path) -> None:
+def test_install_puts_one_import_package_and_a_users_producer_py_and_worker_py_work(
+    fresh_venv: Path, stream: Any, tmp_path: Path
+) -> None:
     assert installed_top_level(fresh_venv) == {"keyq"}
     python = str(fresh_venv / "bin" / "python")
     probe = (
@@ -112,11 +87,6 @@ def test_install_puts_one_import_package_into_site_packages(fresh_venv: Path) ->
             [python, "-c", f"import {gone}"], capture_output=True, text=True, cwd="/"
         )
         assert found.returncode != 0, f"a top-level '{gone}' is importable"
-
-
-def test_a_users_producer_py_and_worker_py_work(
-    fresh_venv: Path, stream: Any, tmp_path: Path
-) -> None:
     (tmp_path / "producer.py").write_text(textwrap.dedent(USER_PRODUCER))
     (tmp_path / "worker.py").write_text(textwrap.dedent(USER_PIPELINE))
     env = keyq_environment(stream.settings, FAST)
@@ -132,17 +102,9 @@ def test_a_users_producer_py_and_worker_py_work(
     assert published.returncode == 0, published.stderr
     assert "published 3" in published.stdout
     # The `keyq` script, from the user's folder, finds the user's worker.py as the pipeline.
+    serve = ("worker", "--stream", stream.name, "--pipeline", "worker:pipeline", "--until-idle")
     served = subprocess.run(
-        [
-            str(fresh_venv / "bin" / "keyq"),
-            "worker",
-            "--stream",
-            stream.name,
-            "--pipeline",
-            "worker:pipeline",
-            "--until-idle",
-            "3",
-        ],
+        [str(fresh_venv / "bin" / "keyq"), *serve, "3"],
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -165,11 +127,7 @@ def light_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv = tmp_path_factory.mktemp("light") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = str(venv / "bin" / "python")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "--python", python, "install", "-q", str(REPO)],
-        check=True,
-        timeout=600,
-    )
+    subprocess.run([*PIP, python, "install", "-q", str(REPO)], check=True, timeout=600)
     return venv
 
 
@@ -186,16 +144,34 @@ def run_light(venv: Path, stream: Any, *args: str, where: Path) -> subprocess.Co
     )
 
 
-def test_the_plain_install_has_no_spark(light_venv: Path) -> None:
+def test_the_plain_install_has_no_spark_its_worker_api_says_so_and_its_version_is_right(
+    light_venv: Path,
+) -> None:
+    python = str(light_venv / "bin" / "python")
     probe = (
         "import importlib.util, sys; import keyq, keyq.cli.root; "
         f"print([m for m in {SPARK_MODULES!r} if importlib.util.find_spec(m)])"
     )
-    found = subprocess.run(
-        [str(light_venv / "bin" / "python"), "-c", probe], capture_output=True, text=True, cwd="/"
-    )
+    found = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd="/")
     assert found.returncode == 0, found.stderr
     assert found.stdout.strip() == "[]"
+    worker = subprocess.run(
+        [python, "-c", "from keyq import Worker"], capture_output=True, text=True, cwd="/"
+    )
+    assert worker.returncode == 1
+    assert worker.stderr.splitlines()[-1].endswith(WORKER_EXTRA), worker.stderr
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    shown = subprocess.run(
+        [python, "-c", "import keyq; print(keyq.__version__)"],
+        capture_output=True,
+        text=True,
+        cwd="/",
+    )
+    assert shown.stdout.strip() == declared, shown.stderr
+    cli = subprocess.run(
+        [str(light_venv / "bin" / "keyq"), "--version"], capture_output=True, text=True
+    )
+    assert cli.stdout.strip() == f"keyq, version {declared}"
 
 
 def test_the_plain_install_publishes_and_runs_the_light_commands(
@@ -255,30 +231,3 @@ def test_a_spark_command_without_spark_says_what_to_install(
     [line] = ran.stderr.splitlines()
     assert line.startswith(f"keyq: keyq {command[0]} ") and line.endswith(WORKER_EXTRA), line
     assert ran.stdout == ""
-
-
-def test_the_worker_api_without_spark_says_what_to_install(light_venv: Path) -> None:
-    ran = subprocess.run(
-        [str(light_venv / "bin" / "python"), "-c", "from keyq import Worker"],
-        capture_output=True,
-        text=True,
-        cwd="/",
-    )
-    assert ran.returncode == 1
-    assert ran.stderr.splitlines()[-1].endswith(WORKER_EXTRA), ran.stderr
-
-
-def test_the_installed_version_is_the_projects(light_venv: Path) -> None:
-    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-    python = str(light_venv / "bin" / "python")
-    shown = subprocess.run(
-        [python, "-c", "import keyq; print(keyq.__version__)"],
-        capture_output=True,
-        text=True,
-        cwd="/",
-    )
-    assert shown.stdout.strip() == declared, shown.stderr
-    cli = subprocess.run(
-        [str(light_venv / "bin" / "keyq"), "--version"], capture_output=True, text=True
-    )
-    assert cli.stdout.strip() == f"keyq, version {declared}"

@@ -1,11 +1,7 @@
-"""Auto mode's operator surface on a real Redis and RabbitMQ: ``keyq key promote`` records the
-route and declares, registers and announces the key's own queue; ``keyq inspect`` shows a key's
-route; ``keyq status`` counts promoted keys and route changes; waking follows the route."""
+"""Auto mode's operator surface on a real Redis and RabbitMQ: ``keyq key promote``, a key's route
+in ``keyq inspect``, ``keyq status`` and the console, and waking that follows the route."""
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from typing import Any
 
 import orjson
 import pika
@@ -21,24 +17,15 @@ from keyq.broker.streams import StreamConfig, ensure_stream_config
 from keyq.console.access import Access
 from keyq.console.app import create_app
 from tests.conftest import StreamFixture
-from tests.operator_helpers import depth, keyq, one_line_error, record_stream, with_operator_queues
+from tests.helpers import queue_depth
+from tests.operator_helpers import keyq, one_line_error, record_stream
+from tests.operator_helpers import keyq_json as _json
 
 BUCKETS = 4
 
 
-@pytest.fixture
-def ops_stream(stream: StreamFixture) -> Iterator[StreamFixture]:
-    yield from with_operator_queues(stream)
-
-
 def _auto(stream: StreamFixture) -> StreamConfig:
     return ensure_stream_config(stream.redis, stream.name, "auto", BUCKETS)
-
-
-def _json(*args: str) -> dict[str, Any]:
-    result = keyq(*args, "--json")
-    assert result.exit_code == 0, result.stderr
-    return dict(orjson.loads(result.stdout))
 
 
 def _close_move(stream: StreamFixture, config: StreamConfig, key: str, epoch: int) -> None:
@@ -51,9 +38,8 @@ def _close_move(stream: StreamFixture, config: StreamConfig, key: str, epoch: in
 
 
 def test_promote_declares_registers_and_announces_the_own_queue(
-    ops_stream: StreamFixture, amqp: pika.BlockingConnection
+    stream: StreamFixture, amqp: pika.BlockingConnection
 ) -> None:
-    stream = ops_stream
     config = _auto(stream)
     odd = "a key/with spaces"  # its own queue is named by its digest
     result = keyq("key", "promote", "a", odd, "--stream", stream.name)
@@ -64,18 +50,13 @@ def test_promote_declares_registers_and_announces_the_own_queue(
         assert f"{key}: promoted to {own} at epoch {epoch}" in result.stdout
         route = book.route(key)
         assert route is not None
-        assert (route.queue, route.bucket, route.open, route.why, route.epoch) == (
-            own,
-            config.queue_for(key),
-            True,
-            WHY_OPERATOR,
-            epoch,
-        )
-        assert depth(amqp, own) == 0  # declared
+        assert (route.queue, route.bucket) == (own, config.queue_for(key))
+        assert (route.open, route.why, route.epoch) == (True, WHY_OPERATOR, epoch)
+        assert queue_depth(amqp, own) == 0  # declared
         assert stream.redis.zscore(stream.keys.registry, own) is not None
         assert stream.redis.hget(stream.keys.queue_keys, own) == key
         assert stream.redis.zscore(stream.keys.woken, own) is not None
-        assert depth(amqp, config.queue_for(key)) is None  # no bucket declared for it
+        assert queue_depth(amqp, config.queue_for(key)) is None  # no bucket declared for it
     assert f".{stream.name}.h." in config.own_queue_for(odd)
 
     again = keyq("key", "promote", "a", "--stream", stream.name)
@@ -90,8 +71,7 @@ def test_promote_declares_registers_and_announces_the_own_queue(
 
 
 @pytest.mark.parametrize("mode", ["key", "bucket"])
-def test_promote_is_refused_outside_auto_mode(ops_stream: StreamFixture, mode: str) -> None:
-    stream = ops_stream
+def test_promote_is_refused_outside_auto_mode(stream: StreamFixture, mode: str) -> None:
     record_stream(stream, mode=mode)
     line = one_line_error(keyq("key", "promote", "a", "--stream", stream.name), 2)
     assert f"in {mode} mode" in line and "auto-mode" in line
@@ -99,20 +79,15 @@ def test_promote_is_refused_outside_auto_mode(ops_stream: StreamFixture, mode: s
     assert stream.redis.zcard(stream.keys.registry) == 0
 
 
-def test_promote_bad_input(ops_stream: StreamFixture) -> None:
-    _auto(ops_stream)
-    one_line_error(keyq("key", "promote", "--stream", ops_stream.name), 2)
-    one_line_error(keyq("key", "promote", "", "--stream", ops_stream.name), 2)
+def test_promote_refuses_bad_input_and_a_key_whose_events_wait_aside(
+    stream: StreamFixture, amqp: pika.BlockingConnection
+) -> None:
+    config = _auto(stream)
+    one_line_error(keyq("key", "promote", "--stream", stream.name), 2)
+    one_line_error(keyq("key", "promote", "", "--stream", stream.name), 2)
     one_line_error(keyq("key", "promote", "a", "--stream", "t-never-used"), 2)
     one_line_error(keyq("key", "promote", "a"), 2)
-    assert ops_stream.redis.hlen(ops_stream.keys.routes) == 0
-
-
-def test_promote_refuses_a_key_whose_events_wait_aside(
-    ops_stream: StreamFixture, amqp: pika.BlockingConnection
-) -> None:
-    stream = ops_stream
-    config = _auto(stream)
+    assert stream.redis.hlen(stream.keys.routes) == 0, "bad input promoted a key"
     aside = f"keyq.{stream.name}.a.test-aside"
     stream.redis.hset(stream.keys.aside, "a", orjson.dumps([aside]).decode())
     result = keyq("key", "promote", "a", "b", "--stream", stream.name)
@@ -121,7 +96,7 @@ def test_promote_refuses_a_key_whose_events_wait_aside(
     assert "b: promoted to" in result.stdout and "a:" not in result.stdout
     book = RouteBook(stream.redis, stream.name)
     assert book.route("a") is None and book.route("b") is not None
-    assert depth(amqp, config.own_queue_for("a")) is None
+    assert queue_depth(amqp, config.own_queue_for("a")) is None
     assert stream.redis.zscore(stream.keys.registry, config.own_queue_for("a")) is None
     # once its aside list is drained, it is promoted
     stream.redis.hdel(stream.keys.aside, "a")
@@ -129,8 +104,7 @@ def test_promote_refuses_a_key_whose_events_wait_aside(
     assert book.route("a") is not None
 
 
-def test_inspect_shows_the_route(ops_stream: StreamFixture, amqp: pika.BlockingConnection) -> None:
-    stream = ops_stream
+def test_inspect_shows_the_route(stream: StreamFixture, amqp: pika.BlockingConnection) -> None:
     config = _auto(stream)
     bucket, own = config.queue_for("a"), config.own_queue_for("a")
     before = _json("inspect", "--stream", stream.name, "--key", "a")
@@ -169,26 +143,13 @@ def test_inspect_shows_the_route(ops_stream: StreamFixture, amqp: pika.BlockingC
     assert f"bucket        {bucket}  (missing), forwards the key's events" in text
     assert "closed epoch 1" in text and "promoted epoch 1 (operator)" in text
 
-    # a key mode stream's picture has no route
-    other = StreamFixture(f"{stream.name}k", stream.settings, stream.redis).own()
-    try:
-        record_stream(other)
-        assert _json("inspect", "--stream", other.name, "--key", "a")["route"] is None
-    finally:
-        other.cleanup()
-
 
 def test_status_counts_promotions_and_demotions(
-    ops_stream: StreamFixture, amqp: pika.BlockingConnection
+    stream: StreamFixture, amqp: pika.BlockingConnection
 ) -> None:
-    stream = ops_stream
     config = _auto(stream)
-    assert _json("status", "--stream", stream.name)["routes"] == {
-        "promoted_keys": 0,
-        "open_moves": 0,
-        "promotions": {},
-        "demotions": 0,
-    }
+    none = {"promoted_keys": 0, "open_moves": 0, "promotions": {}, "demotions": 0}
+    assert _json("status", "--stream", stream.name)["routes"] == none
     assert keyq("key", "promote", "a", "b", "--stream", stream.name).exit_code == 0
     book = RouteBook(stream.redis, stream.name)
     assert book.promote("c", config.own_queue_for("c"), config.queue_for("c"), WHY_RATE)
@@ -212,20 +173,19 @@ def test_status_counts_promotions_and_demotions(
         "promoted keys 2   open moves 2   promotions 3 (operator 2, rate 1)   demotions 1" in text
     )
     other = StreamFixture(f"{stream.name}k", stream.settings, stream.redis).own()
-    try:
+    try:  # a key mode stream has no routes, in its status or a key's picture
         record_stream(other)
         assert _json("status", "--stream", other.name)["routes"] is None
+        assert _json("inspect", "--stream", other.name, "--key", "a")["route"] is None
         assert "promoted keys" not in keyq("status", "--stream", other.name).stdout
     finally:
         other.cleanup()
 
 
 def test_resume_wakes_the_queue_the_route_names(
-    ops_stream: StreamFixture, amqp: pika.BlockingConnection
+    stream: StreamFixture, amqp: pika.BlockingConnection
 ) -> None:
-    """A promoted key's own queue is woken (with its key), an unpromoted key's bucket (with
-    none: keys share it)."""
-    stream = ops_stream
+    """A promoted key's own queue is woken with its key; an unpromoted key's bucket with none."""
     config = _auto(stream)
     book = RouteBook(stream.redis, stream.name)
     assert book.promote("a", config.own_queue_for("a"), config.queue_for("a"), WHY_RATE)
@@ -234,16 +194,15 @@ def test_resume_wakes_the_queue_the_route_names(
     own, bucket = config.own_queue_for("a"), config.queue_for("b")
     assert sorted(done["woken"]) == sorted([own, bucket])
     stream.track(own, bucket)
-    assert depth(amqp, own) == 0 and depth(amqp, bucket) == 0
+    assert queue_depth(amqp, own) == 0 and queue_depth(amqp, bucket) == 0
     assert stream.redis.hget(stream.keys.queue_keys, own) == "a"
     assert stream.redis.hget(stream.keys.queue_keys, bucket) is None
     assert stream.redis.zscore(stream.keys.registry, bucket) is not None
 
 
 def test_auto_mode_is_a_mode_of_the_cli(
-    ops_stream: StreamFixture, amqp: pika.BlockingConnection
+    stream: StreamFixture, amqp: pika.BlockingConnection
 ) -> None:
-    stream = ops_stream
     result = keyq(
         "publish", "--stream", stream.name, "--key", "a", "--event", "{}", "--mode", "auto",
         "--buckets", str(BUCKETS),
@@ -251,15 +210,14 @@ def test_auto_mode_is_a_mode_of_the_cli(
     assert result.exit_code == 0, result.stderr
     config = _auto(stream)  # as recorded by the publish
     assert f"a\t{config.queue_for('a')}\t" in result.stdout
-    assert depth(amqp, config.queue_for("a")) == 1
+    assert queue_depth(amqp, config.queue_for("a")) == 1
     shown = _json("stream", "show", "--stream", stream.name)
     assert shown["mode"] == "auto" and shown["buckets"] == BUCKETS
 
 
 def test_the_consoles_key_page_shows_the_route(
-    ops_stream: StreamFixture, settings: Settings, amqp: pika.BlockingConnection
+    stream: StreamFixture, settings: Settings, amqp: pika.BlockingConnection
 ) -> None:
-    stream = ops_stream
     config = _auto(stream)
     assert keyq("key", "promote", "pro-a", "--stream", stream.name).exit_code == 0
     app = create_app(settings, Access(), [stream.name])

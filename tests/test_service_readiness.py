@@ -1,6 +1,5 @@
-"""One-shot commands wait for services that come up late: ``wait_for_services`` and
-``keyq demo --wait-for-services``, with RabbitMQ or Redis behind a proxy that refuses
-connections (as a server not yet listening does) until the test lets them through."""
+"""``wait_for_services`` and ``keyq demo --wait-for-services`` with RabbitMQ or Redis behind a
+proxy that refuses connections (as a server not yet listening does) until the test lets them."""
 
 from __future__ import annotations
 
@@ -50,25 +49,22 @@ def _let_through_after(proxy: FaultProxy, seconds: float) -> threading.Timer:
     return timer
 
 
-def test_waits_for_a_broker_that_comes_up_late(settings: Settings, late_broker: FaultProxy) -> None:
-    late = settings.model_copy(update={"amqp_url": late_broker.url_for(settings.amqp_url)})
-    said: list[str] = []
-    _let_through_after(late_broker, 2.0)
-    waited = wait_for_services(late, 30, say=said.append)
-    assert 1.8 <= waited < 15, waited
-    assert len(said) == 1 and said[0].startswith("waiting up to 30 s for RabbitMQ: cannot reach")
-    assert f":{PASSWORD}@" not in said[0]
-
-
-def test_waits_for_a_redis_that_comes_up_late(settings: Settings) -> None:
-    with _proxy(settings.redis_url) as proxy:
+@pytest.mark.parametrize(
+    ("url", "service", "after"), [("amqp_url", "RabbitMQ", 2.0), ("redis_url", "Redis", 1.5)]
+)
+def test_waits_for_a_service_that_comes_up_late(
+    settings: Settings, url: str, service: str, after: float
+) -> None:
+    with _proxy(getattr(settings, url)) as proxy:
         proxy.refuse(True)
-        late = settings.model_copy(update={"redis_url": proxy.url_for(settings.redis_url)})
+        late = settings.model_copy(update={url: proxy.url_for(getattr(settings, url))})
         said: list[str] = []
-        _let_through_after(proxy, 1.5)
+        _let_through_after(proxy, after)
         waited = wait_for_services(late, 30, say=said.append)
-    assert 1.3 <= waited < 15, waited
-    assert len(said) == 1 and "for Redis: cannot reach Redis" in said[0]
+    assert after - 0.2 <= waited < 15, waited
+    assert len(said) == 1, said
+    assert said[0].startswith(f"waiting up to 30 s for {service}: cannot reach {service}"), said
+    assert f":{PASSWORD}@" not in said[0]
 
 
 def test_a_broker_still_down_when_the_time_is_up_fails_naming_the_wait(
@@ -83,13 +79,12 @@ def test_a_broker_still_down_when_the_time_is_up_fails_naming_the_wait(
         wait_for_services(settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"}), 0)
 
 
-@pytest.mark.parametrize("timeout", [float("nan"), -1.0])
-def test_a_wait_that_is_no_duration_is_refused(settings: Settings, timeout: float) -> None:
-    with pytest.raises(ConfigurationError, match="0 s or more"):
-        wait_for_services(settings, timeout)
-
-
-def test_refused_credentials_are_not_waited_out(settings: Settings) -> None:
+def test_refused_credentials_and_a_wait_that_is_no_duration_are_not_waited_out(
+    settings: Settings,
+) -> None:
+    for timeout in (float("nan"), -1.0):
+        with pytest.raises(ConfigurationError, match="0 s or more"):
+            wait_for_services(settings, timeout)
     wrong = settings.amqp_url.replace(f"guest:{PASSWORD}@", "guest:not-the-password@")
     assert wrong != settings.amqp_url
     started = time.monotonic()
@@ -121,8 +116,8 @@ def test_the_demo_fails_clearly_when_the_broker_never_comes(
 def test_the_demo_waits_for_a_broker_that_comes_up_late_and_then_runs_clean(
     stream: StreamFixture, late_broker: FaultProxy, tmp_path: Path
 ) -> None:
-    """The compose start-up race: the demo's producer starts before RabbitMQ accepts
-    connections. Its workers and janitor (started after the wait) go through the proxy too."""
+    """The compose start-up race: the demo starts before RabbitMQ accepts connections (its
+    workers and janitor, started after the wait, go through the proxy too)."""
     environment = keyq_environment(stream.settings, FAST)
     environment["KEYQ_AMQP_URL"] = late_broker.url_for(stream.settings.amqp_url)
     errors = tmp_path / "demo.err"
