@@ -1,5 +1,6 @@
-"""The age of a stream's oldest unprocessed event counts the events workers hold: a worker
-stuck in a slow batch has nothing ready in its queue, yet its events are waiting."""
+"""The age of a stream's oldest unprocessed event: the oldest head of the queues nobody consumes
+(peeked, and left in place), and the events workers hold: a worker stuck in a slow batch has
+nothing ready in its queue, yet its events are waiting."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from typing import Any
 import pytest
 
 from keyq import Producer
+from keyq.broker.naming import key_queue_name
 from keyq.broker.redis_keys import StreamKeys
 from keyq.broker.stream_figures import FiguresRecord
 from keyq.broker.streams import load_stream_config
 from keyq.janitor.stream_gauges import StreamGauges
 from tests.conftest import StreamFixture
+from tests.helpers import drain
 from tests.workers import wait_until
 
 pytestmark = pytest.mark.slow
@@ -60,3 +63,28 @@ def test_the_oldest_event_age_counts_what_a_worker_holds_unapplied(
     age = figures.oldest_event_age_s
     assert age is not None and age <= time.time() - published_at + 1.0, age
     assert worker.terminate() == 0, worker.log()[-3000:]
+
+
+def test_with_no_worker_the_age_is_the_oldest_queue_heads_and_peeking_takes_nothing(
+    stream: StreamFixture, producer: Producer, amqp: Any
+) -> None:
+    producer.publish("old-key", {"n": 1, "producer": "p"})
+    producer.flush(timeout=20)
+    published_at = time.time()
+    time.sleep(1.5)
+    for key in ("old-key", "new-key"):
+        producer.publish(key, {"n": 2, "producer": "p"})
+    producer.flush(timeout=20)
+    config = load_stream_config(stream.redis, stream.name)
+    assert config is not None
+    gauges = StreamGauges(stream.settings, "test-janitor")
+    try:
+        gauges.measure(stream.redis, stream.name, config)
+        figures = gauges.latest[stream.name]
+    finally:
+        gauges.close()
+    assert (figures.ready_events, figures.dead_letters, figures.live_workers) == (3, 0, 0)
+    age = figures.oldest_event_age_s  # the older key's head, not the newer key's
+    assert age is not None and 1.4 <= age <= time.time() - published_at + 0.5, age
+    queue = key_queue_name(stream.name, "old-key")
+    assert [m.json()["n"] for m in drain(amqp.channel(), queue)] == [1, 2]  # peeked, kept
