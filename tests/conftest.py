@@ -56,6 +56,35 @@ def _docker_answers() -> bool:
         return False
 
 
+# ``make test`` runs the suite in two phases: KEYQ_TEST_ALONE=skip, every test but those marked
+# ``alone``, in parallel; then KEYQ_TEST_ALONE=only, those, in one process. Run beside the
+# others, an ``alone`` test holds every process idle until the longest test in flight ends.
+PHASE = os.environ.get("KEYQ_TEST_ALONE", "")
+
+
+def _keep_the_phase(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if PHASE not in ("skip", "only"):
+        return
+    keep = [i for i in items if (i.get_closest_marker("alone") is not None) == (PHASE == "only")]
+    left = [i for i in items if i not in keep]
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = keep
+        config.stash[_PHASE_DESELECTED] = True
+
+
+_PHASE_DESELECTED = pytest.StashKey[bool]()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A phase left empty by the split (a subset with no ``alone`` test) is no failure; a
+    selection that was empty before it still is."""
+    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and session.config.stash.get(
+        _PHASE_DESELECTED, False
+    ):
+        session.exitstatus = pytest.ExitCode.OK
+
+
 @pytest.hookimpl(trylast=True)  # after xdist's, which names each test's group
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test that needs no service fixture, and is not marked ``services``, is a unit test:
@@ -65,6 +94,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     must reach one process, or each process starts that server again. xdist groups by a
     suffix it writes into the node id, which some pytest releases ignore: the run stops then,
     rather than go several times slower."""
+    _keep_the_phase(config, items)
     for item in items:
         uses_services = "services" in getattr(item, "fixturenames", ())
         if not uses_services and item.get_closest_marker("services") is None:
