@@ -152,6 +152,9 @@ class Connector:
     def _on_open_error(self, connection: Any, error: BaseException) -> None:
         if connection is not None and connection is not self._ctx.connection:
             return  # a timer of an abandoned attempt: its failure was handled already
+        if self._ctx.stopping:  # close() aborted this attempt: no other is to follow
+            self._ctx.ioloop.stop()
+            return
         settings = self._ctx.settings
         failure = amqp_failure(error, settings.amqp_url, handshake_s=handshake_timeout(settings))
         if not self.ready.is_set():
@@ -225,9 +228,11 @@ class Connector:
     def shutdown(self) -> None:
         self._ctx.stopping = True
         connection = self._ctx.connection
-        if connection is not None and not (connection.is_closed or connection.is_closing):
-            connection.close()
+        if connection is not None and connection.is_open:
+            connection.close()  # ``_on_closed`` then stops the loop
         else:
+            # An attempt still opening is dropped with the loop: pika's close() during its
+            # handshake fails an assertion in pika (pika/pika#970).
             self._ctx.ioloop.stop()
 
     def _on_blocked(self, _connection: Any, _frame: Any) -> None:
