@@ -27,7 +27,7 @@ from keyq.worker.amqp.dead_letters import DeadLetter, dead_letter_properties
 from keyq.worker.amqp.deliveries import Delivery
 from tests.conftest import StreamFixture
 from tests.support import KEYQ_WITH_SEAMS
-from tests.workers import REPO, keyq_environment
+from tests.workers import REPO, keyq_environment, wait_until
 
 _tags = itertools.count(1)
 
@@ -101,6 +101,16 @@ def peek_all(connection: pika.BlockingConnection, queue: str) -> list[tuple[dict
             seen.append((dict(properties.headers or {}), bytes(body)))
             if len(seen) == ready:
                 break
+        # handed back by a nack, then seen ready again: a quorum queue requeues what a closed
+        # channel held asynchronously (the next reader would find it empty), and RabbitMQ 4
+        # counts that against the letters' delivery limit
+        channel.cancel()
+        channel.basic_nack(0, multiple=True, requeue=True)
+        wait_until(
+            lambda: channel.queue_declare(queue, passive=True).method.message_count >= ready,
+            10,
+            f"{queue} to show its {ready} messages again",
+        )
     channel.close()
     return seen
 
