@@ -127,13 +127,14 @@ def connect(target: RedisTarget, **options: Any) -> redis.Redis:
         )
         return cast(redis.Redis, cluster)
     assert target.service is not None
-    asking = {
+    asking: dict[str, Any] = {
         key: options[key] for key in ("socket_timeout", "socket_connect_timeout") if key in options
     }
-    sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+    # redis-py 8.2 and later type these calls, earlier releases do not
+    sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
         list(target.nodes), sentinel_kwargs=asking, db=target.db, **auth, **options
     )
-    primary: redis.Redis = sentinel.master_for(target.service)  # type: ignore[no-untyped-call]
+    primary: redis.Redis = sentinel.master_for(target.service)  # type: ignore[no-untyped-call, unused-ignore]
     return primary
 
 

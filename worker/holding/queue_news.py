@@ -63,7 +63,7 @@ class QueueNews:
     def _subscription(self) -> redis.client.PubSub | None:
         if self._pubsub is None:
             try:
-                pubsub = self._client.pubsub()  # type: ignore[no-untyped-call]
+                pubsub = self._client.pubsub()  # type: ignore[no-untyped-call, unused-ignore]
                 pubsub.subscribe(self._keys.announcements)
                 self._pubsub = pubsub
             except (redis.exceptions.RedisError, OSError):
