@@ -33,7 +33,7 @@ from keyq.broker.topology import keyed_queue_arguments
 from keyq.janitor import janitor as janitor_module
 from keyq.janitor.config import JanitorSettings
 from keyq.janitor.deleter import Outcome, QueueDeleter
-from keyq.janitor.inventory import NOT_SET, list_queues
+from keyq.janitor.inventory import NOT_SET, InventoryUnavailable, list_queues
 from keyq.janitor.janitor import Janitor
 from keyq.janitor.metrics import JanitorMetrics
 from keyq.worker.batch.state_store import StateStore
@@ -249,19 +249,31 @@ def test_repairs_bad_states(stream: StreamFixture, amqp: pika.BlockingConnection
 
 
 @pytest.mark.broker_versions
-@pytest.mark.parametrize("source", ["prometheus", "management"])
+@pytest.mark.parametrize("source", ["prometheus", "management", "management, prometheus down"])
 def test_queues_a_crash_left_unregistered_are_found_on_the_brokers_own_listing(
     source: str, stream: StreamFixture, private_rabbit: Any
 ) -> None:
     """A keyq queue on the broker that nobody registered (a crash between declare and
     register) is adopted from the listing of the broker of KEYQ_AMQP_URL: its
     rabbitmq_prometheus or, on 3.x and 4.x alike (``/api/queues`` answers with the metrics
-    collection off), its management API; the next pass reclaims it like any other."""
+    collection off), its management API, also when prometheus is set and does not answer;
+    the next pass reclaims it like any other."""
+    dead = "http://127.0.0.1:1"  # nothing listens on port 1
+    prometheus = {"prometheus": private_rabbit.prometheus_url, "management": ""}.get(source, dead)
     settings = janitor_settings(
         amqp_url=private_rabbit.url,
-        prometheus_url=private_rabbit.prometheus_url if source == "prometheus" else "",
-        management_url=private_rabbit.management_url if source == "management" else "",
+        prometheus_url=prometheus,
+        management_url="" if source == "prometheus" else private_rabbit.management_url,
     )
+    if source != "prometheus":  # neither answers: said, not guessed
+        with pytest.raises(InventoryUnavailable):
+            list_queues(
+                settings.model_copy(update={"prometheus_url": dead, "management_url": dead})
+            )
+        with pytest.raises(InventoryUnavailable):
+            list_queues(
+                settings.model_copy(update={"prometheus_url": dead, "management_url": None})
+            )
     ensure_stream_config(stream.redis, stream.name, "key")
     registry = QueueRegistry(stream.redis, stream.name)
     leftover = key_queue_name(stream.name, "leftover")

@@ -65,9 +65,16 @@ def test_the_oldest_event_age_counts_what_a_worker_holds_unapplied(
     assert worker.terminate() == 0, worker.log()[-3000:]
 
 
+@pytest.mark.parametrize("listing", ["declared", "prometheus down"])
 def test_with_no_worker_the_age_is_the_oldest_queue_heads_and_peeking_takes_nothing(
-    stream: StreamFixture, producer: Producer, amqp: Any
+    listing: str,
+    stream: StreamFixture,
+    producer: Producer,
+    amqp: Any,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """Without a listing, or with one that does not answer, the queues are declared passively;
+    a broker that cannot be reached leaves the depths unmeasured, said once per outage."""
     producer.publish("old-key", {"n": 1, "producer": "p"})
     producer.flush(timeout=20)
     published_at = time.time()
@@ -77,7 +84,11 @@ def test_with_no_worker_the_age_is_the_oldest_queue_heads_and_peeking_takes_noth
     producer.flush(timeout=20)
     config = load_stream_config(stream.redis, stream.name)
     assert config is not None
-    gauges = StreamGauges(stream.settings, "test-janitor")
+    dead = "http://127.0.0.1:1/metrics"  # nothing listens on port 1
+    listed = stream.settings.model_copy(
+        update={"prometheus_url": dead if listing == "prometheus down" else None}
+    )
+    gauges = StreamGauges(listed, "test-janitor")
     try:
         gauges.measure(stream.redis, stream.name, config)
         figures = gauges.latest[stream.name]
@@ -88,3 +99,14 @@ def test_with_no_worker_the_age_is_the_oldest_queue_heads_and_peeking_takes_noth
     assert age is not None and 1.4 <= age <= time.time() - published_at + 0.5, age
     queue = key_queue_name(stream.name, "old-key")
     assert [m.json()["n"] for m in drain(amqp.channel(), queue)] == [1, 2]  # peeked, kept
+    unreachable = StreamGauges(
+        listed.model_copy(update={"amqp_url": "amqp://keyq:s3cret-pw@127.0.0.1:1/%2F"}),
+        "test-janitor",
+    )
+    caplog.set_level("WARNING", logger="keyq.janitor")
+    for _ in range(2):
+        unreachable.measure(stream.redis, stream.name, config)
+    down = unreachable.latest[stream.name]
+    assert (down.ready_events, down.dead_letters, down.oldest_event_age_s) == (None, None, None)
+    said = [r.getMessage() for r in caplog.records if "not measured" in r.getMessage()]
+    assert len(said) == 1 and "s3cret-pw" not in said[0], said
