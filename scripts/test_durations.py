@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-LINE = re.compile(r"^\s*(?:> )?(\d+(?:\.\d+)?)s (setup|call|teardown)\s+(\S+)\s*$")
+LINE = re.compile(r"^\s*(?:> )?(\d+(?:\.\d+)?)s (setup|call|teardown)\s+(\S.*?)\s*$")
 OUT = Path(__file__).resolve().parent.parent / "tests" / "durations.json"
 
 
