@@ -79,11 +79,10 @@ package: install services
 # The suite runs in TEST_PROCESSES pytest processes (pytest-xdist): most of a test's time is
 # spent waiting on a broker, a Redis or a worker, so more processes than cores pay. Each test
 # owns its streams and private servers (tests/conftest.py); a file whose tests share a
-# module-scoped server is kept in one process (xdist_group), and the slowest go first
-# (tests/durations.json, from scripts/test_durations.py). PYTEST_ARGS: a subset, e.g.
+# module-scoped server is kept in one process (xdist_group). PYTEST_ARGS: a subset, e.g.
 # PYTEST_ARGS=tests/test_status.py
 TEST_PROCESSES ?= 3
-PYTEST_PARALLEL = -n $(TEST_PROCESSES) --dist loadgroup --no-loadscope-reorder
+PYTEST_PARALLEL = -n $(TEST_PROCESSES) --dist loadgroup
 
 # The tests marked `alone` (they assert on timing) run after the rest, in one process.
 test: install test-services lint typecheck package

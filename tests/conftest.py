@@ -85,32 +85,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.OK
 
 
-# Seconds each test took in a recent full run (setup, call and teardown), written by
-# ``scripts/test_durations.py`` from ``pytest --durations=0`` output.
-DURATIONS = Path(__file__).with_name("durations.json")
-UNKNOWN_DURATION_S = 5.0  # a test newer than the file
-
-
-def _scope(nodeid: str) -> str:
-    """The unit xdist's loadgroup hands one process: the group a suffix names, else the test."""
-    return nodeid.rsplit("@", 1)[-1] if nodeid.rfind("@") > nodeid.rfind("]") else nodeid
-
-
-def _slowest_first(items: list[pytest.Item]) -> None:
-    """The units that take longest go first, so that the processes end together instead of
-    one running a long test while the others have finished. The order within a unit is kept
-    (a group's tests share a server in that order), and so is every process's order, as each
-    sorts the same collection."""
-    if not DURATIONS.exists():
-        return
-    seconds = orjson.loads(DURATIONS.read_bytes())
-    total: dict[str, float] = {}
-    for item in items:
-        scope = _scope(item.nodeid)
-        total[scope] = total.get(scope, 0.0) + seconds.get(item.nodeid, UNKNOWN_DURATION_S)
-    items.sort(key=lambda item: -total[_scope(item.nodeid)])
-
-
 @pytest.hookimpl(trylast=True)  # after xdist's, which names each test's group
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test that needs no service fixture, and is not marked ``services``, is a unit test:
@@ -121,7 +95,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     suffix it writes into the node id, which some pytest releases ignore: the run stops then,
     rather than go several times slower."""
     _keep_the_phase(config, items)
-    _slowest_first(items)
     for item in items:
         uses_services = "services" in getattr(item, "fixturenames", ())
         if not uses_services and item.get_closest_marker("services") is None:
