@@ -192,7 +192,9 @@ def test_the_figures_are_the_nodes_own(source: str, managed_rabbit: PrivateRabbi
     assert usage.node == managed_rabbit.node
     assert usage.limit == NOFILE
     assert usage.used is not None and abs(usage.used - open_now) <= 10
-    assert not usage.near_limit
+    # the node is shared by the process's tests: what others left open may be near its limit
+    assert usage.warn_ratio == settings.fd_warn_ratio
+    assert usage.near_limit == (usage.used >= settings.fd_warn_ratio * NOFILE)
 
 
 def _status(settings: Settings, stream: str, *args: str) -> subprocess.CompletedProcess[str]:
