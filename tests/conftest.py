@@ -290,8 +290,12 @@ def producer(stream: StreamFixture) -> Iterator[Producer]:
 
 @pytest.fixture
 def amqp(settings: Settings) -> Iterator[pika.BlockingConnection]:
-    """A plain pika connection for looking at what really landed."""
-    connection = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
+    """A plain pika connection for looking at what really landed. A test may leave it idle for
+    minutes between looks, and a blocking connection sends no heartbeats while idle, so it asks
+    for none: the broker would otherwise close it under a long test."""
+    parameters = pika.URLParameters(settings.amqp_url)
+    parameters.heartbeat = 0
+    connection = pika.BlockingConnection(parameters)
     yield connection
     with suppress(Exception):
         connection.close()
