@@ -22,37 +22,28 @@ HOME_NODE_DOWN_3_10 = (
 )
 STOPPED_4_3 = f"NOT_FOUND - queue '{QUEUE}' in vhost '/' process is stopped by supervisor"
 MISSING = f"NOT_FOUND - no queue '{QUEUE}' in vhost '/'"
-
-
-@pytest.mark.parametrize("text", [HOME_NODE_DOWN_3_10, STOPPED_4_3])
-def test_a_queue_whose_node_is_down_is_unreachable_on_each_release(text: str) -> None:
-    assert classify(404, text) is QueueRefusal.UNREACHABLE
-    assert unreachable_queue(404, text) == QUEUE
-
-
-def test_a_queue_that_does_not_exist_is_missing() -> None:
-    assert classify(404, MISSING) is QueueRefusal.MISSING
-    assert unreachable_queue(404, MISSING) is None
-
-
-def test_a_404_that_names_a_queue_in_words_not_known_yet_is_unreachable() -> None:
-    """A later release's wording: waiting for the queue is the safe reading."""
-    text = f"NOT_FOUND - queue '{QUEUE}' in vhost 'prod' has no running replica"
-    assert classify(404, text) is QueueRefusal.UNREACHABLE
-    assert unreachable_queue(404, text) == QUEUE
+# A later release's wording: waiting for the queue is the safe reading.
+NEW_WORDING = f"NOT_FOUND - queue '{QUEUE}' in vhost 'prod' has no running replica"
+UNREACHABLE, MISSING_, OTHER = QueueRefusal.UNREACHABLE, QueueRefusal.MISSING, QueueRefusal.OTHER
 
 
 @pytest.mark.parametrize(
-    ("code", "text"),
+    ("code", "text", "refusal", "queue"),
     [
-        (404, "NOT_FOUND - no exchange 'keyq.x' in vhost '/'"),
-        (406, f"PRECONDITION_FAILED - queue '{QUEUE}' in vhost '/' not empty"),
-        (403, f"ACCESS_REFUSED - queue '{QUEUE}' in vhost '/' in exclusive use"),
+        (404, HOME_NODE_DOWN_3_10, UNREACHABLE, QUEUE),
+        (404, STOPPED_4_3, UNREACHABLE, QUEUE),
+        (404, NEW_WORDING, UNREACHABLE, QUEUE),
+        (404, MISSING, MISSING_, None),
+        (404, "NOT_FOUND - no exchange 'keyq.x' in vhost '/'", OTHER, None),
+        (406, f"PRECONDITION_FAILED - queue '{QUEUE}' in vhost '/' not empty", OTHER, None),
+        (403, f"ACCESS_REFUSED - queue '{QUEUE}' in vhost '/' in exclusive use", OTHER, None),
     ],
 )
-def test_other_refusals_are_not_about_reachability(code: int, text: str) -> None:
-    assert classify(code, text) is QueueRefusal.OTHER
-    assert unreachable_queue(code, text) is None
+def test_a_refusal_reads_as_missing_unreachable_or_other(
+    code: int, text: str, refusal: QueueRefusal, queue: str | None
+) -> None:
+    assert classify(code, text) is refusal
+    assert unreachable_queue(code, text) == queue
 
 
 @pytest.mark.broker_versions
