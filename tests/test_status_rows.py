@@ -39,30 +39,19 @@ def row_of(raw: str | None, *, held: int = 0) -> dict[str, Any]:
     return worker_row("w", 10_000, now=7_000, ttl_ms=5_000, report=report, held=held)
 
 
-def test_a_worker_row_shows_its_report() -> None:
-    report = WorkerReport(
-        worker="w",
-        stream="s",
-        ready=True,
-        started_ms=123,
-        events=42,
-        batches=7,
-        dead_lettered=1,
-        waiting=3,
-        gaps_open=1,
-        gaps_skipped=2,
-        late=1,
-        gaps=(GapReport(key="k", producer="p", first=3, last=5, waited_s=1.5),),
-        host="h",
-        pid=99,
-    )
+def test_a_worker_row_shows_its_report_an_older_ones_defaults_and_none_for_no_report() -> None:
+    fields = {name: FULL_ROW[name] for name in (*COUNTS, "ready", "started_ms", "host", "pid")}
+    gaps = (GapReport(key="k", producer="p", first=3, last=5, waited_s=1.5),)
+    report = WorkerReport(worker="w", stream="s", gaps=gaps, **fields)
     row = row_of(report.to_json(), held=2)
     assert list(row) == list(FULL_ROW)  # in this order
     assert row == FULL_ROW
     assert orjson.loads(orjson.dumps(row)) == row
-
-
-def test_without_a_report_the_counts_are_none_and_the_age_is_never_negative() -> None:
+    # An older worker's heartbeat: the defaults it did not write.
+    row = row_of(orjson.dumps({"worker": "w", "events": 5, "host": "h", "pid": 1}).decode())
+    assert row["events"] == 5 and row["batches"] == 0 and row["late"] == 0
+    assert (row["host"], row["pid"], row["ready"]) == ("h", 1, False)
+    # No report: the counts are None, and the age is never negative.
     for raw in (None, "", "{", "[1]", '"text"', "42"):
         row = row_of(raw, held=1)
         assert list(row) == ROW_KEYS
@@ -72,13 +61,6 @@ def test_without_a_report_the_counts_are_none_and_the_age_is_never_negative() ->
         assert row["host"] is None and row["pid"] is None and row["started_ms"] is None
     row = worker_row("w", 20_000, now=7_000, ttl_ms=5_000, report=None, held=0)
     assert row["heartbeat_age_ms"] == 0  # a heartbeat from the future is no negative age
-
-
-def test_an_older_worker_s_heartbeat_shows_the_defaults_it_did_not_write() -> None:
-    raw = orjson.dumps({"worker": "w", "events": 5, "host": "h", "pid": 1}).decode()
-    row = row_of(raw)
-    assert row["events"] == 5 and row["batches"] == 0 and row["late"] == 0
-    assert (row["host"], row["pid"], row["ready"]) == ("h", 1, False)
 
 
 def test_queue_rows_sort_deepest_first_and_missing_last() -> None:
