@@ -39,12 +39,11 @@ SMALL_LIMIT = 2048
 
 
 def _producer(stream: StreamFixture, **options: Any) -> Producer:
-    """A key-mode producer whose waits are short, so a broken one fails fast."""
+    """Short waits: a broken producer fails fast."""
     return Producer(stream.name, mode="key", settings=stream.settings, publish_timeout=5, **options)
 
 
 def _deep(levels: int) -> dict[str, Any]:
-    """A dict with ``levels`` dicts nested inside it."""
     event: dict[str, Any] = {"leaf": 1}
     for _ in range(levels):
         event = {"a": event}
@@ -60,8 +59,7 @@ def _producer_threads() -> set[int]:
 
 
 def _check_refusal(exc: BaseException, cls: type[KeyqError], *words: str) -> None:
-    """The error is exactly the keyq class asked for, a ValueError when that class is one,
-    and its message says what was wrong in words a person can act on."""
+    """The keyq class asked for (a ValueError when it is one), saying what was wrong."""
     assert isinstance(exc, cls), f"{type(exc).__name__} is not a {cls.__name__}: {exc}"
     assert isinstance(exc, KeyqError)
     if issubclass(cls, ValueError):
@@ -81,8 +79,8 @@ def _settled(producer: Producer) -> None:
 def _landed_only(
     amqp: pika.BlockingConnection, stream: StreamFixture, key: str, bodies: list[bytes]
 ) -> list[Landed]:
-    """The key's queue holds exactly ``bodies``, in order, with seqs 1..n and nothing else
-    of the stream was created besides that queue (and the dead-letter queue, left empty)."""
+    """The key's queue holds exactly ``bodies``, seqs 1..n; the stream has no other queue and
+    an empty dead-letter queue."""
     queue = key_queue_name(stream.name, key)
     landed = drain(amqp.channel(), queue)
     assert [m.body for m in landed] == bodies
@@ -94,7 +92,6 @@ def _landed_only(
 
 
 def _still_works(producer: Producer, amqp: pika.BlockingConnection, stream: StreamFixture) -> None:
-    """Publish one more good event after the refusal and check only good events landed."""
     producer.publish(GOOD_KEY, {"n": 2})
     _settled(producer)
     _landed_only(amqp, stream, GOOD_KEY, [b'{"n":1}', b'{"n":2}'])
@@ -106,8 +103,8 @@ def _fitting(key: str) -> int:
 
 
 def _refused(cls: type[KeyqError], argument: str, *rows: tuple[Any, ...], **call: Any) -> list[Any]:
-    """Cases ``(value, words, id)`` of one kind of refusal: ``value`` is the ``argument``
-    (key, event or headers) of a publish otherwise good, or as ``call`` sets it."""
+    """Rows ``(value, words, id)``: ``value`` is the ``argument`` (key, event or headers) of a
+    publish otherwise good, or as ``call`` sets it."""
     defaults = {"key": GOOD_KEY, "event": {"n": -1}, "headers": None, "max_message_bytes": None}
     return [
         pytest.param({**defaults, **call, argument: value}, cls, words, id=f"{argument}-{id_}")
@@ -240,27 +237,9 @@ def test_a_bad_publish_is_refused_and_the_producer_goes_on(
 
 
 ODD_KEYS = [
-    "tab\there",
-    "new\nline\r",
-    "bell\x07esc\x1b\x7f",
-    "nul\x00inside",
-    "\x00",
-    "ключ",
-    "鍵",
-    "🔑 key",
-    "dlq",
-    "amq.gen-x",
-    "amq.direct",
-    "../x",
-    "..",
-    "a/b\\c",
-    "*",
-    "#.#",
-    " spaced ",
-    "k" * MAX_KEY_BYTES,
-    "é" * (MAX_KEY_BYTES // 2),
-    "dup",
-    "DUP",
+    *("tab\there", "new\nline\r", "bell\x07esc\x1b\x7f", "nul\x00inside", "\x00"),
+    *("ключ", "鍵", "🔑 key", "dlq", "amq.gen-x", "amq.direct", "../x", "..", "a/b\\c"),
+    *("*", "#.#", " spaced ", "k" * MAX_KEY_BYTES, "é" * (MAX_KEY_BYTES // 2), "dup", "DUP"),
 ]
 
 
@@ -309,24 +288,14 @@ def test_edge_events_and_headers_that_fit_travel_intact(
         {"nul": "a\x00b", "uni": "ключ 🔑", "empty": {}, "list": [], "none": None},
         MappingProxyType({"read": "only"}),
     ]
+    # The second memoryview is not contiguous.
     as_bytes: list[Any] = [
-        b"",
-        bytes(range(256)),
-        bytearray(b"\x00not json\xff"),
-        memoryview(b"view of bytes"),
-        memoryview(b"abcdef")[::2],  # not contiguous
-        b"[1, 2, 3]",
+        *(b"", bytes(range(256)), bytearray(b"\x00not json\xff"), memoryview(b"view of bytes")),
+        *(memoryview(b"abcdef")[::2], b"[1, 2, 3]"),
     ]
-    headers = {
-        "trace": "t-1",
-        "max": 2**63 - 1,
-        "min": -(2**63),
-        "flag": True,
-        "nothing": None,
-        "raw": b"\x00\xff",
-        "x-keyq": "no dash after keyq, so not reserved",
-        "ключ": "значение",
-    }
+    headers: dict[str, Any] = {"trace": "t-1", "max": 2**63 - 1, "min": -(2**63), "flag": True}
+    headers |= {"nothing": None, "raw": b"\x00\xff", "ключ": "значение"}
+    headers["x-keyq"] = "no dash after keyq, so not reserved"
     with _producer(stream) as producer:
         for event in as_json:
             producer.publish(GOOD_KEY, event)
@@ -374,24 +343,12 @@ def test_float_header_value_is_sent_or_refused_up_front(
 
 # ---------------------------------------------------------------- streams and config
 BAD_STREAM_NAMES = [
-    pytest.param("", id="empty"),
-    pytest.param("s" * 65, id="65-chars"),
-    pytest.param("-dash-first", id="dash-first"),
-    pytest.param("_underscore-first", id="underscore-first"),
-    pytest.param("has space", id="space"),
-    pytest.param("dot.ted", id="dot"),
-    pytest.param("brace{x}", id="brace"),
-    pytest.param("slash/x", id="slash"),
-    pytest.param("colon:x", id="colon"),
-    pytest.param("ünïcode", id="unicode"),
-    pytest.param("trailing\n", id="trailing-newline"),
-    pytest.param(None, id="none"),
-    pytest.param(42, id="int"),
-    pytest.param(b"bytes", id="bytes"),
+    *("", "s" * 65, "-dash-first", "_underscore-first", "has space", "dot.ted", "brace{x}"),
+    *("slash/x", "colon:x", "ünïcode", "trailing\n", None, 42, b"bytes"),
 ]
 
 
-@pytest.mark.parametrize("name", BAD_STREAM_NAMES)
+@pytest.mark.parametrize("name", BAD_STREAM_NAMES, ids=repr)
 def test_invalid_stream_name_is_refused(settings: Any, name: object) -> None:
     before = _producer_threads()
     with pytest.raises(InvalidStreamName) as info:
