@@ -4,7 +4,6 @@ of a holding follows. Services are stand-ins that record calls; worker tests use
 from __future__ import annotations
 
 import queue as queue_module
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any, cast
@@ -22,6 +21,7 @@ from keyq.worker.amqp.link import ConsumerCalls, ConsumerLink, QueueCounter
 from keyq.worker.amqp.queue_channels import ConsumerGone
 from keyq.worker.amqp.starvation import StarvedQueues
 from keyq.worker.batch.outcome import BatchOutcome
+from keyq.worker.holding import refused_claims
 from keyq.worker.holding.aside_drains import AsideDrains
 from keyq.worker.holding.handbacks import RELEASE_COOLDOWN_S, HandBacks
 from keyq.worker.holding.held_index import Held
@@ -32,11 +32,9 @@ from tests.helpers import plain_delivery
 class Journal:
     def __init__(self) -> None:
         self.entries: list[tuple[str, ...]] = []
-        self.threads: dict[str, set[str]] = {}
 
     def note(self, *entry: str) -> None:
         self.entries.append(entry)
-        self.threads.setdefault(entry[0], set()).add(threading.current_thread().name)
 
 
 class StandInLink:
@@ -53,7 +51,6 @@ class StandInLink:
         self.ready: dict[str, int] = {}  # what a look into a queue finds ready
         self.node = "127.0.0.1:5672"
         self.moves: list[str] = []
-
         self.reconnects = 0
         self.single_node = False
         self.looks_fail = False
@@ -152,10 +149,16 @@ class Parts:
 
 
 def make(
-    outcomes: dict[str, ConsumeOutcome] | None = None, queue_type: str = "classic"
+    *claimed: Lease,
+    outcomes: dict[str, ConsumeOutcome] | None = None,
+    queue_type: str = "classic",
+    ready: dict[str, int] | None = None,
 ) -> tuple[HeldQueues, Journal, Parts]:
+    """Stand-ins wired as a worker wires the real parts, ``claimed`` already held; ``ready``:
+    what a look into each queue finds."""
     journal = Journal()
     link = StandInLink(journal, outcomes)
+    link.ready = ready or {}
     parts = Parts(link, StandInLocks(journal), queue_module.SimpleQueue())
     buffer = RecordingBuffer(journal)
     parts.starved = StarvedQueues(
@@ -184,13 +187,8 @@ def make(
         observers=[parts.starved],
     )
     link.held = held
-    return held, journal, parts
-
-
-def make_quorum(ready: dict[str, int]) -> tuple[HeldQueues, Journal, Parts]:
-    """``make`` for a quorum stream whose queues, looked into, show ``ready`` messages."""
-    held, journal, parts = make(queue_type="quorum")
-    parts.link.ready = ready
+    if claimed:
+        held.claim(list(claimed), budget_s=1.0)
     return held, journal, parts
 
 
@@ -198,10 +196,8 @@ def lease(queue: str, token: int = 1) -> Lease:
     return Lease(queue=queue, owner="me", token=token)
 
 
-def test_a_claimed_queue_is_held_before_its_consumer_opens_and_refusals_let_their_locks_go() -> (
-    None
-):
-    held, _journal, parts = make({"q-busy": ConsumeOutcome.BUSY})
+def test_a_claimed_queue_is_held_before_its_consumer_opens_and_refusals_let_locks_go() -> None:
+    held, _journal, parts = make(outcomes={"q-busy": ConsumeOutcome.BUSY})
     outcomes = held.claim([lease("q-a"), lease("q-busy")], budget_s=1.0)
     assert parts.link.held_at_consume == [True, True]
     assert [o.held is not None for o in outcomes] == [True, False]
@@ -211,8 +207,7 @@ def test_a_claimed_queue_is_held_before_its_consumer_opens_and_refusals_let_thei
 
 
 def test_losing_a_lock_fences_then_closes_then_drops_and_never_releases() -> None:
-    held, journal, parts = make()
-    held.claim([lease("q-a")], budget_s=1.0)
+    held, journal, parts = make(lease("q-a"))
     journal.entries.clear()
     held.lose(lease("q-a"), "lock lost")
     assert "q-a" not in held
@@ -227,8 +222,7 @@ def test_losing_a_lock_fences_then_closes_then_drops_and_never_releases() -> Non
 
 
 def test_consumers_the_broker_took_away_are_queued_and_ended_when_settled() -> None:
-    held, journal, parts = make()
-    held.claim([lease(f"q-{n}") for n in range(3)], budget_s=1.0)
+    held, journal, parts = make(*(lease(f"q-{n}") for n in range(3)))
     journal.entries.clear()
     stale = held.get("q-0")
     assert stale is not None
@@ -239,19 +233,14 @@ def test_consumers_the_broker_took_away_are_queued_and_ended_when_settled() -> N
     assert len(held) == 3 and journal.entries == []
     assert held.settle_gone() == 3
     assert len(held) == 0 and held.lost == 3
-    assert [entry[0] for entry in journal.entries] == [
-        *["close"] * 3,
-        *["drop"] * 3,
-        "release",
-    ]
+    assert [entry[0] for entry in journal.entries] == ["close"] * 3 + ["drop"] * 3 + ["release"]
     assert parts.locks.calls == [["q-0", "q-1", "q-2"]]  # one round trip for all
     assert parts.reports[-1] == ("revoked", ["q-0", "q-1", "q-2"], "connection lost")
     assert held.settle_gone() == 0
 
 
 def test_an_aside_queue_is_drained_under_its_held_queues_lease_and_ends_with_it() -> None:
-    held, journal, parts = make()
-    held.claim([lease("q-a", token=5)], budget_s=1.0)
+    held, journal, parts = make(lease("q-a", token=5))
     parts.drains._attach(held, "q-aside", "q-a")
     (attached,) = parts.drains._attached.all()
     parts.gone.put(ConsumerGone("q-aside", attached.epoch, "channel closed by the broker"))
@@ -273,8 +262,7 @@ def test_an_aside_queue_is_drained_under_its_held_queues_lease_and_ends_with_it(
 
 
 def test_handing_back_closes_all_in_one_call_before_dropping_and_releases_all_in_one_call() -> None:
-    held, journal, parts = make()
-    held.claim([lease("q-a"), lease("q-b"), lease("q-c")], budget_s=1.0)
+    held, journal, parts = make(lease("q-a"), lease("q-b"), lease("q-c"))
     held._buffer.add(plain_delivery("q-c", 1, held.get("q-c").epoch))  # type: ignore[union-attr]
     journal.entries.clear()
     handed = held.hand_back(
@@ -298,7 +286,7 @@ def test_handing_back_closes_all_in_one_call_before_dropping_and_releases_all_in
 def test_a_quorum_queue_handed_back_starved_is_looked_into_before_its_lock_goes() -> None:
     """The order of a starved hand-back (``keyq.worker.amqp.starvation``); whether the broker
     starves a consumer is shown on a real cluster in ``tests/test_cluster.py``."""
-    held, journal, parts = make_quorum({"q-starved-one": 3})
+    held, journal, parts = make(queue_type="quorum", ready={"q-starved-one": 3})
     for round_ in (1, 2):
         held.claim([lease("q-starved-one"), lease("q-busy")], budget_s=1.0)
         epoch = held.get("q-busy").epoch  # type: ignore[union-attr]
@@ -332,7 +320,7 @@ def _starved_hand_backs(held: HeldQueues, queue: str, reasons: list[str]) -> Non
 
 
 def test_a_holding_that_received_something_between_two_starved_ones_moves_nothing() -> None:
-    held, _journal, parts = make_quorum({"q": 3})
+    held, _journal, parts = make(queue_type="quorum", ready={"q": 3})
     _starved_hand_backs(held, "q", ["starved", "received", "starved"])
     assert parts.link.moves == [] and parts.starved.starved_moves == 0
     _starved_hand_backs(held, "q", ["starved"])
@@ -351,8 +339,7 @@ def test_a_holding_that_received_something_between_two_starved_ones_moves_nothin
 def test_starved_hand_backs_that_move_nothing_still_release_the_locks(
     queue_type: str, link_state: str | None, reasons: list[str], looks: int
 ) -> None:
-    held, journal, parts = make(queue_type=queue_type)
-    parts.link.ready = {"q": 3}
+    held, journal, parts = make(queue_type=queue_type, ready={"q": 3})
     if link_state is not None:
         setattr(parts.link, link_state, True)
     _starved_hand_backs(held, "q", reasons)
@@ -362,7 +349,7 @@ def test_starved_hand_backs_that_move_nothing_still_release_the_locks(
 
 
 def test_bucket_mode_a_quiet_quorum_queue_with_ready_messages_and_none_unacked_moves() -> None:
-    held, journal, parts = make_quorum({"q-starved": 7, "q-busy": 7})
+    held, journal, parts = make(queue_type="quorum", ready={"q-starved": 7, "q-busy": 7})
     parts.link.unacked = {"q-busy": 5}  # a full prefetch: ready messages wait for room
     held.claim([lease("q-starved"), lease("q-busy")], budget_s=1.0)
     for _ in range(3):  # quiet for less than the idle time: not looked into
@@ -376,8 +363,7 @@ def test_bucket_mode_a_quiet_quorum_queue_with_ready_messages_and_none_unacked_m
 
 
 def test_reopening_keeps_the_lock_and_the_waits_and_remembers_a_wider_prefetch() -> None:
-    held, journal, _parts = make()
-    held.claim([lease("q-a")], budget_s=1.0)
+    held, journal, _parts = make(lease("q-a"))
     before = held.get("q-a")
     assert before is not None and held.room_of("q-a") == 10
     assert held.reopen("q-a", 40)
@@ -393,8 +379,7 @@ def test_reopening_keeps_the_lock_and_the_waits_and_remembers_a_wider_prefetch()
 
 @pytest.mark.parametrize("refusal", ["the broker refuses", "the link is down", "consumer gone"])
 def test_a_reopen_that_fails_ends_the_holding_and_releases_its_lock(refusal: str) -> None:
-    held, journal, parts = make()
-    held.claim([lease("q-a")], budget_s=1.0)
+    held, journal, parts = make(lease("q-a"))
     item = held.get("q-a")
     assert item is not None
     if refusal == "the broker refuses":
@@ -412,8 +397,7 @@ def test_a_reopen_that_fails_ends_the_holding_and_releases_its_lock(refusal: str
 
 
 def test_a_batch_outcome_defers_stops_lost_queues_and_puts_back_the_rest() -> None:
-    held, journal, parts = make()
-    held.claim([lease("q-a"), lease("q-b", token=3), lease("q-c")], budget_s=1.0)
+    held, journal, parts = make(lease("q-a"), lease("q-b", token=3), lease("q-c"))
     epochs = {item.queue: item.epoch for item in held.all()}
     journal.entries.clear()
     held.apply(
@@ -429,8 +413,7 @@ def test_a_batch_outcome_defers_stops_lost_queues_and_puts_back_the_rest() -> No
 
 
 def test_a_consumer_whose_whole_prefetch_is_deferred_is_reopened_wider() -> None:
-    held, journal, _parts = make()
-    held.claim([lease("q-a")], budget_s=1.0)
+    held, journal, _parts = make(lease("q-a"))
     assert held.reopen("q-a", 3)
 
     def defer(*tags: int) -> None:
@@ -451,8 +434,7 @@ def test_a_consumer_whose_whole_prefetch_is_deferred_is_reopened_wider() -> None
 
 
 def test_put_back_keeps_what_is_held_and_closes_consumers_whose_deliveries_were_let_go() -> None:
-    held, journal, _parts = make()
-    held.claim([lease("q-a")], budget_s=1.0)
+    held, journal, _parts = make(lease("q-a"))
     item = held.get("q-a")
     assert item is not None
     journal.entries.clear()
@@ -462,8 +444,7 @@ def test_put_back_keeps_what_is_held_and_closes_consumers_whose_deliveries_were_
 
 
 def test_hand_back_all_closes_every_consumer_and_settles_the_losses_too() -> None:
-    held, _journal, parts = make()
-    held.claim([lease("q-a"), lease("q-b")], budget_s=1.0)
+    held, _journal, parts = make(lease("q-a"), lease("q-b"))
     item = held.get("q-b")
     assert item is not None
     parts.gone.put(ConsumerGone("q-b", item.epoch, "channel closed by the broker"))
@@ -502,14 +483,7 @@ def test_handbacks_ask_the_least_busy_surplus_once_idle_ones_and_cool_down_what_
 
 
 def test_refused_claims_wait_by_reason_and_say_unreachable_once(caplog: Any) -> None:
-    from keyq.worker.holding.refused_claims import (
-        BUSY_BACKOFF_S,
-        MISSING_BACKOFF_S,
-        UNREACHABLE_BACKOFF_S,
-        RefusedClaims,
-    )
-
-    refused = RefusedClaims()
+    refused = refused_claims.RefusedClaims()
     now = 1000.0
     refused.refused("q-busy", ConsumeOutcome.BUSY, now)
     refused.refused("q-gone", ConsumeOutcome.MISSING, now)
@@ -518,10 +492,10 @@ def test_refused_claims_wait_by_reason_and_say_unreachable_once(caplog: Any) -> 
         refused.refused("q-down", ConsumeOutcome.UNREACHABLE, now)
         refused.consumed("q-down")
         refused.consumed("q-down")
-    assert refused.waiting("q-busy", now + BUSY_BACKOFF_S - 0.01)
-    assert not refused.waiting("q-busy", now + BUSY_BACKOFF_S + 0.01)
-    assert refused.waiting("q-gone", now + MISSING_BACKOFF_S - 0.01)
-    assert not refused.waiting("q-down", now + UNREACHABLE_BACKOFF_S + 0.01)
+    assert refused.waiting("q-busy", now + refused_claims.BUSY_BACKOFF_S - 0.01)
+    assert not refused.waiting("q-busy", now + refused_claims.BUSY_BACKOFF_S + 0.01)
+    assert refused.waiting("q-gone", now + refused_claims.MISSING_BACKOFF_S - 0.01)
+    assert not refused.waiting("q-down", now + refused_claims.UNREACHABLE_BACKOFF_S + 0.01)
     assert not refused.waiting("q-never", now)
     said = [record.getMessage() for record in caplog.records]
     assert sum("is unreachable" in line for line in said) == 1
