@@ -144,10 +144,30 @@ def check_against_world(
     assert 0 <= worker["heartbeat_age_ms"] < MEMBER_TTL_MS
 
 
-def test_collect_status_matches_the_real_state_and_the_table_shows_the_deepest_queues(
-    world: World, amqp: Any
+# ---- from the shell ----------------------------------------------------------------------
+
+
+def status_env(settings: Settings) -> dict[str, str]:
+    unlisted = {f"KEYQ_{name.upper()}": value for name, value in UNLISTED.items()}
+    return keyq_environment(settings, {"KEYQ_MEMBER_TTL_MS": str(MEMBER_TTL_MS), **unlisted})
+
+
+def keyq_status(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", RUN_STATUS, *args],
+        capture_output=True,
+        text=True,
+        env=status_env(settings),
+        timeout=60,
+        cwd=REPO,
+    )
+
+
+def test_status_in_process_from_the_shell_and_when_a_listing_does_not_answer_is_the_real_state(
+    world: World, settings: Settings, amqp: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Rates are in tests/test_status_rows.py and the ``--watch`` test below."""
+    """The table shows the deepest queues; a listing that does not answer falls back to
+    declaring. Rates are in tests/test_status_rows.py and the ``--watch`` test below."""
     status = collect_status(status_settings(), world.stream)
     check_against_world(status, world, amqp)
     assert status["workers"][0]["events_per_s"] is None
@@ -171,29 +191,6 @@ def test_collect_status_matches_the_real_state_and_the_table_shows_the_deepest_q
     assert f"extra-{TABLE_LIMIT + 9:03d}" in text  # the deepest is shown
     assert "extra-000" not in text
 
-
-# ---- from the shell ----------------------------------------------------------------------
-
-
-def status_env(settings: Settings) -> dict[str, str]:
-    unlisted = {f"KEYQ_{name.upper()}": value for name, value in UNLISTED.items()}
-    return keyq_environment(settings, {"KEYQ_MEMBER_TTL_MS": str(MEMBER_TTL_MS), **unlisted})
-
-
-def keyq_status(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", RUN_STATUS, *args],
-        capture_output=True,
-        text=True,
-        env=status_env(settings),
-        timeout=60,
-        cwd=REPO,
-    )
-
-
-def test_json_and_table_from_the_shell_match_the_real_state(
-    world: World, settings: Settings, amqp: Any
-) -> None:
     done = keyq_status(settings, "--stream", world.stream, "--json")
     assert done.returncode == 0, done.stderr
     check_against_world(orjson.loads(done.stdout), world, amqp)
@@ -203,6 +200,15 @@ def test_json_and_table_from_the_shell_match_the_real_state(
         assert queue in done.stdout
     assert OWNER in done.stdout
     assert "lag 6" in done.stdout
+
+    for listing in ("prometheus_url", "management_url"):
+        caplog.clear()
+        closed = f"http://guest:guest@127.0.0.1:{free_port()}"
+        unanswered = load_settings(member_ttl_ms=MEMBER_TTL_MS, **(UNLISTED | {listing: closed}))
+        check_against_world(collect_status(unanswered, world.stream), world, amqp)
+        [warning] = [r.getMessage() for r in caplog.records if r.name == "keyq.status"]
+        assert warning.startswith("queue figures by declaring instead: "), listing
+        assert "did not answer" in warning and "guest:guest" not in warning, listing
 
 
 def test_a_stream_nothing_produced_to_fails_and_a_bad_name_is_a_usage_error_in_one_line(
@@ -368,15 +374,3 @@ def test_with_a_listing_the_figures_come_from_it(
     else:
         assert warnings == []
     assert all("guest:guest" not in warning for warning in warnings)
-
-
-@pytest.mark.parametrize("listing", ["prometheus_url", "management_url"])
-def test_a_listing_that_does_not_answer_falls_back_to_declaring(
-    listing: str, world: World, amqp: Any, caplog: pytest.LogCaptureFixture
-) -> None:
-    closed = f"http://guest:guest@127.0.0.1:{free_port()}"
-    settings = load_settings(member_ttl_ms=MEMBER_TTL_MS, **(UNLISTED | {listing: closed}))
-    check_against_world(collect_status(settings, world.stream), world, amqp)
-    [warning] = [r.getMessage() for r in caplog.records if r.name == "keyq.status"]
-    assert warning.startswith("queue figures by declaring instead: ")
-    assert "did not answer" in warning and "guest:guest" not in warning
