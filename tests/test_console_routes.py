@@ -14,7 +14,6 @@ from urllib.parse import parse_qs, urlsplit
 
 import orjson
 import pytest
-import redis
 from starlette.testclient import TestClient
 
 from keyq.broker.dead_letter_index import DeadLetterIndex
@@ -22,7 +21,7 @@ from keyq.broker.envelope import HEADER_KEY, HEADER_REDRIVE_ID, HEADER_SEQ
 from keyq.broker.key_control import KeyControl, ParkedKey
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.redis_keys import StreamKeys
-from keyq.broker.settings import Settings, load_settings
+from keyq.broker.settings import load_settings
 from keyq.broker.stream_policy import StreamPolicies, StreamPolicy
 from keyq.console.access import SESSION_COOKIE, Access, ConsoleExposed
 from keyq.console.app import create_app
@@ -58,36 +57,32 @@ class Console:
     def post(self, action: str, **fields: str) -> Any:
         fields.setdefault("csrf", self.csrf())
         fields.setdefault("next", f"/streams/{self.stream}")
-        return self.client.post(
-            f"/streams/{self.stream}/actions/{action}", data=fields, follow_redirects=False
-        )
+        return self.submit(action, fields)
+
+    def submit(self, action: str, fields: dict[str, str]) -> Any:
+        url = f"/streams/{self.stream}/actions/{action}"
+        return self.client.post(url, data=fields, follow_redirects=False)
 
     def press(self, page: str, action: str, button: str | None = None, **extra: str) -> Any:
         """Submit ``action``'s form (of ``button``) as ``page`` renders it, ``extra`` filled in."""
         shown = self.client.get(page)
         assert shown.status_code == 200, shown.text
-        fields = form_fields(shown.text, self.stream, action, button) | extra
-        return self.client.post(
-            f"/streams/{self.stream}/actions/{action}", data=fields, follow_redirects=False
-        )
+        return self.submit(action, form_fields(shown.text, self.stream, action, button) | extra)
 
 
 @contextmanager
-def console(
-    settings: Settings, access: Access, stream: str, base_url: str = LOOPBACK
-) -> Iterator[Console]:
-    with TestClient(create_app(settings, access, [stream]), base_url=base_url) as client:
-        yield Console(client, access, stream)
+def console(access: Access, stream: StreamFixture, base_url: str = LOOPBACK) -> Iterator[Console]:
+    """A console of ``stream`` (recorded as a key-mode stream first)."""
+    record(stream)
+    app = create_app(stream.settings, access, [stream.name])
+    with TestClient(app, base_url=base_url) as client:
+        yield Console(client, access, stream.name)
 
 
 def form_fields(page: str, stream: str, action: str, button: str | None = None) -> dict[str, str]:
     """The hidden inputs and textareas of the form posting ``action`` from button ``button``."""
-    forms = re.findall(
-        rf'<form[^>]*action="/streams/{re.escape(stream)}/actions/{re.escape(action)}"[^>]*>'
-        r"(.*?)</form>",
-        page,
-        re.DOTALL,
-    )
+    url = f"/streams/{re.escape(stream)}/actions/{re.escape(action)}"
+    forms = re.findall(rf'<form[^>]*action="{url}"[^>]*>(.*?)</form>', page, re.DOTALL)
     chosen = [form for form in forms if f'data-action="{button or action}"' in form]
     assert len(chosen) == 1, f"{len(chosen)} forms for {action} on the page"
     inputs = re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">', chosen[0])
@@ -105,8 +100,9 @@ def outcome(response: Any) -> tuple[str, dict[str, list[str]]]:
     return location.path, parse_qs(location.query)
 
 
-def audited(client: redis.Redis, stream: str) -> list[dict[str, Any]]:
-    return [entry for entry in reversed(AuditLog(client).newest(1000)) if entry["stream"] == stream]
+def audited(stream: StreamFixture) -> list[dict[str, Any]]:
+    newest = reversed(AuditLog(stream.redis).newest(1000))
+    return [entry for entry in newest if entry["stream"] == stream.name]
 
 
 def letters_shown(page: str, stream: str) -> int:
@@ -114,18 +110,13 @@ def letters_shown(page: str, stream: str) -> int:
 
 
 @pytest.fixture
-def open_console(settings: Settings, stream: StreamFixture) -> Iterator[Console]:
-    record(stream)
-    with console(settings, Access(), stream.name) as made:
+def open_console(stream: StreamFixture) -> Iterator[Console]:
+    with console(Access(), stream) as made:
         yield made
 
 
-# ---- who may read and change -------------------------------------------------------------------
-
-
-def test_a_token_console_asks_for_its_token(settings: Settings, stream: StreamFixture) -> None:
-    record(stream)
-    with console(settings, Access(token=TOKEN), stream.name) as guarded:
+def test_a_token_console_asks_for_its_token(stream: StreamFixture) -> None:
+    with console(Access(token=TOKEN), stream) as guarded:
         client = guarded.client
         refused = client.get("/")
         assert refused.status_code == 401
@@ -147,19 +138,16 @@ def test_a_token_console_asks_for_its_token(settings: Settings, stream: StreamFi
         assert client.get("/", auth=("alice", "nope")).status_code == 401
     # guarded, it answers the names it was given, and no other even with the token: a site
     # whose name is rebound to its address must not read it
-    with console(settings, Access(token=TOKEN), stream.name, "http://rebound.example") as named:
+    with console(Access(token=TOKEN), stream, "http://rebound.example") as named:
         assert named.client.get("/", auth=("", TOKEN)).status_code == 403
     named_access = Access(token=TOKEN, allowed_hosts=frozenset({"console.example"}))
-    with console(settings, named_access, stream.name, "http://console.example") as named:
+    with console(named_access, stream, "http://console.example") as named:
         assert named.client.get("/", auth=("", TOKEN)).status_code == 200
 
 
-def test_a_basic_auth_console_and_who_is_audited(
-    settings: Settings, stream: StreamFixture, redis_client: redis.Redis
-) -> None:
-    record(stream)
+def test_a_basic_auth_console_and_who_is_audited(stream: StreamFixture) -> None:
     access = Access(basic_user="ops", basic_password="pa:ss")
-    with console(settings, access, stream.name) as guarded:
+    with console(access, stream) as guarded:
         client = guarded.client
         assert client.get("/audit").status_code == 401
         assert client.get("/audit", auth=("ops", "wrong")).status_code == 401
@@ -169,25 +157,24 @@ def test_a_basic_auth_console_and_who_is_audited(
         assert client.get("/audit").status_code == 200
         _path, query = outcome(guarded.post("pause", key="a"))
         assert query["done"] == ["paused a"]
-    assert set(KeyControl(redis_client, stream.name).paused()) == {"a"}
-    [entry] = audited(redis_client, stream.name)
+    assert set(KeyControl(stream.redis, stream.name).paused()) == {"a"}
+    [entry] = audited(stream)
     assert (entry["who"], entry["action"], entry["target"]) == ("ops", "pause", "a")
 
 
 def test_an_open_console_answers_loopback_names_only_and_not_through_a_proxy(
-    settings: Settings, stream: StreamFixture
+    stream: StreamFixture,
 ) -> None:
-    record(stream)
     for name in ("http://localhost", "http://[::1]", LOOPBACK):
-        with console(settings, Access(), stream.name, name) as local:
+        with console(Access(), stream, name) as local:
             assert local.client.get("/").status_code == 200, name
     for name in ("http://evil.example", "http://10.1.2.3", "http://127.0.0.1.evil.example"):
-        with console(settings, Access(), stream.name, name) as rebound:
+        with console(Access(), stream, name) as rebound:
             answer = rebound.client.get(f"/streams/{stream.name}")
             assert answer.status_code == 403, name
             assert stream.name not in answer.text
             assert rebound.client.get("/healthz").status_code == 200
-    with console(settings, Access(), stream.name) as local:
+    with console(Access(), stream) as local:
         for header in ("X-Forwarded-For", "Forwarded", "X-Real-IP"):
             assert local.client.get("/", headers={header: "203.0.113.9"}).status_code == 403, header
 
@@ -215,27 +202,22 @@ def test_an_exposed_console_without_credentials_refuses_to_start(
 
 
 def test_a_change_needs_the_sessions_csrf_token_and_this_sites_origin(
-    settings: Settings, stream: StreamFixture, redis_client: redis.Redis
+    stream: StreamFixture,
 ) -> None:
-    record(stream)
-    control = KeyControl(redis_client, stream.name)
-    with (
-        console(settings, Access(), stream.name) as mine,
-        console(settings, Access(), stream.name) as other_app,
-    ):
+    control = KeyControl(stream.redis, stream.name)
+    with console(Access(), stream) as mine, console(Access(), stream) as other_app:
         session = mine.session()
         other = TestClient(mine.client.app, base_url=LOOPBACK)  # the same app, another session
         assert other.get("/audit").status_code == 200
         other_token = mine.access.csrf_token(str(other.cookies[SESSION_COOKIE]))
         assert other.cookies[SESSION_COOKIE] != session
+        foreign = other_app.access.csrf_token(session)
         refusals = {
             "no token": mine.post("pause", key="a", csrf=""),
             "a wrong token": mine.post("pause", key="a", csrf="0" * 64),
             "another session's": mine.post("pause", key="a", csrf=other_token),
             # the same session id signed by another console process (its own secret)
-            "another process's": mine.post(
-                "pause", key="a", csrf=other_app.access.csrf_token(session)
-            ),
+            "another process's": mine.post("pause", key="a", csrf=foreign),
         }
 
         def pause_a(client: TestClient, headers: dict[str, str] | None = None) -> Any:
@@ -251,20 +233,19 @@ def test_a_change_needs_the_sessions_csrf_token_and_this_sites_origin(
             assert answer.status_code == 403, why
             assert "location" not in answer.headers, why
         assert control.paused() == {}
-        assert audited(redis_client, stream.name) == []
+        assert audited(stream) == []
         assert outcome(pause_a(mine.client, {"Origin": LOOPBACK}))[1]["done"] == ["paused a"]
         assert set(control.paused()) == {"a"}
         assert mine.post("no-such-action", key="a").status_code == 404
 
 
 def test_a_read_only_console_shows_no_form_and_refuses_changes(
-    settings: Settings, stream: StreamFixture, redis_client: redis.Redis, amqp: Any
+    stream: StreamFixture, amqp: Any
 ) -> None:
-    record(stream)
-    control = KeyControl(redis_client, stream.name)
+    control = KeyControl(stream.redis, stream.name)
     control.park("a", ParkedKey(at_ms=1, reason="poison", producer="p1", seq=1))
     dead_letter(amqp, stream.name, letters_for(stream.name, [("a", 1)]))
-    with console(settings, Access(read_only=True), stream.name) as viewer:
+    with console(Access(read_only=True), stream) as viewer:
         pages = [
             f"/streams/{stream.name}",
             f"/streams/{stream.name}/key?key=a",
@@ -280,27 +261,22 @@ def test_a_read_only_console_shows_no_form_and_refuses_changes(
             refused = viewer.post(action, **fields)
             assert refused.status_code == 403 and "read-only" in refused.text
     assert control.paused() == {} and set(control.parked()) == {"a"}
-    assert audited(redis_client, stream.name) == []
+    assert audited(stream) == []
     # the same pages of a console that may change things do have the forms
-    with console(settings, Access(), stream.name) as operator:
+    with console(Access(), stream) as operator:
         shown = operator.client.get(f"/streams/{stream.name}/key?key=a")
         assert POST_FORM.search(shown.text)
 
 
-# ---- escaping ----------------------------------------------------------------------------------
-
-
 def test_a_hostile_key_reason_and_payload_are_shown_escaped(
-    open_console: Console, stream: StreamFixture, redis_client: redis.Redis, amqp: Any
+    open_console: Console, stream: StreamFixture, amqp: Any
 ) -> None:
-    control = KeyControl(redis_client, stream.name)
-    control.park(
-        EVIL, ParkedKey(at_ms=1, reason="<img src=x onerror=alert(2)>", producer="<b>", seq=3)
-    )
+    control = KeyControl(stream.redis, stream.name)
+    hostile = ParkedKey(at_ms=1, reason="<img src=x onerror=alert(2)>", producer="<b>", seq=3)
+    control.park(EVIL, hostile)
     control.pause([EVIL])
-    redis_client.hset(
-        stream.keys.state, EVIL, orjson.dumps({"<script>": "</pre><script>"}).decode()
-    )
+    state = orjson.dumps({"<script>": "</pre><script>"}).decode()
+    stream.redis.hset(stream.keys.state, EVIL, state)
     client = open_console.client
     fragment = client.get("/fragments/overview")
     assert fragment.status_code == 200
@@ -320,13 +296,8 @@ def test_a_hostile_key_reason_and_payload_are_shown_escaped(
     assert "<script>alert" not in found.text
     # a hostile payload and dead-letter reason
     body = orjson.dumps({"html": "<script>alert(3)</script>"})
-    queue = f"keyq.{stream.name}.k.a"
-    dead_letter(
-        amqp,
-        stream.name,
-        [keyq_delivery(queue, "a", "p1", 1, body)],
-        reason="poison: <script>alert(4)</script>",
-    )
+    letters = [keyq_delivery(f"keyq.{stream.name}.k.a", "a", "p1", 1, body)]
+    dead_letter(amqp, stream.name, letters, reason="poison: <script>alert(4)</script>")
     letter = client.get(f"/streams/{stream.name}/dead-letters/letter", params={"id": "p1:1"})
     listing = client.get(f"/streams/{stream.name}/dead-letters")
     for shown in (letter, listing):
@@ -337,13 +308,8 @@ def test_a_hostile_key_reason_and_payload_are_shown_escaped(
     assert "&lt;script&gt;alert(3)&lt;/script&gt;" in listing.text  # the preview
 
 
-# ---- actions -----------------------------------------------------------------------------------
-
-
-def test_pause_and_resume_a_key_from_its_page(
-    open_console: Console, stream: StreamFixture, redis_client: redis.Redis
-) -> None:
-    control = KeyControl(redis_client, stream.name)
+def test_pause_and_resume_a_key_from_its_page(open_console: Console, stream: StreamFixture) -> None:
+    control = KeyControl(stream.redis, stream.name)
     page = f"/streams/{stream.name}/key?key=a"
     path, query = outcome(open_console.press(page, "pause"))
     assert path == f"/streams/{stream.name}/key" and query["key"] == ["a"]
@@ -358,7 +324,7 @@ def test_pause_and_resume_a_key_from_its_page(
     assert control.paused() == {}
     path, query = outcome(open_console.post("resume", key="a"))
     assert query["done"] == ["a was not paused"]
-    entries = audited(redis_client, stream.name)
+    entries = audited(stream)
     assert [(e["who"], e["action"], e["target"], e["outcome"]) for e in entries] == [
         ("local", "pause", "a", "paused a"),
         ("local", "resume", "a", "resumed a"),
@@ -377,19 +343,16 @@ def test_pause_and_resume_a_key_from_its_page(
 
 
 def test_the_policy_form_sets_the_streams_policy_and_refuses_bad_values(
-    open_console: Console, stream: StreamFixture, redis_client: redis.Redis
+    open_console: Console, stream: StreamFixture
 ) -> None:
-    policies = StreamPolicies(redis_client, stream.name)
+    policies = StreamPolicies(stream.redis, stream.name)
     page = f"/streams/{stream.name}"
     shown = open_console.client.get(page).text
     assert 'data-field="poison_policy">skip<' in shown
     # the stream page's own form, as a browser submits it, with the operator's values
     form = form_fields(shown, stream.name, "policy")
     form |= {"poison_policy": "park", "rate_limit": "2.5", "dedupe_window": "3600"}
-    answer = open_console.client.post(
-        f"/streams/{stream.name}/actions/policy", data=form, follow_redirects=False
-    )
-    path, query = outcome(answer)
+    path, query = outcome(open_console.submit("policy", form))
     assert path == page
     assert query["done"] == ["poison policy park, rate limit 2.5/s, dedupe window 3600 s"]
     wanted = StreamPolicy(poison_policy="park", rate_limit=2.5, dedupe_window_s=3600)
@@ -403,14 +366,11 @@ def test_the_policy_form_sets_the_streams_policy_and_refuses_bad_values(
         path, query = outcome(open_console.post("policy", **sent))
         assert "failed" in query and "done" not in query, fields
         assert policies.load() == wanted, fields
-    entries = audited(redis_client, stream.name)
+    entries = audited(stream)
     assert [e["action"] for e in entries] == ["policy"] * (1 + len(bad))
     assert all(e["outcome"].startswith("InvalidInput") for e in entries[1:])
     path, query = outcome(open_console.post("policy", poison_policy="skip", rate_limit=""))
     assert policies.load() == StreamPolicy(dedupe_window_s=3600)  # an empty limit lifts it
-
-
-# ---- dead letters ------------------------------------------------------------------------------
 
 
 def test_dead_letters_are_paged_and_filtered(
@@ -444,13 +404,12 @@ def test_dead_letters_are_paged_and_filtered(
 
 
 def test_a_letters_page_draws_its_payload_and_drops_and_redrives_it(
-    open_console: Console, stream: StreamFixture, amqp: Any, redis_client: redis.Redis
+    open_console: Console, stream: StreamFixture, amqp: Any
 ) -> None:
     # keys a and b poison, c two timeouts, and one binary letter of key d
     dead_letter(amqp, stream.name, letters_for(stream.name, [("a", 1), ("a", 2), ("b", 1)]))
-    dead_letter(
-        amqp, stream.name, letters_for(stream.name, [("c", 1), ("c", 2)]), reason="timeout: slow"
-    )
+    timeouts = letters_for(stream.name, [("c", 1), ("c", 2)])
+    dead_letter(amqp, stream.name, timeouts, reason="timeout: slow")
     binary = b"\x00\x01\xff\xfe<script>alert(5)</script>" + bytes(range(8))
     dead_letter(amqp, stream.name, [keyq_delivery(f"keyq.{stream.name}.k.d", "d", "p2", 1, binary)])
     client, base = open_console.client, f"/streams/{stream.name}/dead-letters/letter"
@@ -458,10 +417,8 @@ def test_a_letters_page_draws_its_payload_and_drops_and_redrives_it(
     assert shown.status_code == 200
     [pre] = re.findall(r'<pre class="payload json">(.*?)</pre>', shown.text, re.DOTALL)
     assert html.unescape(pre) == '{\n  "k": "a",\n  "s": 2\n}'
-    assert (
-        form_fields(shown.text, stream.name, "redrive-letter", "edit-redrive")["payload"]
-        == '{"k":"a","s":2}'
-    )
+    editable = form_fields(shown.text, stream.name, "redrive-letter", "edit-redrive")
+    assert editable["payload"] == '{"k":"a","s":2}'
     binary = client.get(base, params={"id": "p2:1"})
     assert binary.status_code == 200
     [hexed] = re.findall(r'<pre class="payload hex">(.*?)</pre>', binary.text, re.DOTALL)
@@ -477,8 +434,8 @@ def test_a_letters_page_draws_its_payload_and_drops_and_redrives_it(
     assert client.get(base, params={"id": "p1:1", "key": "d"}).status_code == 404, "wrong key"
     assert client.get(base, params={"id": "p1:1", "key": "c"}).status_code == 200
 
-    index = DeadLetterIndex(redis_client, stream.name)
-    control = KeyControl(redis_client, stream.name)
+    index = DeadLetterIndex(stream.redis, stream.name)
+    control = KeyControl(stream.redis, stream.name)
     dlq = dead_letter_queue_name(stream.name)
     page = f"/streams/{stream.name}/dead-letters/letter?id=p1:2&key=a"
 
@@ -490,16 +447,13 @@ def test_a_letters_page_draws_its_payload_and_drops_and_redrives_it(
 
     # an edited payload that is not JSON (the letter is JSON) changes nothing
     of_p1_1 = page.replace("p1:2", "p1:1")
-    path, query = outcome(
-        open_console.press(of_p1_1, "redrive-letter", "edit-redrive", payload="{nope")
-    )
+    edit = (of_p1_1, "redrive-letter", "edit-redrive")
+    path, query = outcome(open_console.press(*edit, payload="{nope"))
     assert "failed" in query and "JSON" in query["failed"][0]
     assert queue_depth(amqp, dlq) == 5 and control.keys_aside() == {}
 
     fixed = '{"k": "a", "s": 1, "fixed": true}\r\n'
-    path, query = outcome(
-        open_console.press(of_p1_1, "redrive-letter", "edit-redrive", payload=fixed)
-    )
+    path, query = outcome(open_console.press(*edit, payload=fixed))
     assert path == f"/streams/{stream.name}/key" and query["key"] == ["a"]
     assert query["done"] == ["put back letter p1:1 to a with the edited payload"]
     [redriven] = control.status("a").aside
@@ -512,15 +466,14 @@ def test_a_letters_page_draws_its_payload_and_drops_and_redrives_it(
     path, query = outcome(open_console.post("redrive-reason", reason="timeout"))
     assert query["done"] == ["put back 2 dead letters of 1 keys"]
     [to_c] = control.status("c").aside
-    assert [orjson.loads(b) for _h, b in peek_all(amqp, to_c)] == [
-        {"k": "c", "s": s} for s in (1, 2)
-    ]
+    put_back = [orjson.loads(b) for _h, b in peek_all(amqp, to_c)]
+    assert put_back == [{"k": "c", "s": 1}, {"k": "c", "s": 2}]
     assert index.counts() == (2, 2) and queue_depth(amqp, dlq) == 2
     path, query = outcome(open_console.post("redrive-reason", reason="timeout"))
     assert query["failed"][0].startswith("NothingToRedrive: no dead letters to put back")
     assert index.counts() == (2, 2) and queue_depth(amqp, dlq) == 2
 
-    entries = audited(redis_client, stream.name)
+    entries = audited(stream)
     assert [(e["action"], e["target"], e["outcome"].split(":")[0]) for e in entries] == [
         ("drop-letter", "p1:2", "dropped 1 copies of letter p1"),
         ("redrive-letter", "p1:1", "InvalidInput"),
@@ -530,18 +483,13 @@ def test_a_letters_page_draws_its_payload_and_drops_and_redrives_it(
     ]
 
 
-# ---- finding keys and bad requests -------------------------------------------------------------
-
-
-def test_a_prefix_search_lists_the_keys_known(
-    open_console: Console, stream: StreamFixture, redis_client: redis.Redis
-) -> None:
+def test_a_prefix_search_lists_the_keys_known(open_console: Console, stream: StreamFixture) -> None:
     for key in ("pre-a", "pre-b", "other"):
-        redis_client.hset(stream.keys.state, key, orjson.dumps({"total": 1}).decode())
-    control = KeyControl(redis_client, stream.name)
+        stream.redis.hset(stream.keys.state, key, orjson.dumps({"total": 1}).decode())
+    control = KeyControl(stream.redis, stream.name)
     control.pause(["pre-c", "also-other"])
     control.park("pre-d", ParkedKey(at_ms=1, reason="poison", producer="p1", seq=1))
-    redis_client.hset(stream.keys.queue_keys, f"keyq.{stream.name}.k.pre-e", "pre-e")
+    stream.redis.hset(stream.keys.queue_keys, f"keyq.{stream.name}.k.pre-e", "pre-e")
     client, base = open_console.client, f"/streams/{stream.name}/key"
 
     def found(prefix: str) -> list[str]:
@@ -557,7 +505,7 @@ def test_a_prefix_search_lists_the_keys_known(
 
 
 def test_unknown_streams_streams_not_given_and_bad_keys(
-    open_console: Console, stream: StreamFixture, redis_client: redis.Redis
+    open_console: Console, stream: StreamFixture
 ) -> None:
     client = open_console.client
     unknown = f"t-nothing-{uuid.uuid4().hex[:8]}"
@@ -591,7 +539,7 @@ def test_unknown_streams_streams_not_given_and_bad_keys(
         assert client.get(path).status_code == 404, path
     _path, query = outcome(Console(client, open_console.access, other).post("pause", key="a"))
     assert "failed" in query
-    assert not redis_client.exists(StreamKeys(other).paused_keys)
+    assert not stream.redis.exists(StreamKeys(other).paused_keys)
 
 
 def test_other_sites_may_link_to_a_page_but_not_load_it(open_console: Console) -> None:
