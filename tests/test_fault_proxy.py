@@ -24,14 +24,8 @@ LOGGER = FaultProxy.__module__
 
 
 @pytest.fixture
-def redis_url(settings: Settings) -> str:
-    """The session's Redis (found or started by the services fixture)."""
-    return settings.redis_url
-
-
-@pytest.fixture
-def upstream(redis_url: str) -> tuple[str, int]:
-    parts = urlsplit(redis_url)
+def upstream(settings: Settings) -> tuple[str, int]:
+    parts = urlsplit(settings.redis_url)
     return parts.hostname or "localhost", parts.port or 6379
 
 
@@ -44,27 +38,13 @@ def proxy(caplog: pytest.LogCaptureFixture, upstream: tuple[str, int]) -> Iterat
 
 
 @pytest.fixture
-def prefix(redis_url: str) -> Iterator[str]:
-    """A unique key prefix, deleted afterwards through a direct connection."""
-    pfx = f"keyq-test-proxy:{uuid.uuid4()}"
-    yield pfx
-    direct = redis.Redis.from_url(redis_url, socket_timeout=2)
-    try:
-        keys = list(direct.scan_iter(match=f"{pfx}*"))
-        if keys:
-            direct.delete(*keys)
-    finally:
-        direct.close()
-
-
-@pytest.fixture
-def client(proxy: FaultProxy, redis_url: str) -> Iterator[ClientFactory]:
+def client(proxy: FaultProxy, settings: Settings) -> Iterator[ClientFactory]:
     """Factory for clients through ``proxy`` with retries disabled."""
     made: list[redis.Redis] = []
 
     def make(socket_timeout: float = 0.5, single: bool = False) -> redis.Redis:
         c = redis.Redis.from_url(
-            proxy.url_for(redis_url),
+            proxy.url_for(settings.redis_url),
             socket_timeout=socket_timeout,
             socket_connect_timeout=socket_timeout,
             retry=Retry(NoBackoff(), 0),
@@ -80,12 +60,13 @@ def client(proxy: FaultProxy, redis_url: str) -> Iterator[ClientFactory]:
 
 
 def test_forwards_commands_and_a_client_closing_closes_upstream(
-    client: ClientFactory, proxy: FaultProxy, prefix: str
+    client: ClientFactory, proxy: FaultProxy
 ) -> None:
-    r = client()
+    r, key = client(), f"keyq-test-proxy:{uuid.uuid4()}"
     assert r.ping() is True
-    r.set(f"{prefix}:k", b"v" * 200_000)  # larger than one chunk
-    assert r.get(f"{prefix}:k") == b"v" * 200_000
+    r.set(key, b"v" * 200_000, ex=60)  # larger than one chunk
+    assert r.get(key) == b"v" * 200_000
+    assert r.delete(key) == 1
     assert proxy.wait_connections(1)
     r.close()
     assert proxy.wait_connections(0), "the upstream side stayed open"
@@ -160,43 +141,36 @@ def test_delay_adds_latency(client: ClientFactory, proxy: FaultProxy) -> None:
 
 
 def test_stop_is_idempotent_and_quiet(
-    capfd: pytest.CaptureFixture[str], upstream: tuple[str, int]
+    capfd: pytest.CaptureFixture[str], upstream: tuple[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     errors: list[threading.ExceptHookArgs] = []
-    previous = threading.excepthook
-    threading.excepthook = errors.append
-    try:
-        fp = FaultProxy(*upstream).start()
-        s = socket.create_connection(("127.0.0.1", fp.port), timeout=2)
-        assert fp.wait_connections(1)
-        fp.pause()
-        s.sendall(b"PING\r\n")
-        fp.stop()
-        fp.stop()
-        assert fp.connections == 0
-        with pytest.raises(ConnectionResetError):
-            s.recv(64)
-        s.close()
-        with pytest.raises(OSError):
-            socket.create_connection(("127.0.0.1", fp.port), timeout=1).close()
-        with pytest.raises(RuntimeError):
-            fp.start()
-        fp.cut()  # harmless after stop
-        FaultProxy(*upstream).stop()  # never started
-    finally:
-        threading.excepthook = previous
+    monkeypatch.setattr(threading, "excepthook", errors.append)
+    fp = FaultProxy(*upstream).start()
+    s = socket.create_connection(("127.0.0.1", fp.port), timeout=2)
+    assert fp.wait_connections(1)
+    fp.pause()
+    s.sendall(b"PING\r\n")
+    fp.stop()
+    fp.stop()
+    assert fp.connections == 0
+    with pytest.raises(ConnectionResetError):
+        s.recv(64)
+    s.close()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", fp.port), timeout=1).close()
+    with pytest.raises(RuntimeError):
+        fp.start()
+    fp.cut()  # harmless after stop
+    FaultProxy(*upstream).stop()  # never started
     assert not errors
     assert capfd.readouterr().err == ""
 
 
-def test_rejects_non_loopback_addresses() -> None:
+def test_rejects_non_loopback_addresses_and_url_for_rewrites_host_and_port_only() -> None:
     with pytest.raises(ValueError, match="non-loopback"):
         FaultProxy("10.255.255.1", 6379)
     with pytest.raises(ValueError, match="non-loopback"):
         FaultProxy("127.0.0.1", 6379, listen_host="0.0.0.0")
-
-
-def test_url_for_rewrites_host_and_port_only() -> None:
     fp = FaultProxy("127.0.0.1", 1)  # never started: nothing connects
     try:
         p = fp.port
