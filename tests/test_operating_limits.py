@@ -42,9 +42,6 @@ RUN_STATUS = "from keyq.cli.status import status_command; status_command()"
 NO_PERSISTENCE = "Redis keeps nothing on disk"
 
 
-# ---- the threshold and when the janitor speaks (pure logic) -------------------------------
-
-
 def test_the_warning_starts_at_the_ratio_of_the_limit() -> None:
     assert not near_limit(819, 1024, 0.8)
     assert near_limit(820, 1024, 0.8)
@@ -103,10 +100,7 @@ def test_an_unknown_figure_is_mentioned_once_at_info(caplog: pytest.LogCaptureFi
     ]
 
 
-# ---- without a management API: unknown, quietly, without credentials ----------------------
-
-
-def test_without_a_reachable_api_the_figure_is_unknown_and_no_password_shows(
+def test_without_a_reachable_api_the_figure_is_unknown_and_the_url_is_checked_and_never_shown(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG)
@@ -119,9 +113,6 @@ def test_without_a_reachable_api_the_figure_is_unknown_and_no_password_shows(
     shown = str(usage.as_dict()) + usage.summary() + caplog.text
     assert "s3cret-pw" not in shown and "keyq:***@" in shown
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
-
-
-def test_the_management_url_is_checked_and_never_shown() -> None:
     settings = load_settings(JanitorSettings, management_url="http://keyq:s3cret-pw@mq:15672")
     assert settings.describe()["management_url"] == "http://keyq:***@mq:15672"
     assert "s3cret-pw" not in repr(settings)
@@ -146,15 +137,6 @@ def test_status_says_unknown_without_the_api(stream: StreamFixture, producer: Pr
     assert "WARNING" not in text
 
 
-# ---- a real node near its limit --------------------------------------------------------------
-
-
-@pytest.fixture
-def managed_rabbit(private_rabbit: PrivateRabbit) -> PrivateRabbit:
-    """The session's private node: management API and ``nofile`` 512."""
-    return private_rabbit
-
-
 def _node_settings(rabbit: PrivateRabbit, kind: type[Settings] = Settings, **extra: Any) -> Any:
     """Settings for the private node: its rabbitmq_prometheus and its management API (the
     figures come from the first; on 4.x the second has none)."""
@@ -176,28 +158,28 @@ def _reported(settings: Settings, check: Any, what: str) -> FdUsage:
 
 @pytest.mark.broker_versions
 @pytest.mark.parametrize("source", ["prometheus", "management"])
-def test_the_figures_are_the_nodes_own(source: str, managed_rabbit: PrivateRabbit) -> None:
+def test_the_figures_are_the_nodes_own(source: str, private_rabbit: PrivateRabbit) -> None:
     """From rabbitmq_prometheus, or the management API; on RabbitMQ 4.x, whose management
     metrics collection is off here, the API has none, and says what to set instead."""
     other = "management_url" if source == "prometheus" else "prometheus_url"
-    settings = _node_settings(managed_rabbit, **{other: ""})
-    if source == "management" and managed_rabbit.release.rabbitmq_major >= 4:
+    settings = _node_settings(private_rabbit, **{other: ""})
+    if source == "management" and private_rabbit.release.rabbitmq_major >= 4:
         usage = read_fd_usage(settings)
         assert not usage.known and usage.unknown_reason == NO_FIGURES
         assert "KEYQ_PROMETHEUS_URL" in NO_FIGURES
         return
     usage = _reported(settings, lambda u: True, "fd figures")
-    pid = int((managed_rabbit.folder / "pid").read_text())
+    pid = int((private_rabbit.folder / "pid").read_text())
     open_now = len(os.listdir(f"/proc/{pid}/fd"))
     assert usage.source == source
-    assert usage.node == managed_rabbit.node
+    assert usage.node == private_rabbit.node
     assert usage.limit == NOFILE
     assert usage.used is not None and abs(usage.used - open_now) <= 10
     # The node is shared by the process's tests, which may have left many fds open: the
     # warning is asked for 40 fds above and below what it has open now.
     for margin, near in ((40, False), (-40, True)):
         ratio = min(max(open_now + margin, 1), NOFILE) / NOFILE
-        measured = read_fd_usage(_node_settings(managed_rabbit, fd_warn_ratio=ratio, **{other: ""}))
+        measured = read_fd_usage(_node_settings(private_rabbit, fd_warn_ratio=ratio, **{other: ""}))
         assert (measured.warn_ratio, measured.near_limit) == (ratio, near), (open_now, measured)
 
 
@@ -219,9 +201,9 @@ def _status(settings: Settings, stream: str, *args: str) -> subprocess.Completed
 
 @pytest.mark.broker_versions
 def test_many_keys_bring_the_warning_to_status_and_the_janitor(
-    managed_rabbit: PrivateRabbit, stream: StreamFixture, caplog: pytest.LogCaptureFixture
+    private_rabbit: PrivateRabbit, stream: StreamFixture, caplog: pytest.LogCaptureFixture
 ) -> None:
-    settings = _node_settings(managed_rabbit, redis_url=stream.settings.redis_url)
+    settings = _node_settings(private_rabbit, redis_url=stream.settings.redis_url)
     with Producer(stream.name, mode="key", settings=settings, publish_timeout=30) as producer:
         for n in range(KEYS):
             producer.publish(f"key-{n}", {"n": n})
@@ -235,17 +217,17 @@ def test_many_keys_bring_the_warning_to_status_and_the_janitor(
     assert broker["near_limit"] is True
     assert broker["fd_limit"] == NOFILE
     assert broker["fd_used"] >= WARN_RATIO * NOFILE
-    assert broker["node"] == managed_rabbit.node
+    assert broker["node"] == private_rabbit.node
     assert broker["unknown_reason"] is None
     assert broker["source"] == "prometheus"
     table = _status(settings, stream.name)
     assert table.returncode == 0, table.stderr
     [warning] = [line for line in table.stdout.splitlines() if line.startswith("WARNING")]
-    assert f"RabbitMQ node {managed_rabbit.node} has" in warning and f"of its {NOFILE}" in warning
+    assert f"RabbitMQ node {private_rabbit.node} has" in warning and f"of its {NOFILE}" in warning
     assert "guest:guest" not in table.stdout + shown.stdout + table.stderr
 
     caplog.set_level(logging.INFO, logger="keyq.janitor")
-    janitor = Janitor([stream.name], settings=_node_settings(managed_rabbit, JanitorSettings))
+    janitor = Janitor([stream.name], settings=_node_settings(private_rabbit, JanitorSettings))
     janitor.run(once=True)
     janitor.run(once=True)  # a second pass within the minute: no second warning
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -254,11 +236,8 @@ def test_many_keys_bring_the_warning_to_status_and_the_janitor(
     registry = JanitorMetrics(janitor).registry
     families = {metric.name: metric for metric in registry.collect()}
     [sample] = families["keyq_janitor_broker_fd_used"].samples
-    assert sample.labels["node"] == managed_rabbit.node and sample.value >= WARN_RATIO * NOFILE
+    assert sample.labels["node"] == private_rabbit.node and sample.value >= WARN_RATIO * NOFILE
     assert families["keyq_janitor_broker_fd_limit"].samples[0].value == NOFILE
-
-
-# ---- Redis persistence, said once when a worker starts -------------------------------------
 
 
 def test_what_a_worker_says_about_each_redis_persistence() -> None:
@@ -281,21 +260,6 @@ def _shared_redis_is_volatile(settings: Settings) -> bool:
         client.close()
 
 
-def test_the_shared_redis_without_persistence_gets_one_warning(
-    settings: Settings, caplog: pytest.LogCaptureFixture
-) -> None:
-    if not _shared_redis_is_volatile(settings):
-        pytest.skip("the shared Redis persists here; the warning is not expected")
-    caplog.set_level(logging.INFO, logger="keyq.worker")
-    client = open_redis(settings)
-    try:
-        log_redis_persistence(client, logging.getLogger("keyq.worker"))
-    finally:
-        client.close()
-    [record] = caplog.records
-    assert record.levelno == logging.WARNING and NO_PERSISTENCE in record.getMessage()
-
-
 @pytest.fixture
 def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
     if private_servers_available():
@@ -305,32 +269,16 @@ def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
     server.stop()
 
 
-def test_a_redis_with_aof_gets_no_warning_and_rdb_only_gets_one(
-    private_redis: PrivateRedis, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.INFO, logger="keyq.worker")
-    settings = load_settings(redis_url=private_redis.url)
-    client = open_redis(settings)
-    try:
-        log_redis_persistence(client, logging.getLogger("keyq.worker"))
-        assert _levels(caplog) == [("INFO", "Redis persistence: AOF, appendfsync always")]
-        client.config_set("appendonly", "no")  # the private server, not the shared one
-        client.config_set("save", "900 1")
-        log_redis_persistence(client, logging.getLogger("keyq.worker"))
-        [(level, message)] = _levels(caplog)
-        assert level == "WARNING" and "RDB snapshots only (save '900 1')" in message
-    finally:
-        client.close()
-
-
-def test_a_keyq_worker_process_warns_once_at_start_or_not_at_all(
+def test_a_worker_warns_once_at_start_on_a_redis_without_persistence_or_rdb_only_not_aof(
     settings: Settings,
     stream: StreamFixture,
     private_redis: PrivateRedis,
     tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Real ``keyq worker`` processes: on the shared Redis (no persistence) and on one with
-    AOF. The line comes before Spark starts, so each is stopped once it has spoken."""
+    """Real ``keyq worker`` processes: on the shared Redis (no persistence, here) and on one
+    with AOF. The line comes before Spark starts, so each is stopped once it has spoken. Then
+    in-process: the shared Redis, and the private one with AOF, then with RDB only."""
     volatile = _shared_redis_is_volatile(settings)
     lines = ("Redis persistence:", NO_PERSISTENCE, "RDB snapshots only", "could not read")
     shared = WorkerProcess(settings, stream.name, tmp_path, mode="key")
@@ -354,3 +302,24 @@ def test_a_keyq_worker_process_warns_once_at_start_or_not_at_all(
     assert all(" WARNING keyq.worker " in line for line in warned)
     assert NO_PERSISTENCE not in durable.log()
     assert "RDB snapshots only" not in durable.log()
+
+    caplog.set_level(logging.INFO, logger="keyq.worker")
+    for redis_settings in (settings, load_settings(redis_url=private_redis.url)):
+        client = open_redis(redis_settings)
+        try:
+            log_redis_persistence(client, logging.getLogger("keyq.worker"))
+        finally:
+            client.close()
+    shared_said, private_said = _levels(caplog)
+    if volatile:
+        assert shared_said[0] == "WARNING" and NO_PERSISTENCE in shared_said[1], shared_said
+    assert private_said == ("INFO", "Redis persistence: AOF, appendfsync always")
+    client = open_redis(load_settings(redis_url=private_redis.url))
+    try:
+        client.config_set("appendonly", "no")  # the private server, not the shared one
+        client.config_set("save", "900 1")
+        log_redis_persistence(client, logging.getLogger("keyq.worker"))
+        [(level, message)] = _levels(caplog)
+        assert level == "WARNING" and "RDB snapshots only (save '900 1')" in message
+    finally:
+        client.close()

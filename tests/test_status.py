@@ -144,9 +144,6 @@ def check_against_world(
     assert 0 <= worker["heartbeat_age_ms"] < MEMBER_TTL_MS
 
 
-# ---- from the shell ----------------------------------------------------------------------
-
-
 def status_env(settings: Settings) -> dict[str, str]:
     unlisted = {f"KEYQ_{name.upper()}": value for name, value in UNLISTED.items()}
     return keyq_environment(settings, {"KEYQ_MEMBER_TTL_MS": str(MEMBER_TTL_MS), **unlisted})
