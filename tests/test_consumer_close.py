@@ -10,7 +10,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -94,16 +93,10 @@ def loaded_queue(stream: StreamFixture, amqp: pika.BlockingConnection) -> str:
     return _load(amqp, stream)
 
 
-@dataclass
-class Consuming:
-    link: ConsumerLink
-    epoch: int
-
-
 @pytest.fixture
 def consuming(
     settings: Settings, proxy: FaultProxy, stream: StreamFixture, loaded_queue: str
-) -> Iterator[Consuming]:
+) -> Iterator[tuple[ConsumerLink, int]]:
     """A worker's link, through the proxy, holding every message of ``loaded_queue`` unacked."""
     buffer = DeliveryBuffer()
     link = bare_link(
@@ -118,36 +111,17 @@ def consuming(
         epoch = link.consumers.new_epoch()
         assert link.consumers.consume(loaded_queue, epoch).outcome is ConsumeOutcome.CONSUMING
         wait_until(lambda: len(buffer) == MESSAGES, 10, "every message delivered")
-        yield Consuming(link, epoch)
+        yield link, epoch
     finally:
         proxy.set_delay(0)
         link.stop()
 
 
-def test_stopping_the_link_gives_every_unacked_message_back(
-    settings: Settings,
-    proxy: FaultProxy,
-    consuming: Consuming,
-    loaded_queue: str,
-    amqp: pika.BlockingConnection,
-) -> None:
-    """Closing queues (``close_queue`` is ``close_queues`` of one) is the test further down."""
-    assert queue_depth(amqp, loaded_queue) == 0  # all unacked on the link's channel
-    proxy.set_delay(LINK_DELAY_S)
-    with EagerDeleter(settings, loaded_queue) as deleter:
-        consuming.link.stop()
-        time.sleep(2 * LINK_DELAY_S)
-    assert deleter.attempts > 10, "the deleter hardly tried"
-    assert not deleter.deleted, "the queue was deleted with the worker's unacked messages"
-    proxy.set_delay(0)
-    assert queue_depth(amqp, loaded_queue) == MESSAGES
-
-
 def test_pikas_own_close_opens_the_window_the_worker_avoids(
     proxy: FaultProxy, loaded_queue: str, settings: Settings, amqp: pika.BlockingConnection
 ) -> None:
-    """What the test above guards against, with pika's plain close: the queue is deleted
-    although none of its messages was ever acked."""
+    """What the worker guards against, with pika's plain close: the queue is deleted although
+    none of its messages was ever acked."""
     connection = pika.BlockingConnection(pika.URLParameters(proxy.url_for(settings.amqp_url)))
     try:
         channel = connection.channel()
@@ -156,10 +130,12 @@ def test_pikas_own_close_opens_the_window_the_worker_avoids(
         channel.basic_consume(
             loaded_queue, lambda _ch, method, _p, _b: received.append(method.delivery_tag)
         )
-        deadline = time.monotonic() + 10
-        while len(received) < MESSAGES and time.monotonic() < deadline:
-            connection.process_data_events(0.05)
-        assert len(received) == MESSAGES
+        wait_until(
+            lambda: connection.process_data_events(0.05) or len(received) == MESSAGES,
+            10,
+            "every message delivered",
+            every=0,
+        )
         proxy.set_delay(LINK_DELAY_S)
         with EagerDeleter(settings, loaded_queue) as deleter:
             channel.close()
@@ -186,65 +162,62 @@ def test_the_pika_internals_the_close_relies_on_are_there(amqp: pika.BlockingCon
         channel.close()
 
 
-def test_a_cancel_from_the_broker_during_the_close_leaves_the_connection_alone(
-    proxy: FaultProxy, consuming: Consuming, loaded_queue: str, amqp: pika.BlockingConnection
-) -> None:
-    """The queue deleted by someone else while our close is on its way: the broker's
-    basic.cancel reaches a closing channel, and must not break the shared connection."""
-    link = consuming.link
-    proxy.set_delay(LINK_DELAY_S)
-
-    def delete_meanwhile() -> None:
-        time.sleep(LINK_DELAY_S / 5)
-        amqp.channel().queue_delete(loaded_queue)
-
-    deleter = threading.Thread(target=delete_meanwhile)
-    deleter.start()
-    link.consumers.close_queue(loaded_queue, consuming.epoch)
-    deleter.join(10)
-    time.sleep(3 * LINK_DELAY_S)  # the cancel, if late, arrives now
-    proxy.set_delay(0)
-    assert link.failure is None
-    assert link.reconnects == 0, "the connection broke"
-    assert link.counts.message_count(loaded_queue) == 0  # still connected and answering
-
-
-def test_closing_many_queues_at_once_gives_each_its_messages_back_in_one_round_trip(
+def test_closing_queues_or_stopping_the_link_gives_every_unacked_message_back(
     settings: Settings,
     proxy: FaultProxy,
-    consuming: Consuming,
+    consuming: tuple[ConsumerLink, int],
     loaded_queue: str,
     stream: StreamFixture,
     amqp: pika.BlockingConnection,
 ) -> None:
-    """Many queues closed together each get every unacked message back, in order, and none
-    looks unused meanwhile."""
-    others = [_load(amqp, stream) for _ in range(3)]
-    epochs = {loaded_queue: consuming.epoch}
+    """Queues closed together each get every unacked message back, in order, and none looks
+    unused meanwhile; a queue deleted by someone else while our close is on its way sends a
+    basic.cancel to a closing channel, which must not break the shared connection; stopping
+    the link gives back what it still holds."""
+    link, epoch = consuming
+    others = [_load(amqp, stream) for _ in range(4)]
+    epochs = {queue: link.consumers.new_epoch() for queue in others}
     for queue in others:
-        epochs[queue] = consuming.link.consumers.new_epoch()
-        assert (
-            consuming.link.consumers.consume(queue, epochs[queue]).outcome
-            is ConsumeOutcome.CONSUMING
-        )
-    queues = [loaded_queue, *others]
+        assert link.consumers.consume(queue, epochs[queue]).outcome is ConsumeOutcome.CONSUMING
     wait_until(
-        lambda: all(queue_depth(amqp, queue) == 0 for queue in queues), 10, "all delivered, unacked"
+        lambda: all(queue_depth(amqp, queue) == 0 for queue in [loaded_queue, *others]),
+        10,
+        "all delivered, unacked",
     )
+    together, cancelled = others[:3], others[3]
     proxy.set_delay(LINK_DELAY_S)
     with ExitStack() as stack:
-        deleters = [stack.enter_context(EagerDeleter(settings, queue)) for queue in queues]
+        deleters = [stack.enter_context(EagerDeleter(settings, queue)) for queue in together]
         began = time.monotonic()
-        consuming.link.consumers.close_queues([(queue, epochs[queue]) for queue in queues])
+        link.consumers.close_queues([(queue, epochs[queue]) for queue in together])
         took = time.monotonic() - began
         time.sleep(2 * LINK_DELAY_S)
     assert all(deleter.attempts > 10 for deleter in deleters), "a deleter hardly tried"
     assert not any(deleter.deleted for deleter in deleters), "a queue went with its messages"
-    # Pipelined: about one round trip (two link delays), not four; reported, as a loaded
+    # Pipelined: about one round trip (two link delays), not three; reported, as a loaded
     # machine's timings are no dependable check.
-    print(f"closing {len(queues)} queues took {took:.2f} s")
-    assert consuming.link.consumers.held() == {}
+    print(f"closing {len(together)} queues took {took:.2f} s")
+
+    def delete_meanwhile() -> None:
+        time.sleep(LINK_DELAY_S / 5)
+        amqp.channel().queue_delete(cancelled)
+
+    deleter = threading.Thread(target=delete_meanwhile)
+    deleter.start()
+    link.consumers.close_queue(cancelled, epochs[cancelled])
+    deleter.join(10)
+    time.sleep(3 * LINK_DELAY_S)  # the cancel, if late, arrives now
+    assert link.failure is None
+    assert link.reconnects == 0, "the broker's cancel during the close broke the connection"
+    assert link.counts.message_count(cancelled) == 0  # still connected and answering
+    assert link.consumers.held() == {loaded_queue: epoch}
+    with EagerDeleter(settings, loaded_queue) as eager:
+        link.stop()
+        time.sleep(2 * LINK_DELAY_S)
+    assert eager.attempts > 10, "the deleter hardly tried"
+    assert not eager.deleted, "the queue was deleted with the stopped link's unacked messages"
     proxy.set_delay(0)
-    for queue in queues:
+    assert queue_depth(amqp, loaded_queue) == MESSAGES
+    for queue in together:
         bodies = [int(landed.body) for landed in drain(amqp.channel(), queue)]
         assert bodies == list(range(MESSAGES)), f"{queue} came back whole and in order"
