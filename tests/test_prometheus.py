@@ -49,9 +49,6 @@ NODE_43 = (DATA / "rabbitmq-4.3.6-detailed-node.txt").read_text()
 WEIRD = 'we"ird\\q name'
 
 
-# ---- the text format -------------------------------------------------------------------
-
-
 def test_a_line_is_a_name_unescaped_labels_and_a_value() -> None:
     sample = parse_line('rabbitmq_queue_messages{vhost="/",queue="keyq.o.k.1"} 42')
     assert sample is not None
@@ -75,25 +72,24 @@ def test_a_line_is_a_name_unescaped_labels_and_a_value() -> None:
     assert math.isnan(found[0]) and found[1:] == [math.inf, -math.inf, 0.001, 0.5, 7.0]
 
 
-@pytest.mark.parametrize(
-    "line",
-    [
-        r'rabbitmq_detailed_queue_messages_ready{vhost="/",queue="we"ird\q name"} 0',  # 3.10
-        'm{queue="a",queue="b"} 1',  # a label twice: which one is it?
-        r'm{q="a\tb"} 1',  # an escape the format does not have
-        'm{q="a"',
-        'm{q="a"} ',
-        "m",
-        "m1",  # a name without a value is not m = 1
-        "m abc",
-        "m 1_000",
-        "m 1 2.5",
-        "m{q=a} 1",
-        'm{q="a" r="b"} 1',
-        '{q="a"} 1',
-        "9m 1",
-    ],
-)
+# The first as 3.10 writes it (label values unescaped); a label twice (which one is it?); an
+# escape the format does not have; a name without a value (not m = 1).
+NOT_SAMPLES = r"""rabbitmq_detailed_queue_messages_ready{vhost="/",queue="we"ird\q name"} 0
+m{queue="a",queue="b"} 1
+m{q="a\tb"} 1
+m{q="a"
+m
+m1
+m abc
+m 1_000
+m 1 2.5
+m{q=a} 1
+m{q="a" r="b"} 1
+{q="a"} 1
+9m 1""".splitlines()
+
+
+@pytest.mark.parametrize("line", [*NOT_SAMPLES, 'm{q="a"} '])
 def test_what_is_not_a_sample_is_refused(line: str) -> None:
     with pytest.raises(PrometheusFormatError) as raised:
         parse_line(line)
@@ -114,9 +110,6 @@ def test_an_unreadable_line_is_skipped_and_counted_never_taken_nor_one_not_asked
     found = parse_exposition(QUEUES_310, only=wanted)
     assert {sample.name for sample in found.samples} == wanted
     assert len(found.samples) == 2 and len(found.skipped) == 1  # of the lines asked for
-
-
-# ---- what keyq takes from them -----------------------------------------------------------
 
 
 def test_queue_figures_from_rabbitmq_310_and_43_and_a_queue_reported_twice_or_half() -> None:
@@ -155,9 +148,6 @@ def test_each_nodes_file_descriptors() -> None:
     no_limit = NODE_43.replace("max_fds 20000", "max_fds 0")
     assert node_fds_in(parse_exposition(no_limit)) is None
     assert node_fds_in(Exposition()) is None
-
-
-# ---- over HTTP: a stand-in endpoint --------------------------------------------------------
 
 
 @pytest.fixture
@@ -252,9 +242,6 @@ def test_fd_figures_come_from_prometheus_first(endpoint: SimpleNamespace) -> Non
     assert not usage.known and "management API" in str(usage.unknown_reason)
     usage = read_fd_usage(load_settings(prometheus_url=closed, management_url=""))
     assert not usage.known and "rabbitmq_prometheus" in str(usage.unknown_reason)
-
-
-# ---- the setting ----------------------------------------------------------------------------
 
 
 def test_the_prometheus_url_is_checked_and_never_shown() -> None:
