@@ -1,10 +1,6 @@
-"""Which keyq error a failed connection attempt becomes, from the exceptions pika raises.
-
-Pure logic: the exceptions are built as pika builds them (the blocking adapter wraps them in
-``AMQPConnectionWorkflowFailed``; the asynchronous one reports ``ConnectionOpenAborted`` with
-its own text). The same failures from real listeners are in tests/test_silent_broker.py; this
-pins the mapping so that a pika upgrade that changes it fails here first.
-"""
+"""Which keyq error a failed connection attempt becomes, from exceptions built as pika builds
+them (the blocking adapter wraps them in ``AMQPConnectionWorkflowFailed``). Real listeners are
+in tests/test_silent_broker.py; this makes a pika upgrade that changes the mapping fail here."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """A 404 about a queue means "missing" or "there but unreachable", by meaning, on every release.
-
-The unreachable texts are the ones RabbitMQ 3.10 and 4.3 send for a classic queue whose node
-is stopped (seen on the clusters of tests/test_cluster.py, which check the behaviour end to
-end); the missing text is asked of the real broker here.
-"""
+The unreachable texts are RabbitMQ 3.10's and 4.3's for a classic queue whose node is stopped
+(tests/test_cluster.py checks that end to end); the missing one is asked of the real broker."""
 
 from __future__ import annotations
 
