@@ -23,20 +23,23 @@ def _check_order(landed: list[Landed], published: dict[str, list[int]]) -> None:
     assert by_key == published
 
 
-def test_key_mode_order_and_envelope(stream: StreamFixture, amqp: pika.BlockingConnection) -> None:
+def test_key_mode_order_envelope_and_bytes_events(
+    stream: StreamFixture, producer: Producer, amqp: pika.BlockingConnection
+) -> None:
     keys = [f"order-{i}" for i in range(20)] + ["ünïcode key", "x" * 300]
     rng = random.Random(7)
     published: dict[str, list[int]] = defaultdict(list)
-    with Producer(stream.name, mode="key", settings=stream.settings) as producer:
-        for n in range(3000):
-            key = rng.choice(keys)
-            receipt = producer.publish(key, {"n": n}, headers={"trace": f"t{n}"})
-            assert receipt.queue == key_queue_name(stream.name, key)
-            assert receipt.seq == len(published[key]) + 1
-            published[key].append(n)
-        producer.flush(30)
-        assert producer.unconfirmed == 0
-        producer_id = producer.producer_id
+    for n in range(3000):
+        key = rng.choice(keys)
+        receipt = producer.publish(key, {"n": n}, headers={"trace": f"t{n}"})
+        assert receipt.queue == key_queue_name(stream.name, key)
+        assert receipt.seq == len(published[key]) + 1
+        published[key].append(n)
+    producer.publish("bytes", b"\x00\xffraw")
+    producer.publish("bytes", bytearray(b'{"a": 1}'))
+    producer.flush(30)
+    assert producer.unconfirmed == 0
+    producer_id = producer.producer_id
     channel = amqp.channel()
     landed: list[Landed] = []
     for key in keys:
@@ -54,6 +57,9 @@ def test_key_mode_order_and_envelope(stream: StreamFixture, amqp: pika.BlockingC
     # Every queue is registered with its original key, for workers and the janitor.
     registered = stream.redis.hgetall(stream.keys.queue_keys)
     assert {registered[key_queue_name(stream.name, key)] for key in keys} == set(keys)
+    raw = drain(channel, key_queue_name(stream.name, "bytes"))  # bytes events travel as is
+    assert [m.body for m in raw] == [b"\x00\xffraw", b'{"a": 1}']
+    assert raw[0].content_type == "application/octet-stream"
 
 
 def test_bucket_mode_order(stream: StreamFixture, amqp: pika.BlockingConnection) -> None:
@@ -75,15 +81,6 @@ def test_bucket_mode_order(stream: StreamFixture, amqp: pika.BlockingConnection)
     assert len(landed) == 4000
     _check_order(landed, published)
     assert stream.redis.zcard(stream.keys.registry) == len({bucket_of(k, 8) for k in keys})
-
-
-def test_bytes_events_travel_as_is(stream: StreamFixture, amqp: pika.BlockingConnection) -> None:
-    with Producer(stream.name, settings=stream.settings) as producer:
-        producer.publish("k", b"\x00\xffraw")
-        producer.publish("k", bytearray(b'{"a": 1}'))
-    landed = drain(amqp.channel(), key_queue_name(stream.name, "k"))
-    assert [m.body for m in landed] == [b"\x00\xffraw", b'{"a": 1}']
-    assert landed[0].content_type == "application/octet-stream"
 
 
 def test_many_threads_keep_each_keys_order(
