@@ -1,5 +1,6 @@
 """Pipelined consumers (``keyq.worker.amqp.consume_rounds``) on the real broker: their channels
-behave as pika's own, which pins the pika internals they rely on."""
+behave as pika's own, which pins the pika internals they rely on. Also (pure logic) what a
+refused consume means, and how large a claim round's bursts are."""
 
 from __future__ import annotations
 
@@ -8,13 +9,25 @@ from collections.abc import Iterator
 from typing import Any
 
 import pika
+import pika.exceptions
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from keyq.broker.naming import key_queue_name
 from keyq.broker.settings import Settings
 from keyq.worker.amqp.acks import buffer_ack, flush_acks
 from keyq.worker.amqp.channel_close import close_keeping_consumers
-from keyq.worker.amqp.consume_rounds import ConsumeRequest, open_consumers
+from keyq.worker.amqp.consume_rounds import (
+    FIRST_BURST,
+    PIPELINE_DEPTH,
+    ConsumeOutcome,
+    ConsumeRequest,
+    first_burst,
+    next_burst,
+    open_consumers,
+    refused,
+)
 from tests.conftest import StreamFixture
 from tests.helpers import queue_depth
 
@@ -172,3 +185,62 @@ def test_a_round_beyond_the_connections_channels_fails_and_leaves_no_channel_ope
     finally:
         if connection.is_open:
             connection.close()
+
+
+@pytest.mark.parametrize(
+    ("code", "text", "outcome"),
+    [
+        (
+            403,
+            "RESOURCE_LOCKED - cannot obtain exclusive access to locked queue 'q' in vhost '/'",
+            ConsumeOutcome.BUSY,
+        ),
+        (404, "NOT_FOUND - no queue 'q' in vhost '/'", ConsumeOutcome.MISSING),
+        # A node down, in RabbitMQ 3.10's words and in 4.3's.
+        (
+            404,
+            "NOT_FOUND - home node 'rabbit@b' of durable queue 'q' in vhost '/' is down or "
+            "inaccessible",
+            ConsumeOutcome.UNREACHABLE,
+        ),
+        (
+            404,
+            "NOT_FOUND - queue 'q' in vhost '/' process is stopped by supervisor",
+            ConsumeOutcome.UNREACHABLE,
+        ),
+        # A 404 naming no queue: waiting for a missing queue costs a retry; forgetting one
+        # strands it.
+        (404, "NOT_FOUND - something else", ConsumeOutcome.UNREACHABLE),
+        (406, "PRECONDITION_FAILED - unknown delivery tag 1", ConsumeOutcome.FAILED),
+        (None, None, ConsumeOutcome.FAILED),
+    ],
+    ids=["busy", "missing", "down-3.10", "down-4.3", "404-no-queue", "406", "no-close"],
+)
+def test_what_a_refused_consume_means(code: int | None, text: str, outcome: ConsumeOutcome) -> None:
+    close = None if code is None else pika.exceptions.ChannelClosedByBroker(code, text)
+    assert refused(close) is outcome
+
+
+def test_a_budgeted_round_starts_small_and_a_burst_fits_the_time_left_at_the_last_pace() -> None:
+    assert first_burst(budgeted=True) == FIRST_BURST < PIPELINE_DEPTH
+    assert first_burst(budgeted=False) == PIPELINE_DEPTH
+    # 8 claims took 80 ms: 10 ms a claim, 50 ms left -> 5 claims.
+    assert next_burst(0.080, 8, 0.050) == 5
+    # A fast broker is capped at the pipeline depth.
+    assert next_burst(0.001, 8, 10.0) == PIPELINE_DEPTH
+    # Out of time (or past it): still one, the caller checks the deadline before sending.
+    assert next_burst(0.080, 8, 0.0) == 1
+    assert next_burst(0.080, 8, -1.0) == 1
+    # A burst measured as taking no time at all does not divide by zero.
+    assert next_burst(0.0, 8, 0.001) == 10
+
+
+@given(
+    elapsed=st.floats(min_value=0, max_value=60),
+    claims=st.integers(min_value=1, max_value=PIPELINE_DEPTH),
+    left=st.floats(min_value=-60, max_value=60),
+)
+def test_a_burst_is_never_empty_nor_deeper_than_the_pipeline(
+    elapsed: float, claims: int, left: float
+) -> None:
+    assert 1 <= next_burst(elapsed, claims, left) <= PIPELINE_DEPTH
