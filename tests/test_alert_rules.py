@@ -103,9 +103,6 @@ def _dashboard_expressions() -> list[str]:
     return [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
 
 
-# --------------------------------------------------------------------------- promtool
-
-
 def test_promtool_checks_the_rules_the_scrape_config_the_alert_tests_and_the_dashboard(
     promtool: str, tmp_path: Path
 ) -> None:
@@ -132,10 +129,9 @@ def test_promtool_checks_the_rules_the_scrape_config_the_alert_tests_and_the_das
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
-# --------------------------------------------------------------------------- the rules
-
-
-def test_every_alert_is_unit_tested_described_and_the_daemons_are_watched() -> None:
+def test_every_alert_is_unit_tested_described_linked_to_its_section_and_on_the_dashboard() -> None:
+    """Every section of docs/alerts.md is an alert's; the dashboard shows every keyq metric
+    the alerts use, and the daemons' scrape jobs, which the alerts watch."""
     cases = _rule_tests()
     firing = {case["alertname"] for case in cases if case.get("exp_alerts")}
     quiet = {case["alertname"] for case in cases if not case.get("exp_alerts")}
@@ -154,12 +150,6 @@ def test_every_alert_is_unit_tested_described_and_the_daemons_are_watched() -> N
     assert "absent(keyq_worker_queues_held)" in absent
     dead_letters = expressions["KeyqDeadLettersGrowing"]
     assert "min_over_time(keyq_stream_dead_letters[15m])" in dead_letters, dead_letters
-
-
-# --------------------------------------------------------------------------- runbooks
-
-
-def test_every_alert_links_its_section_of_the_alerts_doc_and_every_section_is_an_alert() -> None:
     sections = _doc_sections()
     for name, rule in _alerts().items():
         url = rule["annotations"].get("runbook_url", "")
@@ -168,6 +158,13 @@ def test_every_alert_links_its_section_of_the_alerts_doc_and_every_section_is_an
         assert anchor in sections, f"{name}: docs/alerts.md has no section #{anchor}"
         assert "```sh" in sections[anchor], f"{name}: its section has no commands to run"
     assert sorted(set(sections) - {name.lower() for name in _alerts()}) == []
+    used = {name for rule in _alerts().values() for name in METRIC_NAME.findall(rule["expr"])}
+    shown = {name for expr in _dashboard_expressions() for name in METRIC_NAME.findall(expr)}
+    assert "keyq_stream_stranded_keys" in used
+    assert sorted(used - shown) == []
+    expressions = " ".join(_dashboard_expressions())
+    for job in SCRAPE_JOBS:
+        assert job in expressions, job
 
 
 def _keyq_command_lines() -> list[str]:
@@ -225,16 +222,3 @@ def test_the_alerts_doc_runs_real_commands_names_real_settings_and_links_real_an
         text = (docs / target).read_text() if target else ALERTS_DOC.read_text()
         anchors = {_slug(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
         assert anchor in anchors, f"docs/alerts.md links {target}#{anchor}, which does not exist"
-
-
-# --------------------------------------------------------------------------- dashboard
-
-
-def test_the_dashboard_shows_every_keyq_metric_the_alerts_use_and_the_scrape_jobs() -> None:
-    used = {name for rule in _alerts().values() for name in METRIC_NAME.findall(rule["expr"])}
-    shown = {name for expr in _dashboard_expressions() for name in METRIC_NAME.findall(expr)}
-    assert "keyq_stream_stranded_keys" in used
-    assert sorted(used - shown) == []
-    expressions = " ".join(_dashboard_expressions())
-    for job in SCRAPE_JOBS:
-        assert job in expressions, job
