@@ -17,7 +17,6 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from types import TracebackType
 from urllib.parse import urlsplit, urlunsplit
 
 __all__ = ["FaultProxy"]
@@ -144,7 +143,6 @@ class FaultProxy:
         self._upstream = _loopback_addresses(upstream_host, upstream_port)[0]
         listen_family, listen_addr = _loopback_addresses(listen_host, 0)[0]
         self._listen_host = listen_addr[0]
-
         self._listener = socket.socket(listen_family, socket.SOCK_STREAM)
         try:
             self._listener.bind(listen_addr)
@@ -154,29 +152,25 @@ class FaultProxy:
             self._listener.close()
             raise
         self.port: int = int(self._listener.getsockname()[1])
-
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._selector = selectors.DefaultSelector()
         self._interest: dict[socket.socket, int] = {}
         self._pipes: list[_Pipe] = []
-
+        self.accepted = 0  # connections accepted so far, refused ones too
         self._paused = False
         self._refusing = False
         self._dropping_handshakes = False
         self._delay = 0.0
         self._drop_markers: list[bytes] = []
         self._droppers: list[_DeliveryDropper] = []
-
         # Guards the command queue, the running/stopped flags and the pipe count.
         self._lock = threading.Condition()
         self._commands: deque[tuple[Callable[[], None], Future[None]]] = deque()
         self._thread: threading.Thread | None = None
         self._loop_running = False
         self._stopping = False
-
-    # -- lifecycle ---------------------------------------------------------
 
     def start(self) -> FaultProxy:
         """Start forwarding on a daemon thread; returns ``self`` for chaining."""
@@ -210,15 +204,8 @@ class FaultProxy:
     def __enter__(self) -> FaultProxy:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *_exc: object) -> None:
         self.stop()
-
-    # -- faults ------------------------------------------------------------
 
     def pause(self) -> None:
         """Stop forwarding both ways; connections stay open, bytes held until :meth:`resume`."""
@@ -257,8 +244,6 @@ class FaultProxy:
             raise ValueError("delay must be >= 0")
         self._call(lambda: setattr(self, "_delay", float(seconds)))
 
-    # -- introspection -----------------------------------------------------
-
     @property
     def connections(self) -> int:
         """Number of client connections currently open through the proxy."""
@@ -281,8 +266,6 @@ class FaultProxy:
         host = f"[{self._listen_host}]" if ":" in self._listen_host else self._listen_host
         netloc = f"{userinfo}{at}{host}:{self.port}"
         return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-
-    # -- cross-thread plumbing ---------------------------------------------
 
     def _call(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the proxy thread and wait (inline if it is not running)."""
@@ -315,8 +298,6 @@ class FaultProxy:
         # OSError: buffer full (a wake-up is already pending) or already closed.
         with contextlib.suppress(OSError):
             self._wake_w.send(b"\0")
-
-    # -- proxy thread --------------------------------------------------------
 
     def _run(self) -> None:
         try:
@@ -376,6 +357,7 @@ class FaultProxy:
                 client, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                 return
+            self.accepted += 1
             if self._refusing:
                 _close(client, reset=True)
                 continue

@@ -1,9 +1,5 @@
-"""A loopback port that accepts TCP connections and never says a word.
-
-It stands for a broker that cannot complete the AMQP handshake: RabbitMQ overloaded (out of
-file descriptors, say) keeps accepting TCP connections but never answers a client's protocol
-header. What the client sends is read and dropped, so it is never held up writing.
-"""
+"""A loopback port that accepts TCP and never says a word: a broker that cannot complete the
+AMQP handshake (RabbitMQ out of file descriptors). Input is read and dropped, never blocking."""
 
 from __future__ import annotations
 
@@ -16,8 +12,8 @@ __all__ = ["SilentListener"]
 
 
 class SilentListener:
-    """Accepts every connection on a free loopback port, answers nothing, and keeps each
-    connection open until the client closes it (or the listener stops)."""
+    """Accepts on a free loopback port, answers nothing, keeps each connection open until
+    the client closes it (or the listener stops)."""
 
     def __init__(self) -> None:
         self._listener = socket.create_server(("127.0.0.1", 0), backlog=128)
