@@ -1,5 +1,7 @@
 """``--log-level`` through the real command: an unknown level is a usage error (exit 2) that
-names the levels, before any service is touched; a known one is accepted in any case."""
+names the levels, before any service is touched; a known one is accepted in any case. And
+KEYQ_LOG_FORMAT=json: a real janitor's log is one JSON object per line, with the time, level,
+logger, message and the stream and worker context; a bad value is a usage error."""
 
 from __future__ import annotations
 
@@ -7,10 +9,13 @@ import os
 import subprocess
 import sys
 
+import orjson
 import pytest
 
+from keyq.broker.settings import Settings
 from keyq.cli.root import LOG_LEVELS
-from tests.workers import REPO
+from tests.conftest import StreamFixture
+from tests.workers import REPO, run_keyq
 
 # Closed ports: a command that gets past its options fails fast, and reaches nothing.
 NOWHERE = {
@@ -70,3 +75,27 @@ def test_the_help_lists_the_levels() -> None:
     done = _keyq("worker", "--help")
     assert done.returncode == 0, done.stderr
     assert "[debug|info|warning|error|critical]" in done.stdout
+
+
+def test_a_janitor_logs_one_json_object_per_line(settings: Settings, stream: StreamFixture) -> None:
+    done = run_keyq(
+        settings,
+        *("janitor", "--once", "--stream", stream.name, "--janitor-id", "j-json"),
+        env={"KEYQ_LOG_FORMAT": "json"},
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    records = [orjson.loads(line) for line in done.stderr.splitlines() if line.strip()]
+    assert records  # every line is JSON, or the line above raises
+    for record in records:
+        assert {"time", "level", "logger", "message", "stream", "worker", "queue"} <= set(record)
+        assert record["time"].endswith("+00:00")
+        assert record["worker"] == "j-json" and record["stream"] == stream.name
+    assert any(record["logger"] == "keyq.janitor" for record in records)
+    assert "guest:guest" not in done.stderr
+
+
+def test_an_unknown_log_format_is_a_usage_error(settings: Settings) -> None:
+    done = run_keyq(settings, "janitor", "--once", env={"KEYQ_LOG_FORMAT": "xml"}, timeout=60)
+    assert done.returncode == 2
+    assert "KEYQ_LOG_FORMAT" in done.stderr and len(done.stderr.strip().splitlines()) == 1
