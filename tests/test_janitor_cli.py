@@ -10,7 +10,6 @@ import sys
 from typing import Any
 
 from keyq import Producer
-from keyq.broker.naming import key_queue_name
 from keyq.broker.settings import Settings
 from tests.helpers import queue_depth
 from tests.workers import REPO, keyq_environment, run_keyq
@@ -18,12 +17,12 @@ from tests.workers import REPO, keyq_environment, run_keyq
 EXIT_USAGE = 2
 
 
-def test_one_pass_reclaims_a_drained_idle_queue(stream: Any, producer: Producer, amqp: Any) -> None:
-    producer.publish("gone-quiet", {"n": 1})
-    producer.publish("still-busy", {"n": 1})
+def test_one_pass_reclaims_a_drained_idle_queue_and_bad_settings_exit_2_in_one_line(
+    stream: Any, producer: Producer, amqp: Any
+) -> None:
+    quiet = producer.publish("gone-quiet", {"n": 1}).queue
+    busy = producer.publish("still-busy", {"n": 1}).queue
     producer.flush()
-    quiet = key_queue_name(stream.name, "gone-quiet")
-    busy = key_queue_name(stream.name, "still-busy")
     amqp.channel().queue_purge(quiet)
     env = {"KEYQ_PUBLISH_LEASE_MS": "200", "KEYQ_RETIRE_GRACE_MS": "500"}
     done = run_keyq(
@@ -33,10 +32,7 @@ def test_one_pass_reclaims_a_drained_idle_queue(stream: Any, producer: Producer,
     assert queue_depth(amqp, quiet) is None  # deleted
     assert queue_depth(amqp, busy) == 1  # a queue with an event stays
     assert "'deleted': 1" in done.stderr and "'not_empty': 1" in done.stderr
-
-
-def test_bad_settings_exit_2_in_one_line(settings: Settings) -> None:
-    done = run_keyq(settings, "janitor", "--once", env={"KEYQ_JANITOR_CONNECTIONS": "0"})
+    done = run_keyq(stream.settings, "janitor", "--once", env={"KEYQ_JANITOR_CONNECTIONS": "0"})
     assert done.returncode == EXIT_USAGE
     assert "KEYQ_JANITOR_CONNECTIONS" in done.stderr
     assert "Traceback" not in done.stderr
