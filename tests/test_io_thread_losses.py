@@ -7,8 +7,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
-import pika
 import pytest
 
 from keyq import Producer
@@ -33,13 +33,9 @@ LOOP_GAP_LIMIT_S = KEYS * 2 * REDIS_DELAY_S / 4
 
 @pytest.fixture
 def proxies(stream: StreamFixture) -> Iterator[tuple[FaultProxy, FaultProxy]]:
-    amqp_port = pika.URLParameters(stream.settings.amqp_url).port
-    redis_port = int(stream.settings.redis_url.rsplit(":", 1)[1].split("/")[0])
-    with (
-        FaultProxy("127.0.0.1", amqp_port) as amqp_proxy,
-        FaultProxy("127.0.0.1", redis_port) as redis_proxy,
-    ):
-        yield amqp_proxy, redis_proxy
+    amqp, redis = (urlsplit(url) for url in (stream.settings.amqp_url, stream.settings.redis_url))
+    with FaultProxy("127.0.0.1", amqp.port or 5672) as a, FaultProxy("127.0.0.1", redis.port) as r:
+        yield a, r
 
 
 def test_a_connection_drop_with_many_held_queues_does_not_stall_the_io_loop_on_slow_redis(
