@@ -34,9 +34,7 @@ def janitor_settings() -> JanitorSettings:
 
 
 def auto_stream(stream: StreamFixture, queue_type: str = "classic") -> StreamConfig:
-    return ensure_stream_config(
-        stream.redis, stream.name, mode="auto", buckets=4, queue_type=queue_type
-    )
+    return ensure_stream_config(stream.redis, stream.name, "auto", 4, queue_type)
 
 
 def declare(
@@ -118,18 +116,16 @@ def test_an_idle_own_queue_is_deleted_and_its_key_demoted_before_the_mark_goes(
     declare(amqp, stream, [stale], queue_type)
     dead_letters = config.dead_letter_queue
     channel = amqp.channel()
-    channel.queue_declare(
-        dead_letters, durable=True, arguments=dead_letter_queue_arguments(queue_type)
-    )
+    dead_arguments = dead_letter_queue_arguments(queue_type)
+    channel.queue_declare(dead_letters, durable=True, arguments=dead_arguments)
     channel.close()
     registry = QueueRegistry(stream.redis, stream.name)
     registry.register({stale: "stale", dead_letters: None})
     time.sleep(0.01)
     book = RouteBook(stream.redis, stream.name)
-    route_at_unmark: list[object] = []
-    fence_calls["on_unmark"] = [
-        lambda queues: route_at_unmark.append(book.route("hot")) if own in queues else None
-    ]
+    route_at_unmark: list[object] = []  # the key's route as its own queue's mark is lifted
+    unmarked = lambda queues: route_at_unmark.append(book.route("hot")) if own in queues else None  # noqa: E731
+    fence_calls["on_unmark"] = [unmarked]
 
     janitor = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-auto")
     janitor.run(once=True)

@@ -124,9 +124,8 @@ def test_each_event_counts_once_and_producers_clocks_need_not_agree() -> None:
     assert due(watch, {"step": published(20_000, 50, 20)}, now=70.0) == {}
     stepped = published(10_000, 50, 20, first_seq=51)
     assert due(watch, {"step": stepped}, now=70.1) == {}  # 50 a second, not 100
-    assert due(watch, {"step": published(11_000, 80, 5, first_seq=101)}, now=70.2) == {
-        "step": "rate"
-    }
+    faster = published(11_000, 80, 5, first_seq=101)
+    assert due(watch, {"step": faster}, now=70.2) == {"step": "rate"}
 
 
 def test_a_put_off_switch_is_tried_again_once_its_bucket_passes_events_soon_after() -> None:
@@ -164,17 +163,16 @@ def test_a_put_off_lasts_until_the_bucket_passes_the_events_held_while_switching
     book = _Book(key, config.own_queue_for(key))
     follower = RouteFollower(cast(RouteBook, book), config, "p-1")
     follower.step()  # reads the route
-    assert follower.queue_for(key, 10) == config.own_queue_for(key)  # seq 11: the switch
+    own = config.own_queue_for(key)
+    assert follower.queue_for(key, 10) == own  # seq 11: the switch
     follower.queue_for(key, 11)  # seq 12, held too
     assert follower.switched(key, done=False)  # put off: 11 and 12 go to the bucket
-    book.passed_seq = 10  # the bucket has passed what went there before the switch only
-    follower._refresh_due = 0.0  # the next read, without waiting for it
-    follower.step()
-    assert follower.queue_for(key, 12) == config.queue_for(key)  # still put off
-    book.passed_seq = 13  # and now everything sent there
-    follower._refresh_due = 0.0  # the next read, without waiting for it
-    follower.step()
-    assert follower.queue_for(key, 13) == config.own_queue_for(key)  # a switch again
+    # the bucket has passed what went there before the switch only, then everything sent there
+    for passed, seq, queue in ((10, 12, config.queue_for(key)), (13, 13, own)):
+        book.passed_seq = passed
+        follower._refresh_due = 0.0  # the next read, without waiting for it
+        follower.step()
+        assert follower.queue_for(key, seq) == queue, f"bucket passed {passed}"
 
 
 def test_backlog_held_back_and_rate_limited_keys_are_promoted_at_once() -> None:
@@ -197,9 +195,8 @@ def test_backlog_held_back_and_rate_limited_keys_are_promoted_at_once() -> None:
         statuses={"paused": paused, "aside": parked_with_aside, "promoted": promoted},
     )
     assert found == {"big": "backlog", "paused": "stopped", "limited": "rate-limited"}
-    assert (
-        due(watch, {"limited": published(0, 1, 0, first_seq=2)}, now=7.0) == {}
-    )  # given once, and forgotten
+    again = {"limited": published(0, 1, 0, first_seq=2)}
+    assert due(watch, again, now=7.0) == {}  # given once, and forgotten
 
 
 def test_the_gate_routes_a_promoted_keys_events() -> None:
@@ -264,9 +261,8 @@ def test_only_the_events_a_job_applied_tell_what_they_cost() -> None:
     for _ in range(20):
         cost.note({own: 500}, 0.6)
     assert cost.own_s is not None and abs(cost.own_s - 0.001) < 1e-6
-    assert shared_cap(WorkerSettings(auto_key_batch_max=10), own, cost, 5000) == round(
-        SHARED_BATCH_S / 0.001
-    )
+    capped = shared_cap(WorkerSettings(auto_key_batch_max=10), own, cost, 5000)
+    assert capped == round(SHARED_BATCH_S / 0.001)
 
 
 def test_an_auto_share_leaves_room_for_every_own_queue_whoever_holds_the_buckets() -> None:
