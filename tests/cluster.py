@@ -23,18 +23,20 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import pika
-
 from tests.faults import FaultProxy
-from tests.helpers import poll_until
 from tests.servers import (
     RABBIT_BIN,
     Epmd,
     Release,
+    amqp_answers,
     check_deprecated_features_denied,
-    die_with_parent,
+    end_process,
     free_port,
     is_vm_of,
+    rabbit_node_env,
+    spawn,
+    wait_for,
+    write_cookie,
 )
 
 # Inherited variables that would point a node or the CLI somewhere else.
@@ -67,7 +69,6 @@ class _Node:
     name: str
     folder: Path
     port: int
-    dist_port: int
     env: dict[str, str]
     process: subprocess.Popen[bytes] | None = None
     up: bool = False  # started by us and not stopped or killed since
@@ -114,9 +115,7 @@ class RabbitCluster:
         self._spawner = ThreadPoolExecutor(1, thread_name_prefix="kq-cluster-spawner")
         home = self.folder / "home"
         home.mkdir()
-        cookie = home / ".erlang.cookie"
-        cookie.write_text(secrets.token_hex(20).upper())
-        cookie.chmod(0o400)
+        write_cookie(home)
         # 4.x: an epmd of the cluster's own (started with the nodes), not the machine's.
         self._epmd = Epmd(self.release) if self.release.root is not None else None
         inherited = {
@@ -142,27 +141,14 @@ class RabbitCluster:
             name = f"kq{tag}{index + 1}@localhost"
             node_folder = self.folder / f"n{index + 1}"
             node_folder.mkdir()
-            port, dist_port = free_port(), free_port()
-            config = f"listeners.tcp.default = 127.0.0.1:{port}\n" + self.release.rabbit_config()
-            (node_folder / "rabbitmq.conf").write_text(config)
-            (node_folder / "enabled_plugins").write_text("[].\n")
-            (node_folder / "rabbitmq-env.conf").write_text("")
+            port = free_port()
+            config = f"listeners.tcp.default = 127.0.0.1:{port}\n"
             env = {
                 **base_env,
-                "RABBITMQ_NODENAME": name,
+                **rabbit_node_env(self.release, node_folder, name, port, config),
                 "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
-                "RABBITMQ_NODE_PORT": str(port),
-                "RABBITMQ_DIST_PORT": str(dist_port),
-                "RABBITMQ_MNESIA_BASE": str(node_folder / "mnesia"),
-                "RABBITMQ_LOG_BASE": str(node_folder / "log"),
-                "RABBITMQ_CONF_ENV_FILE": str(node_folder / "rabbitmq-env.conf"),
-                "RABBITMQ_CONFIG_FILE": str(node_folder / "rabbitmq.conf"),
-                "RABBITMQ_ENABLED_PLUGINS_FILE": str(node_folder / "enabled_plugins"),
-                "RABBITMQ_PID_FILE": str(node_folder / "pid"),
-                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": self.release.erl_args(),
-                "ERL_CRASH_DUMP": str(node_folder / "erl_crash.dump"),
             }
-            self._nodes.append(_Node(index, name, node_folder, port, dist_port, env))
+            self._nodes.append(_Node(index, name, node_folder, port, env))
         atexit.register(self._kill_all)  # a last resort if close() is never reached
 
     @property
@@ -254,10 +240,10 @@ class RabbitCluster:
         if self._epmd is not None:
             self._epmd.start(self._spawner)
         for node in self._nodes:
-            self._spawner.submit(self._spawn, node).result()
+            self._spawn(node)
         self._parallel([partial(self._await_boot, n) for n in self._nodes])
         self.timings["start"] = time.monotonic() - began
-        self._check_guest(self._nodes[0])
+        _wait(lambda: amqp_answers(self.urls[0]), 30, f"an AMQP login as guest on {self.nodes[0]}")
         if self.release.rabbitmq_major >= 4:
             check_deprecated_features_denied(partial(self.ctl, 0))
         began = time.monotonic()
@@ -321,7 +307,7 @@ class RabbitCluster:
         if target.up:
             self._stop_node(target)
         began = time.monotonic()
-        self._spawner.submit(self._spawn, target).result()
+        self._spawn(target)
         self._await_boot(target)
         self._await_running(
             {n.name for n in self._nodes if n.up}, via=[n for n in self._nodes if n.up]
@@ -440,22 +426,14 @@ class RabbitCluster:
         return found[0]
 
     def _spawn(self, node: _Node) -> None:
-        """Start ``node``'s VM, on the spawner thread: the node gets SIGTERM if that thread
-        ends first, i.e. if the test process dies without closing (die_with_parent)."""
+        """Start ``node``'s VM from the spawner thread (die_with_parent: see tests.servers)."""
         node.pid_file.unlink(missing_ok=True)  # a kill -9 leaves it behind
-        console = (node.folder / "console.log").open("ab")
-        try:
-            node.process = subprocess.Popen(
-                self.release.command([str(RABBIT_BIN / "rabbitmq-server")], [self.folder]),
-                env=node.env,
-                stdin=subprocess.DEVNULL,
-                stdout=console,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: killable as a whole
-                preexec_fn=die_with_parent,  # noqa: PLW1509 - only prctl, no locks
+        command = self.release.command([str(RABBIT_BIN / "rabbitmq-server")], [self.folder])
+        with (node.folder / "console.log").open("ab") as console:
+            # its own process group: killable as a whole
+            node.process = spawn(
+                command, env=node.env, stdout=console, new_session=True, thread=self._spawner
             )
-        finally:
-            console.close()
         node.up = True
 
     def _await_boot(self, node: _Node) -> None:
@@ -468,24 +446,12 @@ class RabbitCluster:
                     f"{node.name} did not boot (exit {process.poll()})\n{node.log_tail()}"
                 )
             time.sleep(0.1)
+        left = str(int(max(1, deadline - time.monotonic())))
         try:
-            self.ctl(
-                node.index,
-                "wait",
-                str(node.pid_file),
-                "--timeout",
-                str(int(max(1, deadline - time.monotonic()))),
-                timeout=self.boot_timeout + 30,
-            )
+            self.ctl(node.index, "wait", str(node.pid_file), "--timeout", left,
+                     timeout=self.boot_timeout + 30)  # fmt: skip
         except ClusterError as exc:
             raise ClusterError(f"{node.name} did not boot: {exc}\n{node.log_tail()}") from exc
-
-    def _check_guest(self, node: _Node) -> None:
-        def answers() -> bool:
-            pika.BlockingConnection(pika.URLParameters(self.urls[node.index])).close()
-            return True
-
-        _wait(answers, 30, f"an AMQP login as guest on {node.name}")
 
     def _await_running(self, expected: set[str], via: list[_Node]) -> None:
         def all_running() -> bool:
@@ -503,14 +469,14 @@ class RabbitCluster:
                 self.ctl(node.index, "stop", str(node.pid_file), timeout=timeout)
             process.wait(30)
         except (ClusterError, subprocess.TimeoutExpired):
-            _kill_group(process)
+            end_process(process, group=True)
         node.process = None
 
     def _kill_all(self) -> None:
         for node in self._nodes:
             node.up = False
             if node.process is not None:
-                _kill_group(node.process)
+                end_process(node.process, group=True)
                 node.process = None
         if self._epmd is not None:
             self._epmd.stop()
@@ -526,8 +492,7 @@ class RabbitCluster:
 
 
 def _node_list(value: object) -> list[str]:
-    """A list column of ``list_queues`` in JSON (a list, or ``""`` when there is none) as a
-    sorted list of node names."""
+    """A list column of ``list_queues`` in JSON (a list, or ``""`` for none), sorted."""
     if isinstance(value, list):
         return sorted(str(name) for name in value)
     return sorted(name.strip() for name in str(value or "").strip("[]").split(",") if name.strip())
@@ -546,14 +511,4 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _kill_group(process: subprocess.Popen[bytes]) -> None:
-    """kill -9 of the node's whole process group (script, beam.smp, erl_child_setup...)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(10)
-
-
-def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
-    message = f"timed out after {timeout:.0f}s waiting for {what}"
-    poll_until(check, timeout, 0.2, lambda last: ClusterError(f"{message}: {last}"))
+_wait = partial(wait_for, error=ClusterError)

@@ -1,20 +1,13 @@
-"""Private RabbitMQ and Redis servers that a test starts, owns and may restart.
+"""Private RabbitMQ and Redis servers that a test starts, owns and may restart (the shared
+services are never restarted), on free loopback ports with their data in a temporary folder.
 
-The shared services are never restarted by a test (other tests and sessions use them); a test
-that needs a broker or Redis restart starts its own, on free loopback ports, with its data in a
-temporary folder, and restarts those.
-
-Which release they run is the environment's choice (:class:`Release`): the locally installed
-RabbitMQ (3.10 here) and redis-server by default; with ``KEYQ_TEST_RABBITMQ=4``, RabbitMQ 4.3 and
-Valkey 9 from the Debian forky root that ``scripts/rabbitmq4.sh setup`` makes
-(``KEYQ_FORKY_ROOT``, default ``/var/cache/keyq-forky``). Programs of that root need its own
-libc, so they run under ``chroot``, each in a mount namespace of its own (``unshare``) where
-/proc and the server's folders are mounted: no mount is ever left on the host, and the folders
-have the same paths inside the root as outside. A 4.x node has every deprecated feature denied
-and an epmd of its own, so it never touches the machine's (port 4369).
-
-Every server process dies with the test process (PR_SET_PDEATHSIG, set from a thread that lives
-as long as the process): a session killed with -9 leaves no node, epmd or Redis behind.
+The release is the environment's choice (:class:`Release`): the installed RabbitMQ and
+redis-server by default; with ``KEYQ_TEST_RABBITMQ=4``, RabbitMQ 4.3 and Valkey 9 from the
+Debian forky root of ``scripts/rabbitmq4.sh setup`` (``KEYQ_FORKY_ROOT``). Its programs need its
+own libc, so they run under ``chroot`` in a mount namespace of their own (``unshare``): no mount
+is left on the host, and folders have the same paths inside. A 4.x node denies every deprecated
+feature and has an epmd of its own, never the machine's. Every server process dies with the
+test process (PR_SET_PDEATHSIG): a session killed with -9 leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -47,10 +40,8 @@ TEST_RABBITMQ_VARIABLE = "KEYQ_TEST_RABBITMQ"
 FORKY_ROOT_VARIABLE = "KEYQ_FORKY_ROOT"
 DEFAULT_FORKY_ROOT = Path("/var/cache/keyq-forky")
 
-# Every deprecated feature of RabbitMQ 4.3 (``rabbitmqctl list_deprecated_features``). A 4.x
-# node of the tests denies them all, so a test that uses one fails now, as it will when the
-# next major release removes it; a node that lists one more fails to start (see
-# :func:`check_deprecated_features_denied`), so that this list is kept whole.
+# Every deprecated feature of RabbitMQ 4.3, all denied on a 4.x node of the tests, so a test
+# that uses one fails now; a node that lists one more fails to start, so the list stays whole.
 DEPRECATED_FEATURES = (
     "amqp_address_v1",
     "amqp_filter_set_bug",
@@ -66,10 +57,9 @@ _PR_SET_PDEATHSIG = 1  # prctl(2)
 # Erlang distribution (node to node, and the CLI to a node) on loopback only.
 LOOPBACK_DIST = "-kernel inet_dist_use_interface {127,0,0,1}"
 
-# Run inside a fresh mount namespace (unshare --mount, private propagation): /proc for the
-# root, a tmpfs on its /tmp for the mount points of folders under /tmp, each folder bound at
-# its own path, then chroot. Every mount goes away with the namespace's last process, and so
-# do the mount points under /tmp (a folder elsewhere leaves an empty one in the root).
+# In a fresh mount namespace: /proc for the root, a tmpfs on its /tmp for the mount points of
+# folders under /tmp, each folder bound at its own path, then chroot. The mounts go away with
+# the namespace's last process.
 _IN_ROOT = r"""
 root=$1; shift
 mountpoint -q "$root/proc" || mount -t proc proc "$root/proc" || exit 125
@@ -89,31 +79,34 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _wait_for(check: Callable[[], object], timeout: float, what: str) -> None:
-    poll_until(
-        check,
-        timeout,
-        0.2,
-        lambda last: RuntimeError(f"{what} did not come up in {timeout:.0f}s: {last}"),
-    )
+def wait_for(
+    check: Callable[[], object],
+    timeout: float,
+    what: str,
+    error: type[Exception] = RuntimeError,
+    every: float = 0.2,
+) -> None:
+    """``poll_until`` with an ``error`` that names ``what`` and the last exception."""
+    message = f"timed out after {timeout:.0f}s waiting for {what}"
+    poll_until(check, timeout, every, lambda last: error(f"{message}: {last}"))
+
+
+def answers(port: int) -> bool:
+    with socket.create_connection(("127.0.0.1", port), 1):
+        return True
 
 
 @dataclass(frozen=True)
 class Release:
-    """Where the private servers' programs come from.
-
-    ``root`` None: the machine's own RabbitMQ (``/usr/lib/rabbitmq/bin``) and ``redis-server``,
-    run as they are. Otherwise a Debian forky root holding RabbitMQ 4.x and ``valkey-server``,
-    whose programs run under chroot (:meth:`command`); folders a program uses must be named to
-    :meth:`command` so that they are mounted at the same paths inside.
-    """
+    """Where the servers' programs come from: ``root`` None, the machine's own; else a forky
+    root whose programs run under chroot (:meth:`command`, given the folders they use)."""
 
     root: Path | None = None
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> Release:
-        """``KEYQ_TEST_RABBITMQ``: unset, ``3`` or ``3.x`` for the installed release; ``4`` or
-        ``4.x`` for the forky root at ``KEYQ_FORKY_ROOT``."""
+        """``KEYQ_TEST_RABBITMQ``: unset or ``3[.x]``, the installed release; ``4[.x]``, the
+        forky root at ``KEYQ_FORKY_ROOT``."""
         environ = os.environ if environ is None else environ
         wanted = environ.get(TEST_RABBITMQ_VARIABLE, "").strip()
         if wanted in ("", "3") or wanted.startswith("3."):
@@ -154,49 +147,32 @@ class Release:
         return None
 
     def environment(self, inherited: Mapping[str, str], **variables: str) -> dict[str, str]:
-        """A program's environment: ``inherited`` for the installed release; for a root only
-        what its programs need (the caller's PATH or virtual environment mean nothing there)."""
+        """``inherited`` and ``variables``; in a root, whose programs need none of the caller's
+        PATH or virtual environment, a minimal one."""
         if self.root is None:
             return {**inherited, **variables}
         return {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", **variables}
 
     def command(self, argv: Sequence[str], folders: Sequence[Path] = ()) -> list[str]:
-        """``argv`` as run for this release: unchanged, or under chroot with ``folders`` (which
-        must exist) mounted at their own paths inside the root."""
+        """``argv``, or in a root ``argv`` under chroot with ``folders`` mounted at their paths."""
         if self.root is None:
             return list(argv)
         mounts = [str(Path(folder).resolve()) for folder in folders]
         for mount in mounts:
             if not Path(mount).is_dir():
                 raise FileNotFoundError(f"no folder {mount} to mount in {self.root}")
-        return [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "private",
-            "--",
-            "/bin/sh",
-            "-c",
-            _IN_ROOT,
-            "in-root",
-            str(self.root),
-            *mounts,
-            "--",
-            *argv,
-        ]
+        unshare = ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c"]
+        return [*unshare, _IN_ROOT, "in-root", str(self.root), *mounts, "--", *argv]
 
     def rabbit_config(self) -> str:
-        """What a node's rabbitmq.conf adds for this release: on 4.x, every deprecated feature
-        denied."""
+        """What a node's rabbitmq.conf adds: on 4.x, every deprecated feature denied."""
         if self.root is None:
             return ""
-        return "".join(
-            f"deprecated_features.permit.{name} = false\n" for name in DEPRECATED_FEATURES
-        )
+        return "".join(f"deprecated_features.permit.{f} = false\n" for f in DEPRECATED_FEATURES)
 
     def erl_args(self) -> str:
-        """A node's extra VM arguments: distribution on loopback; on 4.x it uses the epmd of its
-        own that the caller started (ERL_EPMD_PORT), and never starts one that would outlive it."""
+        """Distribution on loopback; on 4.x with the caller's own epmd (ERL_EPMD_PORT), never
+        starting one that would outlive the node."""
         return LOOPBACK_DIST if self.root is None else f"{LOOPBACK_DIST} -start_epmd false"
 
 
@@ -206,8 +182,8 @@ def private_servers_available() -> str | None:
 
 
 def check_deprecated_features_denied(ctl: Callable[..., str]) -> None:
-    """On a 4.x node (``ctl`` runs its rabbitmqctl): every deprecated feature it knows is
-    denied, or RuntimeError naming those that are not (add them to DEPRECATED_FEATURES)."""
+    """On a 4.x node (``ctl`` runs its rabbitmqctl): RuntimeError naming the deprecated
+    features it does not deny (add them to DEPRECATED_FEATURES)."""
     listed = json.loads(ctl("list_deprecated_features", "--formatter", "json", "-q"))
     permitted = sorted(str(f["name"]) for f in listed if f.get("state") != "denied")
     if permitted:
@@ -228,11 +204,43 @@ def is_vm_of(pid: int, node: str) -> bool:
 
 
 def die_with_parent() -> None:
-    """In a child before exec: SIGTERM (a clean stop) when the thread that started it ends, so a
-    test process that dies without cleaning up (kill -9) leaves no server behind. Hence servers
-    are started from a thread that outlives them (:func:`spawn`)."""
+    """In a child before exec: SIGTERM when the thread that started it ends (hence servers
+    are started from a thread that outlives them: :func:`spawn`)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def write_cookie(home: Path) -> None:
+    cookie = home / ".erlang.cookie"
+    if not cookie.exists():
+        cookie.write_text(secrets.token_hex(20).upper())
+        cookie.chmod(0o400)
+
+
+def rabbit_node_env(
+    release: Release, folder: Path, name: str, port: int, config: str, plugins: Sequence[str] = ()
+) -> dict[str, str]:
+    """Write a node's config files into ``folder``; the variables that point the node there."""
+    (folder / "rabbitmq.conf").write_text(config + release.rabbit_config())
+    (folder / "enabled_plugins").write_text(f"[{','.join(plugins)}].\n")
+    (folder / "rabbitmq-env.conf").write_text("")
+    home = folder.resolve()
+    files = {
+        "MNESIA_BASE": "mnesia",
+        "LOG_BASE": "log",
+        "ENABLED_PLUGINS_FILE": "enabled_plugins",
+        "CONFIG_FILE": "rabbitmq.conf",
+        "CONF_ENV_FILE": "rabbitmq-env.conf",
+        "PID_FILE": "pid",
+    }
+    return {
+        **{f"RABBITMQ_{variable}": str(home / file) for variable, file in files.items()},
+        "RABBITMQ_NODENAME": name,
+        "RABBITMQ_NODE_PORT": str(port),
+        "RABBITMQ_DIST_PORT": str(free_port()),
+        "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": release.erl_args(),
+        "ERL_CRASH_DUMP": str(home / "erl_crash.dump"),
+    }
 
 
 _spawner_lock = threading.Lock()
@@ -247,9 +255,8 @@ def spawn(
     new_session: bool = False,
     thread: ThreadPoolExecutor | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Popen ``command`` from ``thread`` (default: one of this module that lives as long as
-    the process), so that PDEATHSIG fires when the process ends, not when the caller's thread
-    does (a restart runs in a background thread of the soak, for one)."""
+    """Popen ``command`` from ``thread`` (default: one that lives as long as the process), so
+    that PDEATHSIG fires when the process ends, not when the caller's thread does."""
     global _spawner
     if thread is None:
         with _spawner_lock:
@@ -283,8 +290,7 @@ def end_process(process: subprocess.Popen[bytes], *, group: bool = False) -> Non
 
 
 class Epmd:
-    """An epmd of a 4.x node or cluster's own, on a free loopback port (``port``), run in the
-    foreground so that it ends with :meth:`stop` or with the test process."""
+    """An epmd of a 4.x node or cluster's own, on a free loopback port, in the foreground."""
 
     def __init__(self, release: Release) -> None:
         self.release = release
@@ -301,12 +307,7 @@ class Epmd:
             stdout=subprocess.DEVNULL,
             thread=thread,
         )
-
-        def answers() -> bool:
-            with socket.create_connection(("127.0.0.1", self.port), 1):
-                return True
-
-        _wait_for(answers, 20, f"epmd on port {self.port}")
+        wait_for(lambda: answers(self.port), 20, f"epmd on port {self.port}")
         return self
 
     def stop(self) -> None:
@@ -317,8 +318,7 @@ class Epmd:
 
 class PrivateRedis:
     """A redis-server (Valkey on 4.x) that keeps every write on disk (AOF, fsync always), so it
-    can be killed and restarted without losing committed state, as a production Redis for keyq
-    must."""
+    can be killed and restarted without losing committed state."""
 
     def __init__(self, folder: Path, release: Release | None = None) -> None:
         self.release = release or Release.from_environment()
@@ -334,28 +334,16 @@ class PrivateRedis:
         return self._process.pid if self._process is not None else None
 
     def start(self) -> PrivateRedis:
-        command = [
-            self.release.redis_server,
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dir",
-            str(self.folder.resolve()),
-            "--save",
-            "",
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "always",
-        ]
+        command = [self.release.redis_server, "--bind", "127.0.0.1", "--port", str(self.port)]
+        command += ["--dir", str(self.folder.resolve()), "--save", ""]
+        command += ["--appendonly", "yes", "--appendfsync", "always"]
         with (self.folder / "redis.log").open("ab") as log:
             self._process = spawn(
                 self.release.command(command, [self.folder]),
                 env=self.release.environment(os.environ),
                 stdout=log,
             )
-        _wait_for(lambda: redis.Redis.from_url(self.url).ping(), 20, "private Redis")
+        wait_for(lambda: redis.Redis.from_url(self.url).ping(), 20, "private Redis")
         return self
 
     def kill(self) -> None:
@@ -374,15 +362,12 @@ class PrivateRedis:
 
 
 class PrivateRabbit:
-    """A second RabbitMQ node of the release under test (:class:`Release`), on its own ports,
-    run as this user.
+    """A RabbitMQ node of the release under test, on its own ports, run as this user.
 
-    ``management`` enables the management plugin on a free port of its own (``management_url``,
-    statistics refreshed every second); ``prometheus`` enables rabbitmq_prometheus on another
-    (``prometheus_port``, ``prometheus_url``: ``/metrics``, ``/metrics/per-object``...);
-    ``nofile`` starts the node with that file-descriptor limit (soft and hard), as a systemd
-    ``LimitNOFILE=`` would. A 4.x node denies every deprecated feature (so with ``management``
-    its metrics collection is off: ``/api/consumers`` answers 400 there).
+    ``management``: the management plugin on a port of its own (``management_url``, statistics
+    every second); ``prometheus``: rabbitmq_prometheus on another (``prometheus_port``,
+    ``prometheus_url``); ``nofile``: that file-descriptor limit, as systemd's ``LimitNOFILE=``.
+    On 4.x the management metrics collection is denied: ``/api/consumers`` answers 400.
     """
 
     def __init__(
@@ -421,30 +406,12 @@ class PrivateRabbit:
             config += (
                 f"prometheus.tcp.ip = 127.0.0.1\nprometheus.tcp.port = {self.prometheus_port}\n"
             )
-        config += self.release.rabbit_config()
-        (self.folder / "enabled_plugins").write_text(f"[{','.join(plugins)}].\n")
-        (self.folder / "rabbitmq.conf").write_text(config)
-        (self.folder / "rabbitmq-env.conf").write_text("")
-        cookie = self.folder / ".erlang.cookie"
-        if not cookie.exists():
-            cookie.write_text(secrets.token_hex(16).upper())
-            cookie.chmod(0o400)
+        write_cookie(self.folder)
         self._epmd = Epmd(self.release) if self.release.root is not None else None
-        home = str(self.folder.resolve())
         self._env = self.release.environment(
             os.environ,
-            HOME=home,
-            RABBITMQ_NODENAME=self.node,
-            RABBITMQ_NODE_PORT=str(self.port),
-            RABBITMQ_DIST_PORT=str(free_port()),
-            RABBITMQ_MNESIA_BASE=f"{home}/mnesia",
-            RABBITMQ_LOG_BASE=f"{home}/log",
-            RABBITMQ_ENABLED_PLUGINS_FILE=f"{home}/enabled_plugins",
-            RABBITMQ_CONFIG_FILE=f"{home}/rabbitmq.conf",
-            RABBITMQ_CONF_ENV_FILE=f"{home}/rabbitmq-env.conf",
-            RABBITMQ_PID_FILE=f"{home}/pid",
-            RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS=self.release.erl_args(),
-            ERL_CRASH_DUMP=f"{home}/erl_crash.dump",
+            HOME=str(self.folder.resolve()),
+            **rabbit_node_env(self.release, self.folder, self.node, self.port, config, plugins),
         )
         if self._epmd is not None:
             self._env.update(ERL_EPMD_PORT=str(self._epmd.port), ERL_EPMD_ADDRESS="127.0.0.1")
@@ -467,7 +434,7 @@ class PrivateRabbit:
 
     def await_memory_alarm(self, active: bool, timeout: float = 15) -> None:
         """Wait until the node's memory alarm is on (``active``) or off."""
-        _wait_for(
+        wait_for(
             lambda: ("memory" in self.ctl("eval", "rabbit_alarm:get_alarms().")) == active,
             timeout,
             f"the memory alarm {'on' if active else 'off'}",
@@ -483,29 +450,24 @@ class PrivateRabbit:
     def start(self) -> PrivateRabbit:
         if self._epmd is not None:
             self._epmd.start()
-        (self.folder / "pid").unlink(missing_ok=True)
+        pid_file = self.folder / "pid"
+        pid_file.unlink(missing_ok=True)
         command = self.release.command([str(RABBIT_BIN / "rabbitmq-server")], [self.folder])
         if self.nofile is not None:
             command = ["prlimit", f"--nofile={self.nofile}:{self.nofile}", *command]
         with (self.folder / "console.log").open("ab") as console:
-            # In the foreground, as a child of this process: it dies with it (see spawn).
             self._process = spawn(command, env=self._env, stdout=console, new_session=True)
         process = self._process
 
         def booted() -> bool:
             if process.poll() is not None:
                 raise RuntimeError(f"{self.node} exited {process.returncode} while booting")
-            return (self.folder / "pid").exists()
+            return pid_file.exists()
 
         try:
-            _wait_for(booted, 90, f"the pid file of {self.node}")
-            self.ctl("wait", str((self.folder / "pid").resolve()), "--timeout", "90", timeout=120)
-
-            def answers() -> bool:
-                pika.BlockingConnection(pika.URLParameters(self.url)).close()
-                return True
-
-            _wait_for(answers, 30, "private RabbitMQ")
+            wait_for(booted, 90, f"the pid file of {self.node}")
+            self.ctl("wait", str(pid_file.resolve()), "--timeout", "90", timeout=120)
+            wait_for(lambda: amqp_answers(self.url), 30, "private RabbitMQ")
             if not self._checked and self.release.rabbitmq_major >= 4:
                 check_deprecated_features_denied(self.ctl)
                 self._checked = True
@@ -522,7 +484,7 @@ class PrivateRabbit:
         if process is not None:
             try:
                 process.wait(30)
-            except subprocess.TimeoutExpired:  # it would not stop: end it
+            except subprocess.TimeoutExpired:
                 end_process(process, group=True)
         pid = self.os_pid
         if pid is not None and is_vm_of(pid, self.node):  # its VM outlived the script
@@ -535,3 +497,8 @@ class PrivateRabbit:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+
+def amqp_answers(url: str) -> bool:
+    pika.BlockingConnection(pika.URLParameters(url)).close()
+    return True
