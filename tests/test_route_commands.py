@@ -83,10 +83,9 @@ def test_promote_refuses_bad_input_and_a_key_whose_events_wait_aside(
     stream: StreamFixture, amqp: pika.BlockingConnection
 ) -> None:
     config = _auto(stream)
-    one_line_error(keyq("key", "promote", "--stream", stream.name), 2)
-    one_line_error(keyq("key", "promote", "", "--stream", stream.name), 2)
-    one_line_error(keyq("key", "promote", "a", "--stream", "t-never-used"), 2)
-    one_line_error(keyq("key", "promote", "a"), 2)
+    unknown = ["a", "--stream", "t-never-used"]
+    for bad in (["--stream", stream.name], ["", "--stream", stream.name], unknown, ["a"]):
+        one_line_error(keyq("key", "promote", *bad), 2)
     assert stream.redis.hlen(stream.keys.routes) == 0, "bad input promoted a key"
     aside = f"keyq.{stream.name}.a.test-aside"
     stream.redis.hset(stream.keys.aside, "a", orjson.dumps([aside]).decode())
@@ -169,9 +168,8 @@ def test_status_counts_promotions_and_demotions(
     assert keyed[config.own_queue_for("b")] == "b"
     assert keyed[config.queue_for("x")] is None
     text = keyq("status", "--stream", stream.name).stdout
-    assert (
-        "promoted keys 2   open moves 2   promotions 3 (operator 2, rate 1)   demotions 1" in text
-    )
+    routes = "promoted keys 2   open moves 2   promotions 3 (operator 2, rate 1)   demotions 1"
+    assert routes in text
     other = StreamFixture(f"{stream.name}k", stream.settings, stream.redis).own()
     try:  # a key mode stream has no routes, in its status or a key's picture
         record_stream(other)
