@@ -23,10 +23,8 @@ QUEUES = 30
 def link(settings: Settings, stream: StreamFixture) -> Iterator[ConsumerLink]:
     started = bare_link(settings, stream.name, "test-claim-rounds", prefetch=10)
     started.start()
-    try:
-        yield started
-    finally:
-        started.stop()
+    yield started
+    started.stop()
 
 
 def declare(amqp: pika.BlockingConnection, stream: StreamFixture, count: int) -> list[str]:
