@@ -261,7 +261,7 @@ def test_an_aside_queue_is_drained_under_its_held_queues_lease_and_ends_with_it(
     assert parts.drains.draining() == set()
 
 
-def test_handing_back_closes_all_in_one_call_before_dropping_and_releases_all_in_one_call() -> None:
+def test_handing_back_closes_all_in_one_call_before_dropping_then_releases_all_in_one() -> None:
     held, journal, parts = make(lease("q-a"), lease("q-b"), lease("q-c"))
     held._buffer.add(plain_delivery("q-c", 1, held.get("q-c").epoch))  # type: ignore[union-attr]
     journal.entries.clear()
@@ -281,6 +281,15 @@ def test_handing_back_closes_all_in_one_call_before_dropping_and_releases_all_in
     assert parts.locks.calls == [["q-a", "q-b"]]
     assert held.released == 2 and held.lost == 0
     assert parts.reports[-1] == ("revoked", ["q-a", "q-b"], "released")
+    # Handing back all closes every consumer and settles the losses too.
+    held, _journal, parts = make(lease("q-a"), lease("q-b"))
+    item = held.get("q-b")
+    assert item is not None
+    parts.gone.put(ConsumerGone("q-b", item.epoch, "channel closed by the broker"))
+    ended = held.hand_back_all()
+    assert [h.queue for h in ended] == ["q-a"]
+    assert parts.locks.calls == [["q-b"], ["q-a"]]
+    assert parts.reports[-1] == ("revoked", ["q-a"], "shutdown")
 
 
 def test_a_quorum_queue_handed_back_starved_is_looked_into_before_its_lock_goes() -> None:
@@ -396,7 +405,7 @@ def test_a_reopen_that_fails_ends_the_holding_and_releases_its_lock(refusal: str
     assert bool(consumed) is (refusal != "consumer gone"), consumed
 
 
-def test_a_batch_outcome_defers_stops_lost_queues_and_puts_back_the_rest() -> None:
+def test_a_batch_outcome_defers_stops_lost_queues_and_puts_back_the_rest_as_put_back_does() -> None:
     held, journal, parts = make(lease("q-a"), lease("q-b", token=3), lease("q-c"))
     epochs = {item.queue: item.epoch for item in held.all()}
     journal.entries.clear()
@@ -410,6 +419,14 @@ def test_a_batch_outcome_defers_stops_lost_queues_and_puts_back_the_rest() -> No
     assert "q-b" not in held and ("register", "q-b") in journal.entries
     assert parts.reports[-1] == ("revoked", ["q-b"], "commit refused: the lock moved on")
     assert held._buffer.depth("q-a") == 1 and held._buffer.deferred("q-c") == 1
+    # Put back: what is held is kept; consumers whose deliveries were let go are closed.
+    held, journal, _parts = make(lease("q-a"))
+    item = held.get("q-a")
+    assert item is not None
+    journal.entries.clear()
+    held.put_back([plain_delivery("q-a", 1, item.epoch), plain_delivery("q-gone", 1, 7)])
+    assert held._buffer.depth("q-a") == 1 and held._buffer.depth("q-gone") == 0
+    assert journal.entries == [("close", "q-gone", "7")]
 
 
 def test_a_consumer_whose_whole_prefetch_is_deferred_is_reopened_wider() -> None:
@@ -431,27 +448,6 @@ def test_a_consumer_whose_whole_prefetch_is_deferred_is_reopened_wider() -> None
     journal.entries.clear()
     defer(4)
     assert journal.entries == []  # as wide as it gets
-
-
-def test_put_back_keeps_what_is_held_and_closes_consumers_whose_deliveries_were_let_go() -> None:
-    held, journal, _parts = make(lease("q-a"))
-    item = held.get("q-a")
-    assert item is not None
-    journal.entries.clear()
-    held.put_back([plain_delivery("q-a", 1, item.epoch), plain_delivery("q-gone", 1, 7)])
-    assert held._buffer.depth("q-a") == 1 and held._buffer.depth("q-gone") == 0
-    assert journal.entries == [("close", "q-gone", "7")]
-
-
-def test_hand_back_all_closes_every_consumer_and_settles_the_losses_too() -> None:
-    held, _journal, parts = make(lease("q-a"), lease("q-b"))
-    item = held.get("q-b")
-    assert item is not None
-    parts.gone.put(ConsumerGone("q-b", item.epoch, "channel closed by the broker"))
-    ended = held.hand_back_all()
-    assert [h.queue for h in ended] == ["q-a"]
-    assert parts.locks.calls == [["q-b"], ["q-a"]]
-    assert parts.reports[-1] == ("revoked", ["q-a"], "shutdown")
 
 
 def test_handbacks_ask_the_least_busy_surplus_once_idle_ones_and_cool_down_what_went_back() -> None:
