@@ -1,8 +1,6 @@
-"""When a worker gives up a sequence gap early: only for a gone producer, on a queue that has
-been quiet, with room in its consumer's prefetch and no ready message; and when it reopens a
-consumer for a gap that stays open, and what a reopening keeps (pure logic: the presence and
-the broker's count are given as functions; real services in test_worker_sequencing,
-test_producer_presence and test_stuck_gaps)."""
+"""When a worker gives up a sequence gap early (a gone producer, a quiet queue, room in the
+prefetch, no ready message), when it reopens a consumer for a gap that stays open, and what a
+reopening keeps. Pure logic; real services in test_worker_sequencing and test_stuck_gaps."""
 
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ def delivery(seq: int, epoch: int, at: float, producer: str = "p") -> Delivery:
 def parked(
     buffer: DeliveryBuffer, producer: str, seqs: Iterable[int], ago: float = QUIET_S
 ) -> None:
-    """Deliveries of ``producer`` that arrived, and were parked, ``ago`` seconds ago (the
-    buffer keeps time with the monotonic clock)."""
+    """Deliveries of ``producer`` that arrived, and were parked, ``ago`` seconds ago."""
     at = time.monotonic() - ago
     for seq in seqs:
         buffer.add(delivery(seq, 1, at, producer))
@@ -57,7 +54,7 @@ def closer(
     confirm_gone_s: float = 0.0,
     reopened_at: float | None = float("inf"),
 ) -> AbandonedGaps:
-    """By default the queue's consumer counts as reopened since the gap opened."""
+    # By default the queue's consumer counts as reopened since the gap opened.
     return AbandonedGaps(
         buffer,
         broker.alive,
@@ -135,9 +132,7 @@ def test_a_producer_must_stay_gone_a_while_before_it_counts() -> None:
     assert gaps.check(now=start + 11) == 1
 
 
-def test_a_consumer_not_reopened_since_the_gap_opened_is_reopened_before_anything_is_given_up() -> (
-    None
-):
+def test_a_consumer_not_reopened_since_the_gap_opened_is_reopened_before_giving_up() -> None:
     # A message the broker counts as delivered to this consumer but never sent is not
     # "ready": only reopening the consumer brings it back, so that comes first.
     buffer = DeliveryBuffer(gap_timeout_s=60)
@@ -163,6 +158,7 @@ def test_a_queue_is_reopened_once_its_gap_waited_and_it_went_quiet_then_not_agai
     stuck.note_reopened(QUEUE, now + 1)
     assert stuck.due(now + 2) == []
     assert stuck.due(now + 1 + stuck.reopen_after_s) == [QUEUE]
+    assert StuckGaps(DeliveryBuffer(), gap_timeout_s=4).reopen_after_s == 2  # a short timeout
 
 
 def test_a_queue_still_receiving_is_reopened_only_once_its_gap_waited_longer() -> None:
@@ -179,10 +175,6 @@ def test_a_queue_still_receiving_is_reopened_only_once_its_gap_waited_longer() -
     buffer.add(delivery(10, 1, now + 1 - QUIET_S / 2))
     assert stuck.due(now + 1) == [QUEUE]
     assert busy_after < 60 - stuck.reopen_after_s  # time for a second one before the timeout
-
-
-def test_a_short_gap_timeout_reopens_sooner() -> None:
-    assert StuckGaps(DeliveryBuffer(), gap_timeout_s=4).reopen_after_s == 2
 
 
 def test_a_reopened_consumers_redeliveries_keep_waiting_from_when_they_first_did() -> None:
@@ -211,10 +203,7 @@ def test_a_gap_due_takes_all_of_its_queue_buffered_here_so_its_filler_is_not_lef
     now = time.monotonic()
     buffer.add_all([delivery(100 + n, 1, now) for n in range(20)])  # others of its queue
     buffer.add(delivery(4, 1, now))  # the gap's event, behind them
-    other = [
-        Delivery("other", 1, n, False, {}, None, None, b"{}", received_at=now) for n in range(20)
-    ]
-    buffer.add_all(other)
+    buffer.add_all([Delivery("other", 1, n, False, {}, None, None, b"{}") for n in range(20)])
     batch = buffer.take(max_events=10, max_wait_s=0, idle_wait_s=0)
     seqs = {d.headers[HEADER_SEQ] for d in batch if d.queue == QUEUE}
     assert {4, 5, 6} <= seqs and len(seqs) == 23

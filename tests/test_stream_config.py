@@ -14,38 +14,33 @@ from keyq.broker.topology import keyed_queue_arguments
 from tests.conftest import StreamFixture
 
 
-def test_new_stream_defaults_to_key_mode(stream: StreamFixture) -> None:
+def test_a_new_stream_defaults_to_key_mode_and_another_mode_is_a_clear_error(
+    stream: StreamFixture,
+) -> None:
     assert load_stream_config(stream.redis, stream.name) is None
     config = ensure_stream_config(stream.redis, stream.name)
     assert config.mode is Mode.KEY and config.buckets is None
     assert load_stream_config(stream.redis, stream.name) == config
+    with pytest.raises(StreamConfigMismatch, match=r"fixed at mode=key.*asked for mode=bucket"):
+        ensure_stream_config(stream.redis, stream.name, "bucket", 8)
 
 
-def test_bucket_mode_is_recorded_and_adopted(stream: StreamFixture) -> None:
+def test_bucket_mode_is_recorded_and_adopted_and_another_count_is_a_clear_error(
+    stream: StreamFixture,
+) -> None:
     config = ensure_stream_config(stream.redis, stream.name, "bucket", 12)
     assert (config.mode, config.buckets) == (Mode.BUCKET, 12)
     assert ensure_stream_config(stream.redis, stream.name) == config
     assert ensure_stream_config(stream.redis, stream.name, "bucket") == config
     assert ensure_stream_config(stream.redis, stream.name, buckets=12) == config
-
-
-def test_bucket_mode_without_count_starts_with_default(stream: StreamFixture) -> None:
-    config = ensure_stream_config(stream.redis, stream.name, "bucket")
-    assert config.buckets == DEFAULT_BUCKETS
-
-
-def test_other_mode_is_a_clear_error(stream: StreamFixture) -> None:
-    ensure_stream_config(stream.redis, stream.name, "key")
-    with pytest.raises(StreamConfigMismatch, match=r"fixed at mode=key.*asked for mode=bucket"):
-        ensure_stream_config(stream.redis, stream.name, "bucket", 8)
-
-
-def test_other_bucket_count_is_a_clear_error(stream: StreamFixture) -> None:
-    ensure_stream_config(stream.redis, stream.name, "bucket", 8)
-    with pytest.raises(StreamConfigMismatch, match=r"buckets=8.*buckets=16"):
+    with pytest.raises(StreamConfigMismatch, match=r"buckets=12.*buckets=16"):
         ensure_stream_config(stream.redis, stream.name, "bucket", 16)
     with pytest.raises(StreamConfigMismatch):
         ensure_stream_config(stream.redis, stream.name, "key")
+
+
+def test_bucket_mode_without_count_starts_with_default(stream: StreamFixture) -> None:
+    assert ensure_stream_config(stream.redis, stream.name, "bucket").buckets == DEFAULT_BUCKETS
 
 
 @pytest.mark.parametrize(

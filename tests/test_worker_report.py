@@ -13,36 +13,13 @@ from keyq.broker.worker_report import GapReport, WorkerReport
 
 GAP = GapReport(key="order-1", producer="p-1", first=4, last=6, waited_s=1.5)
 FULL = WorkerReport(
-    worker="worker-a",
-    stream="orders",
-    ready=True,
-    started_ms=1_700_000_000_000,
-    held=3,
-    batches=7,
-    events=42,
-    skipped=2,
-    dead_lettered=1,
-    commits_refused=1,
-    commits_unreplicated=1,
-    pipeline_failures=2,
-    spark_seconds=12.5,
-    last_spark_seconds=0.25,
-    stage_seconds={"decode": 0.5, "apply": 1.0},
-    claims=5,
-    lost=1,
-    released=2,
-    peers_reaped=1,
-    reconnects=3,
-    late=1,
-    gaps_skipped=1,
-    gap_reopens=2,
-    waiting=4,
-    gaps_open=1,
-    oldest_gap_s=1.5,
-    gaps=(GAP,),
-    host="host-1",
-    pid=4242,
-)
+    worker="worker-a", stream="orders", ready=True, started_ms=1_700_000_000_000, held=3,
+    batches=7, events=42, skipped=2, dead_lettered=1, commits_refused=1, commits_unreplicated=1,
+    pipeline_failures=2, spark_seconds=12.5, last_spark_seconds=0.25,
+    stage_seconds={"decode": 0.5, "apply": 1.0}, claims=5, lost=1, released=2, peers_reaped=1,
+    reconnects=3, late=1, gaps_skipped=1, gap_reopens=2, waiting=4, gaps_open=1,
+    oldest_gap_s=1.5, gaps=(GAP,), host="host-1", pid=4242,
+)  # fmt: skip
 
 
 def heartbeat(**fields: Any) -> str:
