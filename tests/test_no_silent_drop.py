@@ -1,6 +1,6 @@
 """No silent drop: queues deleted as the janitor does (mark, grace, ``if_empty``) under a
 producer publishing 10,000 events lose none, in per-key order (a copy only of what was sent
-again, dropped by seq as a worker does); queues deleted unmarked get their events re-sent."""
+again, dropped by seq as a worker does). Queues deleted unmarked: tests/test_producer_metrics.py."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from keyq.broker.naming import key_queue_name
 from keyq.broker.retirement import Mark, RetirementFence
 from keyq.broker.settings import load_settings
 from tests.conftest import StreamFixture
-from tests.helpers import drain, unpacked
+from tests.helpers import unpacked
 
 KEYS = [f"acct-{i}" for i in range(5)]
 EVENTS = 10_000
@@ -125,21 +125,3 @@ def test_deleting_queues_under_a_producer_loses_nothing(stream: StreamFixture) -
         assert applied == published[key], f"{key}: foreign events"
     assert copies <= sent_again, f"{copies} copies of events, only {stats} sent again"
     assert deletions >= 20, f"the race was not exercised ({deletions} deletions, {refused} refused)"
-
-
-def test_queue_deleted_behind_the_producers_back_is_declared_again(
-    stream: StreamFixture, amqp: pika.BlockingConnection
-) -> None:
-    queue = key_queue_name(stream.name, "k")
-    channel = amqp.channel()
-    seen: list[int] = []
-    with Producer(stream.name, settings=stream.settings) as producer:
-        for round_ in range(15):
-            for n in range(50):
-                producer.publish("k", {"n": round_ * 50 + n})
-            producer.flush(30)
-            seen.extend(m.json()["n"] for m in drain(channel, queue))
-            channel.queue_delete(queue, if_empty=True)  # gone: the next events are returned
-        returned = producer.stats["returned"]
-    assert seen == list(range(15 * 50))
-    assert returned >= 14, f"only {returned} events came back from the broker"
