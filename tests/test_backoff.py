@@ -15,34 +15,32 @@ def _delays(backoff: Backoff, count: int) -> list[float]:
     return [backoff.next() for _ in range(count)]
 
 
-def test_each_delay_lies_between_half_its_step_and_its_step() -> None:
-    backoff = Backoff(0.5, 5.0, rng=random.Random(1))
-    for step in [0.5, 1.0, 2.0, 4.0, 5.0, 5.0, 5.0]:
+@pytest.mark.parametrize(
+    ("initial", "maximum", "factor", "steps"),
+    [
+        pytest.param(0.5, 5.0, 2.0, [0.5, 1.0, 2.0, 4.0, 5.0, 5.0, 5.0], id="doubling"),
+        pytest.param(1.0, 30.0, 3.0, [1.0, 3.0, 9.0, 27.0, 30.0, 30.0], id="factor-3"),
+    ],
+)
+def test_steps_grow_by_the_factor_up_to_the_maximum_each_delay_within_half_a_step(
+    initial: float, maximum: float, factor: float, steps: list[float]
+) -> None:
+    backoff = Backoff(initial, maximum, factor=factor, rng=random.Random(1))
+    for step in steps:
         assert backoff.nominal == step
         delay = backoff.next()
         assert step / 2 <= delay <= step, (step, delay)
 
 
-def test_the_steps_grow_by_the_factor_up_to_the_maximum() -> None:
-    backoff = Backoff(1.0, 30.0, factor=3.0, rng=random.Random(2))
-    steps = []
-    for _ in range(6):
-        steps.append(backoff.nominal)
-        backoff.next()
-    assert steps == [1.0, 3.0, 9.0, 27.0, 30.0, 30.0]
-
-
 def test_delays_grow_on_average() -> None:
-    backoff = Backoff(0.1, 1000.0, rng=random.Random(3))
-    delays = _delays(backoff, 12)
+    delays = _delays(Backoff(0.1, 1000.0, rng=random.Random(3)), 12)
     # Each step doubles and a delay is within [step/2, step]: every other one is larger.
     assert all(later > earlier for earlier, later in zip(delays, delays[2:], strict=False))
 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_jitter_never_exceeds_the_maximum(seed: int) -> None:
-    backoff = Backoff(0.3, 7.0, factor=1.7, rng=random.Random(seed))
-    delays = _delays(backoff, 200)
+    delays = _delays(Backoff(0.3, 7.0, factor=1.7, rng=random.Random(seed)), 200)
     assert max(delays) <= 7.0
     assert min(delays) >= 0.15
     assert all(math.isfinite(delay) for delay in delays)
@@ -69,22 +67,14 @@ def test_reset_starts_again_from_the_initial_delay() -> None:
     assert 0.5 <= backoff.next() <= 1.0
 
 
-def test_the_same_seed_gives_the_same_delays() -> None:
-    first = _delays(Backoff(0.5, 5.0, rng=random.Random(42)), 10)
-    again = _delays(Backoff(0.5, 5.0, rng=random.Random(42)), 10)
-    assert first == again
+def test_a_seed_repeats_its_delays_and_other_seeds_or_none_draw_apart() -> None:
+    def seeded(seed: int | None) -> list[float]:
+        return _delays(Backoff(0.5, 5.0, rng=None if seed is None else random.Random(seed)), 10)
 
-
-def test_different_seeds_spread_clients_apart() -> None:
-    one = _delays(Backoff(0.5, 5.0, rng=random.Random(1)), 10)
-    other = _delays(Backoff(0.5, 5.0, rng=random.Random(2)), 10)
-    assert one != other
-    assert all(a != b for a, b in zip(one, other, strict=True))
-
-
-def test_unseeded_instances_draw_apart() -> None:
+    assert seeded(42) == seeded(42), "the same seed gives the same delays"
+    assert all(a != b for a, b in zip(seeded(1), seeded(2), strict=True)), "seeds spread apart"
     # Two daemons started at the same moment must not retry in lockstep.
-    assert _delays(Backoff(1.0, 30.0), 10) != _delays(Backoff(1.0, 30.0), 10)
+    assert seeded(None) != seeded(None), "unseeded instances draw apart"
 
 
 @pytest.mark.parametrize(

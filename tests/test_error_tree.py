@@ -53,24 +53,17 @@ def test_refused_credentials_are_a_connection_failure_that_is_not_retried() -> N
             pytest.fail("refused credentials were caught as retryable")
 
 
-def test_service_unavailable_is_a_connection_failure_and_public() -> None:
+def test_only_a_service_away_is_retryable_and_an_instance_answers_like_its_class() -> None:
     assert ServiceUnavailable.__mro__[1] is ConnectionFailed
-    assert ServiceUnavailable.retryable is True
-    assert keyq.ServiceUnavailable is ServiceUnavailable
-
-
-def test_only_a_service_away_is_retryable() -> None:
+    assert keyq.ServiceUnavailable is ServiceUnavailable, "public"
     tree = [
         value
         for _, value in inspect.getmembers(errors, inspect.isclass)
         if issubclass(value, KeyqError)
     ]
-    assert KeyqError.retryable is False
+    assert KeyqError.retryable is False and ServiceUnavailable in tree
     for error in tree:
         assert error.retryable is issubclass(error, ServiceUnavailable), error.__name__
-
-
-def test_an_instance_answers_like_its_class() -> None:
     assert BrokerUnavailable("down").retryable is True
     assert HttpEndpointUnavailable("503", status=503).retryable is True
     assert KeyqError("x").retryable is False
