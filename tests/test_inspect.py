@@ -19,7 +19,6 @@ from keyq.broker.key_control import KeyControl, ParkedKey
 from keyq.broker.packs import HEADER_PACK, PACK_CONTENT_TYPE, encode_pack, encode_record
 from keyq.broker.registry import QueueRegistry
 from keyq.broker.stream_policy import StreamPolicies
-from keyq.broker.streams import StreamConfig
 from keyq.broker.topology import keyed_queue_arguments
 from keyq.broker.worker_report import GapReport, WorkerReport
 from tests.conftest import StreamFixture
@@ -129,24 +128,17 @@ def test_inspect_shows_everything_about_a_key_and_refuses_bad_input(
         assert part in text.stdout
 
 
-def _bucket_of_a(
+def test_inspect_in_bucket_mode_finds_the_keys_first_event_alone_or_inside_a_pack(
     stream: StreamFixture, amqp: pika.BlockingConnection
-) -> tuple[StreamConfig, str, str, pika.adapters.blocking_connection.BlockingChannel]:
-    """A bucket-mode stream; the queue of key "a", declared and tracked; another key of that
-    queue; and a channel to publish with."""
+) -> None:
+    """A bucket queue holds several keys' events, a pack several keys' events too: the key's
+    first is found among them."""
     config = record_stream(stream, mode="bucket")
     queue = config.queue_for("a")
     other = next(key for key in (f"o{i}" for i in range(1000)) if config.queue_for(key) == queue)
     channel = amqp.channel()
     channel.queue_declare(queue, durable=True, arguments=keyed_queue_arguments(stream.name))
     stream.track(queue)
-    return config, queue, other, channel
-
-
-def test_inspect_in_bucket_mode_finds_the_keys_first_event(
-    stream: StreamFixture, amqp: pika.BlockingConnection
-) -> None:
-    _config, queue, other, channel = _bucket_of_a(stream, amqp)
     _publish(channel, queue, other, [1, 2], now_ms())
     _publish(channel, queue, "a", [1], now_ms() - 3000)
     time.sleep(0.2)
@@ -155,12 +147,7 @@ def test_inspect_in_bucket_mode_finds_the_keys_first_event(
     assert found["oldest_waiting"]["age_ms"] >= 3000  # type: ignore[index]
     assert queue_depth(amqp, queue) == 3
 
-
-def test_inspect_in_bucket_mode_finds_the_keys_first_event_inside_a_pack(
-    stream: StreamFixture, amqp: pika.BlockingConnection
-) -> None:
-    """A bucket queue's pack holds several keys' events: the key's first is found among them."""
-    config, queue, other, channel = _bucket_of_a(stream, amqp)
+    channel.queue_purge(queue)
     _publish(channel, queue, other, [1], now_ms())
     records = [
         encode_record(
