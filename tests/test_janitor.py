@@ -74,22 +74,25 @@ def publish_one_each(
     return queues
 
 
-def drain_all(amqp: pika.BlockingConnection, queues: list[str], consume: bool = False) -> int:
-    """Ack everything in the queues; the channel is closed so every ack has been handled.
-    ``consume`` for quorum queues, which refuse ``basic.get`` with a single active consumer."""
+def drain_all(
+    amqp: pika.BlockingConnection, queues: list[str], consume: bool = False, wait: float = 0.5
+) -> list[Any]:
+    """Every event in the queues, acked, as JSON; the channel is closed so every ack has been
+    handled. ``consume`` for quorum queues, which refuse ``basic.get`` with a single active
+    consumer."""
     channel = amqp.channel()
     try:
         if not consume:
-            return sum(len(drain(channel, queue)) for queue in queues)
-        total = 0
+            return [event.json() for queue in queues for event in drain(channel, queue)]
+        events = []
         for queue in queues:
-            for method, _properties, _body in channel.consume(queue, inactivity_timeout=0.5):
+            for method, properties, body in channel.consume(queue, inactivity_timeout=wait):
                 if method is None:
                     break
+                events.extend(orjson.loads(event[3]) for event in unpacked(properties, body))
                 channel.basic_ack(method.delivery_tag)
-                total += 1
             channel.cancel()
-        return total
+        return events
     finally:
         channel.close()
 
@@ -128,9 +131,6 @@ def running(*janitors: Janitor) -> Iterator[None]:
     assert errors == {}
 
 
-# ------------------------------------------------------------------- what is deleted
-
-
 @pytest.mark.parametrize("queue_type", ["classic", "quorum"])
 def test_deletes_drained_idle_queue_and_spares_busy_ones(
     stream: StreamFixture, amqp: pika.BlockingConnection, queue_type: str
@@ -142,7 +142,7 @@ def test_deletes_drained_idle_queue_and_spares_busy_ones(
         stream, keys, queue_type=queue_type
     )
     quorum = queue_type == "quorum"
-    assert drain_all(amqp, [drained, held, consumed], consume=quorum) >= 3
+    assert len(drain_all(amqp, [drained, held, consumed], consume=quorum)) >= 3
     assert queue_depth(amqp, backlog) == 1
 
     locks = FencedLocks(stream.redis, stream.name)
@@ -204,7 +204,7 @@ def test_deletes_drained_idle_queue_and_spares_busy_ones(
     # Once nothing stands in the way, a later pass reclaims them too.
     assert locks.release([holder]) == 1
     consumer.close()
-    assert drain_all(amqp, [backlog], consume=quorum) >= 1
+    assert len(drain_all(amqp, [backlog], consume=quorum)) >= 1
     janitor.run(once=True)
     has(janitor, deleted=4, forgotten=4)
     assert [queue for queue in queues if exists(amqp, queue)] == []
@@ -213,10 +213,32 @@ def test_deletes_drained_idle_queue_and_spares_busy_ones(
     assert RetirementFence(stream.redis, stream.name).marked(queues) == []
 
 
-# ------------------------------------------------------------------------ bad states
+def test_repairs_bad_states_and_keeps_a_queue_whose_mark_lapsed_before_its_delete(
+    stream: StreamFixture, amqp: pika.BlockingConnection
+) -> None:
+    """A retirement mark that lapses before its queue's delete (a janitor slower than the
+    mark's ttl: under load a pass's later chunks waited past it) lets producers publish to the
+    queue again; deleting it then could take an event on its way in. It is kept for a later
+    pass, and the queue whose mark stood is deleted as usual."""
+    lapsing, marked = publish_one_each(stream, ["lapsing", "marked"])
+    assert len(drain_all(amqp, [lapsing, marked])) >= 2
+    janitor = Janitor(
+        [stream.name], settings=janitor_settings(retire_grace_ms=1500), janitor_id="janitor-lapse"
+    )
+    mark = stream.keys.retiring(lapsing)
+    passing = threading.Thread(target=janitor.run, kwargs={"once": True}, daemon=True)
+    passing.start()
+    wait_until(lambda: bool(stream.redis.exists(mark)), 10, "the janitor's mark", every=0.01)
+    stream.redis.delete(mark)  # as its ttl would, had the janitor been slow to delete
+    passing.join(30)
+    assert not passing.is_alive()
+    has(janitor, skipped_lapsed=1, deleted=1)
+    assert exists(amqp, lapsing) and not exists(amqp, marked)
+    assert set(QueueRegistry(stream.redis, stream.name).queues()) == {lapsing}
+    janitor.run(once=True)  # a later pass, whose mark stands, reclaims it
+    assert not exists(amqp, lapsing)
+    has(janitor, deleted=2)
 
-
-def test_repairs_bad_states(stream: StreamFixture, amqp: pika.BlockingConnection) -> None:
     ensure_stream_config(stream.redis, stream.name, "key")
     registry = QueueRegistry(stream.redis, stream.name)
     # A registry entry whose queue does not exist (it was never declared).
@@ -348,7 +370,7 @@ def test_bucket_mode_queues_are_never_deleted(
     keys = [f"k{i}" for i in range(16)]
     buckets = sorted(set(publish_one_each(stream, keys, mode="bucket")))
     assert len(buckets) >= 2
-    assert drain_all(amqp, buckets) >= len(keys)
+    assert len(drain_all(amqp, buckets)) >= len(keys)
     registry = QueueRegistry(stream.redis, stream.name)
     before = registry.queues()
     assert set(before) == set(buckets)
@@ -363,43 +385,13 @@ def test_bucket_mode_queues_are_never_deleted(
     assert RetirementFence(stream.redis, stream.name).marked(buckets) == []
 
 
-# --------------------------------------------------------------------- two janitors
-
-
-def test_a_queue_whose_mark_lapsed_before_its_delete_is_kept(
-    stream: StreamFixture, amqp: pika.BlockingConnection
-) -> None:
-    """A retirement mark that lapses before its queue's delete (a janitor slower than the
-    mark's ttl: under load a pass's later chunks waited past it) lets producers publish to the
-    queue again; deleting it then could take an event on its way in. It is kept for a later
-    pass, and the queue whose mark stood is deleted as usual."""
-    lapsing, marked = publish_one_each(stream, ["lapsing", "marked"])
-    assert drain_all(amqp, [lapsing, marked]) >= 2
-    janitor = Janitor(
-        [stream.name], settings=janitor_settings(retire_grace_ms=1500), janitor_id="janitor-lapse"
-    )
-    mark = stream.keys.retiring(lapsing)
-    passing = threading.Thread(target=janitor.run, kwargs={"once": True}, daemon=True)
-    passing.start()
-    wait_until(lambda: bool(stream.redis.exists(mark)), 10, "the janitor's mark", every=0.01)
-    stream.redis.delete(mark)  # as its ttl would, had the janitor been slow to delete
-    passing.join(30)
-    assert not passing.is_alive()
-    has(janitor, skipped_lapsed=1, deleted=1)
-    assert exists(amqp, lapsing) and not exists(amqp, marked)
-    assert set(QueueRegistry(stream.redis, stream.name).queues()) == {lapsing}
-    janitor.run(once=True)  # a later pass, whose mark stands, reclaims it
-    assert not exists(amqp, lapsing)
-    has(janitor, deleted=2)
-
-
 def test_two_janitors_delete_each_queue_once(
     stream: StreamFixture, amqp: pika.BlockingConnection
 ) -> None:
     keys = [f"idle-{i}" for i in range(200)] + [f"live-{i}" for i in range(5)]
     queues = publish_one_each(stream, keys)
     idle, live = queues[:200], queues[200:]
-    assert drain_all(amqp, idle) >= 200
+    assert len(drain_all(amqp, idle)) >= 200
     registry = QueueRegistry(stream.redis, stream.name)
     assert len(registry.queues()) == 205
 
@@ -427,9 +419,6 @@ def test_two_janitors_delete_each_queue_once(
     assert set(registry.queues()) == set(live)
     assert RetirementFence(stream.redis, stream.name).marked(queues) == []
     assert not stream.redis.exists(stream.keys.janitor_lease), "leaders resign when stopped"
-
-
-# ---------------------------------------------------------------------------- race
 
 
 def publish_in_rounds(
@@ -517,9 +506,6 @@ def test_no_event_lost_while_janitor_deletes_under_load(
         assert worker.process.poll() is None, worker.log()[-3000:]
 
 
-# ------------------------------------------------------------- a connection lost mid-pass
-
-
 def test_a_cut_connection_does_not_fail_the_deletes(
     stream: StreamFixture, amqp: pika.BlockingConnection
 ) -> None:
@@ -551,47 +537,34 @@ def test_a_cut_connection_does_not_fail_the_deletes(
     assert exists(amqp, queues[2])
 
 
-@pytest.mark.parametrize("down_as", ["closed port", "proxy to a dead node"])
-def test_quorum_queues_are_kept_while_a_listed_node_does_not_answer(
-    stream: StreamFixture, amqp: pika.BlockingConnection, down_as: str
-) -> None:
-    """While a node of ``KEYQ_AMQP_URL`` is down, an idle quorum queue is not deleted (a
-    producer would declare it again at once, short of that node's replica for good on
-    RabbitMQ 3.10); once every node answers, it is. A proxy in front of a dead node accepts
-    TCP, so only a handshake tells."""
-
-    [queue] = publish_one_each(stream, ["idle"], queue_type="quorum")
-    assert drain_all(amqp, [queue], consume=True) >= 1
-    with FaultProxy("127.0.0.1", free_port()) as proxy:
-        port = proxy.port if down_as == "proxy to a dead node" else free_port()
-        down = f"amqp://guest:guest@127.0.0.1:{port}/%2F"
-        degraded = janitor_settings(amqp_url=f"{stream.settings.amqp_url},{down}")
-        janitor = Janitor([stream.name], settings=degraded, janitor_id="janitor-degraded")
-        janitor.run(once=True)
-    has(janitor, skipped_unreachable=1, deleted=0)
-    assert exists(amqp, queue)
-    assert RetirementFence(stream.redis, stream.name).marked([queue]) == []
-
-    janitor = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-whole")
-    janitor.run(once=True)
-    has(janitor, deleted=1)
-    assert not exists(amqp, queue)
-
-
-def test_a_node_that_stops_answering_during_the_grace_or_the_deletes(
+def test_quorum_queues_are_kept_while_a_listed_node_does_not_answer_and_named_if_it_stops(
     stream: StreamFixture,
     amqp: pika.BlockingConnection,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The probe at the start of a pass is a grace period old when the deletes come; a node
-    that went down in between must still stop them (a quorum queue deleted while a node
-    restarts was left broken on RabbitMQ 3.10, in the 10-minute cluster soak). Every node is
-    probed after each slice of quorum deletes too: a node that stopped answering while queues
-    were deleted (RabbitMQ may leave their replicas behind on it) is named with each of those
-    queues at ERROR, and counted."""
+    """While a node of ``KEYQ_AMQP_URL`` is down, an idle quorum queue is not deleted (a
+    producer would declare it again at once, short of that node's replica for good on
+    RabbitMQ 3.10). A proxy in front of a dead node accepts TCP, so only a handshake tells.
+    The probe at the start of a pass is a grace period old when the deletes come: a node that
+    went down in between must still stop them (a quorum queue deleted while a node restarted
+    was left broken on 3.10). Once every node answers, they are deleted, and every node is
+    probed after each slice of deletes: one that stopped answering meanwhile (RabbitMQ may
+    leave the replicas behind on it) is named with each of those queues at ERROR, and counted."""
     queues = publish_one_each(stream, ["first", "second"], queue_type="quorum")
-    assert drain_all(amqp, queues, consume=True) >= 2
+    assert len(drain_all(amqp, queues, consume=True)) >= 2
+    fence = RetirementFence(stream.redis, stream.name)
+    for down_as in ("closed port", "proxy to a dead node"):
+        with FaultProxy("127.0.0.1", free_port()) as dead:
+            port = dead.port if down_as == "proxy to a dead node" else free_port()
+            down = f"amqp://guest:guest@127.0.0.1:{port}/%2F"
+            degraded = janitor_settings(amqp_url=f"{stream.settings.amqp_url},{down}")
+            janitor = Janitor([stream.name], settings=degraded, janitor_id="janitor-degraded")
+            janitor.run(once=True)
+        has(janitor, skipped_unreachable=2, deleted=0)
+        assert all(exists(amqp, queue) for queue in queues), down_as
+        assert fence.marked(queues) == [], down_as
+
     parts = pika.URLParameters(stream.settings.amqp_url)
     with FaultProxy(parts.host, parts.port) as proxy:
         settings = janitor_settings(
@@ -599,7 +572,6 @@ def test_a_node_that_stops_answering_during_the_grace_or_the_deletes(
             retire_grace_ms=3000,
         )
         janitor = Janitor([stream.name], settings=settings, janitor_id="janitor-grace")
-        fence = RetirementFence(stream.redis, stream.name)
         passing = threading.Thread(target=janitor.run, kwargs={"once": True})
         passing.start()
         try:
@@ -609,7 +581,7 @@ def test_a_node_that_stops_answering_during_the_grace_or_the_deletes(
             passing.join(30)
     assert not passing.is_alive()
     has(janitor, deleted=0, skipped_unreachable=2)
-    assert all(exists(amqp, queue) for queue in queues)
+    assert all(exists(amqp, queue) for queue in queues), "deleted after a node went down"
     assert fence.marked(queues) == []
 
     real_delete = QueueDeleter.delete
@@ -640,7 +612,7 @@ def test_a_node_that_stops_answering_during_the_grace_or_the_deletes(
     assert "guest:guest" not in " ".join(errors)
 
 
-def test_a_deleted_quorum_queue_is_never_declared_again_under_its_name(
+def test_a_deleted_quorum_queue_is_never_declared_again_and_its_emptiness_check_hands_back(
     stream: StreamFixture, amqp: pika.BlockingConnection
 ) -> None:
     """RabbitMQ can bring a deleted quorum queue's leftover replica back over a queue declared
@@ -648,7 +620,7 @@ def test_a_deleted_quorum_queue_is_never_declared_again_under_its_name(
     ``<queue>~1``, then ``<queue>~2``; the producer follows, and the registry lists the
     incarnation that exists. Nothing is lost or reordered across them."""
     [base] = publish_one_each(stream, ["k"], queue_type="quorum")
-    assert drain_all(amqp, [base], consume=True) >= 1
+    assert len(drain_all(amqp, [base], consume=True)) >= 1
     janitor = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-next")
     registry = QueueRegistry(stream.redis, stream.name)
     landed: list[int] = []
@@ -665,40 +637,20 @@ def test_a_deleted_quorum_queue_is_never_declared_again_under_its_name(
             current = f"{base}~{incarnation}"
             assert exists(amqp, current) and not exists(amqp, previous)
             assert set(registry.queues()) == {current}
-            channel = amqp.channel()
-            for method, properties, body in channel.consume(current, inactivity_timeout=0.5):
-                if method is None:
-                    break
-                landed.extend(orjson.loads(event[3])["n"] for event in unpacked(properties, body))
-                channel.basic_ack(method.delivery_tag)
-            channel.close()
+            landed.extend(event["n"] for event in drain_all(amqp, [current], consume=True))
     assert landed == [0, 1, 2, 0, 1, 2]
     stream.track(f"{base}~2")
 
-
-def test_the_emptiness_check_of_a_quorum_queue_hands_back_what_it_finds(
-    stream: StreamFixture, amqp: pika.BlockingConnection
-) -> None:
-    """The consume that confirms a quorum queue is empty before its delete returns any
-    message it finds to the queue, unchanged; a consumer attached makes the queue in use; a
-    queue deleted meanwhile (by another janitor, or an operator) answers 404 to the look,
-    which is GONE, not a failure."""
-
+    # The consume that confirms a quorum queue is empty before its delete returns any message
+    # it finds to the queue, unchanged; a consumer attached makes the queue in use; a queue
+    # deleted meanwhile (by another janitor, or an operator) is GONE, not a failure.
     [queue] = publish_one_each(stream, ["kept"], queue_type="quorum")
     deleter = QueueDeleter(stream.settings, 1, "check-test")
     try:
         lane = deleter._lanes[0]
         assert lane._finds_a_message(lane._open_channel(), queue)
-        reader = amqp.channel()  # quorum queues with a single active consumer refuse basic.get
-        taken = []
-        for method, _properties, body in reader.consume(
-            queue, auto_ack=True, inactivity_timeout=1.0
-        ):
-            if method is None:
-                break
-            taken.append(orjson.loads(body)["n"])
-        reader.cancel()
-        assert taken == [1]  # handed back whole, and only once
+        taken = drain_all(amqp, [queue], consume=True, wait=1.0)
+        assert [event["n"] for event in taken] == [1]  # handed back whole, and only once
         assert not lane._finds_a_message(lane._open_channel(), queue)
         holder = amqp.channel()
         holder.basic_consume(queue, lambda *_: None, exclusive=True)
