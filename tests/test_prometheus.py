@@ -198,7 +198,9 @@ def test_queue_figures_ask_only_what_they_need_and_refuse_what_is_not_rabbitmqs_
     assert raised.value.status == 404
 
 
-def test_credentials_go_in_the_header_and_never_in_a_message(endpoint: SimpleNamespace) -> None:
+def test_credentials_go_in_the_header_never_in_a_message_nor_from_a_node_left_out(
+    endpoint: SimpleNamespace, caplog: pytest.LogCaptureFixture
+) -> None:
     secret_url = endpoint.url.replace("http://", "http://keyq:s3cret-pw@")
     endpoint.body = NODE_43
     assert node_fds(secret_url, 5) == [NodeFds("kqprom@localhost", 42, 20000)]
@@ -211,11 +213,8 @@ def test_credentials_go_in_the_header_and_never_in_a_message(endpoint: SimpleNam
     assert refused.value.status == 401
     assert "credentials were refused" in str(refused.value)
     assert "s3cret-pw" not in str(refused.value) and "keyq:***@" in str(refused.value)
-
-
-def test_a_node_that_does_not_answer_is_left_out_until_none_does(
-    endpoint: SimpleNamespace, caplog: pytest.LogCaptureFixture
-) -> None:
+    # A node that does not answer is left out, until none does.
+    endpoint.body, endpoint.status = QUEUES_43, 200
     caplog.set_level(logging.INFO, logger="keyq.broker")
     closed = f"http://keyq:s3cret-pw@127.0.0.1:{free_port()}"
     both = f"{closed},{endpoint.url}"
