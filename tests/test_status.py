@@ -30,7 +30,7 @@ from keyq.cli.status import TABLE_LIMIT, render_table
 from keyq.ops.status import StatusReader, collect_status
 from tests.helpers import queue_depth
 from tests.servers import free_port
-from tests.workers import REPO, keyq_environment, wait_until
+from tests.workers import REPO, keyq_environment, run_keyq, wait_until
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -144,27 +144,27 @@ def check_against_world(
     assert 0 <= worker["heartbeat_age_ms"] < MEMBER_TTL_MS
 
 
-def status_env(settings: Settings) -> dict[str, str]:
-    unlisted = {f"KEYQ_{name.upper()}": value for name, value in UNLISTED.items()}
-    return keyq_environment(settings, {"KEYQ_MEMBER_TTL_MS": str(MEMBER_TTL_MS), **unlisted})
+STATUS_ENV = {
+    "KEYQ_MEMBER_TTL_MS": str(MEMBER_TTL_MS),
+    **{f"KEYQ_{name.upper()}": value for name, value in UNLISTED.items()},
+}
 
 
 def keyq_status(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", RUN_STATUS, *args],
-        capture_output=True,
-        text=True,
-        env=status_env(settings),
-        timeout=60,
-        cwd=REPO,
-    )
+    return run_keyq(settings, "status", *args, env=STATUS_ENV, timeout=60)
 
 
-def test_status_in_process_from_the_shell_and_when_a_listing_does_not_answer_is_the_real_state(
-    world: World, settings: Settings, amqp: Any, caplog: pytest.LogCaptureFixture
+# Ctrl-C as a terminal sends it: a run started as a background job of a shell without job
+# control inherits SIGINT ignored, and Python then keeps it ignored.
+RUN_STATUS_CTRL_C = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+
+
+def test_status_in_process_from_the_shell_watched_and_with_a_listing_down_is_the_real_state(
+    world: World, settings: Settings, amqp: Any, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
-    """The table shows the deepest queues; a listing that does not answer falls back to
-    declaring. Rates are in tests/test_status_rows.py and the ``--watch`` test below."""
+    """The table shows the deepest queues; ``--json --watch`` prints one object per refresh
+    until Ctrl-C; a listing that does not answer falls back to declaring. Rates are in
+    tests/test_status_rows.py and at the end of this test."""
     status = collect_status(status_settings(), world.stream)
     check_against_world(status, world, amqp)
     assert status["workers"][0]["events_per_s"] is None
@@ -207,30 +207,6 @@ def test_status_in_process_from_the_shell_and_when_a_listing_does_not_answer_is_
         assert warning.startswith("queue figures by declaring instead: "), listing
         assert "did not answer" in warning and "guest:guest" not in warning, listing
 
-
-def test_a_stream_nothing_produced_to_fails_and_a_bad_name_is_a_usage_error_in_one_line(
-    stream: Any, settings: Settings
-) -> None:
-    done = keyq_status(settings, "--stream", stream.name)
-    assert done.returncode == EXIT_FAILURE
-    assert done.stderr.strip() == (
-        f"keyq: stream {stream.name!r} has no producer yet (no config recorded in Redis)"
-    )
-    assert done.stdout == ""
-    done = keyq_status(settings, "--stream", "no spaces")
-    assert done.returncode == EXIT_USAGE
-    assert done.stderr.startswith("keyq: Invalid value for '--stream': invalid stream name")
-    assert len(done.stderr.strip().splitlines()) == 1
-
-
-# Ctrl-C as a terminal sends it: a run started as a background job of a shell without job
-# control inherits SIGINT ignored, and Python then keeps it ignored.
-RUN_STATUS_CTRL_C = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-
-
-def test_watch_json_prints_one_object_per_refresh_until_ctrl_c(
-    world: World, settings: Settings, amqp: Any, tmp_path: Path
-) -> None:
     out_path = tmp_path / "out.jsonl"
     with out_path.open("wb") as out:
         command = [sys.executable, "-c", RUN_STATUS_CTRL_C + RUN_STATUS, "--stream", world.stream]
@@ -238,7 +214,7 @@ def test_watch_json_prints_one_object_per_refresh_until_ctrl_c(
             [*command, "--json", "--watch", "0.5"],
             stdout=out,
             stderr=subprocess.PIPE,
-            env=status_env(settings),
+            env=keyq_environment(settings, STATUS_ENV),
             cwd=REPO,
         )
         try:
@@ -264,6 +240,21 @@ def test_watch_json_prints_one_object_per_refresh_until_ctrl_c(
     # The fake worker's counter stands still: a rate of zero from the second refresh on.
     assert all(s["workers"][0]["events_per_s"] == 0.0 for s in snapshots[1:])
     assert [s["at_ms"] for s in snapshots] == sorted(s["at_ms"] for s in snapshots)
+
+
+def test_a_stream_nothing_produced_to_fails_and_a_bad_name_is_a_usage_error_in_one_line(
+    stream: Any, settings: Settings
+) -> None:
+    done = keyq_status(settings, "--stream", stream.name)
+    assert done.returncode == EXIT_FAILURE
+    assert done.stderr.strip() == (
+        f"keyq: stream {stream.name!r} has no producer yet (no config recorded in Redis)"
+    )
+    assert done.stdout == ""
+    done = keyq_status(settings, "--stream", "no spaces")
+    assert done.returncode == EXIT_USAGE
+    assert done.stderr.startswith("keyq: Invalid value for '--stream': invalid stream name")
+    assert len(done.stderr.strip().splitlines()) == 1
 
 
 def test_bucket_mode_shows_buckets_without_keys(stream: Any, amqp: Any) -> None:
