@@ -39,12 +39,7 @@ SETTINGS_OF_SERVICE: dict[str, type[Settings]] = {
 }
 # The folders mapped into the one import package, `keyq` (pyproject's package-dir).
 _SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-PACKAGE_DIRS = tuple(
-    sorted({folder.split("/")[0] for folder in _SETUPTOOLS["package-dir"].values()})
-)
-
-
-# --------------------------------------------------------------------------- compose
+PACKAGE_DIRS = tuple(sorted({path.split("/")[0] for path in _SETUPTOOLS["package-dir"].values()}))
 
 
 @cache
@@ -80,8 +75,7 @@ def _environment(name: str) -> dict[str, str]:
 
 
 def _keyq_variables() -> list[str]:
-    variables = {variable for service in _services() for variable in _environment(service)}
-    return sorted(variable for variable in variables if variable.startswith("KEYQ_"))
+    return sorted({v for name in _services() for v in _environment(name) if v.startswith("KEYQ_")})
 
 
 def _setting_variables() -> set[str]:
@@ -100,15 +94,6 @@ def _seconds(duration: str | int | float) -> float:
     parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", duration)
     assert parts and "".join(a + u for a, u in parts) == duration, f"bad duration {duration!r}"
     return sum(float(amount) * units[unit] for amount, unit in parts)
-
-
-def _options(command: click.Command) -> set[str]:
-    return {
-        opt
-        for param in command.params
-        if isinstance(param, click.Option)
-        for opt in (*param.opts, *param.secondary_opts)
-    }
 
 
 def test_every_service_and_command_is_there() -> None:
@@ -139,7 +124,8 @@ def test_a_keyq_service_runs_a_real_command_with_real_settings(name: str) -> Non
     command, *args = _command(name)
     assert command in cli.commands, f"service {name} runs `keyq {command}`, which does not exist"
     subcommand = cli.commands[command]
-    known = _options(subcommand)
+    options = [p for p in subcommand.params if isinstance(p, click.Option)]
+    known = {opt for param in options for opt in (*param.opts, *param.secondary_opts)}
     used = {arg.partition("=")[0] for arg in args if arg.startswith("--")}
     assert used <= known, f"service {name}: `keyq {command}` has no {sorted(used - known)}"
     # Parse it as click would (types, required options, choices), without running anything.
@@ -161,9 +147,8 @@ def test_a_keyq_service_runs_a_real_command_with_real_settings(name: str) -> Non
     depends_on = _service(name).get("depends_on")
     assert isinstance(depends_on, dict), f"{name}: depends_on needs conditions"
     for dependency in INFRASTRUCTURE:
-        assert depends_on.get(dependency, {}).get("condition") == "service_healthy", (
-            f"{name} must wait for {dependency} to be healthy"
-        )
+        condition = depends_on.get(dependency, {}).get("condition")
+        assert condition == "service_healthy", f"{name} must wait for {dependency} to be healthy"
 
 
 @pytest.mark.parametrize("variable", _keyq_variables())
@@ -198,8 +183,7 @@ def test_workers_scale_share_their_sink_and_stop_cleanly() -> None:
         f"the worker's sink {folder} is not on a named volume its replicas share"
     )
     configured = _environment("worker").get("KEYQ_SHUTDOWN_TIMEOUT")
-    default = WorkerSettings.model_fields["shutdown_timeout"].default
-    timeout = float(configured) if configured else float(default)
+    timeout = float(configured or WorkerSettings.model_fields["shutdown_timeout"].default)
     grace = worker.get("stop_grace_period")
     assert grace is not None, "without stop_grace_period Docker kills workers after 10 s"
     assert _seconds(grace) > timeout, f"stop_grace_period {grace} <= shutdown timeout {timeout}"
@@ -279,9 +263,6 @@ def test_the_host_network_variant_leaves_the_default_ports_alone() -> None:
     assert redis_command[redis_command.index("--port") + 1] == "6380"
 
 
-# --------------------------------------------------------------------------- Dockerfile
-
-
 @cache
 def _instructions() -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
@@ -319,21 +300,17 @@ def _env() -> dict[str, str]:
     return variables
 
 
-def _final_base() -> str:
+def test_dockerfile_uses_python_3_11_or_newer_and_java_17() -> None:
     froms = _arguments("FROM")
     assert froms, "the Dockerfile has no FROM"
-    return shlex.split(froms[-1])[0].removeprefix("docker.io/library/")
-
-
-def test_dockerfile_uses_python_3_11_or_newer_and_java_17() -> None:
-    base = _final_base()
+    base = shlex.split(froms[-1])[0].removeprefix("docker.io/library/")
     found = re.fullmatch(r"python:(\d+)\.(\d+)(?:\.\d+)?-slim(?:-(\w+))?", base)
     assert found, f"base image {base} is not an official python:X.Y-slim image"
     assert (int(found.group(1)), int(found.group(2))) >= (3, 11)
     runs = " ".join(_arguments("RUN"))
     assert re.search(r"apt-get install\b[^;&]*\bopenjdk-17-(jre|jdk)-headless\b", runs)
     # Debian 13 (trixie), which unpinned python:*-slim tags follow, has no openjdk-17.
-    assert _final_base().endswith("-bookworm"), "openjdk-17 needs a Debian 12 (bookworm) base"
+    assert base.endswith("-bookworm"), "openjdk-17 needs a Debian 12 (bookworm) base"
     assert "java-17" in _env().get("JAVA_HOME", ""), "JAVA_HOME must point at Java 17"
 
 
