@@ -20,11 +20,9 @@ GRAND, OWN = 0.6, 0.3
 CHILD = textwrap.dedent(
     f"""
     import subprocess, sys, time
-
     def burn(seconds):
         while time.process_time() < seconds:
             pass
-
     grand = subprocess.Popen(
         [sys.executable, "-c",
          "import sys, time\\n"
@@ -54,10 +52,7 @@ def test_parse_stat_takes_a_name_with_spaces_and_parentheses() -> None:
 def test_a_tree_counts_its_children_alive_and_exited_but_not_its_parent() -> None:
     before_self = proc_cpu.read_stat(os.getpid())
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+        [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     assert child.stdin is not None and child.stdout is not None
     try:

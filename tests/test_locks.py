@@ -13,7 +13,9 @@ from keyq.broker.stream_policy import StreamPolicies
 from tests.conftest import StreamFixture
 
 
-def test_only_one_holder(stream: StreamFixture) -> None:
+def test_one_holder_and_a_claim_round_takes_only_the_free_locks_with_growing_tokens(
+    stream: StreamFixture,
+) -> None:
     locks = FencedLocks(stream.redis, stream.name)
     first = locks.acquire("q1", "w1", 5000)
     assert first is not None
@@ -22,12 +24,6 @@ def test_only_one_holder(stream: StreamFixture) -> None:
     other = locks.acquire("q2", "w2", 5000)
     assert other is not None
     assert locks.holders(["q1", "q2", "q3"]) == {"q1": first, "q2": other, "q3": None}
-
-
-def test_a_claim_round_takes_only_the_free_locks_with_growing_tokens(
-    stream: StreamFixture,
-) -> None:
-    locks = FencedLocks(stream.redis, stream.name)
     taken = locks.acquire("b", "w1", 5000)
     assert taken is not None
     expired = locks.acquire("c", "w1", 100)
@@ -48,13 +44,19 @@ def test_a_claim_round_takes_only_the_free_locks_with_growing_tokens(
     assert locks.acquire_many([], "w3", 5000) == []
 
 
-def test_expiry_lets_another_take_it_with_a_larger_token(stream: StreamFixture) -> None:
+def test_expiry_lets_another_take_it_with_a_larger_token_and_only_it_releases(
+    stream: StreamFixture,
+) -> None:
     locks = FencedLocks(stream.redis, stream.name)
     old = locks.acquire("q", "w1", 150)
     assert old is not None
     time.sleep(0.3)
     new = locks.acquire("q", "w2", 5000)
     assert new is not None and new.token > old.token and new.owner == "w2"
+    assert locks.release([old]) == 0
+    assert locks.holder("q") == new
+    assert locks.release([new]) == 1
+    assert locks.holder("q") is None
 
 
 def test_renewal_keeps_it_past_the_ttl_and_fails_once_lost(stream: StreamFixture) -> None:
@@ -71,19 +73,6 @@ def test_renewal_keeps_it_past_the_ttl_and_fails_once_lost(stream: StreamFixture
     assert thief is not None
     assert locks.renew([a, b], 300) == {"a": True, "b": False}
     assert locks.holder("b") == thief  # the failed renewal did not touch the new owner's lock
-
-
-def test_release_only_your_own(stream: StreamFixture) -> None:
-    locks = FencedLocks(stream.redis, stream.name)
-    old = locks.acquire("q", "w1", 100)
-    assert old is not None
-    time.sleep(0.2)
-    new = locks.acquire("q", "w2", 5000)
-    assert new is not None
-    assert locks.release([old]) == 0
-    assert locks.holder("q") == new
-    assert locks.release([new]) == 1
-    assert locks.holder("q") is None
 
 
 def test_stale_token_cannot_commit(stream: StreamFixture) -> None:

@@ -18,12 +18,8 @@ before = gc.get_threshold()
 started_with = [object() for _ in range(1000)]  # alive at start-up
 settle_heap()
 frozen = gc.get_freeze_count()
-
-
 class Node:
     pass
-
-
 # A cycle made after start-up, then dropped: only the cyclic collector can free it.
 a, b = Node(), Node()
 a.other, b.other = b, a
@@ -46,23 +42,15 @@ def test_settle_heap_freezes_start_up_and_still_collects_later_cycles() -> None:
 
 
 def test_the_worker_command_settles_its_heap_before_serving() -> None:
-    """The worker command's process, up to where it would serve: settled."""
     probe = """
 import gc, json
 import keyq.cli.daemons as daemons
 import keyq.worker.daemon as worker_daemon
-
-
 class Stop(Exception):
     pass
-
-
-def run(self, until_idle=None):
-    # Where the worker would start serving: is the heap settled by now?
+def run(self, until_idle=None):  # where the worker would start serving: settled by now?
     print(json.dumps({"frozen": gc.get_freeze_count(), "threshold": gc.get_threshold()}))
     raise Stop
-
-
 worker_daemon.Worker.run = run
 try:
     daemons.run_worker_daemon(stream="heap-probe", pipeline="bench.pipelines:count", sink=None,
