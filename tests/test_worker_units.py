@@ -29,8 +29,6 @@ from keyq.worker.spark.fold import STATE_COLUMNS, FoldFailed, make_folder
 from keyq.worker.spark.sinks import STAGING, ParquetSink, open_sink
 from tests.pipelines import audit, audit_event
 
-# --------------------------------------------------------------------------- helpers
-
 
 def delivery(
     queue: str = "q",
@@ -41,22 +39,10 @@ def delivery(
     body: bytes = b"{}",
     received_at: float | None = None,
 ) -> Delivery:
-    extra: dict[str, Any] = {} if received_at is None else {"received_at": received_at}
-    return Delivery(
-        queue=queue,
-        channel_epoch=epoch,
-        delivery_tag=tag,
-        redelivered=False,
-        headers=headers if headers is not None else {},
-        content_type="application/json",
-        message_id=f"m-{tag}",
-        body=body,
-        **extra,
-    )
-
-
-def ident(key: str, producer: str | None, seq: int | None, counts: bool = True) -> Identified:
-    return Identified(key, producer, seq, counts=counts)
+    made = Delivery(queue, epoch, tag, False, headers or {}, "application/json", f"m-{tag}", body)
+    if received_at is not None:
+        made.received_at = received_at
+    return made
 
 
 def split_fresh(
@@ -70,15 +56,13 @@ def split_fresh(
     return [index in applied for index in range(len(events))], plan.marks
 
 
-# --------------------------------------------------------------------------- dedup
-
-
 def idents(spec: str) -> list[Identified]:
-    """Events written ``key:producer:seq``, ``-`` for a producer or seq missing."""
-    words = [word.split(":") for word in spec.split()]
+    """Events written ``key:producer:seq``, ``-`` for a producer or seq missing, a trailing
+    ``!`` for one dead-lettered (it moves the mark but does not count as applied)."""
+    words = [(word.rstrip("!").split(":"), word.endswith("!")) for word in spec.split()]
     return [
-        ident(key, None if producer == "-" else producer, None if seq == "-" else int(seq))
-        for key, producer, seq in words
+        Identified(key, None if p == "-" else p, None if n == "-" else int(n), counts=not dead)
+        for (key, p, n), dead in words
     ]
 
 
@@ -98,6 +82,9 @@ def idents(spec: str) -> list[Identified]:
         ),
         # events without a whole identity are always fresh
         ({"k": ({"p": 5}, 5)}, "k:-:- k:-:- k:p:5 k:-:1 k:q:-", "++-++", {"k": ({"p": 5}, 9)}),
+        # a dead-lettered event advances the mark but does not count; a redelivery is skipped
+        ({}, "k:p:1 k:p:2! k:p:3", "+++", {"k": ({"p": 3}, 2)}),
+        ({"k": ({"p": 3}, 2)}, "k:p:2!", "-", {"k": ({"p": 3}, 2)}),
     ],
 )
 def test_dedup_of_a_batch(
@@ -113,20 +100,9 @@ def test_dedup_of_a_batch(
     assert {key: (m.seqs, m.applied) for key, m in given.items()} == marks, "input untouched"
 
 
-def test_dedup_dead_lettered_events_advance_the_mark_but_do_not_count() -> None:
-    events = [ident("k", "p", 1), ident("k", "p", 2, counts=False), ident("k", "p", 3)]
-    fresh, updated = split_fresh(events, {})
-    assert fresh == [True, True, True]
-    assert updated["k"].seqs == {"p": 3}
-    assert updated["k"].applied == 2
-    # A redelivery of the dead-lettered event is skipped, like any applied one.
-    again, _ = split_fresh([ident("k", "p", 2, counts=False)], updated)
-    assert again == [False]
-
-
 def test_dedup_prunes_the_least_recently_seen_producers() -> None:
     count = MAX_PRODUCERS_PER_KEY + 3
-    events = [ident("k", f"p{i:02d}", 1) for i in range(count)]
+    events = [Identified("k", f"p{i:02d}", 1) for i in range(count)]
     fresh, updated = split_fresh(events, {})
     assert all(fresh)
     seqs = updated["k"].seqs
@@ -136,7 +112,7 @@ def test_dedup_prunes_the_least_recently_seen_producers() -> None:
 
     # A producer seen again moves to the most-recent end and survives the next pruning.
     marks = updated
-    fresh, updated = split_fresh([ident("k", "p03", 2), ident("k", "new", 1)], marks)
+    fresh, updated = split_fresh(idents("k:p03:2 k:new:1"), marks)
     assert fresh == [True, True]
     seqs = updated["k"].seqs
     assert len(seqs) == MAX_PRODUCERS_PER_KEY
@@ -152,9 +128,6 @@ def test_key_marks_json_round_trip() -> None:
     assert list(again.seqs) == ["a", "b"]
     assert KeyMarks.from_json(None) == KeyMarks()
     assert KeyMarks.from_json(b'{"p": {"x": 3}}') == KeyMarks(seqs={"x": 3}, applied=0)
-
-
-# --------------------------------------------------------------------------- deliveries
 
 
 def test_buffer_take_by_count_returns_at_once_and_by_time_waits_from_the_first_arrival() -> None:
@@ -238,12 +211,8 @@ def test_buffer_takes_a_prefix_of_each_queue_and_puts_back_in_order() -> None:
     assert buffer.depth("a") == 3
     assert buffer.depth("b") == 2
     again = buffer.take(10, 0.0, 0.0)
-    assert [(d.queue, d.delivery_tag) for d in again if d.queue == "a"] == [
-        ("a", 1),
-        ("a", 2),
-        ("a", 5),
-    ]
-    assert [(d.queue, d.delivery_tag) for d in again if d.queue == "b"] == [("b", 1), ("b", 2)]
+    assert [d.delivery_tag for d in again if d.queue == "a"] == [1, 2, 5]
+    assert [d.delivery_tag for d in again if d.queue == "b"] == [1, 2]
 
 
 def test_buffer_drop_by_epoch() -> None:
@@ -265,76 +234,67 @@ def test_buffer_drop_by_epoch() -> None:
     assert [(d.queue, d.channel_epoch) for d in buffer.take(10, 0.0, 0.0)] == [("b", 3)]
 
 
-# --------------------------------------------------------------------------- decoding
+def sdk_headers(key: Any = "k", producer: Any = "p", seq: Any = 7, **more: Any) -> dict[str, Any]:
+    headers = {HEADER_KEY: key, HEADER_PRODUCER: producer, HEADER_SEQ: seq, **more}
+    return {name: value for name, value in headers.items() if value is not ...}
 
 
-def sdk_headers(key: Any = "k", producer: Any = "p", seq: Any = 7) -> dict[str, Any]:
-    return {HEADER_KEY: key, HEADER_PRODUCER: producer, HEADER_SEQ: seq}
-
-
-def test_decode_missing_key_uses_the_fallback_or_fails() -> None:
-    headers = sdk_headers()
-    del headers[HEADER_KEY]
-    item = decode(delivery(headers=headers))
-    assert isinstance(item, Undecodable)
-    assert item.reason == f"missing header {HEADER_KEY}"
-    assert item.key is None
-    assert (item.producer, item.seq) == ("p", 7)
-
-    fallback = decode(delivery(headers=headers), fallback_key="from-registry")
-    assert isinstance(fallback, Event)
-    assert fallback.key == "from-registry"
-
-    # A key header that is not text counts as missing.
-    for bad in (b"\xff\xfe", 12, None):
-        item = decode(delivery(headers=sdk_headers(key=bad)))
-        assert isinstance(item, Undecodable)
-        assert item.reason == f"missing header {HEADER_KEY}"
+MISSING_KEY = f"missing header {HEADER_KEY}"
+NOT_JSON, NOT_UTF8 = "undecodable payload: not JSON (", "undecodable payload: not UTF-8 ("
 
 
 @pytest.mark.parametrize(
-    ("body", "reason"),
+    ("headers", "body", "fallback", "identity", "reason"),
     [
-        (b"\xff\xfe{}", "undecodable payload: not UTF-8 ("),
-        (b"not json {", "undecodable payload: not JSON ("),
-        (b"", "undecodable payload: not JSON ("),
-        (b'{"a": 1', "undecodable payload: not JSON ("),
+        pytest.param(sdk_headers(key=...), b"{}", None, (None, "p", 7), MISSING_KEY, id="no-key"),
+        pytest.param(sdk_headers(key=...), b"{}", "reg", ("reg", "p", 7), None, id="fallback"),
+        # a key header that is not text counts as missing
+        *[
+            pytest.param(sdk_headers(key=bad), b"{}", None, (None, "p", 7), MISSING_KEY, id=name)
+            for name, bad in (("key-not-utf8", b"\xff\xfe"), ("key-int", 12), ("key-none", None))
+        ],
+        # an unreadable payload keeps the identity
+        pytest.param(sdk_headers(), b"\xff\xfe{}", None, ("k", "p", 7), NOT_UTF8, id="not-utf8"),
+        pytest.param(sdk_headers(), b"not json {", None, ("k", "p", 7), NOT_JSON, id="not-json"),
+        pytest.param(sdk_headers(), b"", None, ("k", "p", 7), NOT_JSON, id="empty-body"),
+        pytest.param(sdk_headers(), b'{"a": 1', None, ("k", "p", 7), NOT_JSON, id="cut-json"),
+        # the identity needs both a text producer and an integer seq
+        *[
+            pytest.param(sdk_headers(**bad), b"{}", None, ("k", None, None), None, id=name)
+            for name, bad in (
+                ("no-producer", {"producer": None}),
+                ("no-seq", {"seq": None}),
+                ("bool-seq", {"seq": True}),
+                ("text-seq", {"seq": "7"}),
+                ("producer-not-utf8", {"producer": b"\xff"}),
+            )
+        ],
+        pytest.param(sdk_headers(producer=b"p-b"), b"{}", None, ("k", "p-b", 7), None, id="bytes"),
     ],
 )
-def test_decode_an_unreadable_payload_keeps_the_identity(body: bytes, reason: str) -> None:
-    item = decode(delivery(headers=sdk_headers(), body=body))
-    assert isinstance(item, Undecodable)
-    assert item.reason.startswith(reason), item.reason
-    assert (item.key, item.producer, item.seq) == ("k", "p", 7), "the identity is kept"
+def test_decode(
+    headers: dict[str, Any],
+    body: bytes,
+    fallback: str | None,
+    identity: tuple[Any, ...],
+    reason: str | None,
+) -> None:
+    item = decode(delivery(headers=headers, body=body), fallback_key=fallback)
+    assert isinstance(item, Event if reason is None else Undecodable), item
+    assert (item.key, item.producer, item.seq) == identity
+    if isinstance(item, Undecodable):
+        assert reason is not None, item.reason
+        assert item.reason == reason or (reason[-1] == "(" and item.reason.startswith(reason))
 
 
-def test_decode_a_good_event_whose_identity_needs_both_producer_and_integer_seq() -> None:
-    headers = {**sdk_headers(key=b"k"), HEADER_PUBLISHED_AT: 1_700_000_000_000}
+def test_decode_reads_the_published_time_and_the_payload() -> None:
+    headers = sdk_headers(key=b"k", **{HEADER_PUBLISHED_AT: 1_700_000_000_000})
     item = decode(delivery(headers=headers, body=b'{"n": 1}'))
-    assert isinstance(item, Event)
-    assert (item.key, item.producer, item.seq) == ("k", "p", 7)
+    assert isinstance(item, Event) and (item.key, item.producer, item.seq) == ("k", "p", 7)
     assert item.published_at_ms == 1_700_000_000_000
     assert orjson.loads(item.payload) == {"n": 1}
-    cases: list[dict[str, Any]] = [
-        sdk_headers(producer=None),
-        sdk_headers(seq=None),
-        sdk_headers(seq=True),  # a bool is not a seq
-        sdk_headers(seq="7"),
-        sdk_headers(producer=b"\xff"),
-    ]
-    for headers in cases:
-        item = decode(delivery(headers=headers))
-        assert isinstance(item, Event), headers
-        assert (item.producer, item.seq) == (None, None), headers
-    item = decode(delivery(headers=sdk_headers(producer=b"p-bytes")))
-    assert isinstance(item, Event)
-    assert item.producer == "p-bytes"
-    item = decode(delivery(headers={**sdk_headers(), HEADER_PUBLISHED_AT: "soon"}))
-    assert isinstance(item, Event)
-    assert item.published_at_ms is None
-
-
-# --------------------------------------------------------------------------- fold
+    item = decode(delivery(headers=sdk_headers(**{HEADER_PUBLISHED_AT: "soon"})))
+    assert isinstance(item, Event) and item.published_at_ms is None
 
 
 def record_batch(
@@ -422,9 +382,6 @@ def test_fold_failure_names_the_key_producer_and_seq_or_the_state_not_json() -> 
         run_fold(to_set, {}, [record_batch([("x", {}, None, None)])])
 
 
-# --------------------------------------------------------------------------- describe_failure
-
-
 FOLD_FAILED_TEXT = (
     "An exception was thrown from the Python worker.\n"
     "Traceback (most recent call last):\n"
@@ -469,9 +426,6 @@ def test_describe_failure_is_bounded() -> None:
     assert len(described) == 1000
     described = describe_failure(ValueError("z" * 5000))
     assert len(described) == 1000
-
-
-# --------------------------------------------------------------------------- sinks
 
 
 def test_open_sink_specs(tmp_path: Path) -> None:
@@ -536,9 +490,6 @@ def test_parquet_sink_sweeps_only_old_unreferenced_files(tmp_path: Path) -> None
     assert list((tmp_path / STAGING).iterdir()) == []
 
 
-# --------------------------------------------------------------------------- settings
-
-
 def test_worker_settings_validation(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("KEYQ_"):
@@ -564,9 +515,6 @@ def test_worker_settings_validation(monkeypatch: pytest.MonkeyPatch) -> None:
     assert load_settings(WorkerSettings).max_attempts == 2
 
 
-# --------------------------------------------------------------------------- pipelines
-
-
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
@@ -590,7 +538,9 @@ def test_load_pipeline(spec: str, message: str | None) -> None:
 
 
 @pytest.mark.parametrize(
-    "key", ["plain", "ключ 'quoted' \"double\"", "new\nline ] [keyq-event 00 x 1]", "x" * 4096]
+    "key",
+    ["plain", "ключ 'quoted' \"double\"", "new\nline ] [keyq-event 00 x 1]", "x" * 4096],
+    ids=["plain", "quotes", "newline-token", "long"],
 )
 def test_a_fold_failure_names_its_event_for_any_key(key: str) -> None:
     from keyq.worker.spark.fold import event_token, failing_event, without_event_token
