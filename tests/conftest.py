@@ -38,10 +38,9 @@ TEST_STREAM_PREFIX = "t-"
 
 def reachable(url: str, default_port: int) -> bool:
     parts = urlsplit(url)
+    address = (parts.hostname or "localhost", parts.port or default_port)
     try:
-        with socket.create_connection(
-            (parts.hostname or "localhost", parts.port or default_port), 2
-        ):
+        with socket.create_connection(address, 2):
             return True
     except OSError:
         return False
@@ -77,8 +76,7 @@ _PHASE_DESELECTED = pytest.StashKey[bool]()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """A phase left empty by the split (a subset with no ``alone`` test) is no failure; a
-    selection that was empty before it still is."""
+    """A phase the split left empty is no failure; a selection empty before it still is."""
     if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and session.config.stash.get(
         _PHASE_DESELECTED, False
     ):
@@ -87,13 +85,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 @pytest.hookimpl(trylast=True)  # after xdist's, which names each test's group
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A test that needs no service fixture, and is not marked ``services``, is a unit test:
-    ``make test-fast`` runs only those, with no RabbitMQ, Redis or Spark.
-
-    Under ``--dist loadgroup`` the tests of a group (a file sharing one module-scoped server)
-    must reach one process, or each process starts that server again. xdist groups by a
-    suffix it writes into the node id, which some pytest releases ignore: the run stops then,
-    rather than go several times slower."""
+    """A test that needs no service fixture, and is not marked ``services``, is a unit test
+    (``make test-fast``). Under ``--dist loadgroup`` a group's tests (sharing a module-scoped
+    server) must reach one process; some pytest releases ignore the node-id suffix xdist groups
+    by: the run stops then, rather than go several times slower."""
     _keep_the_phase(config, items)
     for item in items:
         uses_services = "services" in getattr(item, "fixturenames", ())
@@ -120,10 +115,9 @@ def _run_lock_folder() -> Path:
 
 @pytest.fixture(autouse=True)
 def _alone_if_marked(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A test marked ``alone`` asserts on timing (how soon something happens), so it runs
-    while no other test of the run does; every other test shares the run's lock. A
-    turnstile lock taken first keeps a waiting ``alone`` test from being starved by the
-    shared holders that keep coming."""
+    """A test marked ``alone`` asserts on timing, so it runs while no other test of the run
+    does; the others share the run's lock. A turnstile taken first keeps a waiting ``alone``
+    test from being starved by the shared holders that keep coming."""
     if os.environ.get("PYTEST_XDIST_WORKER") is None:
         yield  # one process: every test runs alone already
         return
@@ -141,8 +135,8 @@ def _alone_if_marked(request: pytest.FixtureRequest) -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _services_for_marked_tests(request: pytest.FixtureRequest) -> None:
-    """Tests marked ``services`` reach them without a fixture (through keyq's default
-    settings): find or start the services for them too."""
+    """Tests marked ``services`` reach them through keyq's default settings: find or start
+    the services for them too."""
     if request.node.get_closest_marker("services") is not None:
         request.getfixturevalue("services")
 
@@ -191,9 +185,8 @@ LIVE_MARKER_TTL_S = 3600
 
 
 def _sweep_leftover_queues(settings: Settings) -> None:
-    """Clean up after tests a killed session never finished: a test stream still registered
-    in Redis whose owner's marker is gone. Found through Redis, never by listing the broker
-    (``rabbitmqctl`` is for nodes the tests started)."""
+    """Clean up after tests a killed session never finished: test streams registered in Redis
+    whose owner's marker is gone (found through Redis, never by listing the broker)."""
     client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
     try:
         pattern = f"{KEY_PREFIX}:{{{TEST_STREAM_PREFIX}*}}:*"
@@ -238,8 +231,7 @@ class StreamFixture:
         self.extra_queues.update(queues)
 
     def own(self) -> StreamFixture:
-        """Mark the stream as a running test's: another session's sweep of leftovers (at its
-        end, on the same Redis) must not delete its locks and state under the test."""
+        """Mark the stream as a running test's, which another session's sweep leaves alone."""
         self.redis.set(_live_marker(self.name), os.getpid(), ex=LIVE_MARKER_TTL_S)
         return self
 
@@ -290,9 +282,8 @@ def producer(stream: StreamFixture) -> Iterator[Producer]:
 
 @pytest.fixture
 def amqp(settings: Settings) -> Iterator[pika.BlockingConnection]:
-    """A plain pika connection for looking at what really landed. A test may leave it idle for
-    minutes between looks, and a blocking connection sends no heartbeats while idle, so it asks
-    for none: the broker would otherwise close it under a long test."""
+    """A plain pika connection for looking at what really landed. It asks for no heartbeats: a
+    blocking connection left idle sends none, and the broker would close it under a long test."""
     parameters = pika.URLParameters(settings.amqp_url)
     parameters.heartbeat = 0
     connection = pika.BlockingConnection(parameters)
@@ -307,8 +298,7 @@ def workers(
     tmp_path_factory: pytest.TempPathFactory,
     spark_class_archive: Path | None,
 ) -> Iterator[Any]:
-    """Start worker processes with ``workers(stream, **options)``; all are killed at the end,
-    and the logs of a failed test are kept in its temporary folder."""
+    """Start worker processes with ``workers(stream, **options)``; all killed at the end."""
     from tests.workers import WorkerProcess
 
     started: list[WorkerProcess] = []
@@ -326,8 +316,7 @@ def workers(
 
 @pytest.fixture(scope="session")
 def spark_class_archive() -> Path | None:
-    """The class-data archive local Sparks start from (keyq.worker.spark.classes), built
-    once if missing: every worker a test starts then starts its Spark in half the time."""
+    """The class-data archive local Sparks start from in half the time, built once if missing."""
     from keyq.worker.config import WorkerSettings
     from keyq.worker.spark.classes import build_archive
 
@@ -351,20 +340,15 @@ PRIVATE_RABBIT_NOFILE = 512
 
 @pytest.fixture(scope="session")
 def private_rabbit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A RabbitMQ node of the tests' own (management API, rabbitmq_prometheus, ``nofile``
-    512; ~10 s to start), for what must not be done to a shared node: alarms, vhosts, filling
-    it with queues."""
+    """A RabbitMQ node of the tests' own (management, prometheus, ``nofile`` 512), for what
+    must not be done to a shared node: alarms, vhosts, filling it with queues."""
     from tests.servers import PrivateRabbit, private_servers_available
 
     missing = private_servers_available()
     if missing:
         pytest.skip(missing)
-    rabbit = PrivateRabbit(
-        tmp_path_factory.mktemp("private-rabbit"),
-        management=True,
-        prometheus=True,
-        nofile=PRIVATE_RABBIT_NOFILE,
-    )
+    folder = tmp_path_factory.mktemp("private-rabbit")
+    rabbit = PrivateRabbit(folder, management=True, prometheus=True, nofile=PRIVATE_RABBIT_NOFILE)
     rabbit.start()
     try:
         yield rabbit

@@ -60,17 +60,10 @@ def drain(
         messages += 1
         for headers, content_type, message_id, event_body in unpacked(properties, body):
             key = headers.get(HEADER_KEY)
+            key = key.decode() if isinstance(key, bytes) else str(key)
+            producer, seq = str(headers.get(HEADER_PRODUCER)), int(headers.get(HEADER_SEQ, -1))
             landed.append(
-                Landed(
-                    queue=queue,
-                    key=key.decode() if isinstance(key, bytes) else str(key),
-                    producer=str(headers.get(HEADER_PRODUCER)),
-                    seq=int(headers.get(HEADER_SEQ, -1)),
-                    body=event_body,
-                    headers=headers,
-                    content_type=content_type,
-                    message_id=message_id,
-                )
+                Landed(queue, key, producer, seq, event_body, headers, content_type, message_id)
             )
         if ack:
             channel.basic_ack(method.delivery_tag)
@@ -80,8 +73,7 @@ def drain(
 def queue_depth(connection: BlockingConnection, queue: str) -> int | None:
     """Messages ready in ``queue``, or None if it does not exist."""
     return _on_a_throwaway_channel(
-        connection,
-        lambda channel: int(channel.queue_declare(queue, passive=True).method.message_count),
+        connection, lambda channel: channel.queue_declare(queue, passive=True).method.message_count
     )
 
 

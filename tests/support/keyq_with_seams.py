@@ -1,13 +1,10 @@
-"""``keyq`` with the seams that tests killing a dead-letter command half way need::
+"""``keyq`` with the seams that tests killing a dead-letter command half way need:
+``keyq_with_seams.py [--pause-after N] [--pause-s S] [--lock-ttl-ms MS] [--chunk-keys K] -- ARGS``.
 
-    python tests/support/keyq_with_seams.py [--pause-after N] [--pause-s S]
-        [--lock-ttl-ms MS] [--chunk-keys K] -- KEYQ ARGUMENTS
-
-``--pause-after N``: once N letters are published into redrive queues and confirmed, write
-``paused after N`` to stderr and sleep ``--pause-s`` seconds (an hour by default: time to be
-killed). ``--lock-ttl-ms``: the dead-letter lock's ttl, so that a lock a killed command left
-runs out sooner. ``--chunk-keys``: keys a bulk redrive publishes before it puts them back, so
-that a kill can land between two chunks.
+``--pause-after N``: once N letters are confirmed in redrive queues, print ``paused after N`` to
+stderr and sleep ``--pause-s`` (an hour: time to be killed). ``--lock-ttl-ms``: the dead-letter
+lock's ttl, so a killed command's lock runs out sooner. ``--chunk-keys``: keys a bulk redrive
+publishes before it puts them back, so a kill can land between two chunks.
 """
 
 from __future__ import annotations
@@ -45,10 +42,9 @@ def pause_after(count: int, seconds: float) -> None:
 def run(argv: list[str]) -> None:
     seams, keyq_arguments = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     parser = argparse.ArgumentParser(prog="keyq_with_seams")
-    parser.add_argument("--pause-after", type=int)
+    for option in ("--pause-after", "--lock-ttl-ms", "--chunk-keys"):
+        parser.add_argument(option, type=int)
     parser.add_argument("--pause-s", type=float, default=3600.0)
-    parser.add_argument("--lock-ttl-ms", type=int)
-    parser.add_argument("--chunk-keys", type=int)
     options = parser.parse_args(seams)
     if options.pause_after is not None:
         pause_after(options.pause_after, options.pause_s)
