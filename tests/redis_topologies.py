@@ -12,25 +12,22 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import redis
 import redis.cluster
 
-from tests.helpers import poll_until
-from tests.servers import die_with_parent, free_port
+from tests.servers import free_port, spawn, wait_for
 
 SERVICE = "kq-primary"
 
 
 def redis_topologies_available() -> str | None:
     """None if Redis Cluster and Sentinel can be started here, else why not."""
-    for program in ("redis-server", "redis-cli"):
-        if shutil.which(program) is None:
-            return f"{program} is not installed"
-    return None
+    missing = [p for p in ("redis-server", "redis-cli") if shutil.which(p) is None]
+    return f"{missing[0]} is not installed" if missing else None
 
 
 def _free_cluster_port() -> int:
@@ -48,9 +45,7 @@ def _free_cluster_port() -> int:
     raise RuntimeError("no free port pair for a Redis Cluster node")
 
 
-def _wait(check: Callable[[], object], timeout: float, what: str) -> None:
-    message = f"timed out after {timeout:.0f}s waiting for {what}"
-    poll_until(check, timeout, 0.1, lambda last: RuntimeError(f"{message}: {last}"))
+_wait = partial(wait_for, every=0.1)
 
 
 class _Server:
@@ -74,12 +69,7 @@ class _Server:
         command += ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder)]
         command += self._args
         with (self.folder / "server.log").open("ab") as log:
-            self.process = subprocess.Popen(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent,  # noqa: PLW1509 - only prctl, no locks
-            )
+            self.process = spawn(command, stdout=log)
         _wait(lambda: self.client().ping(), 20, f"redis-server on {self.port}")
 
     def client(self) -> redis.Redis:
@@ -140,13 +130,8 @@ class RedisClusterServers:
         """Every live primary has a replica in sync (so a commit can be confirmed)."""
 
         def linked() -> bool:
-            for server in self.servers:
-                if not server.alive:
-                    continue
-                info = server.client().info("replication")
-                if info["role"] == "master" and _online_replicas(info) < 1:
-                    return False
-            return True
+            infos = [s.client().info("replication") for s in self.servers if s.alive]
+            return all(i["role"] != "master" or _online_replicas(i) >= 1 for i in infos)
 
         _wait(linked, timeout, "every primary's replica in sync")
 
@@ -161,9 +146,6 @@ class RedisClusterServers:
             socket_timeout=2,
         )
 
-    def _by_port(self, port: int) -> _Server:
-        return next(server for server in self.servers if server.port == port)
-
     def primary_for(self, key: str) -> _Server:
         """The server that serves ``key``'s slot now, as a live node sees it."""
         slot = redis.cluster.key_slot(key.encode())
@@ -173,16 +155,14 @@ class RedisClusterServers:
             with contextlib.suppress(redis.exceptions.RedisError):
                 for start, end, primary, *_ in server.client().execute_command("CLUSTER SLOTS"):
                     if int(start) <= slot <= int(end):
-                        return self._by_port(int(primary[1]))
+                        return next(s for s in self.servers if s.port == int(primary[1]))
         raise RuntimeError(f"no live node knows who serves slot {slot}")
 
     def await_healthy(self, timeout: float = 60) -> None:
         """Every live node says the cluster is ok (every slot served)."""
 
         def ok() -> bool:
-            return all(
-                _cluster_state(server.client()) == "ok" for server in self.servers if server.alive
-            )
+            return all(_cluster_state(s.client()) == "ok" for s in self.servers if s.alive)
 
         _wait(ok, timeout, "cluster_state:ok")
 
@@ -192,11 +172,11 @@ class RedisClusterServers:
         old = self.primary_for(key)
         old.kill()
         started = time.monotonic()
-
-        def promoted() -> bool:
-            return self.primary_for(key) is not old
-
-        _wait(promoted, timeout, f"a replica to take over from {old.port}")
+        _wait(
+            lambda: self.primary_for(key) is not old,
+            timeout,
+            f"a replica to take over from {old.port}",
+        )
         self.await_healthy(timeout)
         return old, time.monotonic() - started
 
@@ -214,6 +194,10 @@ def _online_replicas(info: dict[str, Any]) -> int:
         for name, value in info.items()
         if name.startswith("slave") and isinstance(value, dict) and value.get("state") == "online"
     )
+
+
+def _replicas_of(server: _Server) -> int:
+    return _online_replicas(server.client().info("replication"))
 
 
 def _cluster_state(client: redis.Redis) -> str:
@@ -255,11 +239,9 @@ class RedisSentinelServers:
 
     def __enter__(self) -> RedisSentinelServers:
         try:
-            for server in self.data:
+            for server in self.data + self.sentinels:
                 server.start()
-            for sentinel in self.sentinels:
-                sentinel.start()
-            _wait(lambda: self._replicas_seen() == 2, 30, "both replicas linked")
+            _wait(lambda: _replicas_of(self.primary()) == 2, 30, "both replicas linked")
         except BaseException:
             self.close()
             raise
@@ -272,9 +254,6 @@ class RedisSentinelServers:
         self.thaw_replicas()
         for server in self.sentinels + self.data:
             server.kill()
-
-    def _replicas_seen(self) -> int:
-        return _online_replicas(self.primary().client().info("replication"))
 
     def primary(self) -> _Server:
         """The data server the sentinels name as primary now."""
@@ -296,7 +275,7 @@ class RedisSentinelServers:
             if server is not primary and server.process is not None:
                 server.process.send_signal(signal.SIGSTOP)
         primary.client().execute_command("CLIENT", "KILL", "TYPE", "replica")
-        _wait(lambda: _online_replicas(primary.client().info("replication")) == 0, 10, "cut")
+        _wait(lambda: _replicas_of(primary) == 0, 10, "cut")
 
     def thaw_replicas(self) -> None:
         for server in self.data:
@@ -348,12 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         print(missing, file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="kq-redis-") as folder:
-        servers: RedisClusterServers | RedisSentinelServers = (
-            RedisClusterServers(Path(folder))
-            if args.topology == "cluster"
-            else RedisSentinelServers(Path(folder))
-        )
-        with servers:
+        kind = RedisClusterServers if args.topology == "cluster" else RedisSentinelServers
+        with kind(Path(folder)) as servers:
             print(f"KEYQ_REDIS_URL={servers.url}", file=sys.stderr, flush=True)
             env = {**os.environ, "KEYQ_REDIS_URL": servers.url}
             return subprocess.run(command, env=env, check=False).returncode

@@ -50,12 +50,8 @@ def test_cluster_and_sentinel_urls_are_read_and_bad_ones_refused_without_the_pas
     assert cluster.kind == "cluster" and cluster.password == "s3cret"
     assert cluster.nodes == (("10.0.0.1", 7000), ("10.0.0.2", 6379), ("::1", 7002))
     sentinel = parse_redis_url("rediss+sentinel://h1:26380,h2/primary-a/2")
-    assert (sentinel.kind, sentinel.service, sentinel.db, sentinel.tls) == (
-        "sentinel",
-        "primary-a",
-        2,
-        True,
-    )
+    read = (sentinel.kind, sentinel.service, sentinel.db, sentinel.tls)
+    assert read == ("sentinel", "primary-a", 2, True)
     assert sentinel.nodes == (("h1", 26380), ("h2", 26379))
     for bad in (
         "redis+sentinel://:s3cret@h1:26379",  # no service
@@ -74,16 +70,12 @@ def test_every_key_of_a_stream_is_in_one_cluster_slot() -> None:
     when all are in one slot (else CROSSSLOT)."""
     for stream in ("orders", "a", "x-y_z", "0" * 64):
         keys = StreamKeys(stream)
-        names = [
-            getattr(keys, name)
-            for name in dir(StreamKeys)
-            if isinstance(getattr(StreamKeys, name), property)
-        ]
+        properties = [n for n in dir(StreamKeys) if isinstance(getattr(StreamKeys, n), property)]
+        names = [getattr(keys, name) for name in properties]
         names += [keys.lock("keyq.q.k.a"), keys.retiring("keyq.q.k.b"), keys.lock_prefix + "c"]
         assert len(names) > 10
-        assert {redis.cluster.key_slot(name.encode()) for name in names} == {
-            redis.cluster.key_slot(keys.config.encode())
-        }, stream
+        slots = {redis.cluster.key_slot(name.encode()) for name in names}
+        assert slots == {redis.cluster.key_slot(keys.config.encode())}, stream
 
 
 # ---- the topologies, live ----------------------------------------------------------------
@@ -133,9 +125,7 @@ def _publish_paced(producers: dict[str, Producer], seconds: float) -> threading.
 
 def _applied(stores: list[StateStore]) -> int:
     try:
-        return sum(
-            (store.get(key) or {"applied": 0})["applied"] for store in stores for key in KEYS
-        )
+        return sum((s.get(key) or {"applied": 0})["applied"] for s in stores for key in KEYS)
     except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException):
         return 0
 
@@ -149,13 +139,10 @@ def _check_every_key(streams: dict[str, StreamFixture]) -> None:
             lambda: _applied(list(stores.values())) >= wanted, 180, "every event applied", 0.5
         )
     finally:
+        expected = {"applied": PER_KEY, "last": {"p": PER_KEY}, "violations": []}
         for mode, store in stores.items():
             for key in KEYS:
-                assert store.get(key) == {
-                    "applied": PER_KEY,
-                    "last": {"p": PER_KEY},
-                    "violations": [],
-                }, f"{mode} {key}: {store.get(key)}"
+                assert store.get(key) == expected, f"{mode} {key}: {store.get(key)}"
 
 
 def _run_with_a_primary_killed(
@@ -252,22 +239,13 @@ def test_a_primary_killed_before_its_replicas_have_a_commit(
     key = "acct"
     queue = key_queue_name(stream.name, key)
     stream.track(queue)
+    fast = {"lock_ttl_ms": 2000, "member_ttl_ms": 2000, "tick_ms": 200, "scan_interval_ms": 500}
+    fast.update(batch_max_ms=200, redis_replica_timeout_ms=500)
+    serve = load_settings(
+        WorkerSettings, redis_url=redis_sentinel.url, redis_min_replicas=min_replicas, **fast
+    )
     worker = Worker(
-        stream.name,
-        "tests.pipelines:audit",
-        mode="key",
-        settings=load_settings(
-            WorkerSettings,
-            redis_url=redis_sentinel.url,
-            lock_ttl_ms=2000,
-            member_ttl_ms=2000,
-            tick_ms=200,
-            scan_interval_ms=500,
-            batch_max_ms=200,
-            redis_replica_timeout_ms=500,
-            redis_min_replicas=min_replicas,
-        ),
-        engine=spark_engine,
+        stream.name, "tests.pipelines:audit", mode="key", settings=serve, engine=spark_engine
     )
     serving = threading.Thread(target=worker.run, name="worker")
     serving.start()
