@@ -60,6 +60,16 @@ def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return venv
 
 
+def _run(*argv: str, cwd: Path | str = "/", **options: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, cwd=cwd, **options)
+
+
+def _user_env(stream: Any) -> dict[str, str]:
+    env = keyq_environment(stream.settings, FAST)
+    env.pop("PYTHONPATH")  # nothing of the repository: the user's folder and the install only
+    return env
+
+
 def installed_top_level(venv: Path) -> set[str]:
     """Top-level names the installed distribution put into site-packages (from RECORD)."""
     [record] = venv.glob("lib/python*/site-packages/keyq-*.dist-info/RECORD")
@@ -76,41 +86,21 @@ def test_install_puts_one_import_package_and_a_users_producer_py_and_worker_py_w
 ) -> None:
     assert installed_top_level(fresh_venv) == {"keyq"}
     python = str(fresh_venv / "bin" / "python")
-    probe = (
-        "import keyq, keyq.broker, keyq.producer, keyq.worker, keyq.janitor; print(keyq.__file__)"
-    )
-    where = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd="/")
+    probe = "import keyq, keyq.broker, keyq.producer, keyq.worker, keyq.janitor"
+    where = _run(python, "-c", f"{probe}; print(keyq.__file__)")
     assert where.returncode == 0, where.stderr
     assert where.stdout.startswith(str(fresh_venv)), where.stdout
     for gone in ("broker", "producer", "worker", "janitor"):
-        found = subprocess.run(
-            [python, "-c", f"import {gone}"], capture_output=True, text=True, cwd="/"
-        )
-        assert found.returncode != 0, f"a top-level '{gone}' is importable"
+        assert _run(python, "-c", f"import {gone}").returncode != 0, f"a top-level '{gone}'"
     (tmp_path / "producer.py").write_text(textwrap.dedent(USER_PRODUCER))
     (tmp_path / "worker.py").write_text(textwrap.dedent(USER_PIPELINE))
-    env = keyq_environment(stream.settings, FAST)
-    env.pop("PYTHONPATH")  # nothing of the repository: the user's folder and the install only
-    published = subprocess.run(
-        [str(fresh_venv / "bin" / "python"), "producer.py", stream.name],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=120,
-    )
+    env = _user_env(stream)
+    published = _run(python, "producer.py", stream.name, cwd=tmp_path, env=env, timeout=120)
     assert published.returncode == 0, published.stderr
     assert "published 3" in published.stdout
     # The `keyq` script, from the user's folder, finds the user's worker.py as the pipeline.
     serve = ("worker", "--stream", stream.name, "--pipeline", "worker:pipeline", "--until-idle")
-    served = subprocess.run(
-        [str(fresh_venv / "bin" / "keyq"), *serve, "3"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=240,
-    )
+    served = _run(str(fresh_venv / "bin" / "keyq"), *serve, "3", cwd=tmp_path, env=env, timeout=240)
     assert served.returncode == 0, served.stderr[-3000:]
     assert StateStore(stream.redis, stream.name).get("order-1") == {"seen": [1, 2, 3]}
 
@@ -132,15 +122,8 @@ def light_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_light(venv: Path, stream: Any, *args: str, where: Path) -> subprocess.CompletedProcess[str]:
-    env = keyq_environment(stream.settings, FAST)
-    env.pop("PYTHONPATH")  # the install alone
-    return subprocess.run(
-        [str(venv / "bin" / args[0]), *args[1:]],
-        capture_output=True,
-        text=True,
-        cwd=where,
-        env=env,
-        timeout=120,
+    return _run(
+        str(venv / "bin" / args[0]), *args[1:], cwd=where, env=_user_env(stream), timeout=120
     )
 
 
@@ -152,25 +135,16 @@ def test_the_plain_install_has_no_spark_its_worker_api_says_so_and_its_version_i
         "import importlib.util, sys; import keyq, keyq.cli.root; "
         f"print([m for m in {SPARK_MODULES!r} if importlib.util.find_spec(m)])"
     )
-    found = subprocess.run([python, "-c", probe], capture_output=True, text=True, cwd="/")
+    found = _run(python, "-c", probe)
     assert found.returncode == 0, found.stderr
     assert found.stdout.strip() == "[]"
-    worker = subprocess.run(
-        [python, "-c", "from keyq import Worker"], capture_output=True, text=True, cwd="/"
-    )
+    worker = _run(python, "-c", "from keyq import Worker")
     assert worker.returncode == 1
     assert worker.stderr.splitlines()[-1].endswith(WORKER_EXTRA), worker.stderr
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-    shown = subprocess.run(
-        [python, "-c", "import keyq; print(keyq.__version__)"],
-        capture_output=True,
-        text=True,
-        cwd="/",
-    )
+    shown = _run(python, "-c", "import keyq; print(keyq.__version__)")
     assert shown.stdout.strip() == declared, shown.stderr
-    cli = subprocess.run(
-        [str(light_venv / "bin" / "keyq"), "--version"], capture_output=True, text=True
-    )
+    cli = _run(str(light_venv / "bin" / "keyq"), "--version", cwd=Path.cwd())
     assert cli.stdout.strip() == f"keyq, version {declared}"
 
 
@@ -220,13 +194,7 @@ def test_the_plain_install_publishes_and_runs_the_light_commands(
 def test_a_spark_command_without_spark_says_what_to_install(
     light_venv: Path, tmp_path: Path, command: tuple[str, ...]
 ) -> None:
-    ran = subprocess.run(
-        [str(light_venv / "bin" / "keyq"), *command],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=60,
-    )
+    ran = _run(str(light_venv / "bin" / "keyq"), *command, cwd=tmp_path, timeout=60)
     assert ran.returncode == 2, ran.stderr
     [line] = ran.stderr.splitlines()
     assert line.startswith(f"keyq: keyq {command[0]} ") and line.endswith(WORKER_EXTRA), line
