@@ -1,5 +1,5 @@
 """The private 3-node RabbitMQ cluster (tests/cluster.py) and its node faults, on real nodes:
-one cluster for the module, and every test leaves its three nodes running.
+one cluster for each of the module's two groups, and every test leaves its three nodes running.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from tests.faults import FaultProxy
 from tests.helpers import drain
 from tests.workers import wait_until
 
-# One process runs the file: its tests share one cluster (module scope).
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.services,
-    pytest.mark.broker_versions,
-    pytest.mark.xdist_group("cluster"),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.services, pytest.mark.broker_versions]
+
+# The tests come in two groups of about equal length, each run by one process on a cluster of
+# its own (module scope): the file is the longest part of a run of the broker-dependent tests,
+# and two clusters side by side halve it.
+CLUSTER_A = pytest.mark.xdist_group("cluster-a")
+CLUSTER_B = pytest.mark.xdist_group("cluster-b")
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +97,7 @@ def on_cluster(rabbit_cluster: RabbitCluster, redis_client: redis.Redis) -> Iter
     stream.cleanup()
 
 
+@CLUSTER_A
 def test_the_cluster_runs_three_nodes_of_its_own_and_cut_drops_one_nodes_clients_only(
     rabbit_cluster: RabbitCluster,
 ) -> None:
@@ -124,6 +125,7 @@ def test_the_cluster_runs_three_nodes_of_its_own_and_cut_drops_one_nodes_clients
         _close(_connect(url))
 
 
+@CLUSTER_A
 def test_a_quorum_queue_keeps_every_message_when_its_leader_is_killed(
     rabbit_cluster: RabbitCluster, queue_name: str
 ) -> None:
@@ -169,6 +171,7 @@ def test_a_quorum_queue_keeps_every_message_when_its_leader_is_killed(
     )
 
 
+@CLUSTER_B
 def test_a_classic_queue_is_unreachable_while_its_home_node_is_stopped(
     rabbit_cluster: RabbitCluster, queue_name: str
 ) -> None:
@@ -199,6 +202,7 @@ def test_a_classic_queue_is_unreachable_while_its_home_node_is_stopped(
     print(f"stop {stopped_in:.2f}s, restart and rejoin {restarted_in:.2f}s")
 
 
+@CLUSTER_B
 def test_the_janitor_keeps_a_queue_whose_node_is_down(
     rabbit_cluster: RabbitCluster, on_cluster: StreamFixture
 ) -> None:
@@ -257,6 +261,7 @@ PER_KEY = 40
 ROUND_PAUSE_S = 0.3  # a round publishes one event of every key: ~12 s in all
 
 
+@CLUSTER_A
 @pytest.mark.parametrize("mode", ["key", "bucket"])
 def test_a_quorum_stream_loses_nothing_when_a_leader_node_and_a_worker_are_killed(
     rabbit_cluster: RabbitCluster, on_cluster: StreamFixture, workers: Any, mode: str
@@ -337,6 +342,7 @@ def test_a_quorum_stream_loses_nothing_when_a_leader_node_and_a_worker_are_kille
         assert index.page(None).matched == len(poison), index.page(None).rows
 
 
+@CLUSTER_B
 def test_a_classic_stream_serves_live_nodes_keys_while_another_node_is_down(
     rabbit_cluster: RabbitCluster, on_cluster: StreamFixture, workers: Any
 ) -> None:
@@ -404,6 +410,7 @@ def test_a_classic_stream_serves_live_nodes_keys_while_another_node_is_down(
         assert "dead-letter queue" in worker.log()  # it said why dead letters would wait
 
 
+@CLUSTER_A
 def test_a_quorum_queue_that_cannot_commit_does_not_hold_up_the_producers_other_keys(
     rabbit_cluster: RabbitCluster, on_cluster: StreamFixture
 ) -> None:
@@ -467,6 +474,7 @@ def _node_of_worker(cluster: RabbitCluster, worker_id: str) -> int:
     raise AssertionError(f"no connection of {worker_id} in {rows}")
 
 
+@CLUSTER_B
 @pytest.mark.parametrize("mode", ["key", "bucket"])
 def test_a_worker_moves_off_a_node_whose_replica_of_a_quorum_queue_is_down(
     rabbit_cluster: RabbitCluster, on_cluster: StreamFixture, workers: Any, mode: str
@@ -525,6 +533,7 @@ def test_a_worker_moves_off_a_node_whose_replica_of_a_quorum_queue_is_down(
                     cluster.ctl(node, "eval", f"ra:restart_server(quorum_queues, {ra_member}).")
 
 
+@CLUSTER_B
 def test_a_worker_moves_off_a_node_that_keeps_a_gaps_message_from_it(
     rabbit_cluster: RabbitCluster, on_cluster: StreamFixture, workers: Any
 ) -> None:
