@@ -71,20 +71,18 @@ def test_each_value_says_whether_it_came_from_env_dotenv_or_default(tmp_path: Pa
     assert rows["KEYQ_MAX_HELD_QUEUES"] == ["unset", "default"]
 
 
-def test_every_component_shows_every_setting_once(tmp_path: Path) -> None:
-    settings = shown(tmp_path)
+def test_every_component_shows_every_setting_once_and_never_the_console_token(
+    tmp_path: Path,
+) -> None:
+    settings = shown(tmp_path, KEYQ_CONSOLE_TOKEN="s3cret-token")
+    assert settings["console"]["console_token"]["source"] == "env"
+    assert "s3cret-token" not in str(settings)
     shared = set(Settings.model_fields)
     assert set(settings) == {"shared", "worker", "janitor", "console"}
     assert set(settings["shared"]) == shared
     assert set(settings["worker"]) == set(WorkerSettings.model_fields) - shared
     assert set(settings["janitor"]) == set(JanitorSettings.model_fields) - shared
     assert set(settings["console"]) == set(ConsoleSettings.model_fields) - shared
-
-
-def test_the_console_token_is_never_shown(tmp_path: Path) -> None:
-    settings = shown(tmp_path, KEYQ_CONSOLE_TOKEN="s3cret-token")
-    assert settings["console"]["console_token"]["source"] == "env"
-    assert "s3cret-token" not in str(settings)
 
 
 @pytest.mark.parametrize(
@@ -110,12 +108,6 @@ def test_a_bad_setting_is_one_line_naming_its_variable(
     assert keyq(tmp_path, "settings").stderr.startswith(f"keyq: {variable}: {message}")
 
 
-def test_a_rule_between_settings_names_both_variables(tmp_path: Path) -> None:
-    done = keyq(tmp_path, "settings", KEYQ_TICK_MS="2000")
-    assert done.returncode == EXIT_USAGE
-    assert done.stderr.startswith("keyq: KEYQ_TICK_MS must be at most a third of KEYQ_LOCK_TTL_MS")
-
-
 def test_the_daemons_name_the_variable_too(tmp_path: Path) -> None:
     janitor = keyq(tmp_path, "janitor", "--once", KEYQ_IDLE_TTL_S="soon")
     assert janitor.returncode == EXIT_USAGE
@@ -129,7 +121,10 @@ def test_the_daemons_name_the_variable_too(tmp_path: Path) -> None:
     assert worker.stderr.startswith("keyq: KEYQ_MAX_ATTEMPTS: Input should be greater than or")
 
 
-def test_an_unreadable_env_file_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+def test_a_rule_between_settings_and_an_unreadable_env_file_are_one_line(tmp_path: Path) -> None:
+    done = keyq(tmp_path, "settings", KEYQ_TICK_MS="2000")
+    assert done.returncode == EXIT_USAGE
+    assert done.stderr.startswith("keyq: KEYQ_TICK_MS must be at most a third of KEYQ_LOCK_TTL_MS")
     (tmp_path / ".env").write_bytes(b"APP_NAME=caf\xe9\n")  # another application's, not UTF-8
     done = keyq(tmp_path, "settings")
     assert done.returncode == EXIT_USAGE
