@@ -49,7 +49,7 @@ def event(
     return Delivery(queue, 1, next(_tags), False, headers, CONTENT_JSON, None, body)
 
 
-def applied_to(key: str, seq: int) -> KeyMarks:
+def applied_to(seq: int) -> KeyMarks:
     marks = KeyMarks()
     marks.advance("p", seq)
     return marks
@@ -99,20 +99,11 @@ def test_each_delivery_gets_exactly_one_disposition_of_the_seven() -> None:
             "b": KeyStatus(paused_since_ms=1),
             "c": KeyStatus(aside=("keyq.s.a.0123.first", ASIDE)),
         },
-        marks={"a": applied_to("a", 1)},
+        marks={"a": applied_to(1)},
         limiter=limiter,
     )
-    assert admission.dispositions == [
-        D.APPLY,
-        D.DUPLICATE,
-        D.DEAD_LETTER,
-        D.DEFER,
-        D.SET_ASIDE,
-        D.HAND_BACK,
-        *[D.APPLY] * 4,
-        D.RATE_LIMITED,
-        D.RATE_LIMITED,
-    ]
+    seven = [D.APPLY, D.DUPLICATE, D.DEAD_LETTER, D.DEFER, D.SET_ASIDE, D.HAND_BACK]
+    assert admission.dispositions == [*seven, *[D.APPLY] * 4, D.RATE_LIMITED, D.RATE_LIMITED]
     assert admission.settling == [applied, again, poison, paused, *over_rate[:4]]
     assert [e.delivery for e in admission.events] == [applied, *over_rate[:4]]
     assert admission.aside == {"b": [paused]}
@@ -150,8 +141,7 @@ def test_a_dead_run_dead_letters_what_would_apply_and_parks_under_park() -> None
 
 
 def test_an_event_without_a_key_is_dead_lettered() -> None:
-    admission = admitted([event(None, 1)])
-    assert admission.dispositions == [D.DEAD_LETTER]
+    assert admitted([event(None, 1)]).dispositions == [D.DEAD_LETTER]
 
 
 def test_the_outcome_follows_from_the_last_dispositions() -> None:
@@ -160,7 +150,7 @@ def test_the_outcome_follows_from_the_last_dispositions() -> None:
         [waits, limited, aside_held],
         statuses={"c": KeyStatus(paused_since_ms=1, aside=(ASIDE,))},
         limiter=KeyRateLimiter(1.0, clock=lambda: 0.0),
-        marks={"d": applied_to("d", 0)},
+        marks={"d": applied_to(0)},
     )
     progress = BatchProgress()
     progress.admitted(admission)
@@ -169,9 +159,6 @@ def test_the_outcome_follows_from_the_last_dispositions() -> None:
     assert outcome.handed_back == frozenset({ASIDE})
     assert outcome.later == []  # its key's first event in a second goes through
     assert admission.dispositions[1] is D.APPLY
-
-
-# ----------------------------------------------------------------------- the effects' order
 
 
 class Recorder:
@@ -218,16 +205,7 @@ def test_the_effects_run_compute_park_set_aside_dead_letters_commit_then_ack() -
         statuses={"b": KeyStatus(paused_since_ms=1)},
     )
     parts = Recorder()
-    effects = BatchEffects(
-        "s",
-        parts,  # type: ignore[arg-type]
-        parts,  # type: ignore[arg-type]
-        parts,  # type: ignore[arg-type]
-        parts,  # type: ignore[arg-type]
-        parts,
-        parts,
-        BatchSpans("s"),
-    )
+    effects = BatchEffects("s", *[parts] * 6, BatchSpans("s"))  # type: ignore[arg-type]
     progress = BatchProgress()
     effects.run(
         "w-1",

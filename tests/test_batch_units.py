@@ -13,11 +13,7 @@ import pytest
 import redis.exceptions
 
 from keyq.broker.envelope import HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
-from keyq.broker.errors import (
-    CommitNotReplicated,
-    PipelineError,
-    SparkUnavailable,
-)
+from keyq.broker.errors import CommitNotReplicated, PipelineError, SparkUnavailable
 from keyq.broker.locks import Lease
 from keyq.broker.settings import load_settings
 from keyq.broker.stream_policy import StreamPolicy
@@ -51,9 +47,6 @@ class NoDeclaredKeys:
         return dict.fromkeys(queues)
 
 
-# --------------------------------------------------------------------------- helpers
-
-
 def delivery(
     tag: int,
     key: str | None = "k",
@@ -69,16 +62,7 @@ def delivery(
     if producer is not None and seq is not None:
         headers[HEADER_PRODUCER] = producer
         headers[HEADER_SEQ] = seq
-    return Delivery(
-        queue=queue,
-        channel_epoch=1,
-        delivery_tag=tag,
-        redelivered=False,
-        headers=headers,
-        content_type="application/json",
-        message_id=f"m-{tag}",
-        body=body,
-    )
+    return Delivery(queue, 1, tag, False, headers, "application/json", f"m-{tag}", body)
 
 
 def marks_at(seq: int, skipped: tuple[int, int] | None = None) -> KeyMarks:
@@ -110,9 +94,6 @@ def plan(
 
 def tags(items: Sequence[Event | Undecodable | Delivery]) -> list[int]:
     return [(i if isinstance(i, Delivery) else i.delivery).delivery_tag for i in items]
-
-
-# --------------------------------------------------------------------------- the run's plan
 
 
 def test_a_run_is_sorted_by_what_becomes_of_each_delivery() -> None:
@@ -203,9 +184,6 @@ def test_an_attempt_decodes_each_delivery_once_with_its_queues_declared_key() ->
     assert decoder_for({"orders.a": "a"})(keyless) is not first  # another attempt decodes anew
 
 
-# --------------------------------------------------------------------------- failures
-
-
 def test_a_pipeline_failure_is_told_apart_from_spark_being_gone() -> None:
     boom = RuntimeError(
         f"FoldFailed: fold of key 'k' failed: ValueError: boom{event_token('k', 'p', 7)}"
@@ -241,9 +219,6 @@ def test_a_pipeline_failure_is_told_apart_from_spark_being_gone() -> None:
     assert spark_unavailable(Py4JNetworkError("lost"))
     assert spark_unavailable(RuntimeError("SparkContext was shut down"))
     assert not spark_unavailable(ValueError("Connection to the database: fine"))
-
-
-# --------------------------------------------------------------------------- isolation
 
 
 class Recorder:
@@ -286,9 +261,7 @@ def across_queues() -> list[Delivery]:
     ]
 
 
-def test_a_failure_naming_its_event_isolates_that_event_and_runs_the_other_queues_together() -> (
-    None
-):
+def test_a_failure_naming_its_event_isolates_it_and_runs_the_other_queues_together() -> None:
     deliveries = across_queues()
     poison = deliveries[2]
     recorder = Recorder(poison, EventFailed("fold failed: boom", ("k", "p", 2)))
@@ -327,9 +300,6 @@ def test_named_event_uses_the_queues_declared_key() -> None:
     group = [delivery(1, key=None, producer="p", seq=4, queue="q-x")]
     assert named_event(("x", "p", 4), group, {"q-x": "x"}) == 0
     assert named_event(("x", "p", 5), group, {"q-x": "x"}) is None
-
-
-# --------------------------------------------------------------------------- outcomes
 
 
 Journal = list[tuple[str, Any]]  # what the stand-ins were asked to do, in order
@@ -377,8 +347,7 @@ class LinkStandIn:
 
 
 class RegistryStandIn:
-    def touch(self, queues: Any) -> None:
-        pass
+    def touch(self, queues: Any) -> None: ...
 
 
 class NoSpark:

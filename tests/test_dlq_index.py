@@ -156,8 +156,6 @@ def test_drop_asks_before_it_takes_the_lock(
     assert listing["indexed"] == {"letters": 3, "messages": 3, "in_step": True}
 
 
-# ---- with a real worker ------------------------------------------------------------------------
-
 EVENTS = 12
 
 

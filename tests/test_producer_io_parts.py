@@ -172,7 +172,6 @@ def make_harness(**settings_overrides: Any) -> Harness:
     return Harness(link, loop, connection, channel, asked, new_queues)
 
 
-# ---------------------------------------------------------------------- send, confirm
 def test_events_wait_for_a_lease_then_go_in_order_and_settle(harness: Harness) -> None:
     link = harness.link
     first, second = harness.publish("q"), harness.publish("q")
@@ -286,7 +285,6 @@ def test_a_lease_is_renewed_ahead_while_events_are_in_flight(harness: Harness) -
     assert harness.leases_asked == ["q", "q"]  # one request at a time
 
 
-# ------------------------------------------------------------------- stalled queues
 def stalled_own_channel(harness: Harness, events: int) -> tuple[FakeChannel, list[Outgoing]]:
     """Queue "quiet" stalled, ``events`` published to it, its own channel open in confirm mode."""
     harness.link.window.mark_stalled({"quiet"})
@@ -324,7 +322,6 @@ def test_a_stalled_channel_overdue_is_reset_and_its_event_waits_again(harness: H
     assert 1.0 in harness.loop.delays()  # opened again a moment later
 
 
-# ------------------------------------------------------------------------ the watch
 def test_an_overdue_confirm_makes_its_queues_stalled_and_reconnects(harness: Harness) -> None:
     link = harness.link
     harness.publish("a")
@@ -353,7 +350,6 @@ def test_the_watch_runs_every_second_until_stopping(harness: Harness) -> None:
     assert harness.loop.delays() == []
 
 
-# ------------------------------------------------------------------------- probes
 def test_an_unreachable_queue_waits_until_its_probe_is_answered(harness: Harness) -> None:
     link, connection = harness.link, harness.connection
     link.probes.mark_unreachable("q", "404 down")

@@ -29,7 +29,6 @@ def event(number: int, queue: str = "q", *, sent_at: float = 0.0) -> Outgoing:
     return message
 
 
-# ------------------------------------------------------------------------------ lanes
 def test_a_lane_waits_while_any_reason_or_a_declaration_holds_it() -> None:
     lane = QueueLane(key="k")
     assert not lane.waits
@@ -125,7 +124,6 @@ def test_waiting_counts_by_reason() -> None:
     assert events_in([pack, event(9)]) == 4
 
 
-# ----------------------------------------------------------------------------- window
 def submit(window: ConfirmWindow, message: Outgoing, wait_s: float = 0.0) -> bool:
     with window.cond:
         return window.submit(message, time.monotonic() + wait_s)
@@ -229,7 +227,6 @@ def test_wait_settled_times_out_or_returns_once_settled() -> None:
     window.wait_settled(time.monotonic())
 
 
-# ------------------------------------------------------------------- overdue watch timing
 def test_overdue_oldest_is_the_first_unsettled_past_the_timeout() -> None:
     first, second = event(1, sent_at=100.0), event(2, "r", sent_at=103.0)
     assert overdue_oldest([], 200.0, 15.0) is None
@@ -256,7 +253,6 @@ def test_a_stall_is_reported_after_twice_the_timeout_then_once_per_timeout() -> 
     assert clock.due(520.0, unsettled=1) == 20.0
 
 
-# ----------------------------------------------------------------------- own channels
 class OpenChannel:
     is_open = True
 
