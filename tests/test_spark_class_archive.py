@@ -33,16 +33,17 @@ engine.stop()
 """
 
 
-def _jvm_maps_archive(cache: str) -> bool:
-    env = {**os.environ, "KEYQ_SPARK_CLASS_CACHE": cache}
-    done = subprocess.run(
-        [sys.executable, "-c", MAPS_ARCHIVE, cache],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
+def _python(
+    *args: str, cache: str | None = None, **options: object
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **({"KEYQ_SPARK_CLASS_CACHE": cache} if cache is not None else {})}
+    return subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, **options
     )
+
+
+def _jvm_maps_archive(cache: str) -> bool:
+    done = _python("-c", MAPS_ARCHIVE, cache, cache=cache, timeout=300, check=True)
     return done.stdout.strip().splitlines()[-1] == "True"
 
 
@@ -56,11 +57,8 @@ def test_a_local_spark_maps_the_archive_once_it_is_built(
 
 
 def test_a_build_that_fails_leaves_nothing_behind(tmp_path: Path) -> None:
-    settings = load_settings(
-        WorkerSettings,
-        spark_class_cache=str(tmp_path),
-        spark_driver_java_options="-XX:+NoSuchOptionAnywhere",
-    )
+    bad_jvm = {"spark_driver_java_options": "-XX:+NoSuchOptionAnywhere"}
+    settings = load_settings(WorkerSettings, spark_class_cache=str(tmp_path), **bad_jvm)
     assert build_archive(settings) is None
     assert list(tmp_path.iterdir()) == []
 
@@ -69,20 +67,10 @@ def test_the_cli_prints_the_archive_and_refuses_when_switched_off(
     spark_class_archive: Path | None,
 ) -> None:
     assert spark_class_archive is not None
-    keyq = [sys.executable, "-m", "keyq"]
-    built = subprocess.run(
-        [*keyq, "spark-cache"], capture_output=True, text=True, timeout=120, check=False
-    )
+    built = _python("-m", "keyq", "spark-cache", timeout=120)
     assert built.returncode == 0, built.stderr
     assert built.stdout.strip() == str(spark_class_archive)
-    off = subprocess.run(
-        [*keyq, "spark-cache"],
-        env={**os.environ, "KEYQ_SPARK_CLASS_CACHE": "off"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    off = _python("-m", "keyq", "spark-cache", cache="off", timeout=120)
     assert off.returncode == 2
     assert "off" in off.stderr
 
@@ -107,10 +95,9 @@ def test_the_archive_is_named_for_its_jvm_options_and_lives_in_the_cache(
 
 
 def test_a_path_with_spaces_stays_one_jvm_option() -> None:
-    assert jvm_file_option("SharedArchiveFile", "/var/cache/keyq/a.jsa") == (
-        "-XX:SharedArchiveFile=/var/cache/keyq/a.jsa"
-    )
-    assert jvm_file_option("SharedArchiveFile", '/my cache/"k"/a.jsa') == (
+    plain, quoted = "/var/cache/keyq/a.jsa", '/my cache/"k"/a.jsa'
+    assert jvm_file_option("SharedArchiveFile", plain) == f"-XX:SharedArchiveFile={plain}"
+    assert jvm_file_option("SharedArchiveFile", quoted) == (
         '-XX:SharedArchiveFile="/my cache/\\"k\\"/a.jsa"'
     )
 
