@@ -78,7 +78,10 @@ def test_bucket_packs_carry_each_event_with_its_own_key_and_payload(
         for n in range(2000):
             key = keys[n % len(keys)]
             body = bytes([n % 256]) * (n % 7) + b"\x00end"
-            producer.publish(key, body, content_type="application/x-test", headers={"raw": body})
+            receipt = producer.publish(
+                key, body, content_type="application/x-test", headers={"raw": body}
+            )
+            assert receipt.queue == bucket_queue_name(stream.name, bucket_of(key, 2))
             published[key].append(body)
         producer.flush(30)
     channel = amqp.channel()
@@ -94,7 +97,8 @@ def test_bucket_packs_carry_each_event_with_its_own_key_and_payload(
                 assert event.headers["raw"] == event.body  # a bytes header kept as bytes
                 landed[key].append(event.body)
     assert mixed, "a bucket's pack holds several keys' events"
-    assert landed == published
+    assert landed == published  # each key's events, in order
+    assert stream.redis.zcard(stream.keys.registry) == 2  # the buckets' queues registered
 
 
 def test_packing_off_sends_each_event_alone(

@@ -1,4 +1,5 @@
-"""What a producer publishes lands, durably and in per-key order, in the key's queue."""
+"""What a producer publishes lands, durably and in per-key order, in the key's queue (bucket
+mode: tests/test_packed_publishing.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import pika
 
 from keyq import Producer
 from keyq.broker.envelope import HEADER_PUBLISHED_AT, HEADER_STREAM
-from keyq.broker.hashing import bucket_of
-from keyq.broker.naming import bucket_queue_name, key_queue_name
+from keyq.broker.naming import key_queue_name
 from tests.conftest import StreamFixture
 from tests.helpers import Landed, drain
 
@@ -60,27 +60,6 @@ def test_key_mode_order_envelope_and_bytes_events(
     raw = drain(channel, key_queue_name(stream.name, "bytes"))  # bytes events travel as is
     assert [m.body for m in raw] == [b"\x00\xffraw", b'{"a": 1}']
     assert raw[0].content_type == "application/octet-stream"
-
-
-def test_bucket_mode_order(stream: StreamFixture, amqp: pika.BlockingConnection) -> None:
-    keys = [f"device-{i}" for i in range(50)]
-    published: dict[str, list[int]] = defaultdict(list)
-    with Producer(stream.name, mode="bucket", buckets=8, settings=stream.settings) as producer:
-        for n in range(4000):
-            key = keys[(n * 7 + n // 13) % len(keys)]
-            receipt = producer.publish(key, {"n": n})
-            assert receipt.queue == bucket_queue_name(stream.name, bucket_of(key, 8))
-            published[key].append(n)
-    channel = amqp.channel()
-    landed: list[Landed] = []
-    for bucket in range(8):
-        queue = bucket_queue_name(stream.name, bucket)
-        messages = drain(channel, queue)
-        assert all(bucket_of(m.key, 8) == bucket for m in messages)
-        landed.extend(messages)
-    assert len(landed) == 4000
-    _check_order(landed, published)
-    assert stream.redis.zcard(stream.keys.registry) == len({bucket_of(k, 8) for k in keys})
 
 
 def test_many_threads_keep_each_keys_order(

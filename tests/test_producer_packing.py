@@ -48,6 +48,10 @@ def event(harness: Harness, queue: str) -> Outgoing:
     return message
 
 
+def events(harness: Harness, count: int) -> list[Outgoing]:
+    return [event(harness, "q") for _ in range(count)]
+
+
 def sent_events(harness: Harness) -> list[list[int]]:
     """The seqs each message sent carried, in send order."""
     found = []
@@ -81,7 +85,7 @@ def test_a_lone_event_goes_at_once_and_later_ones_gather_until_its_confirm() -> 
     first = event(harness, "q")
     run(harness)
     assert sent_events(harness) == [[1]]  # alone, at once
-    waiting = [event(harness, "q") for _ in range(3)]
+    waiting = events(harness, 3)
     run(harness)
     assert sent_events(harness) == [[1]]  # an earlier message of the queue awaits its confirm
     harness.link.connector.on_confirm(ack(1))
@@ -95,8 +99,7 @@ def test_a_lone_event_goes_at_once_and_later_ones_gather_until_its_confirm() -> 
 
 def test_a_pack_is_bounded_in_bytes() -> None:
     harness = packing(pack_max_events=100, pack_max_bytes=1024)
-    for _ in range(12):
-        event(harness, "q")
+    events(harness, 12)
     run(harness)
     while harness.link.window.unsettled:  # a full pack goes at once; the rest after its confirm
         harness.link.connector.on_confirm(ack(len(harness.channel.sent), multiple=True))
@@ -108,8 +111,7 @@ def test_a_pack_is_bounded_in_bytes() -> None:
 def test_a_returned_pack_goes_again_with_its_events_before_newer_ones() -> None:
     harness = packing()
     link, channel = harness.link, harness.channel
-    for _ in range(3):
-        event(harness, "q")
+    events(harness, 3)
     run(harness)
     pack_properties = channel.sent[0][1]
     link.ledger.on_return(None, None, pack_properties, b"")
@@ -127,11 +129,9 @@ def test_a_returned_pack_goes_again_with_its_events_before_newer_ones() -> None:
 def test_a_lost_connection_sends_packs_and_gathered_events_again_in_order() -> None:
     harness = packing()
     link = harness.link
-    for _ in range(2):
-        event(harness, "q")
+    events(harness, 2)
     run(harness)
-    for _ in range(2):
-        event(harness, "q")  # gather behind the unconfirmed pack
+    events(harness, 2)  # gather behind the unconfirmed pack
     run(harness)
     assert sent_events(harness) == [[1, 2]]
     link.recovery.collect_unsettled()
@@ -160,7 +160,7 @@ def test_with_a_linger_a_lone_event_waits_for_company() -> None:
 @pytest.mark.parametrize("max_events", [1, 2, 7])
 def test_packs_keep_every_events_order_and_fields(max_events: int) -> None:
     harness = packing(pack_max_events=max_events)
-    made = [event(harness, "q") for _ in range(20)]
+    made = events(harness, 20)
     run(harness)
     if max_events == 1:
         assert sent_events(harness) == [[n] for n in range(1, 21)], "packing off: all alone"
@@ -181,17 +181,14 @@ def test_a_full_pack_goes_at_once_and_the_events_after_it_go_on_gathering() -> N
     harness = packing(pack_max_events=3)
     event(harness, "q")
     run(harness)
-    for _ in range(2):
-        event(harness, "q")  # gathering behind the first
+    events(harness, 2)  # gathering behind the first
     run(harness)
-    for _ in range(2):
-        event(harness, "q")  # one more fills a pack: it goes; the other keeps gathering
+    events(harness, 2)  # one more fills a pack: it goes; the other keeps gathering
     run(harness)
     assert sent_events(harness) == [[1], [2, 3, 4]]
     harness.link.connector.on_confirm(ack(1))
     assert sent_events(harness) == [[1], [2, 3, 4]], "went while a message was in flight"
-    for _ in range(3):
-        event(harness, "q")
+    events(harness, 3)
     run(harness)
     assert sent_events(harness) == [[1], [2, 3, 4], [5, 6, 7]], "a full pack did not go at once"
     harness.link.connector.on_confirm(ack(3, multiple=True))
@@ -221,8 +218,7 @@ def test_events_a_failed_send_did_not_take_wait_in_front_of_the_outbox() -> None
     event(harness, "q")
     run(harness)  # the lease granted, the first sent
     harness.link.connector.on_confirm(ack(1))
-    for _ in range(3):
-        event(harness, "q")
+    events(harness, 3)
     channel = harness.channel
     real_publish = channel.basic_publish
 
