@@ -120,16 +120,20 @@ def _messages(amqp: pika.BlockingConnection, queue: str) -> list[tuple[Any, ...]
     return [(h.get(HEADER_PACK), h.get(HEADER_SEQ)) for h, _body in peek_all(amqp, queue)]
 
 
-def test_a_pack_dead_lettered_whole_is_listed_and_shown_as_its_events(
+def test_a_pack_dead_lettered_whole_is_listed_and_shown_as_its_events_and_redriven_apart(
     stream: StreamFixture, amqp: pika.BlockingConnection, producer: Producer
 ) -> None:
+    """A malformed pack beside it stays one foreign letter. No worker: the redrive queue is
+    looked at as it is."""
     dead = DeadPack(stream, amqp, producer)
     pack_id = dead.pack([2, 3, 4])
-    dead.reject_all()  # the single event 1, then the pack
+    broken = MAGIC + dead.event(5)[:-3]  # cut short
+    dead.publish_pack(broken, 1)
+    dead.reject_all()  # the single event 1, the pack, then the malformed one
     p = dead.producer_id
     listing = _listing(stream.name)
-    assert listing["ready"] == 2
-    rows = listing["letters"]
+    assert listing["ready"] == 3
+    *rows, letter = listing["letters"]
     assert [row["id"] for row in rows] == [f"{p}:1", f"{p}:2", f"{p}:3", f"{p}:4"]
     assert [row["pack"] for row in rows] == [None] + [
         {"message_id": pack_id, "events": 3, "part": part} for part in (1, 2, 3)
@@ -143,7 +147,7 @@ def test_a_pack_dead_lettered_whole_is_listed_and_shown_as_its_events(
     assert [row["position"] for row in rows] == [0, 1, 2, 3]
     text = keyq("dlq", "list", "--stream", stream.name)
     assert text.exit_code == 0, text.stderr
-    assert "2 messages; the index lists 4 letters" in text.stdout
+    assert "3 messages; the index lists 5 letters" in text.stdout
     assert f"2 pack 2/3\t{p}:3\t{KEY}" in text.stdout
 
     detail = keyq_json("dlq", "show", "--stream", stream.name, "--id", f"{p}:3")
@@ -152,8 +156,24 @@ def test_a_pack_dead_lettered_whole_is_listed_and_shown_as_its_events(
     assert detail["pack"]["message_id"] == pack_id and detail["pack"]["events"] == 3
     assert detail["pack"]["headers"][HEADER_PACK] == 3
     assert detail["pack"]["headers"]["x-death"][0]["reason"] == "rejected"
-    # looking changed nothing
+    assert _messages(amqp, dead.dlq) == [(None, 1), (3, None), (1, None)], "looking changed nothing"
+
+    assert letter["foreign"] and letter["id"].startswith("sha256:") and letter["pack"] is None
+    assert letter["content_type"] == PACK_CONTENT_TYPE and letter["bytes"] == len(broken)
+    assert letter["reason"] == "rejected"
+    dropped = keyq("dlq", "drop", "--stream", stream.name, "--id", letter["id"], "--yes")
+    assert dropped.exit_code == 0, dropped.stderr
     assert _messages(amqp, dead.dlq) == [(None, 1), (3, None)]
+
+    # each event of a redriven pack is a message of its own
+    done = keyq_json("dlq", "redrive", "--stream", stream.name, "--key", KEY)
+    copies = peek_all(amqp, done["queue"])
+    assert [h[HEADER_REDRIVE_ID] for h, _b in copies] == [f"{p}:{seq}" for seq in (1, 2, 3, 4)]
+    assert [orjson.loads(b)["n"] for _h, b in copies] == [1, 2, 3, 4]
+    for headers, _body in copies[1:]:
+        assert HEADER_PACK not in headers and "x-death" not in headers
+        assert headers["trace"] in ("t-2", "t-3", "t-4") and headers[HEADER_KEY] == KEY
+    assert queue_depth(amqp, dead.dlq) == 0
 
 
 def test_a_partial_drop_is_refused_and_a_whole_one_removes_the_pack(
@@ -190,23 +210,6 @@ def test_a_partial_drop_is_refused_and_a_whole_one_removes_the_pack(
     assert queue_depth(amqp, dead.dlq) == 0
 
 
-def test_a_malformed_pack_stays_one_foreign_letter(
-    stream: StreamFixture, amqp: pika.BlockingConnection, producer: Producer
-) -> None:
-    dead = DeadPack(stream, amqp, producer)
-    broken = MAGIC + dead.event(2)[:-3]  # cut short
-    dead.publish_pack(broken, 1)
-    dead.reject_all()
-    [single, letter] = _listing(stream.name)["letters"]
-    assert single["id"] == f"{dead.producer_id}:1"
-    assert letter["foreign"] and letter["id"].startswith("sha256:") and letter["pack"] is None
-    assert letter["content_type"] == PACK_CONTENT_TYPE and letter["bytes"] == len(broken)
-    assert letter["reason"] == "rejected"
-    dropped = keyq("dlq", "drop", "--stream", stream.name, "--id", letter["id"], "--yes")
-    assert dropped.exit_code == 0, dropped.stderr
-    assert _messages(amqp, dead.dlq) == [(None, 1)]
-
-
 @pytest.mark.slow
 def test_redriving_a_whole_pack_applies_each_event_once_in_order(
     stream: StreamFixture, amqp: pika.BlockingConnection, workers: Any, producer: Producer
@@ -237,21 +240,3 @@ def test_redriving_a_whole_pack_applies_each_event_once_in_order(
     assert store.get(KEY) == {"seen": {"pk": list(range(1, 9))}}  # nothing applied twice
     assert queue_depth(amqp, dead.dlq) == 0
     assert worker.terminate() == 0, worker.log()[-3000:]
-
-
-def test_each_event_of_a_redriven_pack_is_a_message_of_its_own(
-    stream: StreamFixture, amqp: pika.BlockingConnection, producer: Producer
-) -> None:
-    """No worker: the redrive queue is looked at as it is."""
-    dead = DeadPack(stream, amqp, producer)
-    dead.pack([2, 3])
-    dead.reject_all()
-    done = keyq_json("dlq", "redrive", "--stream", stream.name, "--key", KEY)
-    copies = peek_all(amqp, done["queue"])
-    p = dead.producer_id
-    assert [h[HEADER_REDRIVE_ID] for h, _b in copies] == [f"{p}:1", f"{p}:2", f"{p}:3"]
-    assert [orjson.loads(b)["n"] for _h, b in copies] == [1, 2, 3]
-    for headers, _body in copies[1:]:
-        assert HEADER_PACK not in headers and "x-death" not in headers
-        assert headers["trace"] in ("t-2", "t-3") and headers[HEADER_KEY] == KEY
-    assert queue_depth(amqp, dead.dlq) == 0

@@ -87,33 +87,31 @@ def session(
     return made, held, buffer, handbacks, stop
 
 
-def test_a_batch_outcome_goes_to_the_held_queues_in_one_call() -> None:
-    lost = Lease(queue="q-b", owner="me", token=3)
+@pytest.mark.parametrize("interrupted", [None, "x"], ids=["settled", "interrupted"])
+def test_a_batch_outcome_goes_to_the_held_queues_in_one_call_and_only_an_interrupted_one_waits(
+    interrupted: str | None,
+) -> None:
+    lost = [Lease(queue="q-b", owner="me", token=3)] if interrupted is None else []
     outcome = BatchOutcome(
-        unsettled=[plain_delivery("q-a", 1)], deferred=[plain_delivery("q-c", 2)], lost=[lost]
-    )
-    made, held, _buffer, _handbacks, stop = session(outcome)
-    stop.set()  # an interrupted batch would wait here: it must not
-    made.process([plain_delivery("q-a", 1), plain_delivery("q-c", 2)])
-    assert held.calls == [("apply", outcome)]
-
-
-def test_an_interrupted_batch_backs_off_before_the_next() -> None:
-    outcome = BatchOutcome(
-        unsettled=[plain_delivery("q-a", 1)], deferred=[], lost=[], interrupted="x"
+        unsettled=[plain_delivery("q-a", 1)],
+        deferred=[plain_delivery("q-c", 2)] if interrupted is None else [],
+        lost=lost,
+        interrupted=interrupted,
     )
     made, held, _buffer, _handbacks, stop = session(outcome)
     waits: list[float | None] = []
-    original = stop.wait
 
     def recording_wait(timeout: float | None = None) -> bool:
         waits.append(timeout)
-        return original(0)
+        return stop.wait(0)
 
     made.stop = cast(threading.Event, type("E", (), {"wait": staticmethod(recording_wait)})())
-    made.process([plain_delivery("q-a", 1)])
-    assert waits and waits[0] is not None and waits[0] > 0
+    made.process([plain_delivery("q-a", 1), plain_delivery("q-c", 2)])
     assert held.calls == [("apply", outcome)]
+    if interrupted is None:
+        assert waits == [], "a batch that was not interrupted does not wait"
+    else:
+        assert waits and waits[0] is not None and waits[0] > 0, "an interrupted batch backs off"
 
 
 def test_hand_backs_skip_busy_idle_queues_and_cool_down_what_went() -> None:
