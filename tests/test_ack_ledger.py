@@ -1,5 +1,5 @@
 """Which tags a consumer acks with ``multiple`` (pure logic; the broker side is in
-tests/test_stuck_gaps.py): never a tag the broker numbered that did not reach the worker."""
+tests/test_worker_sequencing.py): never a tag the broker numbered that did not reach the worker."""
 
 from __future__ import annotations
 
@@ -21,10 +21,6 @@ def ledger_of(*tags: int) -> AckLedger:
     return ledger
 
 
-def test_a_settled_run_from_the_start_is_one_multiple_ack() -> None:
-    assert ledger_of(1, 2, 3).settle(whole(1, 2, 3)) == (3, [])
-
-
 def test_a_tag_that_never_arrived_stops_the_multiple_ack() -> None:
     # Tag 3 was counted as delivered by the broker but never reached us.
     ledger = ledger_of(1, 2, 4, 5)
@@ -42,7 +38,8 @@ def test_a_waiting_delivery_splits_the_acks_and_is_covered_once_settled() -> Non
     assert ledger.settle(whole(5)) == (5, [])
 
 
-def test_tags_not_outstanding_are_never_acked_twice() -> None:
+def test_a_settled_run_is_one_multiple_ack_and_no_tag_is_acked_twice() -> None:
+    assert ledger_of(1, 2, 3).settle(whole(1, 2, 3)) == (3, [])
     ledger = ledger_of(1, 2)
     assert ledger.settle(whole(1)) == (1, [])
     assert ledger.settle(whole(1, 2, 7)) == (2, [])
