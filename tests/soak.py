@@ -12,14 +12,16 @@ import json
 import random
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from threading import Event
 from typing import Any
 
 import pika
@@ -35,13 +37,12 @@ from keyq.broker.routes import LOG_KEPT, RouteBook
 from keyq.broker.settings import Settings, load_settings
 from tests.cluster import ClusterError, RabbitCluster
 from tests.faults import FaultProxy
-from tests.helpers import drain
+from tests.helpers import drain, poll_until
 from tests.redis_topologies import RedisClusterServers, redis_topologies_available
 from tests.servers import PrivateRabbit, PrivateRedis, private_servers_available
 from tests.workers import JanitorProcess, WorkerProcess, run_keyq
 
-# One stream per mode; worker faults aim at one of them.
-MODES = ("key", "bucket", "auto")
+MODES = ("key", "bucket", "auto")  # one stream each; a worker fault aims at one of them
 ROUTINE_FAULTS = ("kill", "pause", "add", "remove", "cut_amqp", "cut_redis", "delay", "promote")
 # The cluster soak's node faults; each kind comes at least once in every run.
 NODE_FAULTS = ("stop_leader", "kill_node", "restart_node", "cut_node")
@@ -69,6 +70,9 @@ POISON_AT = frozenset({200, 1200})
 UNDECODABLE = (b"\xff\xfe\x00 not utf-8", b"{not json", b'{"valid": "json", "but": "no key"}')
 JANITOR_CATCH_UP_S = 90.0  # at most this long after draining for a first janitor delete
 REPLICAS_TIMEOUT_S = 60.0  # after a node fault, for every quorum replica to be online again
+STALL_DESCRIBED_AFTER_S = 60.0  # of draining, then the queues of keys still short are described
+PUBLISH_TIMEOUT_S = 5.0  # then the event is not accepted, and the publisher goes on
+FIGURES = ("accepted", "applied", "lost", "reordered", "applied_twice", "unexpected")
 
 
 @dataclass(frozen=True)
@@ -83,8 +87,8 @@ class Fault:
         return f"t={self.at:6.1f}s {self.kind:<16} {self.stream:<6} {self.seconds:.1f}s"
 
 
-# How long the drain may go on before the soak describes the queues of keys still short.
-STALL_DESCRIBED_AFTER_S = 60.0
+def pick_of(items: list[Any], fraction: float) -> Any:
+    return items[min(int(fraction * len(items)), len(items) - 1)]
 
 
 def fault_schedule(
@@ -97,14 +101,12 @@ def fault_schedule(
     if cluster:
         faults += node_fault_schedule(rng, seconds)
     else:
-        faults.append(
-            Fault(round(rng.uniform(0.55, 0.75) * seconds, 1), "restart_rabbitmq", "", 0.0, 0.0)
-        )
+        at = round(rng.uniform(0.55, 0.75) * seconds, 1)
+        faults.append(Fault(at, "restart_rabbitmq", "", 0.0, 0.0))
     faults.append(Fault(round(rng.uniform(0.1, 0.3) * seconds, 1), "promote", "auto", 0.0, 0.5))
     at = rng.uniform(1.0, mean_gap)
     while at < seconds:
-        kind = rng.choice(ROUTINE_FAULTS)
-        stream = rng.choice(MODES)
+        kind, stream = rng.choice(ROUTINE_FAULTS), rng.choice(MODES)
         stream = "auto" if kind == "promote" else stream
         faults.append(
             Fault(round(at, 1), kind, stream, round(rng.uniform(1.0, 6.0), 1), rng.random())
@@ -123,44 +125,29 @@ def node_fault_schedule(rng: random.Random, seconds: float) -> list[Fault]:
         round_of_kinds = list(NODE_FAULTS)
         rng.shuffle(round_of_kinds)
         kinds += round_of_kinds
-    begin, end = 0.1 * seconds, 0.8 * seconds
-    slot = (end - begin) / count
+    begin = 0.1 * seconds
+    slot = (0.8 * seconds - begin) / count
     faults = []
     for index, kind in enumerate(kinds[:count]):
         at = begin + slot * (index + rng.uniform(0.0, 0.5))
-        down = (
-            round(rng.uniform(1.0, longest_down), 1)
-            if kind in ("stop_leader", "kill_node")
-            else 0.0
-        )
+        stays_down = kind in ("stop_leader", "kill_node")
+        down = round(rng.uniform(1.0, longest_down), 1) if stays_down else 0.0
         faults.append(Fault(round(at, 1), kind, "", down, rng.random()))
     return faults
 
 
-PUBLISH_TIMEOUT_S = 5.0  # then the event is not accepted, and the publisher goes on
-
-
 class Publisher(threading.Thread):
-    """Publishes numbered events to Zipf-skewed keys, new keys appearing as it goes, and
-    records every event the producer accepted (an accepted event must be applied once)."""
+    """Publishes numbered events to Zipf-skewed keys, new keys appearing as it goes (up to
+    ``max_keys``), and records every event the producer accepted: each must be applied once."""
 
     def __init__(
-        self,
-        producer: Producer,
-        seed: int,
-        rate: float,
-        stop: threading.Event,
-        max_keys: int | None = None,
+        self, producer: Producer, seed: int, rate: float, stop: Event, max_keys: int | None
     ) -> None:
         super().__init__(name=f"publisher-{producer.stream}", daemon=True)
-        self.max_keys = max_keys  # no new keys past this many (None: no bound)
-        self.producer = producer
+        self.producer, self.rate, self.stop_event, self.max_keys = producer, rate, stop, max_keys
         self.rng = random.Random(seed)
-        self.rate = rate
-        self.stop_event = stop
         self.keys: list[str] = []
-        # The keys of the last events accepted, newest last (the promote fault copies it).
-        self.recent: deque[str] = deque(maxlen=RECENT_KEYS)
+        self.recent: deque[str] = deque(maxlen=RECENT_KEYS)  # newest last: what promote picks
         self.accepted: dict[str, list[int]] = {}
         self.poisoned: set[tuple[str, int]] = set()
         self.error: BaseException | None = None
@@ -175,8 +162,7 @@ class Publisher(threading.Thread):
         return self.rng.choices(self.keys, weights)[0]
 
     def run(self) -> None:
-        started = time.monotonic()
-        sent = 0
+        started, sent = time.monotonic(), 0
         try:
             while not self.stop_event.is_set():
                 key = self._next_key()
@@ -188,8 +174,7 @@ class Publisher(threading.Thread):
                 event = {"producer": self.producer.producer_id, "n": n, "poison": poison}
                 try:
                     self.producer.publish(key, event, timeout=PUBLISH_TIMEOUT_S)
-                except PublishTimeout:
-                    # Not accepted (a queue the broker keeps refusing, say): nothing to check.
+                except PublishTimeout:  # not accepted (a queue the broker keeps refusing, say)
                     self.timed_out += 1
                     continue
                 if poison:
@@ -198,9 +183,7 @@ class Publisher(threading.Thread):
                     numbers.append(n)
                 self.recent.append(key)
                 sent += 1
-                pause = started + sent / self.rate - time.monotonic()
-                if pause > 0:
-                    time.sleep(pause)
+                time.sleep(max(0.0, started + sent / self.rate - time.monotonic()))
         except BaseException as exc:  # noqa: BLE001 - reported by the soak
             self.error = exc
 
@@ -222,17 +205,18 @@ class KeyVerdict:
     unapplied_tail: int = 0  # the last events of the key, none applied (stalled, or lost)
 
 
+def totals(verdicts: list[KeyVerdict]) -> dict[str, int]:
+    return {name: sum(getattr(verdict, name) for verdict in verdicts) for name in FIGURES}
+
+
 def stalled_events(
-    verdicts: list[KeyVerdict],
-    queue_of: Callable[[str], str],
-    unconfirmed_by_queue: dict[str, int],
+    verdicts: list[KeyVerdict], queue_of: Callable[[str], str], unconfirmed_by_queue: dict[str, int]
 ) -> int:
     """Unapplied events that are unconfirmed, not lost: a queue's unconfirmed events are the last
     of its keys, so its keys' unapplied tails are stalled up to its unconfirmed count only."""
-    tails: dict[str, int] = {}
+    tails: Counter[str] = Counter()
     for verdict in verdicts:
-        queue = queue_of(verdict.key)
-        tails[queue] = tails.get(queue, 0) + verdict.unapplied_tail
+        tails[queue_of(verdict.key)] += verdict.unapplied_tail
     return sum(min(tail, unconfirmed_by_queue.get(queue, 0)) for queue, tail in tails.items())
 
 
@@ -261,8 +245,8 @@ class SoakReport:
     producer_stats: dict[str, dict[str, int]] = field(default_factory=dict)
     drain_seconds: float = 0.0
     janitor_deleted: int = 0
-    # Queues the broker said held messages when the janitor deleted them: where a confirmed
-    # event can vanish.
+    # Queues the broker said held messages as the janitor deleted them: where a confirmed event
+    # can vanish.
     janitor_deleted_holding: list[str] = field(default_factory=list)
     janitor_alive: bool = True
     workers_crashed: list[str] = field(default_factory=list)
@@ -272,12 +256,12 @@ class SoakReport:
     unconfirmed: dict[str, int] = field(default_factory=dict)
     unconfirmed_by_queue: dict[str, dict[str, int]] = field(default_factory=dict)
     stalled: int = 0
-    # The figures per mode, to tell which stream a bad one comes from.
-    by_mode: dict[str, dict[str, int]] = field(default_factory=dict)
-    # The auto stream's route counts at the end (promoted:<why>, demoted), the keys still
-    # promoted then, and what the operator promotions did.
+    by_mode: dict[str, dict[str, int]] = field(default_factory=dict)  # which stream a bad one is
+    # The auto stream's route counts at the end (promoted:<why>, demoted), those before the
+    # last fault was over (from the route log), the keys still promoted, and what the operator
+    # promotions did.
     route_counts: dict[str, int] = field(default_factory=dict)
-    promoted_while_faulting: int = 0  # before the last fault was over (from the route log)
+    promoted_while_faulting: int = 0
     demoted_while_faulting: int = 0
     still_promoted: int = 0
     operator_promotions: dict[str, int] = field(default_factory=dict)
@@ -285,16 +269,9 @@ class SoakReport:
     @property
     def safe(self) -> bool:
         """Nothing lost, reordered or applied twice; every dead letter as planted."""
-        return (
-            self.janitor_alive
-            and not self.workers_crashed
-            and self.lost == 0
-            and self.reordered == 0
-            and self.applied_twice == 0
-            and self.unexpected == 0
-            and self.dead_letters_missing == 0
-            and self.dead_letters_unplanted == 0
-        )
+        events = (self.lost, self.reordered, self.applied_twice, self.unexpected)
+        letters = (self.dead_letters_missing, self.dead_letters_unplanted)
+        return self.janitor_alive and not self.workers_crashed and not any(events + letters)
 
     @property
     def clean(self) -> bool:
@@ -310,81 +287,68 @@ class SoakReport:
         return self.route_counts.get("demoted", 0)
 
     @property
-    def exercised(self) -> bool:
-        """Keys of the auto stream were promoted and demoted: its moves were tried."""
-        return self.promotions > 0 and self.demotions > 0
-
-    @property
     def passed(self) -> bool:
-        """Clean, with the auto stream's moves exercised."""
-        return self.clean and self.exercised
+        """Clean, with the auto stream's moves (a promotion and a demotion) exercised."""
+        return self.clean and self.promotions > 0 and self.demotions > 0
 
     def text(self) -> str:
         return json.dumps(asdict(self), indent=2, ensure_ascii=False)
 
     def outcome(self) -> str:
-        if self.clean and not self.exercised:
-            return "CLEAN BUT NOT EXERCISED (no promotion or no demotion in the auto stream)"
-        if self.clean:
+        if self.passed:
             return "CLEAN"
+        if self.clean:
+            return "CLEAN BUT NOT EXERCISED (no promotion or no demotion in the auto stream)"
         if self.safe:
             return "SAFE BUT STALLED (nothing lost, reordered or repeated; some never confirmed)"
         return "NOT CLEAN"
 
     def verdict(self) -> str:
         """The outcome in a few lines, for a person reading the end of a run."""
-        return "\n".join(
-            [
-                f"verdict: {self.outcome()} (seed {self.seed}, {self.seconds:g}s of faults)",
-                f"  events: {self.events_accepted} accepted, {self.events_applied} applied, "
-                f"{self.keys} keys",
-                f"  lost {self.lost}, reordered {self.reordered}, "
-                f"applied twice {self.applied_twice}, unexpected {self.unexpected}",
-                *(
-                    f"    {mode}: {json.dumps(figures, sort_keys=True)}"
-                    for mode, figures in self.by_mode.items()
-                ),
-                f"  never confirmed: {json.dumps(self.unconfirmed, sort_keys=True)}, "
-                f"{self.stalled} events stalled at the end of their keys",
-                f"  dead letters: {self.dead_letters_planted} planted, "
-                f"{self.dead_letters_found} found, {self.dead_letters_missing} missing, "
-                f"{self.dead_letters_unplanted} unplanted, {self.dead_letter_copies} extra copies",
-                *(
-                    f"    unplanted: {json.dumps(letter, ensure_ascii=False)}"
-                    for letter in self.unplanted_letters
-                ),
-                f"  faults applied: {json.dumps(self.faults_applied, sort_keys=True)}",
-                f"  auto mode: {self.promotions} promotions, {self.demotions} demotions "
-                f"({json.dumps(self.route_counts, sort_keys=True)}; "
-                f"{self.promoted_while_faulting} and {self.demoted_while_faulting} while "
-                f"faulting), {self.still_promoted} keys still promoted; operator promotions: "
-                f"{json.dumps(self.operator_promotions, sort_keys=True)}",
-                f"  drained in {self.drain_seconds}s; janitor deleted {self.janitor_deleted} "
-                f"queues ({len(self.janitor_deleted_holding)} holding messages), "
-                f"{'alive' if self.janitor_alive else 'DEAD'}; "
-                f"workers crashed: {len(self.workers_crashed)}",
-            ]
-        )
+
+        def dumped(value: Any) -> str:
+            return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+        lines = [
+            f"verdict: {self.outcome()} (seed {self.seed}, {self.seconds:g}s of faults)",
+            f"  events: {self.events_accepted} accepted, {self.events_applied} applied, "
+            f"{self.keys} keys",
+            f"  lost {self.lost}, reordered {self.reordered}, "
+            f"applied twice {self.applied_twice}, unexpected {self.unexpected}",
+            *(f"    {mode}: {dumped(figures)}" for mode, figures in self.by_mode.items()),
+            f"  never confirmed: {dumped(self.unconfirmed)}, "
+            f"{self.stalled} events stalled at the end of their keys",
+            f"  dead letters: {self.dead_letters_planted} planted, "
+            f"{self.dead_letters_found} found, {self.dead_letters_missing} missing, "
+            f"{self.dead_letters_unplanted} unplanted, {self.dead_letter_copies} extra copies",
+            *(f"    unplanted: {dumped(letter)}" for letter in self.unplanted_letters),
+            f"  faults applied: {dumped(self.faults_applied)}",
+            f"  auto mode: {self.promotions} promotions, {self.demotions} demotions "
+            f"({dumped(self.route_counts)}; {self.promoted_while_faulting} and "
+            f"{self.demoted_while_faulting} while faulting), {self.still_promoted} keys "
+            f"still promoted; operator promotions: {dumped(self.operator_promotions)}",
+            f"  drained in {self.drain_seconds}s; janitor deleted {self.janitor_deleted} "
+            f"queues ({len(self.janitor_deleted_holding)} holding messages), "
+            f"{'alive' if self.janitor_alive else 'DEAD'}; "
+            f"workers crashed: {len(self.workers_crashed)}",
+        ]
+        return "\n".join(lines)
 
 
 def judge_key(stream: str, key: str, accepted: list[int], seen: list[int]) -> KeyVerdict:
     """Compare what a key's producer had accepted with what its state says was applied."""
     copies = Counter(seen)
     firsts = list(dict.fromkeys(seen))
-    reordered = sum(1 for before, after in itertools.pairwise(firsts) if after < before)
     expected = set(accepted)
-    tail = 0
-    for n in reversed(accepted):
-        if n in copies:
-            break
-        tail += 1
+    # The last events of the key, none applied.
+    tail = next((i for i, n in enumerate(reversed(accepted)) if n in copies), len(accepted))
     return KeyVerdict(
         stream=stream,
         key=key,
         accepted=len(accepted),
         applied=len(seen),
         lost=len(expected - copies.keys()),
-        reordered=reordered,
+        reordered=sum(1 for before, after in itertools.pairwise(firsts) if after < before),
         applied_twice=sum(count - 1 for count in copies.values()),
         unexpected=len(copies.keys() - expected),
         unapplied_tail=tail,
@@ -392,25 +356,17 @@ def judge_key(stream: str, key: str, accepted: list[int], seen: list[int]) -> Ke
 
 
 class SoakRedis:
-    """The soak's own Redis: one server behind a fault proxy, restarted with kill -9."""
+    """The soak's own Redis: one server behind a fault proxy (which producers, workers and the
+    janitor go through), restarted with kill -9."""
 
     def __init__(self, folder: Path) -> None:
         self.server = PrivateRedis(folder / "redis")
-        self.proxy: FaultProxy | None = None
+        self.proxies: list[FaultProxy] = []  # the delay fault slows these
 
     def start(self) -> None:
         self.server.start()
-        self.proxy = FaultProxy("127.0.0.1", self.server.port).start()
-
-    @property
-    def client_url(self) -> str:
-        """For producers, workers and the janitor: through the proxy."""
-        assert self.proxy is not None
-        return self.proxy.url_for(self.server.url)
-
-    @property
-    def direct_url(self) -> str:
-        return self.server.url
+        self.proxies.append(FaultProxy("127.0.0.1", self.server.port).start())
+        self.client_url, self.direct_url = self.proxies[0].url_for(self.server.url), self.server.url
 
     def fail(self, note: Callable[[str], None]) -> tuple[Callable[[], None], str]:
         """Announce the Redis fault; the action to run in the background, and its end."""
@@ -418,18 +374,13 @@ class SoakRedis:
         return self.server.restart, "Redis: back"
 
     def cut(self) -> str:
-        assert self.proxy is not None
-        open_now = self.proxy.connections
-        self.proxy.cut()
+        open_now = self.proxies[0].connections
+        self.proxies[0].cut()
         return f"cut all Redis connections ({open_now} open)"
 
-    def set_delay(self, seconds: float) -> None:
-        assert self.proxy is not None
-        self.proxy.set_delay(seconds)
-
     def stop(self) -> None:
-        if self.proxy is not None:
-            self.proxy.stop()
+        for proxy in self.proxies:
+            proxy.stop()
         self.server.stop()
 
 
@@ -440,19 +391,11 @@ class SoakRedisCluster:
     def __init__(self, folder: Path, stream: str) -> None:
         self.cluster = RedisClusterServers(folder / "redis-cluster")
         self.slot_key = StreamKeys(stream).config
-        self.started = False
+        self.client_url = self.direct_url = self.cluster.url
+        self.proxies: list[FaultProxy] = []
 
     def start(self) -> None:
         self.cluster.__enter__()
-        self.started = True
-
-    @property
-    def client_url(self) -> str:
-        return self.cluster.url
-
-    @property
-    def direct_url(self) -> str:
-        return self.cluster.url
 
     def fail(self, note: Callable[[str], None]) -> tuple[Callable[[], None], str]:
         primary = self.cluster.primary_for(self.slot_key)
@@ -474,32 +417,24 @@ class SoakRedisCluster:
                     killed += int(server.client().client_kill_filter(_type="normal"))
         return f"cut all Redis Cluster connections ({killed} open)"
 
-    def set_delay(self, seconds: float) -> None:
-        """No proxy in front of a cluster: Redis is not delayed."""
-
     def stop(self) -> None:
-        if self.started:
-            self.cluster.close()
+        self.cluster.close()
 
 
 def applied_by_key(client: redis.Redis, stream: str, producer_id: str) -> dict[str, list[int]]:
-    """Read every key's state straight from Redis: the numbers the fold saw, in order."""
+    """Every key's state straight from Redis: the numbers the fold saw, in order."""
     raw: dict[str, str] = client.hgetall(StreamKeys(stream).state)  # type: ignore[assignment]
-    found: dict[str, list[int]] = {}
-    for key, value in raw.items():
-        state = json.loads(value)
-        found[key] = [int(n) for n in state["seen"].get(producer_id, [])]
-    return found
+    return {
+        key: [int(n) for n in json.loads(value)["seen"].get(producer_id, [])]
+        for key, value in raw.items()
+    }
 
 
 def read_dead_letters(amqp_url: str, stream: str) -> list[tuple[str, str, bytes]]:
-    """(key, reason, body) of every message in the stream's dead-letter queue, left in place."""
-    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
-    try:
-        # Not acked: closing the connection puts every letter back.
+    """(key, reason, body) of every message in the stream's dead-letter queue, left in place:
+    not acked, closing the connection puts every letter back."""
+    with pika.BlockingConnection(pika.URLParameters(amqp_url)) as connection:
         landed = drain(connection.channel(), dead_letter_queue_name(stream), ack=False)
-    finally:
-        connection.close()
     letters = []
     for letter in landed:
         reason = letter.headers.get(HEADER_DEAD_REASON, "")
@@ -524,23 +459,18 @@ class Soak:
         janitor_catch_up: float = JANITOR_CATCH_UP_S,
         progress_every: float | None = None,
     ) -> None:
-        self.folder = folder
-        self.seed = seed
-        self.seconds = seconds
-        self.rate = rate
+        self.seed, self.seconds, self.rate = seed, seconds, rate
         self.janitor_catch_up = janitor_catch_up
         self.progress_every = progress_every  # seconds between progress notes, or none
         self.schedule = fault_schedule(seed, seconds, cluster=cluster)
         self.report = SoakReport(seed, seconds, [fault.describe() for fault in self.schedule])
         self.last_verdicts: list[KeyVerdict] = []
         self.rng = random.Random(seed + 1)
-        tag = f"{seed % 100000:05d}"
-        self.streams = {mode: f"soak-{mode}-{tag}" for mode in MODES}
+        self.streams = {mode: f"soak-{mode}-{seed % 100000:05d}" for mode in MODES}
         self.redis: SoakRedis | SoakRedisCluster = (
             SoakRedisCluster(folder, self.streams["key"]) if redis_cluster else SoakRedis(folder)
         )
-        # One broker, or a cluster (created here, started in start()).
-        self.cluster = RabbitCluster(folder / "cluster") if cluster else None
+        self.cluster = RabbitCluster(folder / "cluster") if cluster else None  # started in start()
         self.rabbit = None if cluster else PrivateRabbit(folder / "rabbitmq")
         # On a cluster, workers log each consumer they open and close (its queue, epoch and
         # consumer tag): a consumer the broker lists on a stuck queue is then traced to one.
@@ -549,84 +479,78 @@ class Soak:
         self.log_dir = folder / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.workers: dict[str, list[WorkerProcess]] = {mode: [] for mode in MODES}
-        self.promotions: list[threading.Thread] = []  # operator promotions under way
-        self.promoted: Counter[str] = Counter()  # what they did
-        self.retired: list[WorkerProcess] = []
+        self.retired: list[WorkerProcess] = []  # sent SIGTERM
         self.killed: list[WorkerProcess] = []
         self.pending: list[tuple[float, str, Any]] = []  # (due, what, target) to undo a fault
-        self.stop_publishing = threading.Event()
+        self.promotions: list[threading.Thread] = []  # operator promotions under way
+        self.promoted: Counter[str] = Counter()  # what they did
+        self.stopping = Event()  # for the publishers
         self.publishers: dict[str, Publisher] = {}
         self.producers: dict[str, Producer] = {}
         self.janitor: JanitorProcess | None = None
-        self.amqp_proxy: FaultProxy | None = None
+        # Every AMQP client connection goes through these: the broker's, or one per node.
+        self.amqp_proxies: list[FaultProxy] = []
         self.started = 0.0
         self.restarts: list[threading.Thread] = []
         self.restart_errors: list[str] = []
         self.node_faults: list[Fault] = []  # due, waiting for the node fault before to end
         self.node_thread: threading.Thread | None = None
         self.node_in_fault: str | None = None  # the node a node fault is taking down
-        self.applied: Counter[str] = Counter()
         self.faults_over_ms = 0  # wall clock, ms: when the last fault was over
 
     def note(self, line: str) -> None:
-        stamp = time.monotonic() - self.started if self.started else 0.0
-        entry = f"[{stamp:7.1f}s] {line}"
+        entry = f"[{time.monotonic() - self.started if self.started else 0.0:7.1f}s] {line}"
         self.report.done.append(entry)
         print(entry, flush=True)
 
     def start(self) -> None:
-        print(f"soak seed={self.seed} seconds={self.seconds}", flush=True)
-        for line in self.report.schedule:
-            print(f"  planned {line}", flush=True)
+        planned = "".join(f"\n  planned {line}" for line in self.report.schedule)
+        print(f"soak seed={self.seed} seconds={self.seconds}{planned}", flush=True)
         self.redis.start()
         if self.cluster is not None:
             began = time.monotonic()
             nodes = ", ".join(self.cluster.start().nodes)
             print(f"cluster up in {time.monotonic() - began:.1f}s: {nodes}", flush=True)
             # Comma-separated: each connection a client opens takes the next node.
-            amqp_url = ",".join(self.cluster.proxied_urls)
-            direct_amqp_url = self.cluster.urls[0]
-            queue_type: str | None = "quorum"
+            amqp_url, direct_amqp_url = ",".join(self.cluster.proxied_urls), self.cluster.urls[0]
+            self.amqp_proxies = [self.cluster.proxy(node) for node in self.cluster.nodes]
         else:
             assert self.rabbit is not None
             self.rabbit.start()
-            self.amqp_proxy = FaultProxy("127.0.0.1", self.rabbit.port).start()
-            amqp_url = self.amqp_proxy.url_for(self.rabbit.url)
-            direct_amqp_url = self.rabbit.url
-            queue_type = None
+            self.amqp_proxies = [FaultProxy("127.0.0.1", self.rabbit.port).start()]
+            amqp_url, direct_amqp_url = (
+                self.amqp_proxies[0].url_for(self.rabbit.url),
+                self.rabbit.url,
+            )
         self.client_settings: Settings = load_settings(
             amqp_url=amqp_url,
             redis_url=self.redis.client_url,
             reconnect_timeout=600,
             publish_timeout=600,
-            queue_type=queue_type,
+            queue_type="quorum" if self.cluster is not None else None,
         )
         self.direct_settings: Settings = load_settings(
             amqp_url=direct_amqp_url, redis_url=self.redis.direct_url
         )
+        max_keys = CLUSTER_MAX_KEYS if self.cluster is not None else None
         for index, (mode, stream) in enumerate(self.streams.items()):
-            producer = Producer(
+            producer = self.producers[mode] = Producer(
                 stream,
                 mode=mode,
                 buckets=BUCKETS if mode in ("bucket", "auto") else None,
                 settings=self.client_settings,
                 producer_id=f"soak-{mode}",
             )
-            self.producers[mode] = producer
-            max_keys = CLUSTER_MAX_KEYS if self.cluster is not None else None
             seed = self.seed * 10 + index
-            self.publishers[mode] = Publisher(
-                producer, seed, self.rate, self.stop_publishing, max_keys
-            )
-        # DEBUG: a line per queue deleted, to follow a lost event to its queue.
+            self.publishers[mode] = Publisher(producer, seed, self.rate, self.stopping, max_keys)
+        # At DEBUG a line per queue deleted, to follow a lost event to its queue.
         options = ["--idle-ttl", "1", "--log-level", "DEBUG"]
         env = {"KEYQ_RECONNECT_TIMEOUT": "600"}
         self.janitor = JanitorProcess(self.client_settings, self.log_dir, *options, env=env)
-        for mode in self.streams:
+        # Two of key and auto: a key's bucket and its own queue may have different holders.
+        for mode in (*MODES, "key", "auto"):
             self.add_worker(mode)
-        self.add_worker("key")
-        self.add_worker("auto")  # a key's bucket and its own queue may have different holders
-        for process in [w for mode in self.streams for w in self.alive(mode)]:
+        for process in [w for mode in MODES for w in self.alive(mode)]:
             process.wait_ready(180)
         for publisher in self.publishers.values():
             publisher.start()
@@ -639,57 +563,37 @@ class Soak:
         for index in range(len(UNDECODABLE)):  # the producer declares the bucket queues
             producer.publish(f"planted-{index}", {"producer": "planter", "n": 1})
         producer.flush(60)
-        config = producer.config
-        connection = pika.BlockingConnection(pika.URLParameters(self.direct_settings.amqp_url))
-        try:
-            channel = connection.channel()
+        with pika.BlockingConnection(pika.URLParameters(self.direct_settings.amqp_url)) as conn:
+            channel = conn.channel()
             channel.confirm_delivery()
             for index, body in enumerate(UNDECODABLE):
-                queue = config.queue_for(f"planted-{index}")
+                queue = producer.config.queue_for(f"planted-{index}")
                 channel.queue_declare(queue, passive=True)
                 properties = pika.BasicProperties(delivery_mode=2, message_id=f"planted-{index}")
                 channel.basic_publish("", queue, body, properties, mandatory=True)
-        finally:
-            connection.close()
-        self.report.dead_letters_planted += len(UNDECODABLE)
 
     def alive(self, mode: str) -> list[WorkerProcess]:
         return [w for w in self.workers[mode] if w.process.poll() is None]
 
     def add_worker(self, mode: str) -> WorkerProcess:
-        process = WorkerProcess(
-            self.client_settings,
-            self.streams[mode],
-            self.log_dir,
-            pipeline="tests.pipelines:ledger",
-            env={**self.worker_env, **(AUTO_WORKER_ENV if mode == "auto" else {})},
-        )
-        self.workers[mode].append(process)
-        return process
+        env = {**self.worker_env, **(AUTO_WORKER_ENV if mode == "auto" else {})}
+        where = (self.client_settings, self.streams[mode], self.log_dir)
+        self.workers[mode].append(WorkerProcess(*where, pipeline="tests.pipelines:ledger", env=env))
+        return self.workers[mode][-1]
 
-    def pick(self, fault: Fault, *, running_only: bool = True) -> WorkerProcess | None:
-        paused = {id(target) for _, what, target in self.pending if what == "resume"}
-        leaving = {id(target) for target in self.retired}
-        candidates = [
-            w
-            for w in self.alive(fault.stream)
-            if id(w) not in leaving and (not running_only or id(w) not in paused)
-        ]
-        if not candidates:
-            return None
-        return candidates[min(int(fault.pick * len(candidates)), len(candidates) - 1)]
-
-    def amqp_proxies(self) -> list[FaultProxy]:
-        """The proxies every AMQP client connection goes through: the broker's, or one per
-        cluster node."""
-        if self.cluster is not None:
-            return [self.cluster.proxy(node) for node in self.cluster.nodes]
-        assert self.amqp_proxy is not None
-        return [self.amqp_proxy]
+    def pick(self, fault: Fault) -> WorkerProcess | None:
+        """A live worker of the fault's stream, neither paused nor leaving."""
+        skip = {id(target) for _, what, target in self.pending if what == "resume"}
+        skip |= {id(target) for target in self.retired}
+        candidates = [w for w in self.alive(fault.stream) if id(w) not in skip]
+        return pick_of(candidates, fault.pick) if candidates else None
 
     def apply(self, fault: Fault) -> None:
-        amqp_proxies = self.amqp_proxies()
-        kind = fault.kind
+        kind, stream = fault.kind, fault.stream
+        if kind in ("kill", "pause", "remove"):
+            target = self.pick(fault)
+            if target is None or (kind == "remove" and len(self.alive(stream)) <= 1):
+                return
         if kind == "restart_redis":
             self.in_background(*self.redis.fail(self.note))
         elif kind == "restart_rabbitmq":
@@ -702,50 +606,38 @@ class Soak:
             self.node_faults.append(fault)  # started in turn by start_node_fault
             return
         elif kind == "cut_amqp":
-            open_now = sum(proxy.connections for proxy in amqp_proxies)
+            open_now = sum(proxy.connections for proxy in self.amqp_proxies)
             self.note(f"cut all AMQP connections ({open_now} open)")
-            for proxy in amqp_proxies:
+            for proxy in self.amqp_proxies:
                 proxy.cut()
         elif kind == "cut_redis":
             self.note(self.redis.cut())
         elif kind == "delay":
             delay = round(0.05 + fault.pick * 0.25, 3)
             self.note(f"delay every byte by {delay * 1000:.0f} ms for {fault.seconds}s")
-            for proxy in amqp_proxies:
+            for proxy in self.amqp_proxies + self.redis.proxies:
                 proxy.set_delay(delay)
-            self.redis.set_delay(delay)
             self.pending.append((time.monotonic() + fault.seconds, "undelay", None))
         elif kind == "add":
-            if len(self.alive(fault.stream)) >= MAX_WORKERS_PER_STREAM:
+            if len(self.alive(stream)) >= MAX_WORKERS_PER_STREAM:
                 return
-            process = self.add_worker(fault.stream)
-            self.note(f"add worker {process.worker_id} to {fault.stream}")
+            self.note(f"add worker {self.add_worker(stream).worker_id} to {stream}")
         elif kind == "kill":
-            target = self.pick(fault)
-            if target is None:
-                return
             target.kill()
             self.killed.append(target)
-            self.note(f"kill -9 {target.worker_id} ({fault.stream}); supervisor restarts it")
-            self.add_worker(fault.stream)
+            self.note(f"kill -9 {target.worker_id} ({stream}); supervisor restarts it")
+            self.add_worker(stream)
         elif kind == "pause":
-            target = self.pick(fault)
-            if target is None:
-                return
             target.pause()
-            self.note(f"SIGSTOP {target.worker_id} ({fault.stream}) for {fault.seconds}s")
+            self.note(f"SIGSTOP {target.worker_id} ({stream}) for {fault.seconds}s")
             self.pending.append((time.monotonic() + fault.seconds, "resume", target))
         elif kind == "remove":
-            target = self.pick(fault)
-            if target is None or len(self.alive(fault.stream)) <= 1:
-                return
-            self.note(f"SIGTERM {target.worker_id} ({fault.stream})")
-            target.process.send_signal(15)
+            self.note(f"SIGTERM {target.worker_id} ({stream})")
+            target.process.send_signal(signal.SIGTERM)
             self.retired.append(target)
         elif kind == "promote" and not self.promote_recent(fault):
             return  # nothing published yet
-        self.applied[kind] += 1
-        self.report.faults_applied = dict(sorted(self.applied.items()))
+        self.report.faults_applied[kind] = self.report.faults_applied.get(kind, 0) + 1
 
     def promote_recent(self, fault: Fault) -> bool:
         """An operator promotes a few keys of the auto stream among those published last, in the
@@ -753,54 +645,45 @@ class Soak:
         recent = list(dict.fromkeys(reversed(self.publishers["auto"].recent)))
         if not recent:
             return False
-        count = min(len(recent), 1 + int(fault.pick * PROMOTED_AT_MOST))
-        keys = self.rng.sample(recent, count)
+        keys = self.rng.sample(recent, min(len(recent), 1 + int(fault.pick * PROMOTED_AT_MOST)))
         self.note(f"operator: keyq key promote {' '.join(repr(k) for k in keys)} (auto)")
         self.promotions.append(threading.Thread(target=self.run_promote, args=(keys,), daemon=True))
         self.promotions[-1].start()
         return True
 
     def run_promote(self, keys: list[str]) -> None:
-        """``keyq key promote`` until it answers (a server down or cut fails it: an operator
-        runs it again a little later), :data:`PROMOTE_ATTEMPTS` times at most."""
+        """``keyq key promote`` (exit 0 promoted, 1 refused) until it answers: a server down or
+        cut fails it, and an operator runs it again a little later, up to PROMOTE_ATTEMPTS."""
+        command = ["key", "promote", *keys, "--stream", self.streams["auto"], "--json"]
         for attempt in range(1, PROMOTE_ATTEMPTS + 1):
-            if self.promote_once(keys, last=attempt == PROMOTE_ATTEMPTS):
+            rows: list[dict[str, Any]] = []
+            refused: list[str] = []
+            try:
+                done = run_keyq(self.client_settings, *command, timeout=PROMOTE_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - reported by the soak
+                failure = repr(exc)
+            else:
+                with contextlib.suppress(ValueError, TypeError, KeyError):
+                    answer = json.loads(done.stdout)
+                    rows, refused = answer["promoted"], answer["refused"]
+                if done.returncode in (0, 1) and len(rows) + len(refused) == len(keys):
+                    break
+                output = (done.stderr or done.stdout).strip().splitlines()[-3:]
+                failure = f"exit {done.returncode}: {output}"
+            self.note(f"operator: promote {keys} failed ({failure})")
+            if attempt == PROMOTE_ATTEMPTS:
+                self.promoted["failed"] += len(keys)
                 return
             time.sleep(PROMOTE_RETRY_S)
-
-    def promote_once(self, keys: list[str], *, last: bool) -> bool:
-        """One ``keyq key promote`` (exit 0 promoted, 1 refused); False when it failed
-        otherwise (noted, and counted as failed on the ``last`` attempt)."""
-        command = ["key", "promote", *keys, "--stream", self.streams["auto"], "--json"]
-        try:
-            done = run_keyq(self.client_settings, *command, timeout=PROMOTE_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - reported by the soak
-            self.promoted["failed"] += len(keys) if last else 0
-            self.note(f"operator: promote {keys} failed: {exc!r}")
-            return False
-        rows: list[dict[str, Any]] = []
-        refused: list[str] = []
-        with contextlib.suppress(ValueError, TypeError, KeyError):
-            answer = json.loads(done.stdout)
-            rows, refused = answer["promoted"], answer["refused"]
-        if done.returncode not in (0, 1) or len(rows) + len(refused) != len(keys):
-            self.promoted["failed"] += len(keys) if last else 0
-            output = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            self.note(f"operator: promote {keys} failed (exit {done.returncode}): {output}")
-            return False
         for row in rows:
             self.promoted["already" if row["already"] else "promoted"] += 1
         self.promoted["refused"] += len(refused)
-        self.note(
-            "operator: "
-            + "; ".join(
-                f"{row['key']!r} {'already ' if row['already'] else ''}promoted to "
-                f"{row['queue']} (epoch {row['epoch']}, move {row['move']}, why {row['why']})"
-                for row in rows
-            )
-            + (f"; refused {refused}" if refused else "")
-        )
-        return True
+        moves = [
+            f"{row['key']!r} {'already ' if row['already'] else ''}promoted to {row['queue']} "
+            f"(epoch {row['epoch']}, move {row['move']}, why {row['why']})"
+            for row in rows
+        ]
+        self.note(f"operator: {'; '.join(moves)}" + (f"; refused {refused}" if refused else ""))
 
     def in_background(self, action: Any, done: str) -> None:
         """Restart a server while the other faults go on (a restart takes many seconds)."""
@@ -819,9 +702,8 @@ class Soak:
     def cut_node(self, fault: Fault) -> None:
         """Reset one running node's client connections (a cut takes no node down)."""
         assert self.cluster is not None
-        busy = self.node_in_fault
-        up = [n for n in self.cluster.nodes if self.cluster.is_up(n) and n != busy]
-        node = up[min(int(fault.pick * len(up)), len(up) - 1)]
+        up = [n for n in self.cluster.nodes if self.cluster.is_up(n) and n != self.node_in_fault]
+        node = pick_of(up, fault.pick)
         open_now = self.cluster.proxy(node).connections
         self.note(f"node {node}: cut its {open_now} client connections")
         self.cluster.cut(node)
@@ -838,11 +720,6 @@ class Soak:
         )
         self.node_thread.start()
 
-    def pick_node(self, fault: Fault) -> str:
-        assert self.cluster is not None
-        nodes = self.cluster.nodes
-        return nodes[min(int(fault.pick * len(nodes)), len(nodes) - 1)]
-
     def busiest_node(self, fault: Fault) -> tuple[str, str]:
         """The node leading the most of the streams' queues now, and how many it leads."""
         assert self.cluster is not None
@@ -853,40 +730,34 @@ class Soak:
             if queue.startswith(prefixes)
         )
         if not leaders:
-            return self.pick_node(fault), "no queue yet"
+            return pick_of(self.cluster.nodes, fault.pick), "no queue yet"
         node, count = leaders.most_common(1)[0]
         return node, f"leads {count} of the streams' {sum(leaders.values())} queues"
 
     def run_node_fault(self, fault: Fault, late: float) -> None:
         """One node fault from start to end: the node is back and every replica online."""
-        cluster = self.cluster
+        cluster, kind = self.cluster, fault.kind
         assert cluster is not None
-        kind = fault.kind
         waited = f" ({late:.1f}s late: the node fault before it was not over)" if late > 1 else ""
+        goes_down = kind != "restart_node"
         try:
             if kind == "stop_leader":
                 node, leads = self.busiest_node(fault)
-                self.node_in_fault = node
-                self.note(f"node {node}: stop, gracefully ({leads}){waited}")
-                taken = cluster.stop(node)
+                what = f"stop, gracefully ({leads})"
             else:
-                node = self.node_in_fault = self.pick_node(fault)
-                if kind == "kill_node":
-                    self.note(f"node {node}: kill -9{waited}")
-                    taken = cluster.kill(node)
-                else:
-                    self.note(f"node {node}: restart (stop and start){waited}")
-                    taken = 0.0
-            self.applied[kind] += 1
-            self.report.faults_applied = dict(sorted(self.applied.items()))
-            if kind == "restart_node":
-                back = cluster.restart(node)
-                self.note(f"node {node}: back, restarted in {back:.1f}s")
-            else:
+                node = pick_of(cluster.nodes, fault.pick)
+                what = "kill -9" if kind == "kill_node" else "restart (stop and start)"
+            self.node_in_fault = node
+            self.note(f"node {node}: {what}{waited}")
+            if goes_down:
+                taken = cluster.stop(node) if kind == "stop_leader" else cluster.kill(node)
+            self.report.faults_applied[kind] = self.report.faults_applied.get(kind, 0) + 1
+            if goes_down:
                 self.note(f"node {node}: down in {taken:.1f}s, stays down {fault.seconds}s")
                 time.sleep(fault.seconds)
-                back = cluster.restart(node)
-                self.note(f"node {node}: back, started again in {back:.1f}s")
+            back = cluster.restart(node)
+            how = "started again" if goes_down else "restarted"
+            self.note(f"node {node}: back, {how} in {back:.1f}s")
             self.await_replicas()
         except BaseException as exc:  # noqa: BLE001 - reported by the soak
             self.restart_errors.append(f"{kind}: {exc!r}")
@@ -907,8 +778,8 @@ class Soak:
         self.note(f"every quorum replica online ({time.monotonic() - began:.1f}s)")
 
     def restore_nodes(self) -> None:
-        """Every node running and every replica online, whatever a node fault left (each node
-        fault ends with its node back and every replica online, so normally nothing)."""
+        """Every node running and every replica online, whatever a node fault left (each ends
+        with its node back, so normally nothing)."""
         assert self.cluster is not None
         down = [node for node in self.cluster.nodes if not self.cluster.is_up(node)]
         for node in down:
@@ -926,21 +797,22 @@ class Soak:
                 target.resume()
                 self.note(f"SIGCONT {target.worker_id}")
             else:
-                for proxy in self.amqp_proxies():
+                for proxy in self.amqp_proxies + self.redis.proxies:
                     proxy.set_delay(0)
-                self.redis.set_delay(0)
                 self.note("delay off")
         self.pending = keep
 
     def progress(self) -> None:
         """A note of what the producers have done so far (with ``progress_every``)."""
-        self.note(
-            "progress: "
-            + "; ".join(
-                f"{mode} {publisher.total} accepted, {self.producers[mode].stats}"
-                for mode, publisher in self.publishers.items()
-            )
-        )
+        done = [
+            f"{m} {p.total} accepted, {self.producers[m].stats}" for m, p in self.publishers.items()
+        ]
+        self.note(f"progress: {'; '.join(done)}")
+
+    def check_publishers(self) -> None:
+        for mode, publisher in self.publishers.items():
+            if publisher.error is not None:
+                raise AssertionError(f"publisher {mode} failed: {publisher.error!r}")
 
     def run_faults(self) -> None:
         self.started = time.monotonic()
@@ -956,9 +828,7 @@ class Soak:
                 self.apply(upcoming.pop(0))
                 continue
             self.start_node_fault()
-            for mode, publisher in self.publishers.items():
-                if publisher.error is not None:
-                    raise AssertionError(f"publisher {mode} failed: {publisher.error!r}")
+            self.check_publishers()
             time.sleep(0.05)
         if self.node_thread is not None:
             self.node_thread.join(600)
@@ -977,85 +847,77 @@ class Soak:
         self.undo_due(time.monotonic(), everything=True)
 
     def finish(self, drain_timeout: float) -> SoakReport:
-        self.stop_publishing.set()
-        for mode, publisher in self.publishers.items():
+        report = self.report
+        self.stopping.set()
+        for publisher in self.publishers.values():
             publisher.join(60)
-            if publisher.error is not None:
-                raise AssertionError(f"publisher {mode} failed: {publisher.error!r}")
+        self.check_publishers()
         for mode, producer in self.producers.items():
             try:
                 producer.flush(300)
             except PublishTimeout as exc:
                 # Checked all the same: the events that were confirmed must all be there.
-                self.report.unconfirmed[mode] = producer.unconfirmed
-                self.report.unconfirmed_by_queue[mode] = producer.unconfirmed_by_queue
+                report.unconfirmed[mode] = producer.unconfirmed
+                report.unconfirmed_by_queue[mode] = producer.unconfirmed_by_queue
                 self.note(f"{mode}: {exc}; checking the rest")
-            self.report.producer_stats[mode] = {
-                **producer.stats,
-                "publish_timeouts": self.publishers[mode].timed_out,
-            }
-        for mode in self.streams:
+            timeouts = self.publishers[mode].timed_out
+            report.producer_stats[mode] = {**producer.stats, "publish_timeouts": timeouts}
+        for mode in MODES:
             if not self.alive(mode):
                 self.add_worker(mode)
-        self.note(
-            "publishing done: "
-            + ", ".join(f"{mode} {p.total} events" for mode, p in self.publishers.items())
-        )
+        published = ", ".join(f"{mode} {p.total} events" for mode, p in self.publishers.items())
+        self.note(f"publishing done: {published}")
         begun = time.monotonic()
+        described = False
+
+        def drained() -> bool:
+            nonlocal described
+            self.check(client)
+            if not described and time.monotonic() - begun > STALL_DESCRIBED_AFTER_S:
+                described = True  # a stall may clear before the drain ends: describe it now
+                lost = json.dumps({mode: f["lost"] for mode, f in report.by_mode.items()})
+                self.note(
+                    f"still draining: {report.lost} events missing ({lost}), {report.stalled} "
+                    f"stalled, {report.dead_letters_missing} dead letters missing"
+                )
+                self.describe_bad_queues(self.last_verdicts)
+            settled = report.stalled == sum(report.unconfirmed.values())
+            return report.lost == 0 and settled and report.dead_letters_missing == 0
+
+        # The janitor backs off up to 30 s while RabbitMQ is away; once every key-mode queue is
+        # drained and idle it must delete some, and a delete that took events with it would
+        # show in the check after. Likewise an idle own queue of the auto stream: its key is
+        # demoted (if none was during the run, one is now).
+        def janitor_caught_up() -> bool:
+            report.route_counts = book.counts()
+            deleted = self.janitor_deletions() > 0
+            return deleted and (report.demotions > 0 or report.promotions == 0)
+
         client = open_redis(self.direct_settings)
         try:
-            deadline = begun + drain_timeout
-            described = False
-            while True:
-                self.check(client)
-                if not described and time.monotonic() - begun > STALL_DESCRIBED_AFTER_S:
-                    # A stall may clear before the drain ends: describe it while it lasts.
-                    described = True
-                    self.note(
-                        f"still draining: {self.report.lost} events missing "
-                        f"({json.dumps({m: f['lost'] for m, f in self.report.by_mode.items()})}), "
-                        f"{self.report.stalled} stalled, "
-                        f"{self.report.dead_letters_missing} dead letters missing"
-                    )
-                    self.describe_bad_queues(self.last_verdicts)
-                settled = self.report.stalled == sum(self.report.unconfirmed.values())
-                if (
-                    self.report.lost == 0 and settled and self.report.dead_letters_missing == 0
-                ) or (time.monotonic() > deadline):
-                    break
-                time.sleep(1.0)
-            self.report.drain_seconds = round(time.monotonic() - begun, 1)
-            # The janitor backs off up to 30 s while RabbitMQ is away; once every key-mode
-            # queue is drained and idle it must delete some, and a delete that took events
-            # with it would show in the check below. Likewise an idle own queue of the auto
-            # stream: its key is demoted (if none was during the run, one is now).
+            with contextlib.suppress(TimeoutError):  # the check after says what is missing
+                poll_until(drained, drain_timeout, 1.0, lambda last: last or TimeoutError())
+            report.drain_seconds = round(time.monotonic() - begun, 1)
             book = RouteBook(client, self.streams["auto"])
-            deadline = time.monotonic() + self.janitor_catch_up
-            while time.monotonic() < deadline:
-                with contextlib.suppress(redis.exceptions.RedisError):
-                    self.report.route_counts = book.counts()
-                if self.janitor_deletions() > 0 and (
-                    self.report.demotions > 0 or self.report.promotions == 0
-                ):
-                    break
-                time.sleep(1.0)
+            with contextlib.suppress(TimeoutError):
+                poll_until(janitor_caught_up, self.janitor_catch_up, 1.0, lambda _: TimeoutError())
             time.sleep(2.0)  # a late duplicate would show now
             self.check(client)
             self.describe_bad_queues(self.last_verdicts)
-            self.report.route_counts = dict(sorted(book.counts().items()))
-            self.report.still_promoted = book.count()
+            report.route_counts = dict(sorted(book.counts().items()))
+            report.still_promoted = book.count()
             changes = Counter(
                 str(row.get("what"))
                 for row in book.history(limit=LOG_KEPT)
                 if int(str(row.get("at", 0))) <= self.faults_over_ms
             )
-            self.report.promoted_while_faulting = changes["promoted"]
-            self.report.demoted_while_faulting = changes["demoted"]
+            report.promoted_while_faulting = changes["promoted"]
+            report.demoted_while_faulting = changes["demoted"]
         finally:
             client.close()
-        self.note(f"checked after {self.report.drain_seconds}s of draining")
+        self.note(f"checked after {report.drain_seconds}s of draining")
         self.check_daemons()
-        return self.report
+        return report
 
     def check_daemons(self) -> None:
         """Every daemon this soak did not stop itself must still be running."""
@@ -1079,44 +941,29 @@ class Soak:
         return sum(int(n) for n in re.findall(r"'deleted': (\d+)", self.janitor.log()))
 
     def check(self, client: redis.Redis) -> None:
+        """Every key of every stream judged on its state in Redis, then the dead letters."""
         report = self.report
         verdicts: list[KeyVerdict] = []
-        report.stalled = 0
-        report.by_mode = {}
+        report.stalled, report.by_mode = 0, {}
         for mode, publisher in self.publishers.items():
-            stream = self.streams[mode]
+            stream, accepted = self.streams[mode], publisher.accepted
             applied = applied_by_key(client, stream, publisher.producer.producer_id)
-            judged = [
-                judge_key(stream, key, accepted, applied.get(key, []))
-                for key, accepted in publisher.accepted.items()
+            judged = [  # every key accepted, then any other the state holds
+                judge_key(stream, key, accepted.get(key, []), applied.get(key, []))
+                for key in {**accepted, **applied}
             ]
-            judged += [
-                judge_key(stream, key, [], applied[key])
-                for key in applied.keys() - publisher.accepted.keys()
-            ]
-            stalled = stalled_events(
-                judged,
-                publisher.producer.config.queue_for,
-                report.unconfirmed_by_queue.get(mode, {}),
-            )
+            unconfirmed = report.unconfirmed_by_queue.get(mode, {})
+            stalled = stalled_events(judged, publisher.producer.config.queue_for, unconfirmed)
+            report.by_mode[mode] = figures = {**totals(judged), "stalled": stalled}
+            figures["lost"] -= stalled
             report.stalled += stalled
-            report.by_mode[mode] = {
-                "accepted": sum(v.accepted for v in judged),
-                "applied": sum(v.applied for v in judged),
-                "lost": sum(v.lost for v in judged) - stalled,
-                "stalled": stalled,
-                "reordered": sum(v.reordered for v in judged),
-                "applied_twice": sum(v.applied_twice for v in judged),
-                "unexpected": sum(v.unexpected for v in judged),
-            }
             verdicts += judged
+        figures = totals(verdicts)
         report.keys = len(verdicts)
-        report.events_accepted = sum(v.accepted for v in verdicts)
-        report.events_applied = sum(v.applied for v in verdicts)
-        report.lost = sum(v.lost for v in verdicts) - report.stalled
-        report.reordered = sum(v.reordered for v in verdicts)
-        report.applied_twice = sum(v.applied_twice for v in verdicts)
-        report.unexpected = sum(v.unexpected for v in verdicts)
+        report.events_accepted, report.events_applied = figures["accepted"], figures["applied"]
+        report.lost = figures["lost"] - report.stalled
+        report.reordered, report.applied_twice = figures["reordered"], figures["applied_twice"]
+        report.unexpected = figures["unexpected"]
         report.bad_keys = [
             asdict(v) for v in verdicts if v.lost or v.reordered or v.applied_twice or v.unexpected
         ][:20]
@@ -1130,7 +977,7 @@ class Soak:
         wanted = {
             key_queue_name(v.stream, v.key, incarnations=True): v.key
             for v in verdicts
-            if (v.lost or v.unapplied_tail) and v.stream == self.streams.get("key")
+            if (v.lost or v.unapplied_tail) and v.stream == self.streams["key"]
         }
         if cluster is None or not wanted:
             return
@@ -1164,33 +1011,28 @@ class Soak:
             consumers = [
                 r for r in listing("list_consumers", *columns) if r.get("queue_name") in queues
             ]
-            for row in consumers:
-                print(f"consumer {row}", flush=True)
-            columns = ("pid", "consumer_count", "messages_unacknowledged")
-            channels = {str(row.get("pid")): row for row in listing("list_channels", *columns)}
+            print("".join(f"consumer {row}\n" for row in consumers), end="", flush=True)
+            listed = listing("list_channels", "pid", "consumer_count", "messages_unacknowledged")
+            channels = {str(row.get("pid")): row for row in listed}
         except Exception as exc:  # noqa: BLE001
             print(f"could not list consumers or channels: {str(exc)[:300]}", flush=True)
             return
         for row in consumers:
             channel = channels.get(str(row.get("channel_pid")))
-            print(
-                f"consumer {row.get('consumer_tag')}: "
-                + (f"open channel {channel}" if channel else "a channel no node lists"),
-                flush=True,
-            )
+            where = f"open channel {channel}" if channel else "a channel no node lists"
+            print(f"consumer {row.get('consumer_tag')}: {where}", flush=True)
 
     def check_dead_letters(self) -> None:
+        """Every planted poison event and undecodable payload dead-lettered, and nothing else."""
         report = self.report
-        planted_poison = {
+        planted: set[Any] = {
             (self.streams[mode], key, n)
             for mode, publisher in self.publishers.items()
             for key, n in publisher.poisoned
-        }
-        planted_bodies = Counter(UNDECODABLE)
-        found_poison: Counter[tuple[str, str, int]] = Counter()
-        found_bodies: Counter[bytes] = Counter()
+        } | set(UNDECODABLE)
+        found: Counter[Any] = Counter()  # (stream, key, n) of a poison event, or a planted body
         reasons: Counter[str] = Counter()
-        unplanted = 0
+        report.unplanted_letters = []  # judged again on each check
         for stream in self.streams.values():
             for key, reason, body in read_dead_letters(self.direct_settings.amqp_url, stream):
                 reasons[reason.split(":")[0][:60]] += 1
@@ -1199,48 +1041,36 @@ class Soak:
                 except ValueError:
                     event = None
                 if isinstance(event, dict) and event.get("poison") and "planted poison" in reason:
-                    found_poison[(stream, key, int(event["n"]))] += 1
-                elif body in planted_bodies:
-                    found_bodies[body] += 1
+                    found[(stream, key, int(event["n"]))] += 1
+                elif body in UNDECODABLE:
+                    found[body] += 1
                 else:
-                    unplanted += 1
-                    report.unplanted_letters.append(
-                        {
-                            "stream": stream,
-                            "key": key,
-                            "reason": reason[:300],
-                            "body": body[:200].decode("utf-8", "replace"),
-                        }
-                    )
-        report.dead_letters_planted = len(planted_poison) + len(UNDECODABLE)
-        report.dead_letters_found = len(found_poison) + len(found_bodies)
-        report.dead_letters_missing = len(planted_poison - found_poison.keys()) + len(
-            planted_bodies.keys() - found_bodies.keys()
-        )
-        report.dead_letters_unplanted = unplanted + len(found_poison.keys() - planted_poison)
+                    text = body[:200].decode("utf-8", "replace")
+                    letter = {"stream": stream, "key": key, "reason": reason[:300], "body": text}
+                    report.unplanted_letters.append(letter)
         report.unplanted_letters += [
             {"stream": stream, "key": key, "reason": "planted poison", "body": f"n={n}"}
-            for stream, key, n in sorted(found_poison.keys() - planted_poison)
+            for stream, key, n in sorted(found.keys() - planted)
         ]
-        report.dead_letter_copies = (
-            sum(found_poison.values()) + sum(found_bodies.values()) - (report.dead_letters_found)
-        )
+        report.dead_letters_planted, report.dead_letters_found = len(planted), len(found)
+        report.dead_letters_missing = len(planted - found.keys())
+        report.dead_letters_unplanted = len(report.unplanted_letters)
+        report.dead_letter_copies = found.total() - len(found)
         report.dead_letter_reasons = dict(reasons)
 
     def close(self) -> None:
-        self.stop_publishing.set()
+        self.stopping.set()
         for publisher in self.publishers.values():
             publisher.join(5)
         for producer in self.producers.values():
             with contextlib.suppress(Exception):
                 producer.close(5)
-        for process in [w for ws in self.workers.values() for w in ws] + self.retired:
-            process.close()
-        if self.janitor is not None:
-            self.janitor.close()
-        if self.amqp_proxy is not None:
-            self.amqp_proxy.stop()
+        for process in [*itertools.chain(*self.workers.values()), self.janitor]:
+            if process is not None:  # the retired are among the workers
+                process.close()
         if self.rabbit is not None:
+            for proxy in self.amqp_proxies:
+                proxy.stop()
             self.rabbit.stop()
         if self.cluster is not None:
             self.keep_node_logs()
@@ -1259,14 +1089,20 @@ class Soak:
                     shutil.copyfile(path, target / path.name)
 
 
-@contextlib.contextmanager
-def soak_run(folder: Path, seed: int, seconds: float, **options: Any) -> Iterator[Soak]:
+def run_soak(
+    folder: Path, seed: int, seconds: float, drain_timeout: float, **options: Any
+) -> SoakReport:
+    """One soak, start to verdict: its report written to ``soak-report.json`` and printed."""
     soak = Soak(folder, seed, seconds, **options)
     try:
         soak.start()
-        yield soak
+        soak.run_faults()
+        report = soak.finish(drain_timeout)
     finally:
         soak.close()
+    (folder / "soak-report.json").write_text(report.text())
+    print(f"{report.text()}\n{report.verdict()}", flush=True)
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1295,27 +1131,14 @@ def main(argv: list[str] | None = None) -> int:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1, 10**6)
     folder = args.folder or Path(tempfile.mkdtemp(prefix="keyq-soak-"))
     print(f"soak folder (logs under logs/): {folder}", flush=True)
+    options = {"rate": args.rate, "cluster": args.cluster, "redis_cluster": args.redis_cluster}
+    options |= {"janitor_catch_up": args.janitor_catch_up, "progress_every": args.progress or None}
     try:
-        with soak_run(
-            folder,
-            seed,
-            args.seconds,
-            rate=args.rate,
-            cluster=args.cluster,
-            redis_cluster=args.redis_cluster,
-            janitor_catch_up=args.janitor_catch_up,
-            progress_every=args.progress or None,
-        ) as soak:
-            soak.run_faults()
-            report = soak.finish(drain_timeout=args.drain_timeout)
+        report = run_soak(folder, seed, args.seconds, args.drain_timeout, **options)
     except Exception as exc:  # noqa: BLE001 - the run failed before a verdict: say so
-        print(f"verdict: FAILED (seed {seed}): {exc!r}", flush=True)
-        print(f"logs: {folder / 'logs'}", flush=True)
+        print(f"verdict: FAILED (seed {seed}): {exc!r}\nlogs: {folder / 'logs'}", flush=True)
         return 1
-    (folder / "soak-report.json").write_text(report.text())
-    print(report.text())
     print(f"report: {folder / 'soak-report.json'}, logs: {folder / 'logs'}")
-    print(report.verdict(), flush=True)
     return 0 if report.passed else 1
 
 

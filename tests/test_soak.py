@@ -1,9 +1,9 @@
 """The combined-fault soak (see ``tests/soak.py``): every fault at once, every event checked.
 
-It runs for ``KEYQ_SOAK_SECONDS`` (default 45) with a fresh seed each time, printed with the
-schedule so that ``KEYQ_SOAK_SEED`` replays a failure. The cluster soak (a private 3-node
-RabbitMQ cluster, quorum queues, node faults) takes 4-9 minutes, so it runs only with
-``KEYQ_SOAK_CLUSTER=1``; ``tests/test_cluster.py`` checks the same guarantees through node kills.
+It runs for ``KEYQ_SOAK_SECONDS`` (default 45) with a fresh seed, printed with the schedule, that
+``KEYQ_SOAK_SEED`` replays. The cluster soak (a private 3-node RabbitMQ cluster, quorum queues,
+node faults) takes 4-9 minutes: it runs only with ``KEYQ_SOAK_CLUSTER=1``;
+``tests/test_cluster.py`` checks the same guarantees through node kills.
 """
 
 from __future__ import annotations
@@ -18,15 +18,11 @@ import pytest
 
 from tests.cluster import cluster_available
 from tests.servers import private_servers_available
-from tests.soak import NODE_FAULTS, SoakReport, soak_run
+from tests.soak import NODE_FAULTS, SoakReport, run_soak
 
 SECONDS = float(os.environ.get("KEYQ_SOAK_SECONDS", "45"))
 SEED = int(os.environ.get("KEYQ_SOAK_SEED") or random.SystemRandom().randrange(1, 10**6))
 CLUSTER_SECONDS = float(os.environ.get("KEYQ_SOAK_CLUSTER_SECONDS", "45"))
-# After draining, how long the cluster soak waits for a first janitor delete (the single-broker
-# soak waits up to 90 s, more than this test's budget).
-CLUSTER_JANITOR_CATCH_UP_S = 10.0
-
 
 # It starts private RabbitMQ and Redis servers of its own, and Spark.
 pytestmark = [pytest.mark.soak, pytest.mark.slow, pytest.mark.services]
@@ -35,15 +31,10 @@ pytestmark = [pytest.mark.soak, pytest.mark.slow, pytest.mark.services]
 def _run_and_judge(
     tmp_path: Path, seconds: float, drain_timeout: float, **options: Any
 ) -> SoakReport:
-    """One soak, its report kept and printed, and what every soak must show: Redis back, the
-    producers publishing, planted dead letters and janitor deletes, a clean verdict, and the
-    auto stream's keys promoted and demoted."""
-    with soak_run(tmp_path, SEED, seconds, **options) as soak:
-        soak.run_faults()
-        report = soak.finish(drain_timeout=drain_timeout)
-    (tmp_path / "soak-report.json").write_text(report.text())
-    print(report.text())
-    print(report.verdict())
+    """One soak, and what every soak must show: Redis back, the producers publishing, planted
+    dead letters and janitor deletes, a clean verdict, the auto stream's keys promoted and
+    demoted."""
+    report = run_soak(tmp_path, SEED, seconds, drain_timeout, **options)
     assert any("Redis: back" in line for line in report.done)
     assert report.events_accepted > seconds * 50, "the producers hardly published"
     assert report.dead_letters_planted >= 3
@@ -70,13 +61,9 @@ def test_a_quorum_cluster_soak_survives_node_faults_and_loses_nothing(tmp_path: 
     missing = cluster_available() or private_servers_available()
     if missing:
         pytest.skip(f"the cluster soak starts a 3-node RabbitMQ cluster and a Redis: {missing}")
-    report = _run_and_judge(
-        tmp_path,
-        CLUSTER_SECONDS,
-        180,
-        cluster=True,
-        janitor_catch_up=CLUSTER_JANITOR_CATCH_UP_S,
-        progress_every=15.0,
-    )
+    # A first janitor delete is awaited 10 s after draining (the single-broker soak waits up
+    # to 90 s, more than this test's budget).
+    options = {"cluster": True, "janitor_catch_up": 10.0, "progress_every": 15.0}
+    report = _run_and_judge(tmp_path, CLUSTER_SECONDS, 180, **options)
     for kind in NODE_FAULTS:
         assert report.faults_applied.get(kind, 0) >= 1, f"no {kind}: {report.faults_applied}"
