@@ -40,8 +40,6 @@ from tests.workers import REPO, JanitorProcess, run_keyq, wait_until
 
 EMPTY = CollectorRegistry()
 
-# ---- the server -----------------------------------------------------------------------------
-
 
 class _Counting(Collector):
     """A collector counting its scrapes, or failing when told to."""
@@ -97,7 +95,7 @@ def test_server_serves_metrics_and_health_over_http() -> None:
     server.stop()  # twice is fine
 
 
-def test_a_taken_port_fails_or_moves_to_the_next_free_one_of_its_span(
+def test_a_taken_port_fails_or_moves_to_the_next_free_one_of_its_span_and_no_other_failure(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with MetricsServer(0, "127.0.0.1", registry=EMPTY) as first:
@@ -123,16 +121,12 @@ def test_a_taken_port_fails_or_moves_to_the_next_free_one_of_its_span(
             assert f"metrics port {first.port} is taken; serving on {second.port}" in caplog.text
         finally:
             second.stop()
-
-
-def test_a_bind_failure_that_is_no_clash_is_not_passed_over() -> None:
-    # An address this machine does not have: no port of the span could ever be bound.
+    # A bind failure that is no clash is not passed over: an address this machine does not
+    # have, where no port of the span could ever be bound.
     with pytest.raises(OSError) as failure:
         start_first_free(47_000, 5, "192.0.2.123", registry=EMPTY)
     assert failure.value.errno == errno.EADDRNOTAVAIL
 
-
-# ---- real daemons ---------------------------------------------------------------------------
 
 WORKER_COUNTERS = (
     "keyq_worker_events_processed_total",
@@ -208,24 +202,19 @@ METRIC_NAME = re.compile(r"\bkeyq_[a-z0-9_]+")
 BROKER_FDS = {"keyq_janitor_broker_fd_used", "keyq_janitor_broker_fd_limit"}
 
 
-def _publish_copies(settings: Settings, queue: str, copies: int) -> None:
+def _publish_copies(amqp: pika.BlockingConnection, queue: str, copies: int) -> None:
     """``copies`` of one event (same producer and seq): the first is applied, the rest are
     duplicates, each still a batch of its own with a commit and an ack, but no Spark job."""
-    connection = pika.BlockingConnection(pika.URLParameters(settings.amqp_url))
-    try:
-        channel = connection.channel()
-        channel.confirm_delivery()
-        headers = {
-            HEADER_KEY: "k-dup",
-            HEADER_PRODUCER: "p-dup",
-            HEADER_SEQ: 1,
-            HEADER_PUBLISHED_AT: int(time.time() * 1000),
-        }
-        properties = pika.BasicProperties(headers=headers, delivery_mode=2)
-        for _ in range(copies):
-            channel.basic_publish("", queue, b'{"n": 1, "producer": "p-dup"}', properties)
-    finally:
-        connection.close()
+    channel = amqp.channel()
+    channel.confirm_delivery()
+    published_at = int(time.time() * 1000)
+    headers = {HEADER_KEY: "k-dup", HEADER_PRODUCER: "p-dup", HEADER_SEQ: 1}
+    properties = pika.BasicProperties(
+        headers={**headers, HEADER_PUBLISHED_AT: published_at}, delivery_mode=2
+    )
+    for _ in range(copies):
+        channel.basic_publish("", queue, b'{"n": 1, "producer": "p-dup"}', properties)
+    channel.close()
 
 
 def _deploy_expressions() -> list[str]:
@@ -261,7 +250,7 @@ def test_worker_and_janitor_processes_export_what_deploy_uses_and_count_every_ba
     which another process could take one the test picked) and logs it."""
     queue = producer.publish("k-dup", {"n": 1, "producer": "sdk"}).queue
     producer.flush(30)
-    _publish_copies(settings, queue, COPIES)
+    _publish_copies(amqp, queue, COPIES)
     port = free_port()
     env = {"KEYQ_METRICS_PORT": str(port), "KEYQ_METRICS_HOST": "127.0.0.1"}
     worker = workers(

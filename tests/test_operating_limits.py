@@ -1,16 +1,11 @@
 """Operating limits keyq warns about: the broker's file descriptors (``keyq status`` and the
-janitor) and a Redis that would forget keyq's commits (a worker at start).
-
-The fd tests run a private RabbitMQ node with the management plugin and a low ``nofile``, and
-fill it with key-mode queues until it nears its limit; the shared node is never pushed.
-"""
+janitor), on a private node with a low ``nofile`` filled with key-mode queues until it nears
+its limit (the shared node is never pushed), and a Redis that would forget keyq's commits."""
 
 from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,16 +28,23 @@ from keyq.ops.status import collect_status
 from keyq.worker.redis_persistence import Persistence, judge, log_redis_persistence
 from tests.conftest import PRIVATE_RABBIT_NOFILE, StreamFixture
 from tests.servers import PrivateRabbit, PrivateRedis, free_port, private_servers_available
-from tests.workers import REPO, WorkerProcess, keyq_environment, wait_until
+from tests.workers import WorkerProcess, run_keyq, wait_until
 
 NOFILE = PRIVATE_RABBIT_NOFILE
 WARN_RATIO = 0.5  # of 512: 256 fds; the node opens about 40 at rest, one per queue with messages
 KEYS = 300  # 340 fds or so: above the warning, below what RabbitMQ's handle cache allows
-RUN_STATUS = "from keyq.cli.status import status_command; status_command()"
 NO_PERSISTENCE = "Redis keeps nothing on disk"
 
 
-def test_the_warning_starts_at_the_ratio_of_the_limit() -> None:
+def _levels(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
+    found = [(record.levelname, record.getMessage()) for record in caplog.records]
+    caplog.clear()
+    return found
+
+
+def test_the_warning_starts_at_the_ratio_and_the_janitor_says_it_then_rarely_and_when_clear(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     assert not near_limit(819, 1024, 0.8)
     assert near_limit(820, 1024, 0.8)
     assert near_limit(1024, 1024, 0.8)
@@ -52,17 +54,6 @@ def test_the_warning_starts_at_the_ratio_of_the_limit() -> None:
     warning = FdUsage(0.8, used=900, limit=1024, node="rabbit@a").warning()
     assert warning is not None and "900 of its 1024" in warning and "rabbit@a" in warning
     assert FdUsage(0.8, used=100, limit=1024, node="n").warning() is None
-
-
-def _levels(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
-    found = [(record.levelname, record.getMessage()) for record in caplog.records]
-    caplog.clear()
-    return found
-
-
-def test_the_janitor_warns_when_crossing_then_rarely_and_says_when_it_clears(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
     caplog.set_level(logging.INFO, logger="keyq.janitor")
     watch = FdWatch(load_settings(), repeat_s=600)
 
@@ -183,22 +174,6 @@ def test_the_figures_are_the_nodes_own(source: str, private_rabbit: PrivateRabbi
         assert (measured.warn_ratio, measured.near_limit) == (ratio, near), (open_now, measured)
 
 
-def _status(settings: Settings, stream: str, *args: str) -> subprocess.CompletedProcess[str]:
-    extra = {
-        "KEYQ_PROMETHEUS_URL": settings.prometheus_url or "",
-        "KEYQ_MANAGEMENT_URL": settings.management_url or "",
-        "KEYQ_FD_WARN_RATIO": str(settings.fd_warn_ratio),
-    }
-    return subprocess.run(
-        [sys.executable, "-c", RUN_STATUS, "--stream", stream, *args],
-        capture_output=True,
-        text=True,
-        env=keyq_environment(settings, extra),
-        timeout=60,
-        cwd=REPO,
-    )
-
-
 @pytest.mark.broker_versions
 def test_many_keys_bring_the_warning_to_status_and_the_janitor(
     private_rabbit: PrivateRabbit, stream: StreamFixture, caplog: pytest.LogCaptureFixture
@@ -209,9 +184,14 @@ def test_many_keys_bring_the_warning_to_status_and_the_janitor(
             producer.publish(f"key-{n}", {"n": n})
         producer.flush()
     usage = _reported(settings, lambda u: u.near_limit, "fd use to pass the warning ratio")
+    env = {
+        "KEYQ_PROMETHEUS_URL": settings.prometheus_url or "",
+        "KEYQ_MANAGEMENT_URL": settings.management_url or "",
+        "KEYQ_FD_WARN_RATIO": str(settings.fd_warn_ratio),
+    }
     assert usage.used is not None and usage.used >= WARN_RATIO * NOFILE
 
-    shown = _status(settings, stream.name, "--json")
+    shown = run_keyq(settings, "status", "--stream", stream.name, "--json", env=env)
     assert shown.returncode == 0, shown.stderr
     broker = orjson.loads(shown.stdout)["broker"]
     assert broker["near_limit"] is True
@@ -220,7 +200,7 @@ def test_many_keys_bring_the_warning_to_status_and_the_janitor(
     assert broker["node"] == private_rabbit.node
     assert broker["unknown_reason"] is None
     assert broker["source"] == "prometheus"
-    table = _status(settings, stream.name)
+    table = run_keyq(settings, "status", "--stream", stream.name, env=env)
     assert table.returncode == 0, table.stderr
     [warning] = [line for line in table.stdout.splitlines() if line.startswith("WARNING")]
     assert f"RabbitMQ node {private_rabbit.node} has" in warning and f"of its {NOFILE}" in warning

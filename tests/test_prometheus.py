@@ -1,10 +1,6 @@
-"""rabbitmq_prometheus, without a broker: the text format parser, what keyq takes from what
-RabbitMQ 3.10 and 4.3 answer (tests/data, as they sent it), the HTTP side
-against a stand-in endpoint, and the setting.
-
-The same readings against real nodes are in tests/test_status.py, tests/test_operating_limits.py
-and tests/test_janitor.py.
-"""
+"""rabbitmq_prometheus without a broker: the text format, what keyq takes from what RabbitMQ
+3.10 and 4.3 answer (tests/data, as they sent it), the HTTP side against a stand-in endpoint,
+the setting. Against real nodes: tests/test_status.py, test_operating_limits.py, test_janitor.py."""
 
 from __future__ import annotations
 
