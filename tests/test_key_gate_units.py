@@ -64,8 +64,7 @@ def test_under_park_a_keys_events_after_an_undecodable_one_are_set_aside() -> No
 
 
 class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
+    now = 100.0
 
     def __call__(self) -> float:
         return self.now

@@ -77,8 +77,7 @@ class FakeChannel:
     def add_on_close_callback(self, callback: Callback) -> None:
         self.on_close.append(callback)
 
-    def add_on_return_callback(self, callback: Callback) -> None:
-        pass
+    def add_on_return_callback(self, callback: Callback) -> None: ...
 
     def confirm_delivery(self, ack_nack_callback: Callback, callback: Callback) -> None:
         self.confirm, self.confirm_ok = ack_nack_callback, callback
@@ -91,10 +90,7 @@ class FakeChannel:
 
 class FakeConnection:
     def __init__(self) -> None:
-        self.is_open = True
-        self.is_closing = False
-        self.is_closed = False
-        self.closes = 0
+        self.is_open, self.is_closing, self.is_closed, self.closes = True, False, False, 0
         self.opening: list[tuple[FakeChannel, Callback]] = []
 
     def channel(self, on_open_callback: Callback) -> FakeChannel:
@@ -125,10 +121,8 @@ class Harness:
 
     def publish(self, queue: str) -> Outgoing:
         self.numbers += 1
-        number = self.numbers
-        message = Outgoing(
-            number, queue, f"key-{queue}", b"{}", pika.BasicProperties(message_id=f"p:{number}")
-        )
+        properties = pika.BasicProperties(message_id=f"p:{self.numbers}")
+        message = Outgoing(self.numbers, queue, f"key-{queue}", b"{}", properties)
         with self.link.window.cond:
             self.link.submit(message, time.monotonic())
         self.loop.run_soon()
@@ -145,13 +139,9 @@ def ack(tag: int, *, multiple: bool = False, nack: bool = False) -> Any:
 
 @pytest.fixture
 def harness() -> Harness:
-    """A link that sends each event as a message of its own (packing is tested below)."""
-    return make_harness(pack_max_events=1)
-
-
-def make_harness(**settings_overrides: Any) -> Harness:
+    """A link that sends each event as a message of its own."""
     settings = load_settings(
-        confirm_window=100, confirm_timeout=15.0, publish_lease_ms=2000, **settings_overrides
+        confirm_window=100, confirm_timeout=15.0, publish_lease_ms=2000, pack_max_events=1
     )
     asked: list[str] = []
     new_queues: list[dict[str, str | None]] = []
@@ -163,10 +153,8 @@ def make_harness(**settings_overrides: Any) -> Harness:
         request_lease=lambda queue, _key: asked.append(queue),
     )
     link.ctx.ioloop.close()
-    loop = FakeLoop()
+    loop, connection, channel = FakeLoop(), FakeConnection(), FakeChannel()
     link.ctx.ioloop = loop  # type: ignore[assignment]
-    connection = FakeConnection()
-    channel = FakeChannel()
     link.ctx.connection = connection  # type: ignore[assignment]
     link.ctx.channel = channel
     return Harness(link, loop, connection, channel, asked, new_queues)

@@ -15,21 +15,16 @@ from keyq.worker.amqp.starvation import (
 )
 
 
-def test_a_queue_starved_twice_is_reported_once_and_counted_afresh() -> None:
+def test_a_queue_starved_twice_is_reported_once_and_what_it_received_clears_the_count() -> None:
     watch = StarvationWatch()
     assert watch.starved("q", 0.0, 0) is False
     assert watch.starved("q", 10.0, 0) is True
     assert watch.starved("q", 20.0, 0) is False  # the count starts over
     assert watch.starved("other", 20.0, 0) is False
-
-
-def test_a_holding_that_received_something_clears_the_count() -> None:
-    watch = StarvationWatch()
-    assert watch.starved("q", 0.0, 0) is False
-    watch.delivered("q")
-    assert watch.starved("q", 10.0, 0) is False
+    watch.delivered("other")
+    assert watch.starved("other", 30.0, 0) is False, "a holding that received something"
     watch.forget()
-    assert watch.starved("q", 20.0, 0) is False
+    assert watch.starved("q", 40.0, 0) is False, "forgotten"
 
 
 def test_strikes_older_than_the_window_or_through_another_connection_are_forgotten() -> None:
