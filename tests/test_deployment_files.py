@@ -31,12 +31,9 @@ INFRASTRUCTURE = ("rabbitmq", "redis")
 KEYQ_SERVICES = ("worker", "janitor", "console", "producer")
 # Commands the deployment and the operations guide rely on, whether or not a service runs them.
 REQUIRED_COMMANDS = ("worker", "janitor", "demo", "produce", "status")
-SETTINGS_OF_SERVICE: dict[str, type[Settings]] = {
-    "worker": WorkerSettings,
-    "janitor": JanitorSettings,
-    "producer": Settings,
-    "console": ConsoleSettings,
-}
+SETTINGS_OF_SERVICE: dict[str, type[Settings]] = dict(
+    zip(KEYQ_SERVICES, (WorkerSettings, JanitorSettings, ConsoleSettings, Settings), strict=True)
+)
 # The folders mapped into the one import package, `keyq` (pyproject's package-dir).
 _SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
 PACKAGE_DIRS = tuple(sorted({path.split("/")[0] for path in _SETUPTOOLS["package-dir"].values()}))
@@ -270,16 +267,13 @@ def _instructions() -> list[tuple[str, str]]:
     pending = ""
     for raw in DOCKERFILE.read_text().splitlines():
         line = raw.strip()
-        if not pending and (not line or line.startswith("#")):
-            continue
-        if pending and line.startswith("#"):
-            continue  # Docker drops comment lines inside a continuation
+        if line.startswith("#") or not (pending or line):
+            continue  # Docker drops comment lines inside a continuation too
         if line.endswith("\\"):
             pending += line[:-1] + " "
             continue
-        whole = pending + line
+        keyword, _, arguments = (pending + line).partition(" ")
         pending = ""
-        keyword, _, arguments = whole.partition(" ")
         instructions.append((keyword.upper(), arguments.strip()))
     assert not pending, "the Dockerfile ends inside a continuation line"
     return instructions
