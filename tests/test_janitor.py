@@ -288,14 +288,12 @@ def test_queues_a_crash_left_unregistered_are_found_on_the_brokers_own_listing(
         management_url="" if source == "prometheus" else private_rabbit.management_url,
     )
     if source != "prometheus":  # neither answers: said, not guessed
-        with pytest.raises(InventoryUnavailable):
-            list_queues(
-                settings.model_copy(update={"prometheus_url": dead, "management_url": dead})
+        for management in (dead, None):
+            unlisted = settings.model_copy(
+                update={"prometheus_url": dead, "management_url": management}
             )
-        with pytest.raises(InventoryUnavailable):
-            list_queues(
-                settings.model_copy(update={"prometheus_url": dead, "management_url": None})
-            )
+            with pytest.raises(InventoryUnavailable):
+                list_queues(unlisted)
     ensure_stream_config(stream.redis, stream.name, "key")
     registry = QueueRegistry(stream.redis, stream.name)
     leftover = key_queue_name(stream.name, "leftover")
@@ -398,11 +396,7 @@ def test_two_janitors_delete_each_queue_once(
     first = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-a")
     second = Janitor([stream.name], settings=janitor_settings(), janitor_id="janitor-b")
     with running(first, second):
-
-        def reclaimed() -> bool:
-            return set(registry.queues()) == set(live)
-
-        wait_until(reclaimed, 30, "the idle queues to be reclaimed", every=0.2)
+        wait_until(lambda: set(registry.queues()) == set(live), 30, "idle ones gone", every=0.2)
         time.sleep(1.5)  # a few more passes by both, with nothing left to delete
 
     both = first.stats + second.stats
