@@ -1,12 +1,11 @@
 """Helpers for the operator commands' tests: a recorded stream config, dead letters published as a
-worker publishes them, reading a queue back, running ``keyq`` in-process."""
+worker does, reading a queue back, running ``keyq`` in-process."""
 
 from __future__ import annotations
 
 import itertools
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -17,7 +16,6 @@ from keyq.broker.connections import open_redis
 from keyq.broker.dead_letter_index import DeadLetterIndex
 from keyq.broker.dead_letter_queue import letters_of
 from keyq.broker.envelope import CONTENT_JSON, HEADER_KEY, HEADER_PRODUCER, HEADER_SEQ
-from keyq.broker.key_control import KeyControl
 from keyq.broker.naming import dead_letter_queue_name
 from keyq.broker.settings import load_settings
 from keyq.broker.streams import StreamConfig, ensure_stream_config
@@ -79,11 +77,9 @@ def dead_letter(
 
 def letters_for(stream: str, plan: list[tuple[str, int]], producer: str = "p1") -> list[Delivery]:
     """Deliveries of keyq events: (key, seq) each, from ``stream``'s key queues."""
+    queue = f"keyq.{stream}.k."
     return [
-        keyq_delivery(
-            f"keyq.{stream}.k.{key}", key, producer, seq, orjson.dumps({"k": key, "s": seq})
-        )
-        for key, seq in plan
+        keyq_delivery(queue + k, k, producer, s, orjson.dumps({"k": k, "s": s})) for k, s in plan
     ]
 
 
@@ -101,9 +97,8 @@ def peek_all(connection: pika.BlockingConnection, queue: str) -> list[tuple[dict
             seen.append((dict(properties.headers or {}), bytes(body)))
             if len(seen) == ready:
                 break
-        # handed back by a nack, then seen ready again: a quorum queue requeues what a closed
-        # channel held asynchronously (the next reader would find it empty), and RabbitMQ 4
-        # counts that against the letters' delivery limit
+        # Handed back by a nack, then awaited: a quorum queue requeues a closed channel's
+        # messages asynchronously, and RabbitMQ 4 counts that against their delivery limit.
         channel.cancel()
         channel.basic_nack(0, multiple=True, requeue=True)
         wait_until(
@@ -120,12 +115,10 @@ def ids_in(connection: pika.BlockingConnection, queue: str) -> list[str]:
     found = []
     for headers, body in peek_all(connection, queue):
         producer, seq = headers.get(HEADER_PRODUCER), headers.get(HEADER_SEQ)
-        found.append(f"{_text(producer)}:{seq}" if producer is not None else body.decode())
+        if isinstance(producer, bytes):
+            producer = producer.decode()
+        found.append(f"{producer}:{seq}" if producer is not None else body.decode())
     return found
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def keyq(*args: str) -> Result:
@@ -158,17 +151,3 @@ def one_line_error(result: Result, code: int) -> str:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("keyq: "), result.stderr
     return lines[0]
-
-
-def redrive_queues(stream: StreamFixture) -> list[str]:
-    """Every redrive or aside queue the stream's Redis knows of."""
-    recorded = [str(queue) for queue in stream.redis.hkeys(stream.keys.redrives)]
-    aside = KeyControl(stream.redis, stream.name).keys_aside()
-    return sorted(set(recorded) | {queue for queues in aside.values() for queue in queues})
-
-
-def with_operator_queues(stream: StreamFixture) -> Iterator[StreamFixture]:
-    """For a fixture: the test's stream, its redrive and aside queues deleted with it (as
-    ``StreamFixture.cleanup`` itself now does)."""
-    yield stream
-    stream.track(*redrive_queues(stream))
