@@ -51,14 +51,11 @@ def test_no_class_has_over_25_methods_and_no_function_over_60_lines() -> None:
     assert big == {}
 
 
-def test_a_queue_is_probed_by_passive_declare_in_one_place() -> None:
+def test_a_queue_is_probed_in_one_place_and_no_module_keeps_names_for_old_imports() -> None:
     probing = re.compile(r"queue_declare\([^)]*passive=True")
     found = [where(path) for path in modules() if probing.search(path.read_text())]
     assert found == ["broker/queue_probe.py"]
-
-
-def test_no_module_keeps_names_for_old_imports() -> None:
-    """``__all__`` belongs to a package's public face, not to re-exports kept for callers."""
+    # ``__all__`` belongs to a package's public face, not to re-exports kept for old imports.
     found = [
         where(path)
         for path in modules()

@@ -187,34 +187,25 @@ def test_a_round_beyond_the_connections_channels_fails_and_leaves_no_channel_ope
             connection.close()
 
 
+LOCKED = "RESOURCE_LOCKED - cannot obtain exclusive access to locked queue 'q' in vhost '/'"
+DOWN_310 = (
+    "NOT_FOUND - home node 'rabbit@b' of durable queue 'q' in vhost '/' is down or inaccessible"
+)
+DOWN_43 = "NOT_FOUND - queue 'q' in vhost '/' process is stopped by supervisor"
+
+
 @pytest.mark.parametrize(
     ("code", "text", "outcome"),
     [
-        (
-            403,
-            "RESOURCE_LOCKED - cannot obtain exclusive access to locked queue 'q' in vhost '/'",
-            ConsumeOutcome.BUSY,
-        ),
+        (403, LOCKED, ConsumeOutcome.BUSY),
         (404, "NOT_FOUND - no queue 'q' in vhost '/'", ConsumeOutcome.MISSING),
-        # A node down, in RabbitMQ 3.10's words and in 4.3's.
-        (
-            404,
-            "NOT_FOUND - home node 'rabbit@b' of durable queue 'q' in vhost '/' is down or "
-            "inaccessible",
-            ConsumeOutcome.UNREACHABLE,
-        ),
-        (
-            404,
-            "NOT_FOUND - queue 'q' in vhost '/' process is stopped by supervisor",
-            ConsumeOutcome.UNREACHABLE,
-        ),
-        # A 404 naming no queue: waiting for a missing queue costs a retry; forgetting one
-        # strands it.
+        (404, DOWN_310, ConsumeOutcome.UNREACHABLE),  # a node down, in RabbitMQ 3.10's words
+        (404, DOWN_43, ConsumeOutcome.UNREACHABLE),  # and in 4.3's
+        # Waiting for a queue that turns out missing costs a retry; forgetting one strands it.
         (404, "NOT_FOUND - something else", ConsumeOutcome.UNREACHABLE),
         (406, "PRECONDITION_FAILED - unknown delivery tag 1", ConsumeOutcome.FAILED),
         (None, None, ConsumeOutcome.FAILED),
     ],
-    ids=["busy", "missing", "down-3.10", "down-4.3", "404-no-queue", "406", "no-close"],
 )
 def test_what_a_refused_consume_means(code: int | None, text: str, outcome: ConsumeOutcome) -> None:
     close = None if code is None else pika.exceptions.ChannelClosedByBroker(code, text)

@@ -17,14 +17,8 @@ def test_the_reference_is_what_the_code_generates() -> None:
     written = REFERENCE.read_text(encoding="utf-8")
     generated = render()
     if written != generated:
-        diff = difflib.unified_diff(
-            written.splitlines(),
-            generated.splitlines(),
-            "docs/reference.md",
-            "generated",
-            n=1,
-            lineterm="",
-        )
+        lines = written.splitlines(), generated.splitlines()
+        diff = difflib.unified_diff(*lines, "docs/reference.md", "generated", n=1, lineterm="")
         shown = "\n".join(list(diff)[:40])
         pytest.fail(f"docs/reference.md is stale: run `{REGENERATE}`\n{shown}", pytrace=False)
 

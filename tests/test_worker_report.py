@@ -61,15 +61,10 @@ def test_an_older_worker_s_defaults_and_a_newer_worker_s_fields() -> None:
 
 
 WRONG_TYPES = {
-    "events": ["42", 4.2, True, None],
-    "spark_seconds": ["1.5", False],
-    "ready": [1, "yes"],
-    "host": [5],
-    "pid": ["4242"],
-    "stage_seconds": [[1, 2]],
-    "gaps": [{"key": "k"}],
+    "events": ["42", 4.2, True, None], "spark_seconds": ["1.5", False], "ready": [1, "yes"],
+    "host": [5], "pid": ["4242"], "stage_seconds": [[1, 2]], "gaps": [{"key": "k"}],
     "started_ms": [[1]],
-}
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(
