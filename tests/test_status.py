@@ -242,9 +242,10 @@ def test_status_in_process_from_the_shell_watched_and_with_a_listing_down_is_the
     assert [s["at_ms"] for s in snapshots] == sorted(s["at_ms"] for s in snapshots)
 
 
-def test_a_stream_nothing_produced_to_fails_and_a_bad_name_is_a_usage_error_in_one_line(
-    stream: Any, settings: Settings
+def test_before_a_producer_status_fails_then_bucket_mode_shows_buckets_without_keys(
+    stream: Any, settings: Settings, amqp: Any
 ) -> None:
+    """A stream nothing produced to fails, and a bad name is a usage error, in one line."""
     done = keyq_status(settings, "--stream", stream.name)
     assert done.returncode == EXIT_FAILURE
     assert done.stderr.strip() == (
@@ -255,9 +256,6 @@ def test_a_stream_nothing_produced_to_fails_and_a_bad_name_is_a_usage_error_in_o
     assert done.returncode == EXIT_USAGE
     assert done.stderr.startswith("keyq: Invalid value for '--stream': invalid stream name")
     assert len(done.stderr.strip().splitlines()) == 1
-
-
-def test_bucket_mode_shows_buckets_without_keys(stream: Any, amqp: Any) -> None:
     one_each = load_settings(pack_max_events=1)  # depths count messages: one event each
     with Producer(stream.name, mode="bucket", buckets=4, settings=one_each) as producer:
         receipts = [producer.publish(key, {"n": 1}) for key in ("a", "b", "c", "d", "e")]
