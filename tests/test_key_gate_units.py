@@ -33,14 +33,12 @@ def sort(deliveries: list[Delivery], statuses: dict[str, KeyStatus], park: bool 
     )
 
 
-def test_a_flowing_key_goes_through_and_a_paused_one_is_set_aside_in_order() -> None:
+def test_a_flowing_key_goes_through_a_paused_or_aside_one_is_set_aside_or_handed_back() -> None:
     a1, b1, a2 = event("a", 1), event("b", 1), event("a", 2)
     sorting = sort([a1, b1, a2], {"a": KeyStatus(paused_since_ms=5)})
     assert sorting.through == [b1]
     assert sorting.aside == {"a": [a1, a2]}
-
-
-def test_a_key_with_queues_aside_sets_its_new_events_aside_and_drains_only_its_head() -> None:
+    # A key with queues aside sets its new events aside and drains only its head.
     waiting = KeyStatus(aside=(SIDE, "keyq.s.a.0123.later"))
     fresh, old = event("a", 9), event("a", 3, queue=SIDE)
     sorting = sort([fresh, old], {"a": waiting})
@@ -52,7 +50,7 @@ def test_a_key_with_queues_aside_sets_its_new_events_aside_and_drains_only_its_h
     assert sort([old], {"a": not_head}).hand_back == [old]
 
 
-def test_under_park_a_keys_events_after_an_undecodable_one_are_set_aside() -> None:
+def test_under_park_what_follows_the_poison_by_seq_is_set_aside_or_held_back() -> None:
     a1, poison, a3, b1 = event("a", 1), event("a", 2, body=b"\xff"), event("a", 3), event("b", 1)
     sorting = sort([a1, poison, a3, b1], {}, park=True)
     assert sorting.through == [a1, poison, b1]
@@ -61,6 +59,17 @@ def test_under_park_a_keys_events_after_an_undecodable_one_are_set_aside() -> No
     assert isinstance(parked, ParkedKey) and (parked.producer, parked.seq) == ("p", 2)
     assert "not UTF-8" in parked.reason
     assert sort([a1, poison, a3], {}, park=False).aside == {}
+    # A quorum queue handed the poison (seq 5) back after its successors.
+    e6, e7, poison = event("a", 6), event("a", 7), event("a", 5, body=b"\xff")
+    other = event("b", 1)
+    sorting = sort([e6, e7, poison, other], {}, park=True)
+    assert sorting.through == [poison, other]
+    assert sorting.aside == {"a": [e6, e7]}
+    # From an aside queue they are held back (closed and handed back), never moved to the tail.
+    waiting = KeyStatus(aside=(SIDE,))
+    side = [event("a", 6, queue=SIDE), event("a", 5, queue=SIDE, body=b"\xff")]
+    sorting = sort(side, {"a": waiting}, park=True)
+    assert sorting.through == [side[1]] and sorting.hand_back == [side[0]]
 
 
 class Clock:
@@ -91,17 +100,3 @@ def test_rate_limits_hold_back_a_keys_later_events_in_order() -> None:
     within, beyond = within_rates(sorting.through, sorting.through_keys, limiter)
     assert within == [deliveries[0], deliveries[1], deliveries[4]]
     assert beyond == deliveries[2:4]
-
-
-def test_under_park_what_follows_the_poison_by_seq_is_set_aside_even_if_delivered_first() -> None:
-    # A quorum queue handed the poison (seq 5) back after its successors.
-    e6, e7, poison = event("a", 6), event("a", 7), event("a", 5, body=b"\xff")
-    other = event("b", 1)
-    sorting = sort([e6, e7, poison, other], {}, park=True)
-    assert sorting.through == [poison, other]
-    assert sorting.aside == {"a": [e6, e7]}
-    # From an aside queue they are held back (closed and handed back), never moved to the tail.
-    waiting = KeyStatus(aside=(SIDE,))
-    side = [event("a", 6, queue=SIDE), event("a", 5, queue=SIDE, body=b"\xff")]
-    sorting = sort(side, {"a": waiting}, park=True)
-    assert sorting.through == [side[1]] and sorting.hand_back == [side[0]]
