@@ -1,16 +1,12 @@
 """The docs run as written: the README's quickstart, step by step, and every command of the
 runbook in docs/operations.md, pasted with its placeholders filled.
 
-The quickstart's blocks are the fenced blocks that follow a ``<!-- quickstart:KIND -->``
-comment in README.md. Each runs unmodified, on the real services, but for the stream name
-``orders``, which becomes the test's own: a worker block is a background process started from
-its own command line (stopped with Ctrl-C's SIGINT when the next worker starts, as the README
-says), a python block runs in this venv's python, a shell block in bash with the venv's
-``bin`` first on PATH, all from the checkout's root. An output block says what the block before
-it prints; ``…`` stands for text that differs between runs, and lines may be left out. A block
-that only reads (``keyq state``, ``keyq inspect``) is run again until it prints that, since
-the worker needs a moment. The step that starts RabbitMQ and Redis is skipped when they
-already answer, as the README allows; otherwise it runs too.
+The quickstart is the fenced blocks after a ``<!-- quickstart:KIND -->`` comment in README.md,
+run unmodified from the checkout's root but for the stream ``orders``, which becomes the test's:
+a worker block in the background (Ctrl-C'd when the next starts), python in this venv, shell in
+bash with the venv's ``bin`` first on PATH. An output block is what the block before prints
+(``…``: any text; lines may be left out); a block that only reads is run again until it does.
+The step that starts RabbitMQ and Redis is skipped when they already answer, as the README allows.
 """
 
 from __future__ import annotations
@@ -33,7 +29,8 @@ import pytest
 
 from keyq.broker.settings import Settings, load_settings
 from tests.conftest import StreamFixture, reachable
-from tests.operator_helpers import dead_letter, letters_for, record_stream, with_operator_queues
+from tests.operator_helpers import dead_letter, letters_for, record_stream
+from tests.workers import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -79,11 +76,6 @@ def environment(settings: Settings) -> dict[str, str]:
     }
 
 
-def services_answer(settings: Settings) -> bool:
-    """Do RabbitMQ and Redis answer (the session found or started them)?"""
-    return reachable(settings.amqp_url, 5672) and reachable(settings.redis_url, 6379)
-
-
 def prints(expected: str, actual: str) -> bool:
     """Does ``actual`` print what the README shows: the same JSON, or else each shown line,
     in order, with ``…`` matching anything (whitespace runs compare equal)?"""
@@ -103,8 +95,7 @@ class Workers:
     """The worker the README runs in its second terminal: one at a time."""
 
     def __init__(self, env: dict[str, str], log_dir: Path) -> None:
-        self._env = env
-        self._log_dir = log_dir
+        self._env, self._log_dir = env, log_dir
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -121,11 +112,13 @@ class Workers:
             start_new_session=True,
         )
         marks = [mark.format(stream=stream) for mark in WORKER_UP]
-        deadline = time.monotonic() + WORKER_START_S
-        while not any(mark in path.read_text() for mark in marks):
-            assert self._process.poll() is None, f"worker exited: {path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"worker not up: {path.read_text()[-3000:]}"
-            time.sleep(0.5)
+        process = self._process
+
+        def up() -> bool:
+            assert process.poll() is None, f"worker exited: {path.read_text()[-3000:]}"
+            return any(mark in path.read_text() for mark in marks)
+
+        wait_until(up, WORKER_START_S, f"the worker up, logging to {path}", every=0.5)
 
     def stop(self) -> None:
         """Ctrl-C: the worker finishes its batch, hands its queues back and exits 0."""
@@ -150,11 +143,6 @@ def workers(settings: Settings, tmp_path: Path) -> Iterator[Workers]:
     running.stop()
 
 
-@pytest.fixture
-def ops_stream(stream: StreamFixture) -> Iterator[StreamFixture]:
-    yield from with_operator_queues(stream)
-
-
 def run(step: Step, env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
     if step.kind == "python":
         script = tmp_path / "quickstart_step.py"
@@ -176,14 +164,13 @@ def test_the_readme_quickstart_runs_as_written_and_prints_what_it_shows(
     steps = quickstart(stream.name)
     checked = 0
     for index, step in enumerate(steps):
-        shown = (
-            steps[index + 1].text
-            if index + 1 < len(steps) and steps[index + 1].kind == "output"
-            else None
-        )
         if step.kind == "output":
             continue
-        if step.kind == "services" and services_answer(settings):
+        after = steps[index + 1] if index + 1 < len(steps) else None
+        shown = after.text if after is not None and after.kind == "output" else None
+        if step.kind == "services" and (
+            reachable(settings.amqp_url, 5672) and reachable(settings.redis_url, 6379)
+        ):
             continue  # skipped only because RabbitMQ and Redis already answer
         if step.kind == "worker":
             workers.start(step.text, stream.name)
@@ -203,8 +190,7 @@ def test_the_readme_quickstart_runs_as_written_and_prints_what_it_shows(
 
 
 def runbook_commands(stream: str) -> list[str]:
-    """Every ``keyq …`` command of the runbook, on ``stream``; each ``ID`` becomes a letter of
-    its own (``p1:1``, ``p2:1``…: producer, seq)."""
+    """Every ``keyq …`` command of the runbook, on ``stream``; each ``ID`` a letter ``pN:1``."""
     text = OPERATIONS.read_text()
     section = text[text.index(RUNBOOK_SECTION) :]
     section = section[: section.index("\n## ", len(RUNBOOK_SECTION))]
@@ -217,29 +203,23 @@ def runbook_commands(stream: str) -> list[str]:
 
 
 def test_every_runbook_command_is_pasteable(
-    ops_stream: StreamFixture, amqp: pika.BlockingConnection, tmp_path: Path
+    stream: StreamFixture, amqp: pika.BlockingConnection, tmp_path: Path
 ) -> None:
     """No command of the runbook is refused as bad usage (exit 2), on a stream whose key
     ``order-17`` has dead letters, as a parked key has, and each ``ID`` a letter to act on."""
-    commands = runbook_commands(ops_stream.name)
+    commands = runbook_commands(stream.name)
     assert len(commands) >= 15, commands
     ids = [letter for command in commands for letter in re.findall(r"--id p\d+:1", command)]
-    record_stream(ops_stream)
-    letters = letters_for(ops_stream.name, [("order-17", 1), ("order-17", 2)], producer="p0")
+    record_stream(stream)
+    letters = letters_for(stream.name, [("order-17", 1), ("order-17", 2)], producer="p0")
     for number, _ in enumerate(ids, 1):
-        letters += letters_for(ops_stream.name, [(f"order-{100 + number}", 1)], f"p{number}")
-    dead_letter(amqp, ops_stream.name, letters, reason=REASON)
+        letters += letters_for(stream.name, [(f"order-{100 + number}", 1)], f"p{number}")
+    dead_letter(amqp, stream.name, letters, reason=REASON)
     (tmp_path / "fixed.json").write_bytes(orjson.dumps(FIXED_PAYLOAD))
-    env = environment(load_settings())
+    options = {"cwd": tmp_path, "env": environment(load_settings()), "capture_output": True}
     for command in commands:
-        assert f"--stream {ops_stream.name}" in command, f"{command}: no --stream"
+        assert f"--stream {stream.name}" in command, f"{command}: no --stream"
         done = subprocess.run(
-            ["bash", "-c", command],
-            cwd=tmp_path,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=120,
+            ["bash", "-c", command], stdin=subprocess.DEVNULL, text=True, timeout=120, **options
         )
         assert done.returncode != USAGE_ERROR, f"{command}: {done.stderr}"
