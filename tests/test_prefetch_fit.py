@@ -23,7 +23,7 @@ def batch(queue: str, messages: int, per_message: int) -> list[Delivery]:
     ]
 
 
-def test_full_packs_room_to_spare_or_no_budget_change_nothing() -> None:
+def test_full_packs_room_to_spare_no_budget_or_a_full_batch_widen_nothing() -> None:
     fit = PrefetchFit(EVENTS, BASE, EVENTS)
     rooms = {"packed": BASE, "quiet": BASE}
     fit.observe(batch("packed", BASE, 20) + batch("quiet", 3, 1), rooms.get, none_buffered)
@@ -31,6 +31,19 @@ def test_full_packs_room_to_spare_or_no_budget_change_nothing() -> None:
     no_budget = PrefetchFit(EVENTS, BASE, BATCH, 0)  # a backed-up queue, no budget to widen
     no_budget.observe(batch("packed", BASE, 20), rooms.get, none_buffered)
     assert no_budget.due(rooms.get, lambda _q: 0, now=100.0) == {}
+    # A full batch widens nothing: the worker is busy, not a queue behind.
+    fit = PrefetchFit(EVENTS, BASE, BATCH, BUDGET)
+    rooms = {f"q{n}": BASE for n in range(5)}
+    full_batch = [d for n in range(5) for d in batch(f"q{n}", BASE, 20)]
+    fit.observe(full_batch, rooms.get, none_buffered)
+    assert len(full_batch) == BATCH
+    assert fit.due(rooms.get, lambda _q: 0, now=100.0) == {}
+    # ... then a widened queue stays so while it comes back full.
+    fit.observe(batch("q0", BASE, 20), rooms.get, none_buffered)
+    assert fit.due(rooms.get, lambda _q: 0, now=100.0) == {"q0": BATCH // 20}
+    rooms["q0"] = BATCH // 20
+    fit.observe(batch("q0", BATCH // 20, 20), rooms.get, none_buffered)
+    assert fit.due(rooms.get, lambda _q: 0, now=100.0 + COOL_DOWN_S) == {}
 
 
 def test_a_widened_queue_whose_packs_grew_again_is_narrowed_unless_a_gap_waits() -> None:
@@ -95,20 +108,6 @@ def test_a_backed_up_queue_in_a_batch_with_room_to_spare_is_widened_to_a_batch()
     assert fit.due(rooms.get, lambda _q: 0, now=100.0 + COOL_DOWN_S) == {"hot": BASE}
 
 
-def test_a_full_batch_widens_nothing_and_a_widened_queue_stays_so_while_full() -> None:
-    fit = PrefetchFit(EVENTS, BASE, BATCH, BUDGET)
-    rooms = {f"q{n}": BASE for n in range(5)}
-    full_batch = [d for n in range(5) for d in batch(f"q{n}", BASE, 20)]
-    fit.observe(full_batch, rooms.get, none_buffered)
-    assert len(full_batch) == BATCH
-    assert fit.due(rooms.get, lambda _q: 0, now=100.0) == {}
-    fit.observe(batch("q0", BASE, 20), rooms.get, none_buffered)
-    assert fit.due(rooms.get, lambda _q: 0, now=100.0) == {"q0": BATCH // 20}
-    rooms["q0"] = BATCH // 20
-    fit.observe(batch("q0", BATCH // 20, 20), rooms.get, none_buffered)
-    assert fit.due(rooms.get, lambda _q: 0, now=100.0 + COOL_DOWN_S) == {}
-
-
 def test_widening_is_bounded_for_the_whole_worker() -> None:
     fit = PrefetchFit(EVENTS, BASE, BATCH, BUDGET)
     queues = [f"q{n}" for n in range(10)]
@@ -140,16 +139,7 @@ def test_a_widened_queue_gives_its_budget_back_when_narrowed_not_before() -> Non
     rooms["q0"] = BASE
     fit.observe(batch("q3", BASE, 20), rooms.get, none_buffered)
     assert fit.due(rooms.get, lambda _q: 0, now=200.0) == {"q3": BATCH // 20}
-
-
-def test_a_queue_the_worker_does_not_widen_keeps_its_prefetch_however_backed_up() -> None:
-    fit = PrefetchFit(EVENTS, BASE, BATCH, BUDGET, widens=lambda queue: queue != "bucket")
-    rooms = {"bucket": BASE, "own": BASE}
-    fit.observe(batch("bucket", BASE, 20) + batch("own", BASE, 20), rooms.get, none_buffered)
-    assert fit.due(rooms.get, lambda _q: 0, now=100.0) == {"own": BATCH // 20}
-
-
-def test_a_queue_that_caught_up_before_it_was_reopened_wider_gives_the_budget_back() -> None:
+    # One that caught up before it was reopened wider gives the budget back too.
     fit = PrefetchFit(EVENTS, BASE, BATCH, BATCH)  # room for one widened queue
     rooms = {"a": BASE, "b": BASE}
     fit.observe(batch("a", BASE, 20), rooms.get, none_buffered)  # full: widening reserved
@@ -157,6 +147,13 @@ def test_a_queue_that_caught_up_before_it_was_reopened_wider_gives_the_budget_ba
     assert fit.due(rooms.get, lambda _q: 0, now=100.0) == {}
     fit.observe(batch("b", BASE, 20), rooms.get, none_buffered)
     assert fit.due(rooms.get, lambda _q: 0, now=100.0) == {"b": BATCH // 20}
+
+
+def test_a_queue_the_worker_does_not_widen_keeps_its_prefetch_however_backed_up() -> None:
+    fit = PrefetchFit(EVENTS, BASE, BATCH, BUDGET, widens=lambda queue: queue != "bucket")
+    rooms = {"bucket": BASE, "own": BASE}
+    fit.observe(batch("bucket", BASE, 20) + batch("own", BASE, 20), rooms.get, none_buffered)
+    assert fit.due(rooms.get, lambda _q: 0, now=100.0) == {"own": BATCH // 20}
 
 
 def test_deliveries_put_back_count_once_and_their_queue_is_not_widened() -> None:
