@@ -21,31 +21,15 @@ ORDERS, EVENTS, SEED = 80, 3000, 11
 
 
 def test_demo_with_chaos_ends_with_every_order_exactly_as_published(stream: Any) -> None:
-    environment = keyq_environment(stream.settings, FAST)
     done = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "keyq",
-            "demo",
-            "--stream",
-            stream.name,
-            "--orders",
-            str(ORDERS),
-            "--events",
-            str(EVENTS),
-            "--seed",
-            str(SEED),
-            "--chaos",
-            "--rate",
-            "200",
-            "--timeout",
-            "120",
-            "--json",
+            *(sys.executable, "-m", "keyq", "demo", "--stream", stream.name, "--chaos"),
+            *("--orders", str(ORDERS), "--events", str(EVENTS), "--seed", str(SEED)),
+            *("--rate", "200", "--timeout", "120", "--json"),
         ],
         capture_output=True,
         text=True,
-        env=environment,
+        env=keyq_environment(stream.settings, FAST),
         timeout=280,
         cwd=REPO,
     )

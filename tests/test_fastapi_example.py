@@ -60,10 +60,8 @@ def test_each_request_publishes_one_event(
     queues = [key_queue_name(stream.name, order) for order in orders]
     stream.track(*queues)
     channel = amqp.channel()
-    expected = {
-        "order-1": [*range(0, 40, 2), 40],  # the durable request's event last
-        "order-2": list(range(1, 40, 2)),
-    }
+    # The durable request's event last.
+    expected = {"order-1": [*range(0, 40, 2), 40], "order-2": list(range(1, 40, 2))}
     for order, queue in zip(orders, queues, strict=True):
         landed = drain(channel, queue)
         assert [m.json()["n"] for m in landed] == expected[order]

@@ -41,9 +41,7 @@ def test_lease_refused_while_marked_until_the_mark_expires_and_touches_when_gran
     assert fence.lease(["q"]) == {"q": 0}
 
 
-def test_a_lease_on_a_queue_quiet_for_a_while_announces_it_as_woken(
-    stream: StreamFixture,
-) -> None:
+def test_a_lease_on_a_queue_quiet_for_a_while_announces_it_as_woken(stream: StreamFixture) -> None:
     """Workers waiting for their next tick hear of a woken queue at once (the claim that
     follows is the latency of an event for a key that had gone quiet)."""
     fence = RetirementFence(stream.redis, stream.name)
@@ -56,11 +54,8 @@ def test_a_lease_on_a_queue_quiet_for_a_while_announces_it_as_woken(
     pubsub.subscribe(stream.keys.announcements)
     try:
         assert pubsub.get_message(timeout=1)["type"] == "subscribe"
-        assert fence.lease(["quiet", "busy", "retiring"]) == {
-            "quiet": 0,
-            "busy": 0,
-            "retiring": None,
-        }
+        leased = fence.lease(["quiet", "busy", "retiring"])
+        assert leased == {"quiet": 0, "busy": 0, "retiring": None}
         message = pubsub.get_message(ignore_subscribe_messages=True, timeout=2)
         assert message is not None and message["data"] == "quiet"
         assert stream.redis.zscore(stream.keys.woken, "quiet") is not None

@@ -102,8 +102,7 @@ def test_only_the_well_formed_stages_and_gaps_are_kept_and_a_whole_number_is_a_f
 
 
 @pytest.mark.parametrize(
-    "raw",
-    [None, "", "{", "not json", b"\xff\xfe", "[1, 2]", '"worker"', "42", "null", "{}"],
+    "raw", [None, "", "{", "not json", b"\xff\xfe", "[1, 2]", '"worker"', "42", "null", "{}"]
 )
 def test_what_is_no_report_is_none(raw: str | bytes | None) -> None:
     assert WorkerReport.parse(raw) is None
