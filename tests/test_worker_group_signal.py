@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from bench import proc_cpu
 from keyq import Producer
 from keyq.broker.naming import key_queue_name
 from keyq.worker.batch.state_store import StateStore
@@ -60,17 +61,8 @@ def _read(pid: int) -> Proc | None:
 
 def descendants(root: int) -> list[Proc]:
     """Every live process below ``root``."""
-    by_parent: dict[int, list[Proc]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (proc := _read(int(entry.name))) is not None:
-            by_parent.setdefault(proc.ppid, []).append(proc)
-    found: list[Proc] = []
-    parents = [root]
-    while parents:
-        children = by_parent.get(parents.pop(), [])
-        found += children
-        parents += [child.pid for child in children]
-    return found
+    below = proc_cpu.tree(root, proc_cpu.snapshot())[1:]
+    return [proc for pid in below if (proc := _read(pid)) is not None]
 
 
 # Spark's Python daemon: keyq's for a local master (keyq.worker.spark.daemon, which runs
@@ -108,12 +100,9 @@ def test_sigterm_mid_batch_finishes_the_batch_and_loses_nothing(
         },
     )
 
-    def batch_running() -> bool:
-        if worker.process.poll() is not None:
-            raise AssertionError(f"worker exited early:\n{worker.log()[-3000:]}")
-        return marker.exists()
-
-    wait_until(batch_running, 90, "a batch in Spark", every=0.05)
+    running = lambda: marker.exists() or worker.process.poll() is not None  # noqa: E731
+    wait_until(running, 90, "a batch in Spark", every=0.05)
+    assert marker.exists(), f"worker exited early:\n{worker.log()[-3000:]}"
     spark = descendants(worker.pid)
     assert any(python_daemon(proc) for proc in spark), spark
     if reach == "process-group":
