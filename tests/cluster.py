@@ -26,6 +26,7 @@ from typing import Any
 from tests.faults import FaultProxy
 from tests.servers import (
     RABBIT_BIN,
+    Closing,
     Epmd,
     Release,
     amqp_answers,
@@ -95,7 +96,7 @@ class QueueInfo:
     online: list[str]  # quorum: the members now running
 
 
-class RabbitCluster:
+class RabbitCluster(Closing):
     """Three RabbitMQ nodes clustered on loopback; a context manager (see the module)."""
 
     boot_timeout = 180.0
@@ -182,24 +183,21 @@ class RabbitCluster:
     def _node(self, node: NodeRef) -> _Node:
         if isinstance(node, int):
             return self._nodes[node]
-        for candidate in self._nodes:
-            if candidate.name == node:
-                return candidate
-        raise KeyError(f"{node!r} is not a node of this cluster ({self.nodes})")
+        if node not in self.nodes:
+            raise KeyError(f"{node!r} is not a node of this cluster ({self.nodes})")
+        return self._nodes[self.nodes.index(node)]
 
     def _via(self, via: NodeRef | None) -> _Node:
         """``via``, or by default a node that is up."""
         if via is not None:
             return self._node(via)
-        for node in self._nodes:
-            if node.up:
-                return node
-        raise ClusterError("no node of the cluster is running")
+        if not any(node.up for node in self._nodes):
+            raise ClusterError("no node of the cluster is running")
+        return next(node for node in self._nodes if node.up)
 
     def ctl(self, node: NodeRef, *args: str, timeout: float = 60) -> str:
         """``rabbitmqctl -n <node> args...``; its stdout, or ClusterError with its output."""
-        target = self._node(node)
-        command = ["rabbitmqctl", "-n", target.name, *args]
+        command = ["rabbitmqctl", "-n", self._node(node).name, *args]
         try:
             done = subprocess.run(
                 self.release.command([str(RABBIT_BIN / command[0]), *command[1:]], [self.folder]),
@@ -219,20 +217,8 @@ class RabbitCluster:
 
     def running_nodes(self, via: NodeRef | None = None) -> list[str]:
         """The nodes ``via`` (default: a node that is up) sees running, per cluster_status."""
-        target = self._via(via)
-        status = json.loads(self.ctl(target.index, "cluster_status", "--formatter", "json"))
+        status = json.loads(self.ctl(self._via(via).index, "cluster_status", "--formatter", "json"))
         return sorted(str(name) for name in status.get("running_nodes", []))
-
-    def __enter__(self) -> RabbitCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
 
     def start(self) -> RabbitCluster:
         """Start every node in parallel, join the others to the first, wait for all."""
@@ -266,9 +252,8 @@ class RabbitCluster:
             with contextlib.suppress(Exception):
                 proxy.stop()
         began = time.monotonic()
-        # 4.x: a node holding durable classic queues records them stopped in the metadata store
-        # (Khepri) as it stops, and waits 30 s for a quorum that the other nodes, stopping at
-        # the same time, no longer give: a few seconds, then kill -9 (the data goes anyway).
+        # 4.x: a node holding durable classic queues waits 30 s as it stops for a Khepri quorum
+        # the other nodes, stopping too, no longer give: a few seconds, then kill -9.
         grace = 90 if self.release.rabbitmq_major < 4 else 8
         self._parallel(
             [partial(self._stop_node, n, grace) for n in self._nodes if n.process is not None],
@@ -282,9 +267,8 @@ class RabbitCluster:
 
     def stop(self, node: NodeRef) -> float:
         """Stop ``node`` gracefully (its whole VM); returns the seconds it took."""
-        target = self._node(node)
         began = time.monotonic()
-        self._stop_node(target)
+        self._stop_node(self._node(node))
         return time.monotonic() - began
 
     def kill(self, node: NodeRef) -> float:
@@ -301,8 +285,7 @@ class RabbitCluster:
         return time.monotonic() - began
 
     def restart(self, node: NodeRef) -> float:
-        """Start a stopped or killed ``node`` again with its name and data; returns once the
-        other running nodes list it as running (seconds taken)."""
+        """Start a stopped or killed ``node`` again; seconds until the running nodes list it."""
         target = self._node(node)
         if target.up:
             self._stop_node(target)
@@ -315,8 +298,7 @@ class RabbitCluster:
         return time.monotonic() - began
 
     def cut(self, node: NodeRef) -> None:
-        """Reset every client connection made through ``node``'s proxy (``proxied_urls``);
-        new connections are accepted again at once."""
+        """Reset every client connection through ``node``'s proxy; new ones are accepted."""
         self.proxy(node).cut()
 
     def os_pid(self, node: NodeRef) -> int:
@@ -333,8 +315,8 @@ class RabbitCluster:
         return pid
 
     def list_queues(self, *columns: str, via: NodeRef | None = None) -> list[dict[str, Any]]:
-        """``rabbitmqctl list_queues <columns>`` of vhost ``/``, one dict per queue. JSON, as
-        4.x's CSV formatter fails on the list columns (``members``, ``online``: ``[]`` if none)."""
+        """``rabbitmqctl list_queues <columns>`` of vhost ``/``, one dict per queue (in JSON:
+        4.x's CSV formatter fails on the list columns)."""
         out = self.ctl(self._via(via).index, "list_queues", "-q", *columns, "--formatter", "json")
         rows = json.loads(out) if out.strip() else []
         for row in rows:
@@ -348,14 +330,13 @@ class RabbitCluster:
         """What ``via`` (default: a node that is up) now says of ``queue``."""
         target = self._via(via)
         for row in self.list_queues(*_QUEUE_COLUMNS, via=target.index):
-            if row.get("name") != queue:
-                continue
-            leader = row["leader"] or None
-            if row["type"] == "classic" and leader is None:
-                # 4.x names a running classic queue's node as its leader; 3.10 never does,
-                # and neither lists the node of one whose node is down: ask the metadata.
-                leader = self.home_node(queue, via=target.index)
-            return QueueInfo(queue, row["type"], leader, row["members"], row["online"])
+            if row.get("name") == queue:
+                leader = row["leader"] or None
+                if row["type"] == "classic" and leader is None:
+                    # 4.x names a running classic queue's node as its leader; 3.10 never does,
+                    # and neither lists the node of one whose node is down: ask the metadata.
+                    leader = self.home_node(queue, via=target.index)
+                return QueueInfo(queue, row["type"], leader, row["members"], row["online"])
         raise KeyError(f"no queue {queue!r}")
 
     def home_node(self, queue: str, via: NodeRef | None = None) -> str | None:
@@ -380,9 +361,8 @@ class RabbitCluster:
         }
 
     def await_replicas(self, prefix: str = "", timeout: float = 120) -> None:
-        """Wait until every replica of every quorum queue named ``prefix...`` is online. One
-        that could not start (its node down) waits for that node's next boot: the error names
-        the queues still short."""
+        """Wait until every replica of every quorum queue named ``prefix...`` is online (one
+        whose node was down waits for its next boot); the error names the queues still short."""
         offline: dict[str, list[str]] = {}
 
         def all_online() -> bool:
@@ -400,8 +380,8 @@ class RabbitCluster:
             raise ClusterError(f"{exc}; {len(offline)} still short: {short[:2000]}") from None
 
     def leader_of(self, queue: str) -> str:
-        """The node leading quorum queue ``queue`` (which names a dead leader until another is
-        elected: see :meth:`await_leader`), or the home node of a classic queue."""
+        """The node leading quorum queue ``queue`` (a dead one until another is elected: see
+        :meth:`await_leader`), or the home node of a classic queue."""
         info = self.queue_info(queue)
         if info.leader is None:
             raise ClusterError(f"{queue!r} has no leader now: {info}")
@@ -447,9 +427,9 @@ class RabbitCluster:
                 )
             time.sleep(0.1)
         left = str(int(max(1, deadline - time.monotonic())))
+        wait = ("wait", str(node.pid_file), "--timeout", left)
         try:
-            self.ctl(node.index, "wait", str(node.pid_file), "--timeout", left,
-                     timeout=self.boot_timeout + 30)  # fmt: skip
+            self.ctl(node.index, *wait, timeout=self.boot_timeout + 30)
         except ClusterError as exc:
             raise ClusterError(f"{node.name} did not boot: {exc}\n{node.log_tail()}") from exc
 

@@ -19,7 +19,7 @@ from typing import Any
 import redis
 import redis.cluster
 
-from tests.servers import free_port, spawn, wait_for
+from tests.servers import Closing, free_port, spawn, wait_for
 
 SERVICE = "kq-primary"
 
@@ -90,7 +90,7 @@ class _Server:
 _DURABLE = ["--appendonly", "yes", "--appendfsync", "always", "--save", ""]
 
 
-class RedisClusterServers:
+class RedisClusterServers(Closing):
     """3 primaries and 3 replicas, cluster-enabled, failover after 2 s of silence."""
 
     def __init__(self, folder: Path, node_timeout_ms: int = 2000) -> None:
@@ -105,22 +105,14 @@ class RedisClusterServers:
         nodes = ",".join(f"127.0.0.1:{server.port}" for server in self.servers[:3])
         return f"redis+cluster://{nodes}"
 
-    def __enter__(self) -> RedisClusterServers:
-        try:
-            for server in self.servers:
-                server.start()
-            nodes = [f"127.0.0.1:{server.port}" for server in self.servers]
-            create = ["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "1"]
-            subprocess.run([*create, "--cluster-yes"], check=True, capture_output=True, timeout=60)
-            self.await_healthy()
-            self.await_replicas()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
+    def start(self) -> None:
+        for server in self.servers:
+            server.start()
+        nodes = [f"127.0.0.1:{server.port}" for server in self.servers]
+        create = ["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "1"]
+        subprocess.run([*create, "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        self.await_healthy()
+        self.await_replicas()
 
     def close(self) -> None:
         for server in self.servers:
@@ -167,8 +159,7 @@ class RedisClusterServers:
         _wait(ok, timeout, "cluster_state:ok")
 
     def kill_primary_of(self, key: str, timeout: float = 60) -> tuple[_Server, float]:
-        """kill -9 the primary serving ``key``; returns it and the seconds until a replica
-        serves the slot."""
+        """kill -9 the primary serving ``key``; it and the seconds until a replica serves."""
         old = self.primary_for(key)
         old.kill()
         started = time.monotonic()
@@ -207,19 +198,16 @@ def _cluster_state(client: redis.Redis) -> str:
     return "ok" if "cluster_state:ok" in str(info) else "not ok"
 
 
-class RedisSentinelServers:
+class RedisSentinelServers(Closing):
     """A primary, 2 replicas and 3 sentinels (quorum 2), failover after 2 s of silence."""
 
     def __init__(self, folder: Path, down_after_ms: int = 2000) -> None:
         ports = [free_port() for _ in range(3)]
         primary = ports[0]
+        replica = ["--replicaof", "127.0.0.1", str(primary)]
         self.data = [
-            _Server(
-                folder / f"data-{index}",
-                port,
-                _DURABLE + ([] if port == primary else ["--replicaof", "127.0.0.1", str(primary)]),
-            )
-            for index, port in enumerate(ports)
+            _Server(folder / f"data-{i}", port, _DURABLE + ([] if port == primary else replica))
+            for i, port in enumerate(ports)
         ]
         config = (
             f"sentinel monitor {SERVICE} 127.0.0.1 {primary} 2\n"
@@ -228,8 +216,7 @@ class RedisSentinelServers:
             f"sentinel parallel-syncs {SERVICE} 1\n"
         )
         self.sentinels = [
-            _Server(folder / f"sentinel-{index}", free_port(), ["--sentinel"], config)
-            for index in range(3)
+            _Server(folder / f"sentinel-{i}", free_port(), ["--sentinel"], config) for i in range(3)
         ]
 
     @property
@@ -237,18 +224,10 @@ class RedisSentinelServers:
         nodes = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
         return f"redis+sentinel://{nodes}/{SERVICE}"
 
-    def __enter__(self) -> RedisSentinelServers:
-        try:
-            for server in self.data + self.sentinels:
-                server.start()
-            _wait(lambda: _replicas_of(self.primary()) == 2, 30, "both replicas linked")
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
+    def start(self) -> None:
+        for server in self.data + self.sentinels:
+            server.start()
+        _wait(lambda: _replicas_of(self.primary()) == 2, 30, "both replicas linked")
 
     def close(self) -> None:
         self.thaw_replicas()
@@ -285,8 +264,8 @@ class RedisSentinelServers:
     def kill_primary(
         self, timeout: float = 60, *, thaw_replicas: bool = False
     ) -> tuple[_Server, float]:
-        """kill -9 the primary (then let frozen replicas run again); returns it and the
-        seconds until the sentinels name another (and it accepts writes)."""
+        """kill -9 the primary (then thaw frozen replicas); it and the seconds until the
+        sentinels name another that accepts writes."""
         old = self.primary()
         old.kill()
         if thaw_replicas:
@@ -301,8 +280,7 @@ class RedisSentinelServers:
         return old, time.monotonic() - started
 
     def restart(self, server: _Server) -> None:
-        """Start a killed data server again: the sentinels make it a replica of the new
-        primary."""
+        """Start a killed data server again: the sentinels make it a replica."""
         server.kill()
         server.start()
 

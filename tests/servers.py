@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Self
 
 import pika
 import redis
@@ -96,17 +96,30 @@ def answers(port: int) -> bool:
         return True
 
 
+class Closing:
+    """A context manager that runs ``start()``, and ``close()`` at the end or if it fails."""
+
+    def __enter__(self) -> Self:
+        try:
+            self.start()  # type: ignore[attr-defined]
+        except BaseException:
+            self.close()  # type: ignore[attr-defined]
+            raise
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()  # type: ignore[attr-defined]
+
+
 @dataclass(frozen=True)
 class Release:
-    """Where the servers' programs come from: ``root`` None, the machine's own; else a forky
-    root whose programs run under chroot (:meth:`command`, given the folders they use)."""
+    """Where the programs come from: ``root`` None, the machine's; else a forky root (chroot)."""
 
     root: Path | None = None
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> Release:
-        """``KEYQ_TEST_RABBITMQ``: unset or ``3[.x]``, the installed release; ``4[.x]``, the
-        forky root at ``KEYQ_FORKY_ROOT``."""
+        """``KEYQ_TEST_RABBITMQ`` unset or ``3[.x]``: installed; ``4[.x]``: ``KEYQ_FORKY_ROOT``."""
         environ = os.environ if environ is None else environ
         wanted = environ.get(TEST_RABBITMQ_VARIABLE, "").strip()
         if wanted in ("", "3") or wanted.startswith("3."):
@@ -135,9 +148,8 @@ class Release:
             if not (RABBIT_BIN / "rabbitmq-server").exists():
                 return f"rabbitmq-server is not installed under {RABBIT_BIN}"
             return None
-        for program in ("usr/lib/rabbitmq/bin/rabbitmq-server", "usr/bin/epmd") + (
-            ("usr/bin/valkey-server",) if redis_server else ()
-        ):
+        programs = ["usr/lib/rabbitmq/bin/rabbitmq-server", "usr/bin/epmd"]
+        for program in programs + ["usr/bin/valkey-server"] * redis_server:
             if not (self.root / program).exists():
                 return f"no /{program} in {self.root}: run `scripts/rabbitmq4.sh setup` (as root)"
         if os.geteuid() != 0:
@@ -147,8 +159,7 @@ class Release:
         return None
 
     def environment(self, inherited: Mapping[str, str], **variables: str) -> dict[str, str]:
-        """``inherited`` and ``variables``; in a root, whose programs need none of the caller's
-        PATH or virtual environment, a minimal one."""
+        """``inherited`` and ``variables``; in a root, a minimal one (the caller's PATH is not)."""
         if self.root is None:
             return {**inherited, **variables}
         return {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", **variables}
@@ -171,8 +182,7 @@ class Release:
         return "".join(f"deprecated_features.permit.{f} = false\n" for f in DEPRECATED_FEATURES)
 
     def erl_args(self) -> str:
-        """Distribution on loopback; on 4.x with the caller's own epmd (ERL_EPMD_PORT), never
-        starting one that would outlive the node."""
+        """Distribution on loopback; on 4.x with the caller's own epmd (ERL_EPMD_PORT)."""
         return LOOPBACK_DIST if self.root is None else f"{LOOPBACK_DIST} -start_epmd false"
 
 
@@ -182,8 +192,7 @@ def private_servers_available() -> str | None:
 
 
 def check_deprecated_features_denied(ctl: Callable[..., str]) -> None:
-    """On a 4.x node (``ctl`` runs its rabbitmqctl): RuntimeError naming the deprecated
-    features it does not deny (add them to DEPRECATED_FEATURES)."""
+    """RuntimeError naming the deprecated features a 4.x node (``ctl``) does not deny."""
     listed = json.loads(ctl("list_deprecated_features", "--formatter", "json", "-q"))
     permitted = sorted(str(f["name"]) for f in listed if f.get("state") != "denied")
     if permitted:
@@ -204,8 +213,7 @@ def is_vm_of(pid: int, node: str) -> bool:
 
 
 def die_with_parent() -> None:
-    """In a child before exec: SIGTERM when the thread that started it ends (hence servers
-    are started from a thread that outlives them: :func:`spawn`)."""
+    """In a child before exec: SIGTERM when the thread that started it ends (see spawn)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -317,8 +325,8 @@ class Epmd:
 
 
 class PrivateRedis:
-    """A redis-server (Valkey on 4.x) that keeps every write on disk (AOF, fsync always), so it
-    can be killed and restarted without losing committed state."""
+    """A redis-server (Valkey on 4.x) with every write on disk (AOF, fsync always): it can be
+    killed and restarted without losing committed state."""
 
     def __init__(self, folder: Path, release: Release | None = None) -> None:
         self.release = release or Release.from_environment()
@@ -392,20 +400,16 @@ class PrivateRabbit:
         config = f"listeners.tcp.default = 127.0.0.1:{self.port}\nloopback_users = none\n"
         plugins = []
         if management:
-            management_port = free_port()
-            self.management_url = f"http://guest:guest@127.0.0.1:{management_port}"
+            port = free_port()
+            self.management_url = f"http://guest:guest@127.0.0.1:{port}"
             plugins.append("rabbitmq_management")
-            config += (
-                f"management.tcp.ip = 127.0.0.1\nmanagement.tcp.port = {management_port}\n"
-                "collect_statistics_interval = 1000\n"
-            )
+            config += f"management.tcp.ip = 127.0.0.1\nmanagement.tcp.port = {port}\n"
+            config += "collect_statistics_interval = 1000\n"
         if prometheus:
-            self.prometheus_port = free_port()
-            self.prometheus_url = f"http://127.0.0.1:{self.prometheus_port}"
+            self.prometheus_port = port = free_port()
+            self.prometheus_url = f"http://127.0.0.1:{port}"
             plugins.append("rabbitmq_prometheus")
-            config += (
-                f"prometheus.tcp.ip = 127.0.0.1\nprometheus.tcp.port = {self.prometheus_port}\n"
-            )
+            config += f"prometheus.tcp.ip = 127.0.0.1\nprometheus.tcp.port = {port}\n"
         write_cookie(self.folder)
         self._epmd = Epmd(self.release) if self.release.root is not None else None
         self._env = self.release.environment(
@@ -420,10 +424,9 @@ class PrivateRabbit:
 
     def ctl(self, *args: str, timeout: float = 90) -> str:
         """``rabbitmqctl -n`` this node; its output."""
+        argv = [str(RABBIT_BIN / "rabbitmqctl"), "-n", self.node, *args]
         done = subprocess.run(
-            self.release.command(
-                [str(RABBIT_BIN / "rabbitmqctl"), "-n", self.node, *args], [self.folder]
-            ),
+            self.release.command(argv, [self.folder]),
             env=self._env,
             check=True,
             capture_output=True,

@@ -66,8 +66,8 @@ def test_cluster_and_sentinel_urls_are_read_and_bad_ones_refused_without_the_pas
 
 
 def test_every_key_of_a_stream_is_in_one_cluster_slot() -> None:
-    """Scripts and pipelines touch several keys of a stream at once: a cluster runs them only
-    when all are in one slot (else CROSSSLOT)."""
+    """Scripts and pipelines touch several keys of a stream at once: a cluster refuses that
+    (CROSSSLOT) unless all are in one slot."""
     for stream in ("orders", "a", "x-y_z", "0" * 64):
         keys = StreamKeys(stream)
         properties = [n for n in dir(StreamKeys) if isinstance(getattr(StreamKeys, n), property)]
@@ -80,9 +80,8 @@ def test_every_key_of_a_stream_is_in_one_cluster_slot() -> None:
 
 # ---- the topologies, live ----------------------------------------------------------------
 
-needs_servers = pytest.mark.skipif(
-    redis_topologies_available() is not None, reason=str(redis_topologies_available())
-)
+_MISSING = redis_topologies_available()
+needs_servers = pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
 
 
 @pytest.fixture
