@@ -75,7 +75,9 @@ def test_declarations_take_turns_and_an_overdue_channel_is_replaced(monkeypatch:
     assert len(first.asked) == 2
 
 
-def test_a_channel_the_broker_closes_is_reported() -> None:
+def test_a_channel_the_broker_closes_is_reported_and_with_none_open_the_publisher_declares() -> (
+    None
+):
     connection = FakeConnection()
     reported: list[Any] = []
     pool = Declarers(connection, lambda channel, _reason: reported.append(channel))  # type: ignore[arg-type]
@@ -84,11 +86,7 @@ def test_a_channel_the_broker_closes_is_reported() -> None:
     for n in range(2 * DECLARING_CHANNELS):
         pool.declare(f"q{n}", {}, lambda: None)
     assert connection.channels[1].asked == []
-
-
-def test_no_open_channel_means_the_publishing_channel_declares() -> None:
-    connection = FakeConnection()
-    pool = Declarers(connection, lambda _channel, _reason: None)  # type: ignore[arg-type]
+    # No open channel left: the publishing channel declares.
     for channel in list(connection.channels):
         channel.is_open = False
     assert not pool.declare("q", {}, lambda: None)
