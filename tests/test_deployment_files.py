@@ -76,11 +76,8 @@ def _keyq_variables() -> list[str]:
 
 
 def _setting_variables() -> set[str]:
-    return {
-        f"KEYQ_{field.upper()}"
-        for kind in (Settings, WorkerSettings, JanitorSettings, ConsoleSettings)
-        for field in kind.model_fields
-    }
+    kinds = (Settings, WorkerSettings, JanitorSettings, ConsoleSettings)
+    return {f"KEYQ_{field.upper()}" for kind in kinds for field in kind.model_fields}
 
 
 def _seconds(duration: str | int | float) -> float:
