@@ -42,18 +42,14 @@ def test_the_plain_form_is_json_ready_and_names_every_field() -> None:
     assert orjson.loads(orjson.dumps(plain)) == plain
 
 
-def test_a_report_keeps_the_host_and_pid_the_heartbeat_adds() -> None:
+def test_a_report_keeps_the_host_and_pid_the_heartbeat_adds_and_other_versions_parse() -> None:
     """Membership writes host and pid, then the worker's plain report over them: a report
     that does not know them must not erase them (status showed no host for a live worker)."""
     report = WorkerReport(worker="w", stream="s", events=3)
     assert "host" not in report.to_dict() and "pid" not in report.to_dict()
     stored = orjson.dumps({"host": "host-1", "pid": 4242, **report.to_dict()})
     assert WorkerReport.parse(stored) == dataclasses.replace(report, host="host-1", pid=4242)
-
-
-def test_an_older_worker_s_defaults_and_a_newer_worker_s_fields() -> None:
-    """What an older worker did not write takes its default; a newer one's extras are
-    ignored."""
+    # What an older worker did not write takes its default; a newer one's extras are ignored.
     parsed = WorkerReport.parse(heartbeat(worker="w", stream="s", events=9, host="h", pid=7))
     assert parsed == WorkerReport(worker="w", stream="s", events=9, host="h", pid=7)
     raw = heartbeat(**FULL.to_dict(), queue_bytes=123, mood="fine", stage_seconds_p99={"a": 1})
