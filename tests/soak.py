@@ -340,24 +340,18 @@ def judge_key(stream: str, key: str, accepted: list[int], seen: list[int]) -> Ke
     copies = Counter(seen)
     firsts = list(dict.fromkeys(seen))
     expected = set(accepted)
+    lost, unexpected = len(expected - copies.keys()), len(copies.keys() - expected)
+    reordered = sum(1 for before, after in itertools.pairwise(firsts) if after < before)
+    twice = sum(count - 1 for count in copies.values())
     # The last events of the key, none applied.
     tail = next((i for i, n in enumerate(reversed(accepted)) if n in copies), len(accepted))
     return KeyVerdict(
-        stream=stream,
-        key=key,
-        accepted=len(accepted),
-        applied=len(seen),
-        lost=len(expected - copies.keys()),
-        reordered=sum(1 for before, after in itertools.pairwise(firsts) if after < before),
-        applied_twice=sum(count - 1 for count in copies.values()),
-        unexpected=len(copies.keys() - expected),
-        unapplied_tail=tail,
+        stream, key, len(accepted), len(seen), lost, reordered, twice, unexpected, tail
     )
 
 
 class SoakRedis:
-    """The soak's own Redis: one server behind a fault proxy (which producers, workers and the
-    janitor go through), restarted with kill -9."""
+    """The soak's own Redis, behind a fault proxy for its clients, restarted with kill -9."""
 
     def __init__(self, folder: Path) -> None:
         self.server = PrivateRedis(folder / "redis")
@@ -431,8 +425,7 @@ def applied_by_key(client: redis.Redis, stream: str, producer_id: str) -> dict[s
 
 
 def read_dead_letters(amqp_url: str, stream: str) -> list[tuple[str, str, bytes]]:
-    """(key, reason, body) of every message in the stream's dead-letter queue, left in place:
-    not acked, closing the connection puts every letter back."""
+    """(key, reason, body) of each dead letter of ``stream``, left in place (not acked)."""
     with pika.BlockingConnection(pika.URLParameters(amqp_url)) as connection:
         landed = drain(connection.channel(), dead_letter_queue_name(stream), ack=False)
     letters = []
@@ -444,8 +437,7 @@ def read_dead_letters(amqp_url: str, stream: str) -> list[tuple[str, str, bytes]
 
 
 class Soak:
-    """One soak run: its servers, proxies, processes, producers and fault schedule (with
-    ``cluster`` a RabbitMQ cluster, with ``redis_cluster`` a Redis Cluster, of its own)."""
+    """One soak run: its servers, proxies, processes, producers and fault schedule."""
 
     def __init__(
         self,
@@ -557,8 +549,7 @@ class Soak:
         self.plant_undecodable()
 
     def plant_undecodable(self) -> None:
-        """Publish payloads no worker can decode straight into bucket queues (buckets are
-        never deleted, so nothing races these)."""
+        """Payloads no worker can decode, into bucket queues (never deleted: nothing races)."""
         producer = self.producers["bucket"]
         for index in range(len(UNDECODABLE)):  # the producer declares the bucket queues
             producer.publish(f"planted-{index}", {"producer": "planter", "n": 1})
@@ -640,8 +631,7 @@ class Soak:
         self.report.faults_applied[kind] = self.report.faults_applied.get(kind, 0) + 1
 
     def promote_recent(self, fault: Fault) -> bool:
-        """An operator promotes a few keys of the auto stream among those published last, in the
-        background; False when nothing was published yet."""
+        """An operator promotes some of the auto stream's latest keys; False if there is none."""
         recent = list(dict.fromkeys(reversed(self.publishers["auto"].recent)))
         if not recent:
             return False
@@ -709,8 +699,7 @@ class Soak:
         self.cluster.cut(node)
 
     def start_node_fault(self) -> None:
-        """Start the next due node fault in the background, unless the one before is still
-        going on: node faults take turns, so at most one node is ever down."""
+        """Start the next due node fault unless one is under way: at most one node is down."""
         if not self.node_faults or (self.node_thread is not None and self.node_thread.is_alive()):
             return
         fault = self.node_faults.pop(0)
@@ -766,8 +755,7 @@ class Soak:
             self.node_in_fault = None
 
     def await_replicas(self) -> None:
-        """Before the next node fault, every replica online again; past the timeout the soak
-        says which queues are short (see RabbitCluster.await_replicas) and goes on."""
+        """Every replica online again before the next node fault; past the timeout, a note."""
         assert self.cluster is not None
         began = time.monotonic()
         try:
@@ -778,8 +766,8 @@ class Soak:
         self.note(f"every quorum replica online ({time.monotonic() - began:.1f}s)")
 
     def restore_nodes(self) -> None:
-        """Every node running and every replica online, whatever a node fault left (each ends
-        with its node back, so normally nothing)."""
+        """Every node running and every replica online, whatever a node fault left (normally
+        nothing)."""
         assert self.cluster is not None
         down = [node for node in self.cluster.nodes if not self.cluster.is_up(node)]
         for node in down:
@@ -971,8 +959,7 @@ class Soak:
         self.check_dead_letters()
 
     def describe_bad_queues(self, verdicts: list[KeyVerdict]) -> None:
-        """On a cluster, print what the broker holds in each key-mode queue of a key judged
-        bad, and its consumers, before the cluster is torn down."""
+        """On a cluster, print the broker's side of each key-mode queue of a bad key."""
         cluster = self.cluster
         wanted = {
             key_queue_name(v.stream, v.key, incarnations=True): v.key
