@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pika.exceptions
 import pytest
 
 from keyq import Producer
@@ -47,7 +46,8 @@ def janitor(stream: StreamFixture, **overrides: Any) -> Janitor:
 
 
 def keyq(stream: StreamFixture, *args: str) -> str:
-    done = run_keyq(stream.settings, *args)
+    """``keyq ARGS --stream <the test's>``, which must succeed."""
+    done = run_keyq(stream.settings, *args, "--stream", stream.name)
     assert done.returncode == 0, done.stderr + done.stdout
     return done.stdout
 
@@ -69,19 +69,17 @@ def set_aside_with_no_worker(
     control = KeyControl(stream.redis, stream.name)
     worker = workers(stream.name, pipeline="tests.pipelines:audit", mode="key")
     worker.wait_ready()
-    keyq(stream, "pause", "--stream", stream.name, "--key", KEY)
+    keyq(stream, "pause", "--key", KEY)
     for n in range(1, EVENTS + 1):
         producer.publish(KEY, {"n": n})
     producer.flush(timeout=30)
     queue = key_queue_name(stream.name, KEY)
     wait_until(lambda: control.status(KEY).aside, 60, "the paused key's events set aside")
-    wait_until(
-        lambda: stream.redis.get(stream.keys.lock(queue)) is None and queue_depth(amqp, queue) == 0,
-        60,
-        "its own queue drained and handed back",
-    )
+    unlocked = lambda: stream.redis.get(stream.keys.lock(queue)) is None  # noqa: E731
+    drained = lambda: unlocked() and queue_depth(amqp, queue) == 0  # noqa: E731
+    wait_until(drained, 60, "its own queue drained and handed back")
     worker.kill()
-    keyq(stream, "resume", "--stream", stream.name, "--key", KEY)
+    keyq(stream, "resume", "--key", KEY)
     return control, queue
 
 
@@ -120,7 +118,7 @@ def test_a_key_queue_with_events_aside_is_kept_and_declared_again_once_stranded(
 
 
 def test_the_watchdog_reports_a_parked_key_whose_dead_letter_is_gone(
-    stream: StreamFixture, producer: Producer, tmp_path: Path
+    stream: StreamFixture, producer: Producer, amqp: Any
 ) -> None:
     """What it cannot repair it reports: in the stranded gauge, ``keyq status`` and ``keyq
     inspect``; a key that flows, and a parked key whose dead letter waits, are not reported
@@ -132,8 +130,7 @@ def test_the_watchdog_reports_a_parked_key_whose_dead_letter_is_gone(
     for key in ("parked", "lettered"):
         control.park(key, ParkedKey(at_ms=1, reason="pipeline failed: boom", producer="p", seq=7))
     queue = key_queue_name(stream.name, "lettered")
-    with pika.BlockingConnection(pika.URLParameters(stream.settings.amqp_url)) as connection:
-        dead_letter(connection, stream.name, [keyq_delivery(queue, "lettered", "p", 7, b"{}")])
+    dead_letter(amqp, stream.name, [keyq_delivery(queue, "lettered", "p", 7, b"{}")])
     tender = janitor(stream, idle_ttl_s=3600.0)
     tender.run(once=True)
     assert StrandedRecord(stream.redis, stream.name).all() == {}  # not for long enough yet
@@ -148,11 +145,11 @@ def test_the_watchdog_reports_a_parked_key_whose_dead_letter_is_gone(
     assert "no dead letter" in found["parked"].reason
     assert tender.watchdog.latest == {stream.name: 1}
 
-    status = keyq(stream, "status", "--stream", stream.name)
+    status = keyq(stream, "status")
     assert "stranded" in status and "parked" in status, status
-    inspected = keyq(stream, "inspect", "--stream", stream.name, "--key", "parked")
+    inspected = keyq(stream, "inspect", "--key", "parked")
     assert "no dead letter" in inspected, inspected
-    calm = keyq(stream, "inspect", "--stream", stream.name, "--key", "flowing")
+    calm = keyq(stream, "inspect", "--key", "flowing")
     assert "stranded" not in calm, calm
 
 
@@ -196,7 +193,7 @@ def test_a_paused_stream_strands_nothing(
     producer.flush(timeout=30)
     queue = key_queue_name(stream.name, KEY)
     stream.redis.hset(stream.keys.aside, KEY, '["side"]')
-    keyq(stream, "pause", "--stream", stream.name, "--all")
+    keyq(stream, "pause", "--all")
     tender = janitor(stream, idle_ttl_s=3600.0)
     for _ in range(3):
         tender.run(once=True)
@@ -204,7 +201,7 @@ def test_a_paused_stream_strands_nothing(
     tender.run(once=True)
     assert StrandedRecord(stream.redis, stream.name).all() == {}
     assert tender.stats["watchdog_repairs"] == 0, tender.stats
-    keyq(stream, "resume", "--stream", stream.name, "--all")
+    keyq(stream, "resume", "--all")
     tender.run(once=True)
     time.sleep(2.2)
     tender.run(once=True)
