@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-from dataclasses import replace
 
 import pika
 import pytest
@@ -17,6 +16,7 @@ from keyq.broker.dead_letter_queue import (
     packs_left_partly,
 )
 from keyq.broker.envelope import (
+    CONTENT_JSON,
     HEADER_ATTEMPTS,
     HEADER_DEAD_AT,
     HEADER_DEAD_QUEUE,
@@ -39,7 +39,7 @@ from keyq.ops.dead_letter_listing import letter_detail, letter_row
 from keyq.ops.dead_letter_selection import LetterNotFound, by_ids, of_key, whole_packs
 from keyq.ops.redrive import redriven_properties
 from keyq.worker.amqp.dead_letters import packed
-from tests.helpers import plain_delivery
+from keyq.worker.amqp.deliveries import Delivery
 
 
 def _redriven(seq: int) -> dict[str, object]:
@@ -106,14 +106,13 @@ def test_a_redriven_copy_loses_the_dead_letter_headers_and_gains_its_redrive_id(
 def _pack_letters(
     seqs: list[int], keys: list[str] | None = None, message_headers: dict[str, object] | None = None
 ) -> list[DeadLetterMessage]:
+    headers = [
+        {HEADER_KEY: key, HEADER_PRODUCER: "p", HEADER_SEQ: seq}
+        for key, seq in zip(keys or ["a"] * len(seqs), seqs, strict=True)
+    ]
     records = [
-        encode_record(
-            f"p:{n}",
-            "application/json",
-            {HEADER_KEY: (keys or ["a"] * len(seqs))[i], HEADER_PRODUCER: "p", HEADER_SEQ: seq},
-            b'{"n":%d}' % seq,
-        )
-        for i, (n, seq) in enumerate(enumerate(seqs, start=1))
+        encode_record(f"p:{n}", CONTENT_JSON, of, b'{"n":%d}' % of[HEADER_SEQ])
+        for n, of in enumerate(headers, start=1)
     ]
     properties = pika.BasicProperties(
         content_type=PACK_CONTENT_TYPE,
@@ -178,14 +177,9 @@ def test_a_selection_takes_a_pack_whole_or_is_refused() -> None:
 def test_a_promoted_keys_forwarded_events_go_as_packs_that_unpack_to_them() -> None:
     """Forwarded copies are packed (at most ``most`` events, about ``most_bytes``), each
     event keeping its headers, message id, content type and body, with the key."""
+    of_p = {HEADER_PRODUCER: "p"}
     deliveries = [
-        replace(
-            plain_delivery("keyq.s.b.00001", n),
-            body=f'{{"n": {n}}}'.encode(),
-            headers={"x-keyq-producer": "p", "x-keyq-seq": n},
-            message_id=f"m{n}",
-            content_type="application/json",
-        )
+        Delivery("q", 1, n, False, {**of_p, HEADER_SEQ: n}, CONTENT_JSON, f"m{n}", b'{"n": %d}' % n)
         for n in range(1, 46)
     ]
     messages = packed(deliveries, "k1", 20, 1_000_000)
