@@ -1,6 +1,6 @@
 """Per-key order rebuilt from (producer, seq), fed the orders brokers and producers really
 deliver in; when a worker gives a gap up early or reopens a consumer for it, and what a
-reopening keeps. Pure logic; real services in test_worker_sequencing and test_stuck_gaps."""
+reopening keeps. Pure logic; real services in test_worker_sequencing."""
 
 from __future__ import annotations
 
@@ -64,9 +64,7 @@ def test_re_sent_older_events_behind_newer_ones_are_not_lost() -> None:
     plan = plan_batch(items, marks, now=0.0, gap_timeout_s=60.0)
     assert seqs_of(items, plan.apply) == list(range(1, 11))
     assert seqs_of(items, plan.duplicates) == [7, 8, 9]
-
-
-def test_a_copy_of_an_event_already_waiting_is_a_duplicate() -> None:
+    # A copy of an event already waiting is a duplicate too.
     items = [event(5), event(5), event(6)]
     plan = plan_batch(items, {"k": KeyMarks(seqs={"p": 3})}, now=0.0, gap_timeout_s=60.0)
     assert plan.apply == []
