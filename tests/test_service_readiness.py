@@ -42,13 +42,6 @@ def late_broker(settings: Settings) -> Iterator[FaultProxy]:
         yield proxy
 
 
-def _let_through_after(proxy: FaultProxy, seconds: float) -> threading.Timer:
-    timer = threading.Timer(seconds, proxy.refuse, args=(False,))
-    timer.daemon = True
-    timer.start()
-    return timer
-
-
 @pytest.mark.parametrize(
     ("url", "service", "after"), [("amqp_url", "RabbitMQ", 2.0), ("redis_url", "Redis", 1.5)]
 )
@@ -59,7 +52,7 @@ def test_waits_for_a_service_that_comes_up_late(
         proxy.refuse(True)
         late = settings.model_copy(update={url: proxy.url_for(getattr(settings, url))})
         said: list[str] = []
-        _let_through_after(proxy, after)
+        threading.Timer(after, proxy.refuse, args=(False,)).start()
         waited = wait_for_services(late, 30, say=said.append)
     assert after - 0.2 <= waited < 15, waited
     assert len(said) == 1, said
