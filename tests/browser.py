@@ -3,12 +3,10 @@ and the console as a real process, for the console's end-to-end tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-import socket
 import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -17,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from keyq.broker.settings import Settings
-from tests.workers import REPO, keyq_environment
+from tests.servers import free_port
+from tests.workers import LoggedProcess, keyq_environment, wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -25,12 +24,6 @@ MISSING = (
     "chromium and chromedriver are not installed: they are Debian's `chromium` and "
     "`chromium-driver` packages, which scripts/services.sh installs as root"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def need_chromium() -> tuple[str, str]:
@@ -79,37 +72,33 @@ def screenshot(session: object, path: Path) -> None:
     session.set_window_size(1280, 900)  # type: ignore[attr-defined]
 
 
-class ConsoleProcess:
-    """``python -m keyq console`` on a free loopback port, its log in a file."""
+class ConsoleProcess(LoggedProcess):
+    """``keyq console`` on a free loopback port, its log in a file."""
 
     def __init__(
         self, settings: Settings, log_dir: Path, *args: str, env: Mapping[str, str] | None = None
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"console-{self.port}.log"
-        self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "keyq", "console", "--port", str(self.port), *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=keyq_environment(settings, env),
-            cwd=REPO,
+        command = ["console", "--port", str(self.port), *args]
+        super().__init__(
+            log_dir / f"console-{self.port}.log", command, keyq_environment(settings, env)
         )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.url}/healthz", timeout=2) as answer:
-                    if answer.status == 200:
-                        return
-            except OSError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"the console did not start: {self.log()[-2000:]}")
-            time.sleep(0.2)
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        def healthy() -> bool:
+            if self.process.poll() is not None:
+                raise AssertionError("the console exited")
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(f"{self.url}/healthz", timeout=2) as answer,
+            ):
+                return bool(answer.status == 200)
+            return False
+
+        try:
+            wait_until(healthy, 30, "the console to start", every=0.2)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {self.log()[-2000:]}") from None
 
     def close(self) -> None:
         if self.process.poll() is None:

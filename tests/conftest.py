@@ -135,8 +135,7 @@ def _alone_if_marked(request: pytest.FixtureRequest) -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _services_for_marked_tests(request: pytest.FixtureRequest) -> None:
-    """Tests marked ``services`` reach them through keyq's default settings: find or start
-    the services for them too."""
+    """Tests marked ``services`` reach them through keyq's defaults: find or start them too."""
     if request.node.get_closest_marker("services") is not None:
         request.getfixturevalue("services")
 

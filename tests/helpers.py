@@ -88,8 +88,7 @@ def events_in(connection: BlockingConnection, queue: str) -> int | None:
 def _on_a_throwaway_channel(
     connection: BlockingConnection, read: Callable[[BlockingChannel], int]
 ) -> int | None:
-    """``read`` on a channel of its own (a 404 about a missing queue closes its channel):
-    None if the queue does not exist."""
+    """``read`` on a channel of its own (a 404 closes it): None if the queue does not exist."""
     channel = connection.channel()
     try:
         return read(channel)
@@ -143,6 +142,5 @@ def poll_until(
 
 
 def plain_delivery(queue: str, tag: int, epoch: int = 1) -> Delivery:
-    """A delivery of consumer ``epoch`` of ``queue`` with no headers, for buffer and
-    held-queue units."""
+    """A delivery of consumer ``epoch`` of ``queue`` with no headers, for buffer units."""
     return Delivery(queue, epoch, tag, False, {}, None, None, b"{}")

@@ -1,8 +1,7 @@
 """Pipelines that worker tests start workers with (``tests.pipelines:<name>``).
 
-The audit fold turns each key's events into evidence: how many were applied, the last seq
-per producer, and any seq that arrived out of order or twice. A correct run ends with, for
-every key, ``applied == published`` and no violations.
+The audit fold records per key how many events were applied, the last seq per producer and any
+seq out of order or twice: a correct run ends with ``applied == published`` and no violations.
 """
 
 from __future__ import annotations
@@ -32,8 +31,8 @@ def audit(df: Any, ctx: Any) -> Any:
 
 
 def audit_slow(df: Any, ctx: Any) -> Any:
-    """The audit pipeline, announcing each batch in a file and pausing inside it, so a test
-    can freeze the worker mid-batch (before its commit)."""
+    """The audit pipeline, announcing each batch in a file and pausing inside it (before its
+    commit), so a test can freeze the worker mid-batch."""
     marker = os.environ.get("KEYQ_TEST_BATCH_MARKER")
     result = ctx.state.fold(df, audit_event)
     if marker:
@@ -42,15 +41,14 @@ def audit_slow(df: Any, ctx: Any) -> Any:
     return result
 
 
-def passthrough(df: Any, ctx: Any) -> Any:
-    return df
-
-
 def ledger_event(state: Any, event: Any) -> Any:
-    """Record every applied event's number per producer, in the order applied, so a checker
-    can tell lost, reordered and twice-applied events apart. A planted poison event fails."""
+    """Every applied event's number per producer, in order applied; a planted poison fails."""
     if event.get("poison"):
         raise ValueError(f"planted poison event {event.get('n')}")
+    return _record(state, event)
+
+
+def _record(state: Any, event: Any) -> Any:
     state = state or {"seen": {}}
     state["seen"].setdefault(str(event["producer"]), []).append(int(event["n"]))
     return state
@@ -71,9 +69,8 @@ def ledger_paced(df: Any, ctx: Any) -> Any:
 
 
 def paced_audit_event(state: Any, event: Any) -> Any:
-    """``audit_event``, paused ``KEYQ_TEST_EVENT_PAUSE`` seconds an event inside Spark's Python
-    worker, after touching ``KEYQ_TEST_BATCH_MARKER``: a test sees that a Spark job is running
-    and has time to signal the worker in the middle of it."""
+    """``audit_event`` after touching ``KEYQ_TEST_BATCH_MARKER`` and pausing
+    ``KEYQ_TEST_EVENT_PAUSE`` s: a test sees a Spark job running and can signal the worker."""
     marker = os.environ.get("KEYQ_TEST_BATCH_MARKER")
     if marker:
         Path(marker).touch()
@@ -86,14 +83,11 @@ def audit_paced(df: Any, ctx: Any) -> Any:
 
 
 def ledger_until_fixed_event(state: Any, event: Any) -> Any:
-    """``ledger_event``, whose planted poison fails only until the file named by
-    ``KEYQ_TEST_FIXED_MARKER`` exists: a test "fixes the pipeline" by creating it."""
+    """``ledger_event`` whose poison fails until ``KEYQ_TEST_FIXED_MARKER`` exists (the fix)."""
     marker = os.environ.get("KEYQ_TEST_FIXED_MARKER")
-    if event.get("poison") and not (marker and Path(marker).exists()):
-        raise ValueError(f"planted poison event {event.get('n')}")
-    state = state or {"seen": {}}
-    state["seen"].setdefault(str(event["producer"]), []).append(int(event["n"]))
-    return state
+    if marker and Path(marker).exists():
+        return _record(state, event)
+    return ledger_event(state, event)
 
 
 def ledger_until_fixed(df: Any, ctx: Any) -> Any:
@@ -128,8 +122,8 @@ def deposit_event(state: Any, deposit: Any) -> Any:
 
 
 def avro_deposits(df: Any, ctx: Any) -> Any:
-    """Avro events folded into a balance per account; the columns each event came with are
-    written to ``KEYQ_TEST_COLUMNS_FILE`` (one JSON line each) for the test to check."""
+    """Avro events folded into a balance per account; each event's columns are written to
+    ``KEYQ_TEST_COLUMNS_FILE``, a JSON line each."""
     columns_file = os.environ.get("KEYQ_TEST_COLUMNS_FILE")
     if columns_file:
         import orjson
@@ -137,12 +131,7 @@ def avro_deposits(df: Any, ctx: Any) -> Any:
         rows = df.select("key", "content_type", "headers", "payload", "body").collect()
         with open(columns_file, "ab") as out:
             for row in rows:
-                line = {
-                    "key": row["key"],
-                    "content_type": row["content_type"],
-                    "headers": dict(row["headers"] or {}),
-                    "payload": row["payload"],
-                    "body": bytes(row["body"]).hex(),
-                }
+                line = {name: row[name] for name in ("key", "content_type", "payload")}
+                line.update(headers=dict(row["headers"] or {}), body=bytes(row["body"]).hex())
                 out.write(orjson.dumps(line) + b"\n")
     return ctx.state.fold(df, deposit_event, decoder=avro_deposit)

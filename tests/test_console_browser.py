@@ -1,9 +1,8 @@
 """The console in a real browser against real RabbitMQ, Redis, a worker and a janitor: a key parked
 at a poison event shows on the live overview, the operator opens it and its dead letter, the fix
-is deployed (the worker restarted with it), the operator clicks redrive, and the key's state
-reaches its last event in order, each once. Then what an attacker would try: a key holding
-markup, a form posted from another site, actions on a read-only console. The screenshots of
-the overview, the parked key and the dead letters are saved into docs/."""
+is deployed, the operator clicks redrive, and the key's state reaches its last event in order,
+each once. Then what an attacker would try: markup in a key, a form posted from another site,
+actions on a read-only console. Screenshots of the overview, parked key and letters go to docs/."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ def publish(producer: Producer, key: str, numbers: range, poison: int | None) ->
 
 
 def wait_for(session: Any, css: str, text: str | None = None, timeout: float = 60) -> Any:
-    """The first element matching ``css`` (holding ``text``), waiting for the page's live
-    refresh to bring it."""
+    """The first element matching ``css`` (holding ``text``), once the page's refresh brings it."""
     from selenium.webdriver.common.by import By
 
     def found() -> Any:
@@ -73,15 +71,9 @@ def test_an_operator_finds_a_parked_key_and_redrives_it_after_the_fix(
             ctx, poison_policy="park", rate_limit=None, set_rate_limit=False, dedupe_window=None
         )
     worker = workers(stream.name, pipeline="tests.pipelines:ledger_until_fixed", env=env)
-    janitor = JanitorProcess(
-        stream.settings,
-        tmp_path,
-        "--stream",
-        stream.name,
-        "--metrics-port",
-        str(free_port()),
-        env={"KEYQ_JANITOR_INTERVAL_S": "1"},
-    )
+    janitor_args = ("--stream", stream.name, "--metrics-port", str(free_port()))
+    every_second = {"KEYQ_JANITOR_INTERVAL_S": "1"}
+    janitor = JanitorProcess(stream.settings, tmp_path, *janitor_args, env=every_second)
     console = ConsoleProcess(stream.settings, tmp_path, "--stream", stream.name)
     store = StateStore(stream.redis, stream.name)
     control = KeyControl(stream.redis, stream.name)

@@ -10,25 +10,15 @@ from keyq.worker.spark.daemon import drop_spark_archives
 
 def test_only_sparks_archives_and_their_importers_are_dropped() -> None:
     lib = "/opt/venv/lib/python3.11/site-packages"
-    path = [
-        "/tmp/spark-files",
+    sparks = [
         f"{lib}/pyspark/python/lib/pyspark.zip",
         f"{lib}/pyspark/python/lib/py4j-0.10.9.9-src.zip",
         f"{lib}/pyspark/jars/spark-core_2.13-4.3.0.jar",
-        "/usr/lib/python311.zip",
-        lib,
     ]
+    path = ["/tmp/spark-files", *sparks, "/usr/lib/python311.zip", lib]
     importers: dict[str, object] = {entry: object() for entry in path}
-    importers[f"{lib}/pyspark/jars/spark-core_2.13-4.3.0.jar/org"] = object()
-    importers[f"{lib}/pyspark/python"] = object()
-
-    removed = drop_spark_archives(path, importers)
-
-    assert removed == [
-        f"{lib}/pyspark/python/lib/pyspark.zip",
-        f"{lib}/pyspark/python/lib/py4j-0.10.9.9-src.zip",
-        f"{lib}/pyspark/jars/spark-core_2.13-4.3.0.jar",
-    ]
+    importers[f"{sparks[2]}/org"] = importers[f"{lib}/pyspark/python"] = object()
+    assert drop_spark_archives(path, importers) == sparks
     assert path == ["/tmp/spark-files", "/usr/lib/python311.zip", lib]
     assert sorted(importers) == sorted([*path, f"{lib}/pyspark/python"])
 

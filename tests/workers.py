@@ -71,8 +71,8 @@ def bare_link(
     prefetch: int,
     buffer: DeliveryBuffer | None = None,
 ) -> ConsumerLink:
-    """A worker's AMQP link with no worker around it (losses queue up unheeded, disconnects
-    go unheeded), not started: to drive consuming, acking and closing directly."""
+    """A worker's AMQP link, not started, with no worker heeding losses or disconnects: to
+    drive consuming, acking and closing directly."""
     return ConsumerLink(
         settings=settings,
         stream=stream,
@@ -94,8 +94,40 @@ def wait_until(check: Callable[[], Any], timeout: float, what: str, every: float
         time.sleep(every)
 
 
-class WorkerProcess:
-    """``python -m keyq worker`` in a subprocess, its log in a file."""
+class LoggedProcess:
+    """``python -m keyq ARGS`` in a subprocess of this checkout, its output in ``log_path``."""
+
+    def __init__(self, log_path: Path, args: list[str], env: dict[str, str], **popen: Any) -> None:
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "keyq", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+            **popen,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def terminate(self, timeout: float = 60) -> int:
+        """SIGTERM and wait for a clean exit; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+            self.process.kill()
+            self.process.wait(10)
+        self._log.close()
+
+
+class WorkerProcess(LoggedProcess):
+    """``keyq worker`` in a subprocess (``new_session``: a process group of its own)."""
 
     def __init__(
         self,
@@ -114,46 +146,20 @@ class WorkerProcess:
     ) -> None:
         self.worker_id = name or f"w-{uuid.uuid4().hex[:8]}"
         self.stream = stream
-        self.log_path = log_dir / f"{self.worker_id}.log"
-        command = [
-            sys.executable,
-            "-m",
-            "keyq",
-            "worker",
-            "--stream",
-            stream,
-            "--pipeline",
-            pipeline,
-            "--worker-id",
-            self.worker_id,
-        ]
-        if sink:
-            command += ["--sink", sink]
-        if mode is not None:
-            command += ["--mode", mode]
-        if buckets is not None:
-            command += ["--buckets", str(buckets)]
-        if until_idle is not None:
-            command += ["--until-idle", str(until_idle)]
+        args = ["worker", "--stream", stream, "--pipeline", pipeline, "--worker-id", self.worker_id]
+        options = ("--sink", "--mode", "--buckets", "--until-idle")
+        for option, value in zip(options, (sink or None, mode, buckets, until_idle), strict=True):
+            if value is not None:
+                args += [option, str(value)]
         environment = keyq_environment(settings, {**FAST, **(env or {})})
         self._redis_url = environment["KEYQ_REDIS_URL"]
-        self._log = self.log_path.open("wb")
-        # new_session: a process group of its own, which the test can signal as a whole.
-        self.process = subprocess.Popen(
-            command,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=environment,
-            cwd=REPO,
-            start_new_session=new_session,
+        super().__init__(
+            log_dir / f"{self.worker_id}.log", args, environment, start_new_session=new_session
         )
 
     @property
     def pid(self) -> int:
         return self.process.pid
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 90) -> WorkerProcess:
         """Until the worker says in Redis that its first claim round is done."""
@@ -182,12 +188,6 @@ class WorkerProcess:
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(10)
 
-    def terminate(self, timeout: float = 60) -> int:
-        """SIGTERM and wait for a clean exit; returns the exit code."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout)
-
     def signal_group(self, signum: int) -> None:
         """Signal the worker's whole process group, as ``kill -- -PGID``, a supervisor or a
         terminal's Ctrl-C does (only for a worker started with ``new_session``)."""
@@ -203,47 +203,18 @@ class WorkerProcess:
     def wait(self, timeout: float) -> int:
         return self.process.wait(timeout)
 
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGCONT)
-            self.process.kill()
-            self.process.wait(10)
-        self._log.close()
 
-
-class JanitorProcess:
-    """``python -m keyq janitor`` in a subprocess, its log in a file."""
+class JanitorProcess(LoggedProcess):
+    """``keyq janitor ARGS`` in a subprocess."""
 
     def __init__(
-        self,
-        settings: Settings,
-        log_dir: Path,
-        *args: str,
-        env: Mapping[str, str] | None = None,
+        self, settings: Settings, log_dir: Path, *args: str, env: Mapping[str, str] | None = None
     ) -> None:
-        self.log_path = log_dir / f"janitor-{uuid.uuid4().hex[:8]}.log"
-        self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "keyq", "janitor", *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=keyq_environment(settings, env),
-            cwd=REPO,
-        )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        log_path = log_dir / f"janitor-{uuid.uuid4().hex[:8]}.log"
+        super().__init__(log_path, ["janitor", *args], keyq_environment(settings, env))
 
     def terminate(self, timeout: float = 30) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout)
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
-        self._log.close()
+        return super().terminate(timeout)
 
 
 def idle_janitor(
@@ -255,24 +226,17 @@ def idle_janitor(
     every_s: float,
     env: Mapping[str, str] | None = None,
 ) -> JanitorProcess:
-    """A janitor of ``stream`` that reclaims queues idle ``idle_ttl_s``, looking every
-    ``every_s``: the keys of a test move on its time, not production's."""
+    """A janitor of ``stream`` reclaiming queues idle ``idle_ttl_s``, looking every ``every_s``."""
+    env = {"KEYQ_JANITOR_INTERVAL_S": str(every_s), **(env or {})}
     return JanitorProcess(
-        settings,
-        log_dir,
-        "--stream",
-        stream,
-        "--idle-ttl",
-        str(idle_ttl_s),
-        env={"KEYQ_JANITOR_INTERVAL_S": str(every_s), **(env or {})},
+        settings, log_dir, "--stream", stream, "--idle-ttl", str(idle_ttl_s), env=env
     )
 
 
 def held_by(client: redis.Redis, stream: str) -> dict[str, list[str]]:
     """worker id -> queues whose lock it holds now."""
-    queues = list(QueueRegistry(client, stream).queues())
-    holders = FencedLocks(client, stream).holders(queues)
     owners: dict[str, list[str]] = {}
+    holders = FencedLocks(client, stream).holders(list(QueueRegistry(client, stream).queues()))
     for queue, lease in holders.items():
         if lease is not None:
             owners.setdefault(lease.owner, []).append(queue)
@@ -283,8 +247,7 @@ def wait_until_members_see_each_other(
     client: redis.Redis, stream: str, worker_ids: list[str], timeout: float = 30
 ) -> None:
     """Until each worker has heartbeated twice since this call: its claim loop reads the live
-    members in the tick that heartbeats, so after two each counts all the others in its fair
-    share (one that got ready before another joined may still share as if alone)."""
+    members in the tick that heartbeats, so after two each counts all others in its share."""
     members = StreamKeys(stream).members
 
     def stamps() -> dict[str, float]:
