@@ -315,8 +315,7 @@ class RabbitCluster(Closing):
         return pid
 
     def list_queues(self, *columns: str, via: NodeRef | None = None) -> list[dict[str, Any]]:
-        """``rabbitmqctl list_queues <columns>`` of vhost ``/``, one dict per queue (in JSON:
-        4.x's CSV formatter fails on the list columns)."""
+        """``list_queues <columns>`` of vhost ``/`` as dicts (JSON: 4.x's CSV fails on lists)."""
         out = self.ctl(self._via(via).index, "list_queues", "-q", *columns, "--formatter", "json")
         rows = json.loads(out) if out.strip() else []
         for row in rows:

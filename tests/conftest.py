@@ -339,8 +339,7 @@ PRIVATE_RABBIT_NOFILE = 512
 
 @pytest.fixture(scope="session")
 def private_rabbit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A RabbitMQ node of the tests' own (management, prometheus, ``nofile`` 512), for what
-    must not be done to a shared node: alarms, vhosts, filling it with queues."""
+    """A RabbitMQ node of the tests' own, for what must not be done to a shared node."""
     from tests.servers import PrivateRabbit, private_servers_available
 
     missing = private_servers_available()

@@ -39,8 +39,7 @@ class Landed:
 def unpacked(
     properties: Any, body: bytes
 ) -> list[tuple[dict[str, Any], str | None, str | None, bytes]]:
-    """A message's events, each as (headers, content type, message id, body): a pack's in
-    order (``keyq.broker.packs``), or the message itself."""
+    """A message's events as (headers, content type, message id, body): a pack's, or itself."""
     if is_pack(properties.content_type):
         return [(e.headers, e.content_type, e.message_id, e.body) for e in decode_pack(body)]
     return [(dict(properties.headers or {}), properties.content_type, properties.message_id, body)]
@@ -78,8 +77,7 @@ def queue_depth(connection: BlockingConnection, queue: str) -> int | None:
 
 
 def events_in(connection: BlockingConnection, queue: str) -> int | None:
-    """Events now in ``queue`` (a pack's each counted), or None if it does not exist: read
-    without acking, and put back in order as the channel closes."""
+    """Events now in ``queue`` (a pack's each counted), read unacked, or None if it is missing."""
     return _on_a_throwaway_channel(
         connection, lambda channel: len(drain(channel, queue, ack=False))
     )

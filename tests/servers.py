@@ -263,8 +263,8 @@ def spawn(
     new_session: bool = False,
     thread: ThreadPoolExecutor | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Popen ``command`` from ``thread`` (default: one that lives as long as the process), so
-    that PDEATHSIG fires when the process ends, not when the caller's thread does."""
+    """Popen ``command`` from ``thread`` (default: one living as long as the process), so that
+    PDEATHSIG fires when the process ends, not the caller's thread."""
     global _spawner
     if thread is None:
         with _spawner_lock:

@@ -77,8 +77,7 @@ def environment(settings: Settings) -> dict[str, str]:
 
 
 def prints(expected: str, actual: str) -> bool:
-    """Does ``actual`` print what the README shows: the same JSON, or else each shown line,
-    in order, with ``…`` matching anything (whitespace runs compare equal)?"""
+    """``actual`` is the same JSON, or holds each shown line in order (``…``: anything)."""
     try:
         return bool(orjson.loads(actual) == orjson.loads(expected))
     except orjson.JSONDecodeError:
