@@ -247,8 +247,8 @@ class RedisSentinelServers(Closing):
         raise RuntimeError("no sentinel answers")
 
     def cut_off_replicas(self) -> None:
-        """Freeze every replica (SIGSTOP) and close its link to the primary: no write from
-        now on reaches them, not even into a socket buffer, until they are thawed."""
+        """Freeze every replica (SIGSTOP) and close its link: no write reaches one until thawed,
+        not even into a socket buffer."""
         primary = self.primary()
         for server in self.data:
             if server is not primary and server.process is not None:
@@ -286,8 +286,7 @@ class RedisSentinelServers(Closing):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tests.redis_topologies cluster|sentinel -- COMMAND…``: COMMAND run with
-    ``KEYQ_REDIS_URL`` pointing at that topology, e.g. ``cluster -- keyq demo --chaos``."""
+    """``python -m tests.redis_topologies cluster|sentinel -- COMMAND…`` on that topology."""
     import argparse
     import os
     import sys

@@ -150,8 +150,8 @@ def _run_with_a_primary_killed(
     kill_primary: Callable[[list[StreamFixture]], float],
     bucket_name: Callable[[StreamFixture], str] = lambda _key_stream: "",
 ) -> float:
-    """Both modes, a worker process each; the primary holding the streams is killed -9 once
-    a third of the events are applied. Returns the seconds the failover took."""
+    """Both modes, a worker each; the streams' primary killed -9 a third of the way: the
+    failover's seconds."""
     settings = load_settings(redis_url=url)
     key_stream = _stream_on(settings)
     streams = {"key": key_stream, "bucket": _stream_on(settings, bucket_name(key_stream) or None)}
