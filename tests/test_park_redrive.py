@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pika.exceptions
 import pytest
 
 from keyq import Producer
@@ -17,6 +16,7 @@ from keyq.broker.key_control import KeyControl
 from keyq.broker.naming import dead_letter_queue_name, key_queue_name
 from keyq.worker.batch.state_store import StateStore
 from tests.conftest import StreamFixture
+from tests.helpers import queue_depth
 from tests.workers import held_by, run_keyq, wait_until
 
 pytestmark = pytest.mark.slow
@@ -37,25 +37,6 @@ def publish(producer: Producer, keys: list[str], numbers: range, poison: int | N
                 event["poison"] = True
             producer.publish(key, event)
     producer.flush(timeout=30)
-
-
-def message_count(amqp: Any, queue: str) -> int:
-    channel = amqp.channel()
-    try:
-        return int(channel.queue_declare(queue, passive=True).method.message_count)
-    finally:
-        channel.close()
-
-
-def queue_exists(amqp: Any, queue: str) -> bool:
-    channel = amqp.channel()
-    try:
-        channel.queue_declare(queue, passive=True)
-    except pika.exceptions.ChannelClosedByBroker as exc:
-        assert exc.reply_code == 404, exc
-        return False
-    channel.close()
-    return True
 
 
 def keyq(stream: StreamFixture, *args: str) -> None:
@@ -99,9 +80,9 @@ def test_a_parked_key_stops_while_its_bucket_flows_and_a_redrive_applies_all_in_
             wait_until(lambda k=key: seen(store, k, producer) == list(range(1, 41)), 60, key)
         time.sleep(1.0)
         assert seen(store, PARKED, producer) == list(range(1, 10))  # still stopped
-        assert message_count(amqp, dead_letter_queue_name(stream.name)) == 1
+        assert queue_depth(amqp, dead_letter_queue_name(stream.name)) == 1
         aside = control.status(PARKED).aside
-        assert len(aside) == 1 and message_count(amqp, aside[0]) == 30
+        assert len(aside) == 1 and queue_depth(amqp, aside[0]) == 30
 
         fixed.touch()
         keyq(stream, "dlq", "redrive", "--stream", stream.name, "--key", PARKED)
@@ -111,9 +92,9 @@ def test_a_parked_key_stops_while_its_bucket_flows_and_a_redrive_applies_all_in_
             "the parked key's events, the redriven one first, each once in order",
         )
         wait_until(lambda: not control.status(PARKED).aside, 30, "the aside queues drained")
-        assert message_count(amqp, dead_letter_queue_name(stream.name)) == 0
+        assert queue_depth(amqp, dead_letter_queue_name(stream.name)) == 0
         assert PARKED not in control.parked()
-        assert not queue_exists(amqp, aside[0])  # deleted once drained
+        assert queue_depth(amqp, aside[0]) is None  # deleted once drained
 
         publish(producer, keys, range(41, 46), poison=None)  # it flows directly again
         for key in keys:
@@ -146,7 +127,7 @@ def test_a_redrive_survives_the_draining_worker_killed_half_way_in_key_mode(
 
     def all_aside() -> bool:
         aside = control.status(PARKED).aside
-        return len(aside) == 1 and message_count(amqp, aside[0]) == total - 5
+        return len(aside) == 1 and queue_depth(amqp, aside[0]) == total - 5
 
     wait_until(all_aside, 60, "the parked key's later events to wait aside")
     assert seen(store, PARKED, producer) == [1, 2, 3, 4]
@@ -179,4 +160,4 @@ def test_a_redrive_survives_the_draining_worker_killed_half_way_in_key_mode(
     time.sleep(1.0)
     assert seen(store, PARKED, producer) == list(range(1, total + 1))
     wait_until(lambda: not control.status(PARKED).aside, 30, "the aside queues drained")
-    assert message_count(amqp, dead_letter_queue_name(stream.name)) == 0
+    assert queue_depth(amqp, dead_letter_queue_name(stream.name)) == 0
