@@ -33,20 +33,16 @@ from tests.workers import held_by, wait_until
 pytestmark = pytest.mark.slow
 
 
-def publish_rounds(producer: Producer, keys: list[str], numbers: range) -> None:
+def publish_rounds(producer: Producer, keys: list[str], numbers: range, flush: float = 30) -> None:
     for n in numbers:
         for key in keys:
             producer.publish(key, {"n": n, "producer": "p"})
-    producer.flush(timeout=30)
+    producer.flush(timeout=flush)
 
 
 def states_problems(store: StateStore, keys: list[str], per_key: int) -> dict[str, Any]:
-    problems: dict[str, Any] = {}
-    for key in keys:
-        state = store.get(key)
-        if state != {"applied": per_key, "last": {"p": per_key}, "violations": []}:
-            problems[key] = state
-    return problems
+    wanted = {"applied": per_key, "last": {"p": per_key}, "violations": []}
+    return {key: state for key in keys if (state := store.get(key)) != wanted}
 
 
 def wait_exactly_once(store: StateStore, keys: list[str], per_key: int, timeout: float) -> None:
@@ -59,8 +55,16 @@ def wait_exactly_once(store: StateStore, keys: list[str], per_key: int, timeout:
     assert not problems, f"{len(problems)} keys wrong: {dict(list(problems.items())[:5])}"
 
 
-def shares(client: Any, stream: str) -> dict[str, int]:
-    return {owner: len(queues) for owner, queues in held_by(client, stream).items()}
+def holding(stream: StreamFixture) -> dict[str, list[str]]:
+    return held_by(stream.redis, stream.name)
+
+
+def held_count(stream: StreamFixture, worker_id: str) -> int:
+    return len(holding(stream).get(worker_id, []))
+
+
+def shares(stream: StreamFixture) -> dict[str, int]:
+    return {owner: len(queues) for owner, queues in holding(stream).items()}
 
 
 @pytest.fixture
@@ -69,24 +73,14 @@ def bucket_producer(stream: StreamFixture) -> Iterator[Callable[[int], Producer]
     made: list[Producer] = []
 
     def make(buckets: int) -> Producer:
-        made.append(
-            Producer(
-                stream.name,
-                mode="bucket",
-                buckets=buckets,
-                settings=stream.settings,
-                publish_timeout=20,
-            )
-        )
+        options = {"mode": "bucket", "settings": stream.settings, "publish_timeout": 20}
+        made.append(Producer(stream.name, buckets=buckets, **options))
         return made[-1]
 
     yield make
     for producer in made:
         with suppress(KeyqError):
             producer.close(timeout=5)
-
-
-# --------------------------------------------------------------------------- scale-up
 
 
 def test_a_third_worker_gets_its_fair_share_quickly(
@@ -106,44 +100,27 @@ def test_a_third_worker_gets_its_fair_share_quickly(
     second = workers(stream.name, **options)
     first.wait_ready()
     second.wait_ready()
-    wait_until(
-        lambda: shares(stream.redis, stream.name) == {first.worker_id: 6, second.worker_id: 6},
-        30,
-        "two workers to hold 6 queues each",
-    )
+    halves = {first.worker_id: 6, second.worker_id: 6}
+    wait_until(lambda: shares(stream) == halves, 30, "two workers to hold 6 queues each")
 
     started = time.monotonic()
     third = workers(stream.name, **options).wait_ready()
     ready = time.monotonic()
     expected = {first.worker_id: 4, second.worker_id: 4, third.worker_id: 4}
     try:
-        wait_until(
-            lambda: shares(stream.redis, stream.name) == expected,
-            10,
-            "each of three workers to hold 4 queues",
-            every=0.05,
-        )
+        wait_until(lambda: shares(stream) == expected, 10, "4/4/4", every=0.05)
     except AssertionError:
-        raise AssertionError(
-            f"not balanced 10s after the third worker was ready: "
-            f"{shares(stream.redis, stream.name)}"
-        ) from None
+        now = shares(stream)
+        raise AssertionError(f"not balanced 10s after the third worker was ready: {now}") from None
     balanced = time.monotonic()
-    print(
-        f"third worker: ready {ready - started:.1f}s after start, "
-        f"balanced 4/4/4 {balanced - ready:.2f}s after ready"
-    )
-    owned = held_by(stream.redis, stream.name)
-    assert set().union(*owned.values()) == queues
+    print(f"third worker: ready {ready - started:.1f}s, balanced {balanced - ready:.2f}s after")
+    assert set().union(*holding(stream).values()) == queues
 
     publish_rounds(producer, keys, range(4, 8))
     store = StateStore(stream.redis, stream.name)
     wait_exactly_once(store, keys, 7, timeout=60)
     for process in (first, second, third):
         assert process.process.poll() is None, process.log()[-3000:]
-
-
-# --------------------------------------------------------------------------- SIGTERM
 
 
 def test_sigterm_finishes_the_batch_and_hands_everything_back(
@@ -159,28 +136,17 @@ def test_sigterm_finishes_the_batch_and_hands_everything_back(
     per_key = 10
     producer = bucket_producer(buckets)
     marker = tmp_path / "batch-marker"
-    worker = workers(
-        stream.name,
-        mode="bucket",
-        buckets=buckets,
-        pipeline="tests.pipelines:audit_slow",
-        env={
-            "KEYQ_TEST_BATCH_MARKER": str(marker),
-            "KEYQ_TEST_BATCH_PAUSE": "1.0",
-            "KEYQ_SHUTDOWN_TIMEOUT": str(shutdown_timeout),
-            # Long ttls: only an explicit release can clear its locks and membership in time.
-            "KEYQ_LOCK_TTL_MS": "60000",
-            "KEYQ_MEMBER_TTL_MS": "60000",
-            "KEYQ_BATCH_MAX_EVENTS": "50",
-        },
-    ).wait_ready()
+    env = {"KEYQ_TEST_BATCH_MARKER": str(marker), "KEYQ_TEST_BATCH_PAUSE": "1.0"}
+    env |= {"KEYQ_SHUTDOWN_TIMEOUT": str(shutdown_timeout), "KEYQ_BATCH_MAX_EVENTS": "50"}
+    # Long ttls: only an explicit release can clear its locks and membership in time.
+    env |= {"KEYQ_LOCK_TTL_MS": "60000", "KEYQ_MEMBER_TTL_MS": "60000"}
+    slow = "tests.pipelines:audit_slow"
+    worker = workers(stream.name, mode="bucket", buckets=buckets, pipeline=slow, env=env)
+    worker.wait_ready()
     publish_rounds(producer, keys, range(1, per_key + 1))
     queues = sorted(bucket_queue_name(stream.name, b) for b in range(buckets))
-    wait_until(
-        lambda: sorted(held_by(stream.redis, stream.name).get(worker.worker_id, [])) == queues,
-        20,
-        "the worker to hold every queue",
-    )
+    mine = lambda: sorted(holding(stream).get(worker.worker_id, []))  # noqa: E731
+    wait_until(lambda: mine() == queues, 20, "the worker to hold every queue")
     keys_of = StreamKeys(stream.name)
     assert stream.redis.zscore(keys_of.members, worker.worker_id) is not None
     assert stream.redis.hexists(keys_of.member_info, worker.worker_id)
@@ -196,8 +162,8 @@ def test_sigterm_finishes_the_batch_and_hands_everything_back(
     assert "stopped" in log
 
     # Locks released, membership gone, at once (the ttls are a minute long).
-    assert worker.worker_id not in held_by(stream.redis, stream.name)
-    assert held_by(stream.redis, stream.name) == {}
+    assert worker.worker_id not in holding(stream)
+    assert holding(stream) == {}
     assert stream.redis.zscore(keys_of.members, worker.worker_id) is None
     assert not stream.redis.hexists(keys_of.member_info, worker.worker_id)
 
@@ -217,24 +183,14 @@ def test_sigterm_finishes_the_batch_and_hands_everything_back(
         """Events back in their queues, not applied yet (a pack goes back whole)."""
         channel = amqp.channel()
         try:
-            return sum(
-                1
-                for queue in queues
-                for event in drain(channel, queue, ack=False)
-                if event.seq > applied[event.key]
-            )
+            events = [event for queue in queues for event in drain(channel, queue, ack=False)]
+            return sum(1 for event in events if event.seq > applied[event.key])
         finally:
             channel.close()  # what was read goes back, in order
 
     total = len(keys) * per_key
-    wait_until(
-        lambda: left() + sum(applied.values()) == total,
-        10,
-        "unprocessed events to be back in their queues",
-    )
-
-
-# --------------------------------------------------------------------------- callbacks
+    back = lambda: left() + sum(applied.values()) == total  # noqa: E731
+    wait_until(back, 10, "unprocessed events to be back in their queues")
 
 
 def test_in_process_callbacks_see_assignments_and_revocations(
@@ -264,15 +220,10 @@ def test_in_process_callbacks_see_assignments_and_revocations(
         with lock:
             return [q for k, names, _ in calls if k == kind for q in names]
 
+    callbacks = {"on_assigned": record("assigned"), "on_revoked": record("revoked")}
+    options = {"mode": "bucket", "buckets": buckets, "settings": fast_settings()}
     worker = Worker(
-        stream.name,
-        "tests.pipelines:audit",
-        mode="bucket",
-        buckets=buckets,
-        settings=fast_settings(),
-        engine=spark_engine,
-        on_assigned=record("assigned"),
-        on_revoked=record("revoked"),
+        stream.name, "tests.pipelines:audit", engine=spark_engine, **options, **callbacks
     )
     failure: list[BaseException] = []
 
@@ -294,16 +245,12 @@ def test_in_process_callbacks_see_assignments_and_revocations(
 
         peer = workers(stream.name, mode="bucket", buckets=buckets).wait_ready()
         wait_until(lambda: len(seen("revoked")) >= 2, 30, "on_revoked for half the queues")
-        wait_until(
-            lambda: len(held_by(stream.redis, stream.name).get(peer.worker_id, [])) == 2,
-            15,
-            "the peer to take its half",
-        )
+        wait_until(lambda: held_count(stream, peer.worker_id) == 2, 15, "the peer to take its half")
         revoked = set(seen("revoked"))
         assert len(seen("revoked")) == 2, calls
-        assert revoked == set(held_by(stream.redis, stream.name)[peer.worker_id])
+        assert revoked == set(holding(stream)[peer.worker_id])
         assert set(worker.held) == queues - revoked
-        assert set(held_by(stream.redis, stream.name)[worker.worker_id]) == queues - revoked
+        assert set(holding(stream)[worker.worker_id]) == queues - revoked
 
         publish_rounds(producer, keys, range(3, 5))
         wait_exactly_once(store, keys, 4, timeout=60)
@@ -317,11 +264,8 @@ def test_in_process_callbacks_see_assignments_and_revocations(
     assert worker.held == []
     # Callbacks run on the batch loop's thread (here, the thread that called run()).
     assert {name for _, _, name in calls} == {"test-worker-batch-loop"}
-    wait_until(
-        lambda: len(held_by(stream.redis, stream.name).get(peer.worker_id, [])) == buckets,
-        20,
-        "the peer to take every queue",
-    )
+    taken = lambda: held_count(stream, peer.worker_id) == buckets  # noqa: E731
+    wait_until(taken, 20, "the peer to take every queue")
     assert peer.terminate() == 0, peer.log()[-3000:]
 
 
@@ -349,23 +293,16 @@ def test_a_worker_holds_no_more_queues_than_its_connection_has_channels_for(
     keyq keeps 8): none claimed it cannot consume; every key reached as drained ones go."""
     capacity = 24 - RESERVED_CHANNELS
     keys = [f"narrow-{n}" for n in range(3 * capacity)]
-    for n in range(1, 4):
-        for key in keys:
-            producer.publish(key, {"n": n, "producer": "p"})
-    producer.flush(60)
-    narrow = {
-        "KEYQ_AMQP_URL": f"{stream.settings.amqp_url}?channel_max=24",
-        "KEYQ_IDLE_RELEASE_MS": "1000",
-    }
+    publish_rounds(producer, keys, range(1, 4), flush=60)
+    narrow = {"KEYQ_AMQP_URL": f"{stream.settings.amqp_url}?channel_max=24"}
+    narrow["KEYQ_IDLE_RELEASE_MS"] = "1000"
     worker = workers(stream.name, mode="key", env=narrow).wait_ready()
     store = StateStore(stream.redis, stream.name)
     most_held = 0
 
     def every_key_applied() -> bool:
         nonlocal most_held
-        most_held = max(
-            most_held, len(held_by(stream.redis, stream.name).get(worker.worker_id, []))
-        )
+        most_held = max(most_held, held_count(stream, worker.worker_id))
         return all((store.get(key) or {"applied": 0})["applied"] >= 3 for key in keys)
 
     wait_until(every_key_applied, 120, "every key applied", every=0.05)
@@ -381,19 +318,12 @@ def test_quiet_queues_published_to_again_are_claimed_at_once_without_a_scan(
     """Quiet keys published to again are claimed within 0.75 s, between ticks (3 s) and with
     no scan (10 min): the producer's lease announces each woken queue. Twice in a row: ticks
     alone would do that about 6 % of the time."""
-    slow = {
-        "KEYQ_SCAN_INTERVAL_MS": "600000",
-        "KEYQ_IDLE_RELEASE_MS": "1000",
-        "KEYQ_TICK_MS": "3000",
-        "KEYQ_LOCK_TTL_MS": "9000",
-        "KEYQ_MEMBER_TTL_MS": "9000",
-    }
+    slow = {"KEYQ_SCAN_INTERVAL_MS": "600000", "KEYQ_IDLE_RELEASE_MS": "1000"}
+    slow |= {"KEYQ_TICK_MS": "3000", "KEYQ_LOCK_TTL_MS": "9000", "KEYQ_MEMBER_TTL_MS": "9000"}
     keys = ["sleeper-a", "sleeper-b", "sleeper-c"]
     queues = [key_queue_name(stream.name, key) for key in keys]
     workers(stream.name, mode="key", env=slow).wait_ready()
-    for key in keys:  # new queues: announced, and claimed between ticks too
-        producer.publish(key, {"n": 1, "producer": "p"})
-    producer.flush(30)
+    publish_rounds(producer, keys, range(1, 2))  # new queues: announced, claimed between ticks
     store = StateStore(stream.redis, stream.name)
     locks = FencedLocks(stream.redis, stream.name)
     for n in (2, 3):
@@ -408,9 +338,7 @@ def test_quiet_queues_published_to_again_are_claimed_at_once_without_a_scan(
         # The producer's lease has run out, and the worker's cool-down on handed-back queues.
         time.sleep(max(stream.settings.publish_lease_ms / 1000, RELEASE_COOLDOWN_S) + 0.5)
         published = time.monotonic()
-        for key in keys:
-            producer.publish(key, {"n": n, "producer": "p"})
-        producer.flush(30)
+        publish_rounds(producer, keys, range(n, n + 1))
         claimed = wait_until(
             lambda: all(locks.holder(q) is not None for q in queues) and time.monotonic(),
             10,
