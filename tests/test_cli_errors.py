@@ -82,6 +82,7 @@ ROWS: dict[str, Row] = {
     "rate nan": row(USAGE, "produce", *STREAM, "--rate", "nan", says="--rate"),
     "negative skew": row(USAGE, "produce", *STREAM, "--skew", "-2", says="--skew"),
     "no keys": row(USAGE, "produce", *STREAM, "--keys", "0", says="--keys"),
+    "no events": row(USAGE, "produce", *STREAM, "--events", "0", says="--events"),
     "zero buckets": row(USAGE, "produce", *STREAM, "--mode", "bucket", "--buckets", "0"),
     # state, inspect, pause, resume
     "state of an empty key": row(USAGE, "state", *STREAM, "--key", "", says="empty"),
