@@ -78,57 +78,20 @@ def mode_producer(request: pytest.FixtureRequest, stream: StreamFixture) -> Iter
             made.close(timeout=5)
 
 
-def drain_with_worker(stream: StreamFixture, engine: SparkEngine) -> Worker:
-    # In auto mode every key seen is promoted at once: each moves to a queue of its own.
-    settings = fast_settings(auto_promote_rate=0.001)
-    worker = Worker(stream.name, "tests.pipelines:audit", settings=settings, engine=engine)
-    worker.run(until_idle=3)
-    return worker
-
-
-def test_keys_of_every_kind_are_processed_each_on_its_own(
+def test_odd_keys_each_on_its_own_and_bad_payloads_dead_lettered_while_the_key_goes_on(
     stream: StreamFixture,
     mode_producer: Producer,
     amqp: pika.BlockingConnection,
     spark_engine: SparkEngine,
 ) -> None:
+    """One worker run per mode: keys of every kind, each applied on its own; bad payloads of
+    one key dead-lettered with their reasons while it goes on in order beside a bystander."""
     keys = [*ODD_KEYS, f"keyq.{stream.name}.dlq"]  # the name of this stream's own DLQ
     for n in range(1, 4):
         for key in keys:
             mode_producer.publish(key, {"n": n, "producer": "p"})
-    mode_producer.flush(30)
-
-    worker = drain_with_worker(stream, spark_engine)
-
-    store = StateStore(stream.redis, stream.name)
-    states = {key: store.get(key) for key in keys}
-    assert {key: state for key, state in states.items() if state != audit_state(3)} == {}
-    assert stream.redis.hlen(stream.keys.state) == len(keys)  # no key merged into another
-    assert worker.stats()["events"] == 3 * len(keys)
-    assert queue_depth(amqp, dead_letter_queue_name(stream.name)) == 0
-    config = mode_producer.config
-    if config.mode.value != "bucket":
-        registry = QueueRegistry(stream.redis, stream.name)
-        queues = {config.own_queue_for(key): key for key in keys}
-        assert len(queues) == len(keys)  # one queue per key, none shared
-        assert registry.original_keys(queues) == queues
-    if config.mode.value == "auto":
-        routes = RouteBook(stream.redis, stream.name).routes(keys)
-        assert {key: route.queue for key, route in routes.items()} == {
-            key: config.own_queue_for(key) for key in keys
-        }
-        assert worker.stats()["forwarded"] == 3 * len(keys)
-
-
-def test_bad_payloads_are_dead_lettered_with_reasons_and_the_key_goes_on(
-    stream: StreamFixture,
-    mode_producer: Producer,
-    amqp: pika.BlockingConnection,
-    spark_engine: SparkEngine,
-) -> None:
     key, bystander = "order-1", "order-2"
     config = mode_producer.config
-    bucket_mode = config.mode.hashes  # auto mode publishes to buckets too
     queue = config.queue_for(key)
     # In auto mode every key is promoted at once: its bad payloads are forwarded to its own
     # queue and dead-lettered there; a keyless one stays in the bucket.
@@ -140,7 +103,7 @@ def test_bad_payloads_are_dead_lettered_with_reasons_and_the_key_goes_on(
         (b'{"n": 1, "truncated', key, "not JSON"),
         (deep, key, "not JSON"),  # nested deeper than any parser here will go
     ]
-    if bucket_mode:  # a bucket holds many keys: a message without the key header has none
+    if config.mode.hashes:  # a bucket (auto mode's too) holds many keys: this one has none
         bad.append((orjson.dumps({"n": 1, "producer": "p"}), None, "missing header"))
     huge = orjson.dumps({"pad": "x" * 900_000})  # well-formed and big: applied, not refused
 
@@ -166,11 +129,29 @@ def test_bad_payloads_are_dead_lettered_with_reasons_and_the_key_goes_on(
         mode_producer.publish(key, nested)
     mode_producer.flush(30)
 
-    worker = drain_with_worker(stream, spark_engine)
+    # In auto mode every key seen is promoted at once: each moves to a queue of its own.
+    worker = Worker(
+        stream.name,
+        "tests.pipelines:audit",
+        settings=fast_settings(auto_promote_rate=0.001),
+        engine=spark_engine,
+    )
+    worker.run(until_idle=3)
 
+    store = StateStore(stream.redis, stream.name)
+    states = {k: store.get(k) for k in keys}
+    assert {k: state for k, state in states.items() if state != audit_state(3)} == {}
+    assert store.get(key) == audit_state(number)
+    assert store.get(bystander) == audit_state(len(bad))
+    # No key merged into another, and the keyless payload landed on no key.
+    assert stream.redis.hlen(stream.keys.state) == len(keys) + 2
+    stats = worker.stats()
+    assert stats["events"] == 3 * len(keys) + number + len(bad), stats
+    assert stats["dead_lettered"] == len(bad), stats
     letters = drain(amqp.channel(), dead_letter_queue_name(stream.name))
     if keyed_queue != queue:  # dead-lettered by two holders: each in its own order
         letters.sort(key=lambda letter: str(letter.message_id))
+    # Only the bad payloads: no odd key's event.
     assert [letter.message_id for letter in letters] == [f"bad-{i}" for i in range(len(bad))]
     for (body, header_key, words), letter in zip(bad, letters, strict=True):
         reason = text(letter.headers[HEADER_DEAD_REASON])
@@ -178,13 +159,21 @@ def test_bad_payloads_are_dead_lettered_with_reasons_and_the_key_goes_on(
         assert letter.body == body  # kept byte for byte for whoever repairs it
         dead_queue = queue if header_key is None else keyed_queue
         assert text(letter.headers[HEADER_DEAD_QUEUE]) == dead_queue
-    store = StateStore(stream.redis, stream.name)
-    assert store.get(key) == audit_state(number)
-    assert store.get(bystander) == audit_state(len(bad))
-    assert stream.redis.hlen(stream.keys.state) == 2  # the keyless one landed on no key
-    assert worker.stats()["dead_lettered"] == len(bad)
     assert queue_depth(amqp, queue) == 0
     assert queue_depth(amqp, keyed_queue) == 0
+    if config.mode.value != "bucket":
+        registry = QueueRegistry(stream.redis, stream.name)
+        queues = {config.own_queue_for(k): k for k in keys}
+        assert len(queues) == len(keys)  # one queue per key, none shared
+        assert registry.original_keys(queues) == queues
+    if config.mode.value == "auto":
+        routes = RouteBook(stream.redis, stream.name).routes(keys)
+        assert {k: route.queue for k, route in routes.items()} == {
+            k: config.own_queue_for(k) for k in keys
+        }
+        # Every event with a key went to that key's own queue.
+        keyed = 3 * len(keys) + number + len(bad) + sum(h is not None for _b, h, _w in bad)
+        assert stats["forwarded"] == keyed, stats
 
 
 @pytest.fixture
