@@ -32,8 +32,7 @@ def test_the_oldest_event_age_counts_what_a_worker_holds_unapplied(
         pipeline="tests.pipelines:audit_slow",
         mode="key",
         env={"KEYQ_TEST_BATCH_MARKER": str(marker), "KEYQ_TEST_BATCH_PAUSE": "6"},
-    )
-    worker.wait_ready()
+    ).wait_ready()
     for n in range(1, 6):
         producer.publish("slow-key", {"n": n, "producer": "p"})
     producer.flush(timeout=20)

@@ -29,7 +29,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tracing")]
 
 @pytest.fixture(scope="module")
 def exporter() -> Iterator[InMemorySpanExporter]:
-    """The process's tracer provider (OpenTelemetry allows one), spans kept in memory."""
     found = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(found))

@@ -47,15 +47,8 @@ def test_wrong_credentials_fail_fast_without_showing_the_password(settings: Sett
     secret = "s3cret-Pa55"
     url = settings.amqp_url.replace("guest:guest@", f"guest:{secret}@")
     assert secret in url
-    done = run_keyq(
-        settings,
-        "worker",
-        "--stream",
-        "s",
-        "--pipeline",
-        "keyq.demo.orders:pipeline",
-        env={"KEYQ_AMQP_URL": url, "KEYQ_RECONNECT_TIMEOUT": "1"},
-    )
+    command = ("worker", "--stream", "s", "--pipeline", "keyq.demo.orders:pipeline")
+    done = run_keyq(settings, *command, env={"KEYQ_AMQP_URL": url, "KEYQ_RECONNECT_TIMEOUT": "1"})
     assert done.returncode == EXIT_FAILURE
     assert "refused the credentials" in done.stderr
     assert secret not in done.stderr + done.stdout
