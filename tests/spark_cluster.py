@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -19,7 +18,7 @@ from pathlib import Path
 import pyspark
 
 from tests.helpers import poll_until
-from tests.servers import die_with_parent, free_port
+from tests.servers import Closing, answers, end_process, free_port, spawn
 
 SPARK_HOME = Path(pyspark.__file__).resolve().parent
 LOOPBACK = ["--host", "127.0.0.1"]
@@ -59,14 +58,7 @@ class _Daemon:
         self.log = folder / f"{name}.log"
         folder.mkdir(parents=True, exist_ok=True)
         with self.log.open("ab") as out:
-            self.process = subprocess.Popen(
-                command,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=_environment(folder),
-                start_new_session=True,
-                preexec_fn=die_with_parent,  # noqa: PLW1509 - only prctl, no locks
-            )
+            self.process = spawn(command, env=_environment(folder), stdout=out, new_session=True)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -75,12 +67,10 @@ class _Daemon:
             try:
                 self.process.wait(20)
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
+                end_process(self.process, group=True)
 
 
-class SparkStandalone:
+class SparkStandalone(Closing):
     """A master and one worker (1 core, 1 GB) on 127.0.0.1."""
 
     def __init__(self, folder: Path) -> None:
@@ -91,29 +81,19 @@ class SparkStandalone:
         self.url = f"spark://127.0.0.1:{self.port}"
         self._daemons: list[_Daemon] = []
 
-    def __enter__(self) -> SparkStandalone:
+    def start(self) -> None:
         spark_class = str(SPARK_HOME / "bin" / "spark-class")
-        try:
-            master_class = "org.apache.spark.deploy.master.Master"
-            ports = ["--port", str(self.port), "--webui-port", str(self.ui_port)]
-            master = _Daemon(self.folder, "master", [spark_class, master_class, *LOOPBACK, *ports])
-            self._daemons.append(master)
-            _wait(lambda: _answers(self.port), 90, "the Spark master", master.log)
-            options = ["--webui-port", str(free_port()), "--cores", str(self.cores)]
-            options += ["--memory", "1g", "--work-dir", str(self.folder / "work"), self.url]
-            worker_class = "org.apache.spark.deploy.worker.Worker"
-            worker = _Daemon(
-                self.folder, "worker", [spark_class, worker_class, *LOOPBACK, *options]
-            )
-            self._daemons.append(worker)
-            _wait(lambda: self.alive_workers() >= 1, 90, "a Spark worker registered", worker.log)
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
+        master_class = "org.apache.spark.deploy.master.Master"
+        ports = ["--port", str(self.port), "--webui-port", str(self.ui_port)]
+        master = _Daemon(self.folder, "master", [spark_class, master_class, *LOOPBACK, *ports])
+        self._daemons.append(master)
+        _wait(lambda: answers(self.port), 90, "the Spark master", master.log)
+        options = ["--webui-port", str(free_port()), "--cores", str(self.cores)]
+        options += ["--memory", "1g", "--work-dir", str(self.folder / "work"), self.url]
+        main = "org.apache.spark.deploy.worker.Worker"
+        worker = _Daemon(self.folder, "worker", [spark_class, main, *LOOPBACK, *options])
+        self._daemons.append(worker)
+        _wait(lambda: self.alive_workers() >= 1, 90, "a Spark worker registered", worker.log)
 
     def close(self) -> None:
         for daemon in reversed(self._daemons):
@@ -124,7 +104,7 @@ class SparkStandalone:
             return int(json.load(page).get("aliveworkers", 0))
 
 
-class SparkConnectServer:
+class SparkConnectServer(Closing):
     """A Spark Connect server on 127.0.0.1, with a local Spark of its own."""
 
     def __init__(self, folder: Path) -> None:
@@ -133,27 +113,14 @@ class SparkConnectServer:
         self.url = f"sc://127.0.0.1:{self.port}"
         self._daemon: _Daemon | None = None
 
-    def __enter__(self) -> SparkConnectServer:
-        try:
-            command = [str(SPARK_HOME / "sbin" / "start-connect-server.sh"), "--wait"]
-            command += ["--master", "local[1]", "--conf", "spark.ui.enabled=false"]
-            for conf in ("address=127.0.0.1", f"port={self.port}"):
-                command += ["--conf", f"spark.connect.grpc.binding.{conf}"]
-            self._daemon = _Daemon(self.folder, "connect", command)
-            _wait(lambda: _answers(self.port), 150, "the Spark Connect server", self._daemon.log)
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
+    def start(self) -> None:
+        command = [str(SPARK_HOME / "sbin" / "start-connect-server.sh"), "--wait"]
+        command += ["--master", "local[1]", "--conf", "spark.ui.enabled=false"]
+        for conf in ("address=127.0.0.1", f"port={self.port}"):
+            command += ["--conf", f"spark.connect.grpc.binding.{conf}"]
+        self._daemon = _Daemon(self.folder, "connect", command)
+        _wait(lambda: answers(self.port), 150, "the Spark Connect server", self._daemon.log)
 
     def close(self) -> None:
         if self._daemon is not None:
             self._daemon.stop()
-
-
-def _answers(port: int) -> bool:
-    with socket.create_connection(("127.0.0.1", port), timeout=1):
-        return True

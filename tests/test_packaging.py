@@ -9,6 +9,7 @@ import sys
 import sysconfig
 import textwrap
 import tomllib
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,8 @@ def pipeline(df, ctx):
 
 @pytest.fixture(scope="module")
 def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A venv with keyq installed from the repository as a user would (not editable), borrowing
-    the development venv's third-party packages through a ``.pth`` line, never its keyq."""
+    """A venv with keyq installed from the repository (not editable), borrowing the development
+    venv's third-party packages through a ``.pth`` line, never its keyq."""
     venv = tmp_path_factory.mktemp("fresh") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     [site] = venv.glob("lib/python*/site-packages")
@@ -73,12 +74,8 @@ def _user_env(stream: Any) -> dict[str, str]:
 def installed_top_level(venv: Path) -> set[str]:
     """Top-level names the installed distribution put into site-packages (from RECORD)."""
     [record] = venv.glob("lib/python*/site-packages/keyq-*.dist-info/RECORD")
-    names = set()
-    for line in record.read_text().splitlines():
-        first = line.split(",")[0].split("/")[0]
-        if first and not first.endswith(".dist-info") and first != "..":
-            names.add(first)
-    return names
+    firsts = {line.split(",")[0].split("/")[0] for line in record.read_text().splitlines()}
+    return {name for name in firsts if name and not name.endswith(".dist-info") and name != ".."}
 
 
 def test_install_puts_one_import_package_and_a_users_producer_py_and_worker_py_work(
@@ -152,14 +149,12 @@ def test_the_plain_install_publishes_and_runs_the_light_commands(
     light_venv: Path, stream: Any, tmp_path: Path
 ) -> None:
     (tmp_path / "producer.py").write_text(textwrap.dedent(USER_PRODUCER))
-    published = run_light(light_venv, stream, "python", "producer.py", stream.name, where=tmp_path)
+    light = partial(run_light, light_venv, stream, where=tmp_path)
+    published = light("python", "producer.py", stream.name)
     assert published.returncode == 0, published.stderr
     assert "published 3" in published.stdout
     on_stream = ("--stream", stream.name)
-    done = run_light(
-        light_venv, stream, "keyq", "publish", *on_stream, "--key", "order-2",
-        "--event", '{"n": 1}', where=tmp_path,
-    )  # fmt: skip
+    done = light("keyq", "publish", *on_stream, "--key", "order-2", "--event", '{"n": 1}')
     assert done.returncode == 0, done.stderr
     assert "seq=1" in done.stdout
     for command in (
@@ -172,12 +167,10 @@ def test_the_plain_install_publishes_and_runs_the_light_commands(
         ("janitor", *on_stream, "--once"),
         ("settings",),
     ):
-        ran = run_light(light_venv, stream, "keyq", *command, where=tmp_path)
+        ran = light("keyq", *command)
         assert ran.returncode == 0, f"keyq {' '.join(command)}: {ran.stderr[-2000:]}"
     # No worker ran, so the key has no state: the command ran, without Spark, and said so.
-    state = run_light(
-        light_venv, stream, "keyq", "state", *on_stream, "--key", "order-1", where=tmp_path
-    )
+    state = light("keyq", "state", *on_stream, "--key", "order-1")
     assert state.returncode == 1, state.stderr
     assert "no state for key 'order-1'" in state.stderr
 

@@ -1,8 +1,6 @@
 """`keyq worker` against Spark beyond its own process: a standalone cluster and Spark Connect
-(a server started on loopback, tests/spark_cluster.py, or one pyspark starts for ``local[1]``).
-
-The pipeline, ``tests.pipelines:audit``, lives in this checkout: a cluster's executors can
-import it only because the worker sends it along.
+(a server on loopback, tests/spark_cluster.py, or one pyspark starts for ``local[1]``). The
+pipeline lives in this checkout: a cluster's executors import it because the worker sends it.
 """
 
 from __future__ import annotations
@@ -18,9 +16,8 @@ from tests.spark_cluster import SparkConnectServer, SparkStandalone, spark_clust
 from tests.workers import wait_until
 
 pytestmark = pytest.mark.slow
-needs_spark_daemons = pytest.mark.skipif(
-    spark_cluster_available() is not None, reason=str(spark_cluster_available())
-)
+_MISSING = spark_cluster_available()
+needs_spark_daemons = pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))
 
 KEYS = [f"meter-{i}" for i in range(5)]
 PER_KEY = 40
@@ -49,18 +46,12 @@ def _publish_and_check(stream: Any, producer: Any, worker: Any) -> None:
 def test_a_worker_on_a_standalone_cluster_fails_its_start_without_room_else_applies_a_stream(
     stream: Any, producer: Any, workers: Any, tmp_path: Path
 ) -> None:
-    """Executors asking for more cores than any Spark worker has are never launched, and the
-    first job would wait for them forever: that start gives up with the reason."""
+    """Executors asking for more cores than any Spark worker has are never launched: the start
+    gives up with the reason rather than wait for them forever."""
     with SparkStandalone(tmp_path / "spark") as standalone:
-        no_room = workers(
-            stream.name,
-            mode="key",
-            env={
-                "KEYQ_SPARK_MASTER": standalone.url,
-                "KEYQ_SPARK_CONF": f"{ON_LOOPBACK},spark.executor.cores={standalone.cores + 1}",
-                "KEYQ_SPARK_START_TIMEOUT_S": "8",
-            },
-        )
+        too_many = f"{ON_LOOPBACK},spark.executor.cores={standalone.cores + 1}"
+        env = {"KEYQ_SPARK_MASTER": standalone.url, "KEYQ_SPARK_START_TIMEOUT_S": "8"}
+        no_room = workers(stream.name, mode="key", env={**env, "KEYQ_SPARK_CONF": too_many})
         assert no_room.wait(240) != 0
         log = no_room.log()
         assert "did not run the first job within 8 s" in log, log[-3000:]
