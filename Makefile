@@ -84,8 +84,10 @@ package: install services
 TEST_PROCESSES ?= 3
 PYTEST_PARALLEL = -n $(TEST_PROCESSES) --dist loadgroup
 
-# The tests marked `alone` (they assert on timing) run after the rest, in one process.
-test: install test-services lint typecheck package
+# The checks run side by side (one core each); the tests marked `alone` (they assert on timing)
+# run after the rest, in one process.
+test: install test-services
+	$(MAKE) --no-print-directory --output-sync=target -j3 lint typecheck package
 	KEYQ_TEST_ALONE=skip $(BIN)/pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 	KEYQ_TEST_ALONE=only $(BIN)/pytest $(PYTEST_ARGS)
 
