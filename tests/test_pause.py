@@ -79,48 +79,43 @@ def test_a_paused_key_applies_nothing_until_resumed_while_its_bucket_flows(
     worker = workers(stream.name, pipeline="tests.pipelines:ledger", mode="bucket", buckets=1)
     worker.wait_ready()
     with Producer(stream.name, mode="bucket", buckets=1, settings=stream.settings) as producer:
-        pause_one_key_under_load(stream, producer)
-    assert worker.terminate() == 0, worker.log()[-3000:]
+        keys = [PAUSED, *OTHERS]
+        sent_at: dict[int, float] = {}
+        n = publish_for(producer, keys, 3.0, 1, sent_at)
+        keyq(stream, "pause", "--stream", stream.name, "--key", PAUSED)
+        frozen = seen(stream, PAUSED, producer)
+        lags: list[float] = []
+        until = time.monotonic() + 20.0
+        while time.monotonic() < until:
+            n = publish_for(producer, keys, 0.5, n, sent_at)
+            assert seen(stream, PAUSED, producer) == frozen, "a paused key's event was applied"
+            for key in OTHERS:
+                applied = seen(stream, key, producer)
+                newest = applied[-1] if applied else 0
+                behind = [sent for m, sent in sent_at.items() if m > newest]
+                lags.append(time.monotonic() - min(behind) if behind else 0.0)
+        producer.flush(timeout=20)
+        lags.sort()
+        median, worst = lags[len(lags) // 2], lags[-1]
+        print(f"other keys behind while one was paused: median {median:.2f}s, worst {worst:.2f}s")
+        # A bucket stalled behind its paused key would fall behind by the whole 20 s; a few
+        # batches' worth is a loaded machine's Spark (the latency itself is bench.hot_key's).
+        assert worst < 8.0, lags[-10:]
 
-
-def pause_one_key_under_load(stream: StreamFixture, producer: Producer) -> None:
-    keys = [PAUSED, *OTHERS]
-    sent_at: dict[int, float] = {}
-    n = publish_for(producer, keys, 3.0, 1, sent_at)
-    keyq(stream, "pause", "--stream", stream.name, "--key", PAUSED)
-    frozen = seen(stream, PAUSED, producer)
-    lags: list[float] = []
-    until = time.monotonic() + 20.0
-    while time.monotonic() < until:
-        n = publish_for(producer, keys, 0.5, n, sent_at)
-        assert seen(stream, PAUSED, producer) == frozen, "a paused key's event was applied"
+        resumed_at = time.monotonic()
+        keyq(stream, "resume", "--stream", stream.name, "--key", PAUSED)
+        published = list(range(1, n))
+        wait_until(lambda: seen(stream, PAUSED, producer) == published, 30, "everything, in order")
+        print(f"a paused key caught up {time.monotonic() - resumed_at:.1f}s after resuming")
         for key in OTHERS:
-            applied = seen(stream, key, producer)
-            newest = applied[-1] if applied else 0
-            behind = [sent for m, sent in sent_at.items() if m > newest]
-            lags.append(time.monotonic() - min(behind) if behind else 0.0)
-    producer.flush(timeout=20)
-    lags.sort()
-    median, worst = lags[len(lags) // 2], lags[-1]
-    print(f"other keys behind while one was paused: median {median:.2f}s, worst {worst:.2f}s")
-    # A bucket stalled behind its paused key would fall behind by the whole 20 s; a few
-    # batches' worth is a loaded machine's Spark (the latency itself is bench.hot_key's).
-    assert worst < 8.0, lags[-10:]
-
-    resumed_at = time.monotonic()
-    keyq(stream, "resume", "--stream", stream.name, "--key", PAUSED)
-    published = list(range(1, n))
-    wait_until(lambda: seen(stream, PAUSED, producer) == published, 30, "everything, in order")
-    print(f"a paused key caught up {time.monotonic() - resumed_at:.1f}s after resuming")
-    for key in OTHERS:
-        wait_until(lambda k=key: seen(stream, k, producer) == published, 30, key)
+            wait_until(lambda k=key: seen(stream, k, producer) == published, 30, key)
+    assert worker.terminate() == 0, worker.log()[-3000:]
 
 
 def test_a_paused_stream_applies_nothing_until_resumed_and_republished_ids_apply_once(
     stream: StreamFixture, workers: Any, producer: Producer
 ) -> None:
-    worker = workers(stream.name, pipeline="tests.pipelines:ledger", mode="key")
-    worker.wait_ready()
+    worker = workers(stream.name, pipeline="tests.pipelines:ledger", mode="key").wait_ready()
     keys = ["s-a", "s-b", "s-c"]
     sent_at: dict[int, float] = {}
     n = publish_for(producer, keys, 1.0, 1, sent_at)

@@ -42,8 +42,7 @@ def test_avro_events_fold_into_state_and_a_body_the_decoder_rejects_is_dead_lett
         pipeline="tests.pipelines:avro_deposits",
         mode="key",
         env={"KEYQ_TEST_COLUMNS_FILE": str(columns), "KEYQ_MAX_ATTEMPTS": "1"},
-    )
-    worker.wait_ready()
+    ).wait_ready()
     for n in range(1, 11):
         producer.publish(
             "acct-1", avro(n, 100 * n), content_type=AVRO, headers={"traceparent": f"t-{n}"}
