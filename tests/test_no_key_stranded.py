@@ -1,16 +1,14 @@
 """No key is ever stranded, under a randomized schedule of what operators and faults do.
 
-Keys are published while poison events park some of them and an operator pauses others; a
-worker is killed -9 half way through publishing; a janitor with a one-second idle ttl reclaims
-queues all along. Then the pipeline is fixed and each parked key redriven (two redrives of one
-key at once, one redrive killed -9 and run again, a worker killed -9 meanwhile), and the paused
-keys are resumed while every worker restarts. Every key must end with its events applied
-exactly once, in order, and nothing left aside, parked or dead-lettered.
+Poison events park some keys, an operator pauses others, a worker is killed -9 half way through
+publishing, and a janitor with a one-second idle ttl reclaims queues all along. Then the pipeline
+is fixed and each parked key redriven (two redrives of one key at once, one killed -9 and run
+again, a worker killed -9 meanwhile), and the paused keys resumed while every worker restarts.
+Every key must end with its events applied exactly once, in order, nothing left aside, parked or
+dead-lettered. Each seed draws its own keys, poison positions, pause and kill moments.
 
-Each seed draws its own keys, poison positions, pause and kill moments. The suite runs one
-seed of each mode, and each queue type with at least one of them; ``KEYQ_TEST_STRANDING_MATRIX=all``
-runs every mode with every queue type, ``KEYQ_TEST_SEEDS`` (e.g. ``1,2,3,4,5``) more seeds, and
-``KEYQ_TEST_STRANDING_SCALE`` (keys x events) a larger scale.
+``KEYQ_TEST_STRANDING_MATRIX=all`` runs every mode with every queue type, ``KEYQ_TEST_SEEDS``
+(e.g. ``1,2,3``) more seeds, ``KEYQ_TEST_STRANDING_SCALE`` (keys x events) a larger scale.
 """
 
 from __future__ import annotations
@@ -58,32 +56,20 @@ def _cases() -> list[Any]:
 
 
 class Scenario:
-    """The stream, its workers and janitor, and what was published."""
+    """The stream, its workers, and what was published."""
 
-    def __init__(
-        self, stream: StreamFixture, workers: Any, tmp_path: Path, mode: str, seed: int
-    ) -> None:
-        self.stream = stream
+    def __init__(self, stream: StreamFixture, workers: Any, tmp: Path, mode: str, seed: int):
+        self.stream, self._start, self.mode = stream, workers, mode
         self.rng = random.Random(seed)
-        self.mode = mode
-        self.fixed = tmp_path / "pipeline-fixed"
-        self._start = workers
-        self.env = {
-            "KEYQ_TEST_FIXED_MARKER": str(self.fixed),
-            "KEYQ_MAX_ATTEMPTS": "2",
-            "KEYQ_BATCH_MAX_EVENTS": "50",
-            "KEYQ_IDLE_RELEASE_MS": "1000",
-        }
+        self.fixed = tmp / "pipeline-fixed"
+        self.env = {"KEYQ_TEST_FIXED_MARKER": str(self.fixed), "KEYQ_MAX_ATTEMPTS": "2"}
+        self.env |= {"KEYQ_BATCH_MAX_EVENTS": "50", "KEYQ_IDLE_RELEASE_MS": "1000"}
         self.running: list[Any] = []
 
     def worker(self) -> Any:
-        buckets = None if self.mode == "key" else 4
+        shape = {"mode": self.mode, "buckets": None if self.mode == "key" else 4, "env": self.env}
         started = self._start(
-            self.stream.name,
-            pipeline="tests.pipelines:ledger_until_fixed",
-            mode=self.mode,
-            buckets=buckets,
-            env=self.env,
+            self.stream.name, pipeline="tests.pipelines:ledger_until_fixed", **shape
         )
         self.running.append(started)
         return started
@@ -103,15 +89,10 @@ class Scenario:
         return done.stdout
 
     def redrive(self, key: str) -> subprocess.Popen[str]:
-        command = [sys.executable, "-m", "keyq", "dlq", "redrive"]
-        return subprocess.Popen(
-            [*command, "--stream", self.stream.name, "--key", key, "--wait", "120"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=keyq_environment(self.stream.settings),
-            cwd=REPO,
-        )
+        command = [sys.executable, "-m", "keyq", "dlq", "redrive", "--stream", self.stream.name]
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "cwd": REPO}
+        env = keyq_environment(self.stream.settings)
+        return subprocess.Popen([*command, "--key", key, "--wait", "120"], env=env, **pipes)
 
 
 def finished(process: subprocess.Popen[str]) -> bool:
@@ -152,13 +133,9 @@ def test_no_key_is_stranded_under_park_pause_redrive_and_kills(
     run.worker().wait_ready()
     run.worker()
     run.keyq("stream", "set", "--poison-policy", "park")
+    stranded_after = {"KEYQ_STRANDED_AFTER_S": "5"}
     janitor = idle_janitor(
-        stream.settings,
-        tmp_path,
-        stream.name,
-        idle_ttl_s=1,
-        every_s=0.5,
-        env={"KEYQ_STRANDED_AFTER_S": "5"},
+        stream.settings, tmp_path, stream.name, idle_ttl_s=1, every_s=0.5, env=stranded_after
     )
     store = StateStore(stream.redis, stream.name)
     control = KeyControl(stream.redis, stream.name)
@@ -215,13 +192,9 @@ def test_no_key_is_stranded_under_park_pause_redrive_and_kills(
         try:
             wait_until(lambda: not stuck(), 240, "every key applied 1..N once, in order")
         except AssertionError:
-            for key in keys:
-                if seen(key) != everything:
-                    print(
-                        run_keyq(
-                            stream.settings, "inspect", "--stream", stream.name, "--key", key
-                        ).stdout
-                    )
+            for key in (key for key in keys if seen(key) != everything):
+                inspect = ("inspect", "--stream", stream.name, "--key", key)
+                print(run_keyq(stream.settings, *inspect).stdout)
             raise AssertionError(f"seed {seed}: keys not applied 1..N: {stuck()}") from None
         for key in keys:
             assert seen(key) == everything, (key, seen(key))
@@ -236,4 +209,3 @@ def test_no_key_is_stranded_under_park_pause_redrive_and_kills(
         producer.close(timeout=10)
         janitor.terminate()
         janitor.close()
-        run.kill_all()
