@@ -234,14 +234,14 @@ def test_own_queues_switches_and_demotion_under_two_workers(
     key are still in the bucket: with nobody holding the bucket the switch is put off and the
     events go to the bucket; once they have been forwarded the producer switches.
 
-    peer: a promoted key's own queue is held by the worker that does not hold its bucket, so
-    the key's events never share a batch with its bucket-mates (one key per bucket, so both
-    workers' buckets are tried).
-
     follow: once a producer has read a key's route, the key's events go straight to its own
     queue: its bucket's holder forwards only what came before. When the janitor retires the
     idle own queue, events that wait for its lease go to the bucket instead (the lease needs
-    the route). Every event of every key is applied once, in order."""
+    the route).
+
+    peer: a promoted key's own queue is held by the worker that does not hold its bucket, so
+    the key's events never share a batch with its bucket-mates (one key per bucket, so both
+    workers' buckets are tried). Every event of every key is applied once, in order."""
     run = moves(QUIET)
     late, late_producer = "late-1", run.producer()
     publish(late_producer, [late], 1, 20, 0.0)
