@@ -110,7 +110,7 @@ def letters_shown(page: str, stream: str) -> int:
 
 
 @pytest.fixture
-def open_console(stream: StreamFixture) -> Iterator[Console]:
+def ui(stream: StreamFixture) -> Iterator[Console]:
     with console(Access(), stream) as made:
         yield made
 
@@ -269,7 +269,7 @@ def test_a_read_only_console_shows_no_form_and_refuses_changes(
 
 
 def test_a_hostile_key_reason_and_payload_are_shown_escaped(
-    open_console: Console, stream: StreamFixture, amqp: Any
+    ui: Console, stream: StreamFixture, amqp: Any
 ) -> None:
     control = KeyControl(stream.redis, stream.name)
     hostile = ParkedKey(at_ms=1, reason="<img src=x onerror=alert(2)>", producer="<b>", seq=3)
@@ -277,7 +277,7 @@ def test_a_hostile_key_reason_and_payload_are_shown_escaped(
     control.pause([EVIL])
     state = orjson.dumps({"<script>": "</pre><script>"}).decode()
     stream.redis.hset(stream.keys.state, EVIL, state)
-    client = open_console.client
+    client = ui.client
     fragment = client.get("/fragments/overview")
     assert fragment.status_code == 200
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in fragment.text
@@ -308,21 +308,21 @@ def test_a_hostile_key_reason_and_payload_are_shown_escaped(
     assert "&lt;script&gt;alert(3)&lt;/script&gt;" in listing.text  # the preview
 
 
-def test_pause_and_resume_a_key_from_its_page(open_console: Console, stream: StreamFixture) -> None:
+def test_pause_and_resume_a_key_from_its_page(ui: Console, stream: StreamFixture) -> None:
     control = KeyControl(stream.redis, stream.name)
     page = f"/streams/{stream.name}/key?key=a"
-    path, query = outcome(open_console.press(page, "pause"))
+    path, query = outcome(ui.press(page, "pause"))
     assert path == f"/streams/{stream.name}/key" and query["key"] == ["a"]
     assert query["done"] == ["paused a"]
     assert set(control.paused()) == {"a"}
-    back = open_console.client.get(f"{path}?key=a&done=paused+a")
+    back = ui.client.get(f"{path}?key=a&done=paused+a")
     assert 'data-field="paused"' in back.text and "paused a" in back.text
     # the next form returns to the page, not to the last action's outcome
     assert form_fields(back.text, stream.name, "resume")["next"] == page
-    path, query = outcome(open_console.press(page, "resume"))
+    path, query = outcome(ui.press(page, "resume"))
     assert query["done"] == ["resumed a"]
     assert control.paused() == {}
-    path, query = outcome(open_console.post("resume", key="a"))
+    path, query = outcome(ui.post("resume", key="a"))
     assert query["done"] == ["a was not paused"]
     entries = audited(stream)
     assert [(e["who"], e["action"], e["target"], e["outcome"]) for e in entries] == [
@@ -331,56 +331,54 @@ def test_pause_and_resume_a_key_from_its_page(open_console: Console, stream: Str
         ("local", "resume", "a", "a was not paused"),
     ]
     assert all(e["address"] for e in entries)
-    audit_page = open_console.client.get("/audit").text
+    audit_page = ui.client.get("/audit").text
     assert f"<td>{stream.name}</td>" in audit_page and "resumed a" in audit_page
     # next never leads off the console
     offsite = ("//evil.example/x", "https://evil.example", "/\\evil.example", "javascript:alert(1)")
     for away in (*offsite, ""):
-        path, _query = outcome(open_console.post("pause", key="a", next=away))
+        path, _query = outcome(ui.post("pause", key="a", next=away))
         assert path == f"/streams/{stream.name}", away
-    path, _query = outcome(open_console.post("pause", key="a", next="/audit"))
+    path, _query = outcome(ui.post("pause", key="a", next="/audit"))
     assert path == "/audit"
 
 
 def test_the_policy_form_sets_the_streams_policy_and_refuses_bad_values(
-    open_console: Console, stream: StreamFixture
+    ui: Console, stream: StreamFixture
 ) -> None:
     policies = StreamPolicies(stream.redis, stream.name)
     page = f"/streams/{stream.name}"
-    shown = open_console.client.get(page).text
+    shown = ui.client.get(page).text
     assert 'data-field="poison_policy">skip<' in shown
     # the stream page's own form, as a browser submits it, with the operator's values
     form = form_fields(shown, stream.name, "policy")
     form |= {"poison_policy": "park", "rate_limit": "2.5", "dedupe_window": "3600"}
-    path, query = outcome(open_console.submit("policy", form))
+    path, query = outcome(ui.submit("policy", form))
     assert path == page
     assert query["done"] == ["poison policy park, rate limit 2.5/s, dedupe window 3600 s"]
     wanted = StreamPolicy(poison_policy="park", rate_limit=2.5, dedupe_window_s=3600)
     assert policies.load() == wanted
-    shown = open_console.client.get(page).text
+    shown = ui.client.get(page).text
     assert 'data-field="rate_limit">2.5/s<' in shown
     bad = [{"rate_limit": limit} for limit in ("abc", "-1", "nan")]
     bad += [{"dedupe_window": "10"}, {"dedupe_window": "1.5"}, {"poison_policy": "explode"}]
     for fields in bad:
         sent = {"poison_policy": "skip", "rate_limit": "", "dedupe_window": "7200"} | fields
-        path, query = outcome(open_console.post("policy", **sent))
+        path, query = outcome(ui.post("policy", **sent))
         assert "failed" in query and "done" not in query, fields
         assert policies.load() == wanted, fields
     entries = audited(stream)
     assert [e["action"] for e in entries] == ["policy"] * (1 + len(bad))
     assert all(e["outcome"].startswith("InvalidInput") for e in entries[1:])
-    path, query = outcome(open_console.post("policy", poison_policy="skip", rate_limit=""))
+    path, query = outcome(ui.post("policy", poison_policy="skip", rate_limit=""))
     assert policies.load() == StreamPolicy(dedupe_window_s=3600)  # an empty limit lifts it
 
 
-def test_dead_letters_are_paged_and_filtered(
-    open_console: Console, stream: StreamFixture, amqp: Any
-) -> None:
+def test_dead_letters_are_paged_and_filtered(ui: Console, stream: StreamFixture, amqp: Any) -> None:
     # 120 letters, 30 of each of keys k0-k3: the first 80 poison, the last 40 timeouts
     deliveries = letters_for(stream.name, [(f"k{n % 4}", n // 4 + 1) for n in range(120)])
     dead_letter(amqp, stream.name, deliveries[:80], reason="poison: bad payload")
     dead_letter(amqp, stream.name, deliveries[80:], reason="timeout: too slow")
-    client, base = open_console.client, f"/streams/{stream.name}/dead-letters"
+    client, base = ui.client, f"/streams/{stream.name}/dead-letters"
     for page, rows in ((0, 50), (1, 50), (2, 20), (3, 0)):
         answer = client.get(base, params={"page": page})
         assert answer.status_code == 200
@@ -404,7 +402,7 @@ def test_dead_letters_are_paged_and_filtered(
 
 
 def test_a_letters_page_draws_its_payload_and_drops_and_redrives_it(
-    open_console: Console, stream: StreamFixture, amqp: Any
+    ui: Console, stream: StreamFixture, amqp: Any
 ) -> None:
     # keys a and b poison, c two timeouts, and one binary letter of key d
     dead_letter(amqp, stream.name, letters_for(stream.name, [("a", 1), ("a", 2), ("b", 1)]))
@@ -412,7 +410,7 @@ def test_a_letters_page_draws_its_payload_and_drops_and_redrives_it(
     dead_letter(amqp, stream.name, timeouts, reason="timeout: slow")
     binary = b"\x00\x01\xff\xfe<script>alert(5)</script>" + bytes(range(8))
     dead_letter(amqp, stream.name, [keyq_delivery(f"keyq.{stream.name}.k.d", "d", "p2", 1, binary)])
-    client, base = open_console.client, f"/streams/{stream.name}/dead-letters/letter"
+    client, base = ui.client, f"/streams/{stream.name}/dead-letters/letter"
     shown = client.get(base, params={"id": "p1:2", "key": "a"})
     assert shown.status_code == 200
     [pre] = re.findall(r'<pre class="payload json">(.*?)</pre>', shown.text, re.DOTALL)
@@ -439,7 +437,7 @@ def test_a_letters_page_draws_its_payload_and_drops_and_redrives_it(
     dlq = dead_letter_queue_name(stream.name)
     page = f"/streams/{stream.name}/dead-letters/letter?id=p1:2&key=a"
 
-    path, query = outcome(open_console.press(page, "drop-letter"))
+    path, query = outcome(ui.press(page, "drop-letter"))
     assert query["done"] == ["dropped 1 copies of letter p1:2 for good"]
     assert [row["key"] for row in index.by_id("p1:2")] == ["c"] and index.counts() == (5, 5)
     left = [(h[HEADER_KEY], h[HEADER_SEQ]) for h, _b in peek_all(amqp, dlq)]
@@ -448,12 +446,12 @@ def test_a_letters_page_draws_its_payload_and_drops_and_redrives_it(
     # an edited payload that is not JSON (the letter is JSON) changes nothing
     of_p1_1 = page.replace("p1:2", "p1:1")
     edit = (of_p1_1, "redrive-letter", "edit-redrive")
-    path, query = outcome(open_console.press(*edit, payload="{nope"))
+    path, query = outcome(ui.press(*edit, payload="{nope"))
     assert "failed" in query and "JSON" in query["failed"][0]
     assert queue_depth(amqp, dlq) == 5 and control.keys_aside() == {}
 
     fixed = '{"k": "a", "s": 1, "fixed": true}\r\n'
-    path, query = outcome(open_console.press(*edit, payload=fixed))
+    path, query = outcome(ui.press(*edit, payload=fixed))
     assert path == f"/streams/{stream.name}/key" and query["key"] == ["a"]
     assert query["done"] == ["put back letter p1:1 to a with the edited payload"]
     [redriven] = control.status("a").aside
@@ -463,13 +461,13 @@ def test_a_letters_page_draws_its_payload_and_drops_and_redrives_it(
     assert [row["key"] for row in index.by_id("p1:1")] == ["b", "c"]
     assert queue_depth(amqp, dlq) == 4
 
-    path, query = outcome(open_console.post("redrive-reason", reason="timeout"))
+    path, query = outcome(ui.post("redrive-reason", reason="timeout"))
     assert query["done"] == ["put back 2 dead letters of 1 keys"]
     [to_c] = control.status("c").aside
     put_back = [orjson.loads(b) for _h, b in peek_all(amqp, to_c)]
     assert put_back == [{"k": "c", "s": 1}, {"k": "c", "s": 2}]
     assert index.counts() == (2, 2) and queue_depth(amqp, dlq) == 2
-    path, query = outcome(open_console.post("redrive-reason", reason="timeout"))
+    path, query = outcome(ui.post("redrive-reason", reason="timeout"))
     assert query["failed"][0].startswith("NothingToRedrive: no dead letters to put back")
     assert index.counts() == (2, 2) and queue_depth(amqp, dlq) == 2
 
@@ -483,14 +481,14 @@ def test_a_letters_page_draws_its_payload_and_drops_and_redrives_it(
     ]
 
 
-def test_a_prefix_search_lists_the_keys_known(open_console: Console, stream: StreamFixture) -> None:
+def test_a_prefix_search_lists_the_keys_known(ui: Console, stream: StreamFixture) -> None:
     for key in ("pre-a", "pre-b", "other"):
         stream.redis.hset(stream.keys.state, key, orjson.dumps({"total": 1}).decode())
     control = KeyControl(stream.redis, stream.name)
     control.pause(["pre-c", "also-other"])
     control.park("pre-d", ParkedKey(at_ms=1, reason="poison", producer="p1", seq=1))
     stream.redis.hset(stream.keys.queue_keys, f"keyq.{stream.name}.k.pre-e", "pre-e")
-    client, base = open_console.client, f"/streams/{stream.name}/key"
+    client, base = ui.client, f"/streams/{stream.name}/key"
 
     def found(prefix: str) -> list[str]:
         answer = client.get(base, params={"key": prefix, "prefix": "1"})
@@ -504,10 +502,8 @@ def test_a_prefix_search_lists_the_keys_known(open_console: Console, stream: Str
     assert 'data-field="state"' in picture and "&#34;total&#34;: 1" in picture
 
 
-def test_unknown_streams_streams_not_given_and_bad_keys(
-    open_console: Console, stream: StreamFixture
-) -> None:
-    client = open_console.client
+def test_unknown_streams_streams_not_given_and_bad_keys(ui: Console, stream: StreamFixture) -> None:
+    client = ui.client
     unknown = f"t-nothing-{uuid.uuid4().hex[:8]}"
     for page in (
         f"/streams/{unknown}",
@@ -524,26 +520,26 @@ def test_unknown_streams_streams_not_given_and_bad_keys(
     bad_key = client.get(f"/streams/{stream.name}/dead-letters", params={"key": "x" * 5000})
     assert bad_key.status_code == 400 and "page must be a number" not in bad_key.text
     assert client.get("/streams/bad.name").status_code == 400
-    path, query = outcome(open_console.post("pause", key=""))
+    path, query = outcome(ui.post("pause", key=""))
     assert "failed" in query
-    path, query = outcome(open_console.post("pause", key="x" * 5000))
+    path, query = outcome(ui.post("pause", key="x" * 5000))
     assert "failed" in query
     assert path == f"/streams/{stream.name}"
     # an action on a stream that does not exist fails on the page, changing nothing
-    gone = Console(client, open_console.access, unknown)
+    gone = Console(client, ui.access, unknown)
     path, query = outcome(gone.post("pause", key="a"))
     assert "failed" in query and "does not exist" in query["failed"][0]
     # a stream that exists but was not given to the console is not served either
     other = f"{stream.name}-other"
     for path in (f"/streams/{other}", f"/streams/{other}/key?key=a"):
         assert client.get(path).status_code == 404, path
-    _path, query = outcome(Console(client, open_console.access, other).post("pause", key="a"))
+    _path, query = outcome(Console(client, ui.access, other).post("pause", key="a"))
     assert "failed" in query
     assert not stream.redis.exists(StreamKeys(other).paused_keys)
 
 
-def test_other_sites_may_link_to_a_page_but_not_load_it(open_console: Console) -> None:
-    client, page = open_console.client, f"/streams/{open_console.stream}"
+def test_other_sites_may_link_to_a_page_but_not_load_it(ui: Console) -> None:
+    client, page = ui.client, f"/streams/{ui.stream}"
     linked = {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate"}
     assert client.get(page, headers=linked).status_code == 200
     for mode in ("no-cors", "cors"):  # an <img>, a script, a fetch from another site's page
