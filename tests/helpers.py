@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import pika.exceptions
@@ -142,3 +142,22 @@ def poll_until(
 def plain_delivery(queue: str, tag: int, epoch: int = 1) -> Delivery:
     """A delivery of consumer ``epoch`` of ``queue`` with no headers, for buffer units."""
     return Delivery(queue, epoch, tag, False, {}, None, None, b"{}")
+
+
+Item = TypeVar("Item")
+
+
+def as_applied(items: list[Item], seq: Callable[[Item], int]) -> tuple[list[Item], int]:
+    """One key's events in queue order as a worker applies them: each past the last seq kept.
+    The others are copies a producer sent again (a confirm that came late, a connection lost
+    on a loaded machine); returns what is kept and how many copies were dropped."""
+    kept: list[Item] = []
+    for item in items:
+        if not kept or seq(item) > seq(kept[-1]):
+            kept.append(item)
+    return kept, len(items) - len(kept)
+
+
+def sent_again(stats: Mapping[str, int]) -> int:
+    """How many events a producer's stats say it published more than once."""
+    return stats["late_confirms"] + stats["returned"] + stats["resent"]

@@ -13,7 +13,7 @@ from keyq import Producer
 from keyq.broker.envelope import HEADER_PUBLISHED_AT, HEADER_STREAM
 from keyq.broker.naming import key_queue_name
 from tests.conftest import StreamFixture
-from tests.helpers import Landed, drain
+from tests.helpers import Landed, as_applied, drain, sent_again
 
 
 def _check_order(landed: list[Landed], published: dict[str, list[int]]) -> None:
@@ -21,6 +21,10 @@ def _check_order(landed: list[Landed], published: dict[str, list[int]]) -> None:
     for message in landed:
         by_key[message.key].append(message.json()["n"])
     assert by_key == published
+
+
+def _seq(message: Landed) -> int:
+    return message.seq
 
 
 def test_key_mode_order_envelope_and_bytes_events(
@@ -42,12 +46,15 @@ def test_key_mode_order_envelope_and_bytes_events(
     producer_id = producer.producer_id
     channel = amqp.channel()
     landed: list[Landed] = []
+    copies = 0
     for key in keys:
-        messages = drain(channel, key_queue_name(stream.name, key))
+        messages, again = as_applied(drain(channel, key_queue_name(stream.name, key)), _seq)
         assert [m.seq for m in messages] == list(range(1, len(published[key]) + 1))
         assert all(m.key == key and m.producer == producer_id for m in messages)
         landed.extend(messages)
+        copies += again
     _check_order(landed, published)
+    assert copies <= sent_again(producer.stats), f"{copies} copies, {producer.stats}"
     sample = landed[0]
     assert sample.content_type == "application/json"
     assert sample.headers[HEADER_STREAM] == stream.name
@@ -81,8 +88,12 @@ def test_many_threads_keep_each_keys_order(
             thread.start()
         for thread in threads:
             thread.join()
+        stats = dict(producer.stats)
     channel = amqp.channel()
+    copies = 0
     for key, expected in published.items():
-        messages = drain(channel, key_queue_name(stream.name, key))
+        messages, again = as_applied(drain(channel, key_queue_name(stream.name, key)), _seq)
         assert [m.json()["n"] * 10 + m.json()["t"] for m in messages] == expected
         assert [m.seq for m in messages] == list(range(1, len(expected) + 1))
+        copies += again
+    assert copies <= sent_again(stats), f"{copies} copies, {stats}"
