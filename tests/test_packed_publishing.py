@@ -16,7 +16,7 @@ from keyq.broker.hashing import bucket_of
 from keyq.broker.naming import bucket_queue_name, key_queue_name
 from keyq.broker.packs import HEADER_PACK, PackedEvent, decode_pack, is_pack
 from tests.conftest import StreamFixture
-from tests.helpers import sent_again
+from tests.helpers import as_applied, sent_again
 
 
 def _messages(channel: BlockingChannel, queue: str) -> list[list[PackedEvent]]:
@@ -47,17 +47,19 @@ def test_a_burst_leaves_in_packs_and_lands_whole_in_order(
             key = keys[n % len(keys)]
             receipts.append(producer.publish(key, {"n": n}, headers={"trace": f"t{n}"}))
         producer.flush(30)
-        stats = producer.stats
+        stats = dict(producer.stats)
         producer_id = producer.producer_id
     assert all(receipt.published for receipt in receipts)
     assert stats["packs"] > 0 and stats["events_in_packs"] > stats["packs"], stats
     channel = amqp.channel()
-    messages = 0
+    messages = copies = 0
     for index, key in enumerate(keys):
         found = _messages(channel, key_queue_name(stream.name, key))
         messages += len(found)
         assert all(len(events) <= 20 for events in found)  # the default bound
-        events = [event for message in found for event in message]
+        landed = [event for message in found for event in message]
+        events, again = as_applied(landed, lambda event: int(event.headers[HEADER_SEQ]))
+        copies += again
         assert [e.headers[HEADER_SEQ] for e in events] == list(range(1, 501))
         assert [e.body for e in events] == [b'{"n":%d}' % n for n in range(index, 4000, 8)]
         assert all(e.headers[HEADER_KEY] == key for e in events)
@@ -68,6 +70,7 @@ def test_a_burst_leaves_in_packs_and_lands_whole_in_order(
             f"{producer_id}:{n + 1}" for n in range(index, 4000, 8)
         ]
     assert messages < 4000 / 2, "a burst of 500 events per key should travel in packs"
+    assert copies <= sent_again(stats), f"{copies} copies, {stats}"
 
 
 def test_bucket_packs_carry_each_event_with_its_own_key_and_payload(
