@@ -137,11 +137,10 @@ def ack(tag: int, *, multiple: bool = False, nack: bool = False) -> Any:
     return SimpleNamespace(method=kind(delivery_tag=tag, multiple=multiple))
 
 
-@pytest.fixture
-def harness() -> Harness:
-    """A link that sends each event as a message of its own."""
+def make_harness(**overrides: Any) -> Harness:
+    """A link on the fake loop, connection and channel; settings as given over the defaults."""
     settings = load_settings(
-        confirm_window=100, confirm_timeout=15.0, publish_lease_ms=2000, pack_max_events=1
+        **{"confirm_window": 100, "confirm_timeout": 15.0, "publish_lease_ms": 2000, **overrides}
     )
     asked: list[str] = []
     new_queues: list[dict[str, str | None]] = []
@@ -158,6 +157,12 @@ def harness() -> Harness:
     link.ctx.connection = connection  # type: ignore[assignment]
     link.ctx.channel = channel
     return Harness(link, loop, connection, channel, asked, new_queues)
+
+
+@pytest.fixture
+def harness() -> Harness:
+    """A link that sends each event as a message of its own."""
+    return make_harness(pack_max_events=1)
 
 
 def test_events_wait_for_a_lease_then_go_in_order_and_settle(harness: Harness) -> None:

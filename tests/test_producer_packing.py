@@ -12,36 +12,14 @@ import pytest
 
 from keyq.broker.envelope import HEADER_KEY, HEADER_PUBLISHED_AT, HEADER_SEQ
 from keyq.broker.packs import HEADER_PACK, decode_pack, is_pack
-from keyq.broker.settings import load_settings
 from keyq.producer.confirmation import Confirmation
-from keyq.producer.link import PublisherLink
 from keyq.producer.outgoing import Outgoing
-from tests.test_producer_io_parts import FakeChannel, FakeConnection, FakeLoop, Harness, ack
+from tests.test_producer_io_parts import Harness, ack, make_harness
 
 
 def packing(**overrides: Any) -> Harness:
     """The I/O parts' harness (tests/test_producer_io_parts.py) with packing on."""
-    settings = load_settings(
-        confirm_window=100,
-        confirm_timeout=15.0,
-        publish_lease_ms=2000,
-        **{"pack_max_events": 5, **overrides},
-    )
-    asked: list[str] = []
-    new_queues: list[dict[str, str | None]] = []
-    link = PublisherLink(
-        settings,
-        "s",
-        ("s.dead", "classic"),
-        on_new_queues=new_queues.append,
-        request_lease=lambda queue, _key: asked.append(queue),
-    )
-    link.ctx.ioloop.close()
-    loop, connection, channel = FakeLoop(), FakeConnection(), FakeChannel()
-    link.ctx.ioloop = loop  # type: ignore[assignment]
-    link.ctx.connection = connection  # type: ignore[assignment]
-    link.ctx.channel = channel
-    return Harness(link, loop, connection, channel, asked, new_queues)
+    return make_harness(**{"pack_max_events": 5, **overrides})
 
 
 def run(harness: Harness) -> None:
